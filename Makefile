@@ -1,0 +1,26 @@
+# The two set-up commands: `make run` and `make test`. Both create .venv when it is missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# A CPU build of torch: the pin is only applied when the venv has no torch yet.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: run test install install-test clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+run: install
+	$(VENV)/bin/dayzero generate "The quick brown fox" --max-tokens 32
+
+test: install
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,11 @@
+"""Compute ops: one folder per op, each with a ``reference.py`` (pure PyTorch, fp32 accumulation)."""
+from dayzero.ops.registry import call, register, registered, table  # noqa: F401
+
+# Importing the reference modules registers them.
+from dayzero.ops.activation import reference as _activation  # noqa: F401,E402
+from dayzero.ops.attention import reference as _attention  # noqa: F401,E402
+from dayzero.ops.indexer import reference as _indexer  # noqa: F401,E402
+from dayzero.ops.kda import reference as _kda  # noqa: F401,E402
+from dayzero.ops.moe import reference as _moe  # noqa: F401,E402
+from dayzero.ops.norm import reference as _norm  # noqa: F401,E402
+from dayzero.ops.rotary import reference as _rotary  # noqa: F401,E402

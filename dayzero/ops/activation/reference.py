@@ -1,0 +1,1 @@
+"""Reference implementation (pure PyTorch, fp32 accumulation)."""

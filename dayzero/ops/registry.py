@@ -1,0 +1,122 @@
+"""The ops registry: op name -> {platform: implementation}.
+
+Every op has a pure-PyTorch ``reference`` implementation that runs on any device with fp32
+accumulation. A platform (``cpu``, ``cuda``, ...) may register faster implementations with a
+verifier that can refuse a call's shapes and say why; the refusal falls back to the reference.
+The choice for each (op, platform) is logged once. ``DAYZERO_OPS="kda=reference,attention=cuda"``
+(or :func:`override`) forces a choice.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+log = logging.getLogger("dayzero.ops")
+
+REFERENCE = "reference"
+
+
+@dataclass
+class Impl:
+    fn: Callable
+    # verifier(*args, **kwargs) -> None when the impl can run this call, else a reason string
+    verifier: Callable[..., str | None] | None = None
+    note: str = ""
+
+
+@dataclass
+class OpEntry:
+    name: str
+    impls: dict[str, Impl] = field(default_factory=dict)
+
+
+_OPS: dict[str, OpEntry] = {}
+_OVERRIDES: dict[str, str] = {}
+_LOGGED: set[tuple[str, str]] = set()
+
+
+def register(op: str, platform: str = REFERENCE, verifier=None, note: str = ""):
+    """Decorator: ``@register("kda_chunk")`` for the reference, ``@register("kda_chunk", "cuda")`` else."""
+
+    def deco(fn):
+        _OPS.setdefault(op, OpEntry(op)).impls[platform] = Impl(fn, verifier, note)
+        return fn
+
+    return deco
+
+
+def _env_overrides() -> dict[str, str]:
+    spec = os.environ.get("DAYZERO_OPS", "")
+    out = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        op, _, plat = item.partition("=")
+        out[op.strip()] = plat.strip()
+    return out
+
+
+def override(op: str, platform: str | None) -> None:
+    """Force ``op`` to ``platform`` (None removes the override)."""
+    if platform is None:
+        _OVERRIDES.pop(op, None)
+    else:
+        _OVERRIDES[op] = platform
+
+
+def platform_of(device: torch.device | str) -> str:
+    return torch.device(device).type
+
+
+def choose(op: str, platform: str, *args, **kwargs) -> tuple[str, Impl, str | None]:
+    """Pick the implementation of ``op`` for ``platform``; returns (platform chosen, impl, why not faster)."""
+    entry = _OPS.get(op)
+    if entry is None:
+        raise KeyError(f"unknown op {op!r}; registered ops: {sorted(_OPS)}")
+    forced = _OVERRIDES.get(op) or _env_overrides().get(op)
+    if forced is not None:
+        if forced not in entry.impls:
+            raise KeyError(f"op {op!r} has no {forced!r} implementation; it has {sorted(entry.impls)}")
+        return forced, entry.impls[forced], "forced"
+    impl = entry.impls.get(platform)
+    reason = None if impl is not None else f"no {platform} implementation"
+    if impl is not None and impl.verifier is not None:
+        reason = impl.verifier(*args, **kwargs)
+    if impl is not None and reason is None:
+        return platform, impl, None
+    return REFERENCE, entry.impls[REFERENCE], reason
+
+
+def call(op: str, *args, device: torch.device | str | None = None, **kwargs):
+    """Run ``op`` with the implementation for ``device`` (taken from the first tensor argument if None)."""
+    if device is None:
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+    plat = platform_of(device)
+    chosen, impl, reason = choose(op, plat, *args, **kwargs)
+    key = (op, plat)
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        log.info("op %s on %s: %s%s", op, plat, chosen, f" ({reason})" if reason else "")
+    return impl.fn(*args, **kwargs)
+
+
+def table(platform: str) -> list[dict]:
+    """Rows for ``dayzero ops``: op, implementation chosen on ``platform`` (without shape checks), reason."""
+    rows = []
+    for name in sorted(_OPS):
+        entry = _OPS[name]
+        impl = entry.impls.get(platform)
+        rows.append({
+            "op": name,
+            "platform": platform,
+            "implementation": platform if impl is not None else REFERENCE,
+            "available": sorted(entry.impls),
+            "note": "" if impl is not None else f"no {platform} implementation, uses the reference",
+        })
+    return rows
+
+
+def registered() -> dict[str, OpEntry]:
+    return dict(_OPS)
