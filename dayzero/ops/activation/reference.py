@@ -1,1 +1,28 @@
-"""Reference implementation (pure PyTorch, fp32 accumulation)."""
+"""Reference activations (pure PyTorch, fp32 math, result in the input's dtype).
+
+The MLP and MoE references call these helpers, so a dense MLP and an expert compute the same
+activation bit for bit.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dayzero.ops.registry import register
+
+
+@register("silu_and_mul")
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU: ``SiLU(gate) * up`` where ``x = [gate | up]`` along the last dim."""
+    # x: [..., 2I] -> [..., I]
+    if x.shape[-1] % 2:
+        raise ValueError(f"silu_and_mul needs an even last dim [gate | up], got {tuple(x.shape)}")
+    gate, up = x.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(x.dtype)
+
+
+@register("relu2")
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    """Squared ReLU ``ReLU(x)^2`` (Nemotron-H experts, non-gated)."""
+    # x: [..., I] -> [..., I]
+    return torch.relu(x.float()).square().to(x.dtype)

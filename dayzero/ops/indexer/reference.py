@@ -1,1 +1,74 @@
-"""Reference implementation (pure PyTorch, fp32 accumulation)."""
+"""DSA lightning indexer (DeepSeek-V3.2): per-query scores over the sequence's keys and causal top-k.
+
+    I[t, s] = sum_h weights[t, h] * ReLU(q[t, h] . k[s])      for s <= q_pos[t], else -inf
+
+q already carries the indexer RoPE and ``weights`` already carries every scale factor
+(weights_proj output * Hi^-1/2 * Di^-1/2 and, in FP8 mode, the query's quantisation scale).
+This is the engine's high-precision path: plain fp32, no quantisation. The FP8 path (Hadamard
+rotation of q and k, then e4m3 quantisation per 128 values with ue8m0 scales, the key scale
+multiplied into the score) is a later precision mode.
+"""
+from __future__ import annotations
+
+import torch
+
+from dayzero.ops.attention.reference import key_range, q_block_rows
+from dayzero.ops.registry import register
+
+
+def _block_scores(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    # q: [B, Hi, Di]; weights: [B, Hi]; k: [Sb, Di] (keys 0..Sb-1); pos: [B] -> masked scores [B, Sb] fp32
+    logits = torch.einsum("bhd,sd->bhs", q.float(), k.float()).relu_()
+    scores = torch.einsum("bhs,bh->bs", logits, weights.float())
+    future = torch.arange(k.shape[0], device=k.device) > pos[:, None]
+    return scores.masked_fill_(future, float("-inf"))
+
+
+@register("indexer_scores")
+def indexer_scores(
+    q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, *, q_block: int | None = None
+) -> torch.Tensor:
+    """The full masked fp32 score matrix [Tq, S] (for tests and tools; the engine uses indexer_topk)."""
+    Tq, Hi, _ = q.shape
+    S = k.shape[0]
+    out = torch.full((Tq, S), float("-inf"), dtype=torch.float32, device=q.device)
+    rows = q_block_rows(Hi, S, q_block)
+    for t0 in range(0, Tq, rows):
+        t1 = min(Tq, t0 + rows)
+        out[t0:t1] = _block_scores(q[t0:t1], weights[t0:t1], k, q_pos[t0:t1])
+    return out
+
+
+@register("indexer_topk")
+def indexer_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    k: torch.Tensor,
+    q_pos: torch.Tensor,
+    topk: int,
+    *,
+    q_block: int | None = None,
+) -> torch.Tensor:
+    """Indices [Tq, topk] int64 of each query's top min(topk, q_pos+1) causal keys (any order), -1 padded."""
+    # q: [Tq, Hi, Di]; weights: [Tq, Hi]; k: [S, Di]; q_pos: [Tq] int64
+    Tq, Hi, _ = q.shape
+    S = k.shape[0]
+    out = torch.full((Tq, topk), -1, dtype=torch.int64, device=q.device)
+    if Tq == 0 or S == 0 or topk == 0:
+        return out
+    pos_host = q_pos.cpu()  # one sync per call, to cut each block's keys at its last position
+    rows = q_block_rows(Hi, S, q_block)
+    for t0 in range(0, Tq, rows):
+        t1 = min(Tq, t0 + rows)
+        _, hi = key_range(pos_host[t0:t1], S, None)
+        if hi == 0:
+            continue
+        pos = q_pos[t0:t1]
+        scores = _block_scores(q[t0:t1], weights[t0:t1], k[:hi], pos)  # [B, hi]
+        kk = min(topk, hi)
+        # sorted=True puts the finite (causal) scores first, so slot j is a real key iff j < q_pos+1
+        _, idx = torch.topk(scores, kk, dim=-1, sorted=True)
+        n_valid = (pos + 1).clamp(0, hi)[:, None]
+        slot = torch.arange(kk, device=q.device)
+        out[t0:t1, :kk] = torch.where(slot < n_valid, idx, torch.full_like(idx, -1))
+    return out

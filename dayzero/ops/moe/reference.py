@@ -1,1 +1,137 @@
-"""Reference implementation (pure PyTorch, fp32 accumulation)."""
+"""Reference MoE ops: router top-k, sorted grouped experts, and the dense MLP they share math with.
+
+ARCHITECTURE section 3. Everything is computed in fp32; expert and MLP outputs come back in the
+input's dtype, routing weights stay fp32.
+"""
+from __future__ import annotations
+
+import torch
+
+from dayzero.ops.activation.reference import relu2, silu_and_mul
+from dayzero.ops.registry import register
+
+# activation name -> (function on the w1 output, rows of w1 per intermediate channel)
+_ACTIVATIONS = {
+    "silu": (silu_and_mul, 2),  # w1 = [gate; up], gated
+    "relu2": (relu2, 1),        # w1 = up only (Nemotron-H / LatentMoE experts)
+}
+
+
+def _activation(name: str, w1: torch.Tensor, w2: torch.Tensor):
+    """Look up ``name`` and check that w1 [.., r*I, D] and w2 [.., D, I] fit it and each other."""
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"unknown activation {name!r}; known: {sorted(_ACTIVATIONS)}")
+    fn, rows = _ACTIVATIONS[name]
+    inter, d_in, d_out = w2.shape[-1], w1.shape[-1], w2.shape[-2]
+    if w1.shape[-2] != rows * inter or d_in != d_out:
+        raise ValueError(f"activation {name!r} needs w1 [.., {rows}*I, D] and w2 [.., D, I]; "
+                         f"got w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)}")
+    return fn
+
+
+def _mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, act) -> torch.Tensor:
+    """One expert or dense MLP in fp32: ``w2 · act(w1 · x)``."""
+    # x: [N, D] fp32; w1: [r*I, D]; w2: [D, I] -> [N, D] fp32
+    return act(x @ w1.float().t()) @ w2.float().t()
+
+
+@register("moe_route")
+def route(logits: torch.Tensor, top_k: int, kind: str = "sigmoid",
+          correction_bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1,
+          norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0,
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick ``top_k`` experts per token; returns ``(weights fp32 [T, k], ids int64 [T, k])``.
+
+    ``kind="sigmoid"`` (DeepSeek-V3, Kimi-Linear, Nemotron-H): ``s = sigmoid(logits)``; selection
+    uses ``s + correction_bias``, limited to the ``topk_group`` groups whose top-2 biased scores sum
+    highest; weights use the unbiased ``s``. ``kind="softmax"`` (Qwen3-MoE): top-k of the softmax
+    over all experts; no bias and no groups. Both renormalise over the chosen experts when
+    ``norm_topk_prob`` and then multiply by ``routed_scaling_factor``.
+    """
+    # logits: [T, E] router output
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [T, E], got {tuple(logits.shape)}")
+    T, E = logits.shape
+    if not 1 <= top_k <= E:
+        raise ValueError(f"top_k={top_k} must be in [1, E={E}]")
+    if n_group < 1 or E % n_group:
+        raise ValueError(f"E={E} experts cannot be split into n_group={n_group} equal groups")
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group={topk_group} must be in [1, n_group={n_group}]")
+    group_size = E // n_group
+    if top_k > topk_group * group_size:
+        raise ValueError(f"top_k={top_k} exceeds the {topk_group * group_size} experts "
+                         f"in the {topk_group} kept groups")
+    # The router's selection is sensitive to rounding, hence fp32 as in the DeepSeek reference.
+    logits = logits.float()
+
+    if kind == "sigmoid":
+        scores = torch.sigmoid(logits)  # [T, E]
+        select = scores if correction_bias is None else scores + correction_bias.float()
+        if n_group > 1:
+            grouped = select.view(T, n_group, group_size)  # [T, G, E/G]
+            group_score = grouped.topk(min(2, group_size), dim=-1).values.sum(-1)  # [T, G]
+            kept = group_score.topk(topk_group, dim=-1).indices  # [T, topk_group]
+            keep = torch.zeros(T, n_group, dtype=torch.bool, device=logits.device)
+            keep.scatter_(1, kept, True)
+            select = grouped.masked_fill(~keep[:, :, None], float("-inf")).view(T, E)
+        ids = select.topk(top_k, dim=-1).indices  # [T, k]
+        weights = scores.gather(1, ids)  # unbiased: the bias only steers selection
+        if norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    elif kind == "softmax":
+        if correction_bias is not None or n_group != 1:
+            raise ValueError("softmax routing takes no correction_bias and no expert groups")
+        probs = logits.softmax(dim=-1)  # [T, E]
+        weights, ids = probs.topk(top_k, dim=-1)  # [T, k]
+        if norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+    else:
+        raise ValueError(f"unknown routing kind {kind!r}; expected 'sigmoid' or 'softmax'")
+    return weights * routed_scaling_factor, ids
+
+
+@register("moe_experts")
+def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                    w1: torch.Tensor, w2: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """Routed experts: ``y_t = sum_j weights[t, j] * Expert_{ids[t, j]}(x_t)``.
+
+    The (token, slot) pairs are sorted by expert so that each expert's rows are one contiguous
+    segment and the expert runs as ONE GEMM over them. This permute -> per-expert GEMM ->
+    weighted scatter-add is the layout grouped-GEMM kernels and expert parallelism (all-to-all
+    dispatch by expert) work on, so a faster implementation can be compared to this step by step.
+    """
+    # x: [T, D]; ids, weights: [T, k]; w1: [E, r*I, D] (r=2 gated: rows [gate; up]); w2: [E, D, I]
+    act = _activation(activation, w1, w2)
+    T, D = x.shape
+    E, k = w1.shape[0], ids.shape[1]
+    if ids.shape != weights.shape or ids.shape[0] != T:
+        raise ValueError(f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be [T={T}, k]")
+
+    flat_ids = ids.reshape(-1).long()  # [T*k]
+    if flat_ids.numel() and not (0 <= int(flat_ids.min()) and int(flat_ids.max()) < E):
+        raise ValueError(f"expert ids must lie in [0, {E})")
+    order = torch.argsort(flat_ids, stable=True)  # [T*k], pairs grouped by expert
+    token = order // k  # [T*k] token of each sorted pair
+    counts = torch.bincount(flat_ids, minlength=E)  # [E]
+    starts = counts.cumsum(0) - counts  # [E] first sorted row of each expert
+
+    xs = x.float()[token]  # [T*k, D] rows in expert order
+    ys = torch.empty(T * k, D, dtype=torch.float32, device=x.device)  # [T*k, D]
+    for e, (start, n) in enumerate(zip(starts.tolist(), counts.tolist())):
+        if n:
+            ys[start:start + n] = _mlp(xs[start:start + n], w1[e], w2[e], act)
+
+    # fp32 accumulation of the k weighted expert outputs per token
+    ws = weights.reshape(-1).float()[order]  # [T*k]
+    out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
+    out.index_add_(0, token, ys * ws[:, None])
+    return out.to(x.dtype)
+
+
+@register("mlp")
+def dense_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """Dense MLP with the same math as one expert: ``w2 · act(w1 · x)``."""
+    # x: [..., D]; w1: [r*I, D]; w2: [D, I]
+    act = _activation(activation, w1, w2)
+    return _mlp(x.float(), w1, w2, act).to(x.dtype)

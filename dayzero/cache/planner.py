@@ -1,0 +1,85 @@
+"""Sizing the cache pools from a memory budget.
+
+Paged layers share one block table per sequence, so one block costs ``block_size`` tokens of every paged
+layer; each running sequence also holds one state slot covering every linear-attention layer. Slots are
+sized for ``max_num_seqs``; blocks take the rest of the budget, capped at what ``max_num_seqs`` sequences
+of ``max_model_len`` tokens could ever use. When not even one maximum-length sequence fits, loading
+stops with the bytes needed, the bytes available and the settings that change either.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from dayzero.cache.spec import PagedSpec, StateSpec
+
+
+class CacheMemoryError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    block_size: int
+    num_blocks: int  # including the reserved null block
+    num_slots: int
+    bytes_per_block: int
+    bytes_per_slot: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block + self.num_slots * self.bytes_per_slot
+
+    @property
+    def capacity_tokens(self) -> int:
+        return (self.num_blocks - 1) * self.block_size if self.bytes_per_block else 1 << 62
+
+
+def available_memory(device: torch.device) -> int:
+    """Free bytes the cache may use: free device memory on CUDA, available RAM on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        return info["MemAvailable"]
+    except (OSError, KeyError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _fmt(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
+def plan_cache(
+    specs: list[PagedSpec | StateSpec],
+    block_size: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    budget_bytes: int | None,
+    num_cache_blocks: int | None = None,
+) -> CachePlan:
+    per_block = block_size * sum(s.bytes_per_token() for s in specs if isinstance(s, PagedSpec))
+    per_slot = sum(s.bytes_per_seq() for s in specs if isinstance(s, StateSpec))
+    blocks_per_seq = -(-max_model_len // block_size) if per_block else 0
+    if num_cache_blocks is not None:
+        return CachePlan(block_size, num_cache_blocks, max_num_seqs, per_block, per_slot)
+    need_one = (1 + blocks_per_seq) * per_block + per_slot
+    if budget_bytes is None or budget_bytes < need_one:
+        raise CacheMemoryError(
+            f"not enough memory for one sequence of max_model_len={max_model_len} tokens: the cache needs "
+            f"{_fmt(need_one)} ({need_one} bytes: {blocks_per_seq} blocks of {per_block} bytes + a state slot of "
+            f"{per_slot} bytes), {_fmt(budget_bytes or 0)} ({budget_bytes or 0} bytes) is available. "
+            f"Lower max_model_len, raise the cache memory (cache_memory_bytes / memory fraction), "
+            f"or use a smaller kv_cache_dtype"
+        )
+    slots = max_num_seqs
+    spare = budget_bytes - slots * per_slot
+    if spare < (1 + blocks_per_seq) * per_block:  # fewer slots, so that one full sequence still fits
+        slots = max(1, (budget_bytes - (1 + blocks_per_seq) * per_block) // max(per_slot, 1))
+        spare = budget_bytes - slots * per_slot
+    cap = 1 + max_num_seqs * blocks_per_seq
+    num_blocks = min(cap, spare // per_block) if per_block else 1
+    return CachePlan(block_size, max(int(num_blocks), 2), int(min(slots, max_num_seqs)), per_block, per_slot)

@@ -1,0 +1,209 @@
+"""The engine: requests in, one scheduler → flat batch → model → sampler step at a time, outputs out."""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dayzero.cache.manager import CacheManager
+from dayzero.cache.planner import available_memory, plan_cache
+from dayzero.cache.spec import PagedSpec, StateSpec
+from dayzero.config.model_config import DTYPES
+from dayzero.engine.model_runner import ModelRunner
+from dayzero.engine.request import CompletionOutput, RequestOutput, Sequence, SeqStatus
+from dayzero.engine.sampler import Sampler, make_generator
+from dayzero.engine.sampling_params import SamplingParams
+from dayzero.engine.scheduler import Scheduler
+from dayzero.engine.tokenizer import generation_eos_ids, load_tokenizer
+from dayzero.loader.safetensors_loader import load_weights
+from dayzero.models.registry import build_model, load_config
+
+log = logging.getLogger("dayzero")
+
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "assets" / "default"
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 16
+    num_cache_blocks: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    seed: int = 0
+    cache_memory_bytes: int | None = None  # budget for the cache pools; default a fraction of free memory
+    cache_memory_fraction: float = 0.5
+
+    def __post_init__(self):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.num_cache_blocks is not None and self.num_cache_blocks < 2:
+            raise ValueError(f"num_cache_blocks must be >= 2 (block 0 is reserved), got {self.num_cache_blocks}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {list(DTYPES)}, got {self.dtype!r}")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        path = Path(config.model) if config.model else DEFAULT_MODEL
+        if config.device == "auto":
+            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        else:
+            self.device = torch.device(config.device)
+        dtype = config.dtype if config.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
+        self.dtype = DTYPES[dtype]
+        self.path = path
+        self.model_config = load_config(path)
+        self.model = build_model(self.model_config, self.dtype, self.device)
+        load_weights(self.model, path)
+        self.tokenizer = load_tokenizer(path)
+        self.eos_ids = generation_eos_ids(path, self.model_config.eos_ids, self.tokenizer)
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        torch.manual_seed(config.seed)
+
+        self.runner = ModelRunner(self.model, self.device, self.dtype)
+        budget = config.cache_memory_bytes
+        if budget is None and config.num_cache_blocks is None:
+            budget = int(available_memory(self.device) * config.cache_memory_fraction)
+        self.cache_plan = plan_cache(
+            self.runner.specs, config.block_size, self.max_model_len, config.max_num_seqs, budget, config.num_cache_blocks
+        )
+        self.runner.allocate_cache(self.cache_plan)
+        self.cache = CacheManager(
+            config.block_size, self.cache_plan.num_blocks, self.cache_plan.num_slots,
+            uses_blocks=any(isinstance(s, PagedSpec) for s in self.runner.specs),
+            uses_slots=any(isinstance(s, StateSpec) for s in self.runner.specs),
+        )
+        self.scheduler = Scheduler(self.cache, min(config.max_num_seqs, self.cache_plan.num_slots), config.max_num_batched_tokens)
+        self.sampler = Sampler()
+        self.requests: dict[str, list[Sequence]] = {}
+        self.prompts: dict[str, str | None] = {}
+        self.num_aborted = 0
+
+    # --- requests ---------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None):
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = list(prompt_token_ids)
+        vocab = self.model_config.vocab_size
+        if not ids:
+            raise ValueError("prompt is empty: at least one token is needed")
+        bad = [t for t in ids if not isinstance(t, int) or t < 0 or t >= vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be ints in [0, {vocab}), got {bad[:5]}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, the context length is {self.max_model_len} (at least one token must be left to generate)")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
+        if len(ids) + max_tokens > self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, max_tokens {max_tokens}, context length {self.max_model_len}")
+        capacity = self.cache.capacity_tokens() if self.cache.uses_blocks else math.inf
+        if len(ids) + max_tokens > capacity:
+            raise ValueError(
+                f"request needs up to {len(ids) + max_tokens} tokens of cache but the whole cache holds {capacity} "
+                f"({self.cache_plan.num_blocks - 1} blocks of {self.cache_plan.block_size}); lower max_tokens or raise num_cache_blocks"
+            )
+        seqs = []
+        for i in range(params.n):
+            gen = make_generator(params.seed + i, self.device) if params.seed is not None else None
+            seq = Sequence(request_id, i, list(ids), len(ids), params, generator=gen, max_tokens=max_tokens)
+            seqs.append(seq)
+        self.requests[request_id] = seqs
+        self.prompts[request_id] = prompt
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        seqs = self.requests.pop(request_id, None)
+        if seqs is None:
+            return False
+        self.prompts.pop(request_id, None)
+        for seq in seqs:
+            if not seq.finished:
+                self.scheduler.finish(seq)
+                seq.finish_reason = "abort"
+        self.num_aborted += 1
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # --- one step -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns the outputs of requests that finished in it."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            if self.scheduler.has_work():
+                raise RuntimeError("scheduler made no progress: a waiting sequence can never fit in the cache")
+            return []
+        batch = self.runner.build_batch(scheduled, self.cache)
+        logits = self.runner.execute(batch)
+        to_sample = [s.seq for s in scheduled if s.samples]
+        for s in scheduled:
+            s.seq.num_computed += s.num_tokens
+        if not to_sample:
+            return []
+        out = self.sampler(
+            logits, [q.params for q in to_sample], [q.generator for q in to_sample], [q.output_ids for q in to_sample]
+        )
+        finished_requests = set()
+        for seq, tok, lp in zip(to_sample, out.token_ids.tolist(), out.logprobs.tolist()):
+            self._append(seq, tok, lp)
+            if seq.finished:
+                finished_requests.add(seq.request_id)
+        return [self._output(r) for r in finished_requests if all(q.finished for q in self.requests[r])]
+
+    def _append(self, seq: Sequence, tok: int, logprob: float) -> None:
+        p = seq.params
+        if tok < 0:  # the sampler found NaN/inf logits: end this request, keep the others
+            seq.finish_reason = "error"
+            self.scheduler.finish(seq)
+            return
+        seq.token_ids.append(tok)
+        seq.logprobs.append(logprob)
+        n_out = seq.num_output
+        reason = None
+        if n_out >= p.min_tokens and ((tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids):
+            reason, seq.stop_reason = "stop", (tok if tok in p.stop_token_ids else None)
+        elif p.stop and self.tokenizer is not None and n_out >= p.min_tokens:
+            text = self._decode(seq.output_ids)
+            hits = [(text.find(s), s) for s in p.stop if s in text]
+            if hits:
+                at, s = min(hits)
+                seq.text = text[: at + (len(s) if p.include_stop_str_in_output else 0)]
+                reason, seq.stop_reason = "stop", s
+        if reason is None and (n_out >= seq.max_tokens or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            seq.finish_reason = reason
+            self.scheduler.finish(seq)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    def _output(self, request_id: str) -> RequestOutput:
+        seqs = self.requests.pop(request_id)
+        prompt = self.prompts.pop(request_id, None)
+        outs = []
+        for q in seqs:
+            ids = q.output_ids
+            if not isinstance(q.stop_reason, str):  # a stop string already cut q.text
+                ends_on_stop_id = q.finish_reason == "stop" and ids and (ids[-1] in self.eos_ids or ids[-1] in q.params.stop_token_ids)
+                q.text = self._decode(ids[:-1] if ends_on_stop_id else ids)
+            outs.append(CompletionOutput(
+                q.index, q.text, ids, q.finish_reason, q.logprobs if q.params.logprobs is not None else None, q.stop_reason
+            ))
+        return RequestOutput(request_id, prompt, seqs[0].token_ids[: seqs[0].num_prompt_tokens], outs, True)
+
+    def cache_usage(self) -> dict[str, int]:
+        return self.cache.usage()

@@ -1,0 +1,101 @@
+"""``LLM``: offline generation through the engine (scheduler → flat batch → model → sampler)."""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence as Seq
+
+from tqdm.auto import tqdm
+
+from dayzero.engine.engine import EngineConfig, LLMEngine
+from dayzero.engine.request import RequestOutput
+from dayzero.engine.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    """``LLM()`` loads the bundled default model; ``LLM(model="path/to/ckpt")`` a checkpoint directory.
+
+    ``device``: "auto" (CUDA when present, else CPU) | "cpu" | "cuda"; ``dtype``: "auto" (bf16 on GPU, fp32 on
+    CPU) | "bfloat16" | "float32". ``num_cache_blocks`` overrides the pool size computed from free memory;
+    ``max_num_batched_tokens`` is the per-step token budget, and so the prefill chunk size.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        block_size: int = 16,
+        num_cache_blocks: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        seed: int = 0,
+        cache_memory_bytes: int | None = None,
+    ):
+        self.engine = LLMEngine(EngineConfig(
+            model=model, device=device, dtype=dtype, block_size=block_size, num_cache_blocks=num_cache_blocks,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+            seed=seed, cache_memory_bytes=cache_memory_bytes,
+        ))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise ValueError("a dict prompt needs 'prompt_token_ids'")
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a str or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+        if self.tokenizer is None:
+            raise ValueError("this checkpoint has no tokenizer: give prompts as {'prompt_token_ids': [...]}")
+        return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def generate(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts and {len(params)} sampling params")
+        encoded = [self._prompt_ids(p) for p in prompts]  # validate everything before queueing anything
+        ids = []
+        try:
+            for (text, tokens), p in zip(encoded, params):
+                rid = f"gen-{next(self._ids)}"
+                self.engine.add_request(rid, tokens, p, prompt=text)
+                ids.append(rid)
+            done: dict[str, RequestOutput] = {}
+            bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm)
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    done[out.request_id] = out
+                    bar.update()
+            bar.close()
+        except BaseException:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        return [done[r] for r in ids]
+
+    def chat(
+        self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None, use_tqdm: bool = False
+    ) -> list[RequestOutput]:
+        """Applies the model's own chat template, then generates."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this checkpoint has no chat template")
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm)

@@ -1,0 +1,180 @@
+"""Turn one row of logits per sequence into the next token.
+
+Per row, in order:
+
+1. penalties on the tokens the sequence already generated: repetition (divide a positive
+   logit by the penalty, multiply a negative one), then presence (subtract once if seen) and
+   frequency (subtract once per occurrence);
+2. greedy rows (``params.greedy``) take the argmax, ties broken by the lowest id;
+3. other rows: divide by the temperature, keep the ``top_k`` largest, keep the nucleus (the
+   smallest set of most likely tokens whose mass reaches ``top_p``), drop tokens with
+   ``p < min_p * p_max``, then sample.
+
+Filtering runs on the whole batch at once with per-row parameters as tensors; a row without a
+filter gets a no-op threshold. Sampling is an exponential race, ``argmax(p / E)`` with
+``E ~ Exp(1)`` i.i.d. per token, which picks token ``i`` with probability ``p_i``. A row whose
+request has a seed draws its ``E`` from its own generator, so its tokens depend only on its
+seed and its logits, never on which other rows share the batch; the other rows draw from the
+global RNG.
+
+A row with NaN or inf in its logits gets token id ``-1`` and logprob NaN; the engine ends that
+request with an error and the rest of the batch is unaffected. ``-inf`` counts as bad too: the
+model's raw logits are always finite unless something overflowed.
+
+The returned logprob is that of the chosen token under the model's raw distribution
+(``log_softmax`` of the unprocessed logits), whatever the penalties and filters did.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from dayzero.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64; -1 where the row's logits were not finite
+    logprobs: torch.Tensor   # [B] fp32; raw log-probability of token_ids, NaN where -1
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator for one seeded request, on the device its logits live on."""
+    g = torch.Generator(device=device)
+    # manual_seed accepts [-2**63, 2**64); fold any Python int into that range
+    g.manual_seed(seed % (1 << 64))
+    return g
+
+
+def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
+                    output_token_ids: Sequence[Sequence[int]] | None) -> torch.Tensor:
+    """Penalise, in place, the tokens each row has already generated; returns ``logits``.
+
+    ``logits``: ``[B, V]`` fp32. Ids outside ``[0, V)`` in ``output_token_ids`` are ignored.
+    """
+    if output_token_ids is None:
+        return logits
+    rows = [i for i, p in enumerate(params)
+            if output_token_ids[i] and (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+                                        or p.frequency_penalty != 0.0)]
+    if not rows:
+        return logits
+    V = logits.shape[1]
+    dev = logits.device
+    width = max(len(output_token_ids[i]) for i in rows)
+    # ids: [R, L], padded (and out-of-range ids redirected) to a spare column V that is dropped
+    ids = torch.full((len(rows), width), V, dtype=torch.long)
+    for r, i in enumerate(rows):
+        seen = torch.as_tensor(list(output_token_ids[i]), dtype=torch.long)
+        ids[r, : len(seen)] = torch.where((seen >= 0) & (seen < V), seen, V)
+    ids = ids.to(dev)
+    counts = torch.zeros(len(rows), V + 1, device=dev).scatter_add_(
+        1, ids, torch.ones_like(ids, dtype=torch.float32))[:, :V]  # counts: [R, V]
+    seen = counts > 0
+
+    def col(name: str) -> torch.Tensor:  # per-row parameter as [R, 1]
+        return torch.tensor([getattr(params[i], name) for i in rows], device=dev)[:, None]
+
+    idx = torch.tensor(rows, device=dev)
+    x = logits[idx]  # x: [R, V]
+    rep = col("repetition_penalty")
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    x = x - col("presence_penalty") * seen - col("frequency_penalty") * counts
+    # a tiny repetition penalty can overflow fp32; keep every value finite so that the later
+    # shift by the row max never computes inf - inf
+    fmax = torch.finfo(torch.float32).max
+    logits[idx] = x.clamp(-fmax, fmax)
+    return logits
+
+
+def _filter(z: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Top-k, then top-p, then min-p, on temperature-scaled logits ``z: [S, V]`` (in place).
+
+    Each row's maximum must be 0 (the caller shifts), so ``exp(z)`` is ``p / p_max``.
+    """
+    S, V = z.shape
+    dev = z.device
+    top_k = [p.top_k if 0 < p.top_k < V else V for p in params]
+    top_p = [p.top_p for p in params]
+    min_p = [p.min_p for p in params]
+
+    if any(k < V for k in top_k) or any(p < 1.0 for p in top_p):
+        # stable sort: among equal logits the lower id ranks first, so a cut through a tie is
+        # deterministic and does not depend on the batch
+        sorted_z, order = z.sort(dim=-1, descending=True, stable=False)
+        rank = torch.arange(V, device=dev)[None, :]
+        drop = rank >= torch.tensor(top_k, device=dev)[:, None]  # drop: [S, V] in sorted order
+        if any(p < 1.0 for p in top_p):
+            probs = sorted_z.masked_fill(drop, float("-inf")).softmax(dim=-1)
+            mass_before = probs.cumsum(dim=-1) - probs
+            # keep a token while the tokens ranked above it hold less than top_p; rank 0 has
+            # mass_before == 0 < top_p and is always kept. Rows with top_p == 1 skip this:
+            # rounding in the cumsum could otherwise cut a tail of tiny but nonzero tokens.
+            p = torch.tensor(top_p, device=dev)[:, None]
+            drop |= (mass_before >= p) & (p < 1.0)
+        z.masked_fill_(torch.empty_like(drop).scatter_(1, order, drop), float("-inf"))
+
+    if any(p > 0.0 for p in min_p):
+        # p < min_p * p_max  <=>  z < log(min_p), with z = log(p / p_max); min_p = 0 -> -inf
+        threshold = torch.tensor(min_p, device=dev).log()[:, None]
+        z.masked_fill_(z < threshold, float("-inf"))
+    return z
+
+
+def _race(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """Sample one id per row of ``probs: [S, V]``: ``argmax(p / E)``, ``E ~ Exp(1)``."""
+    S, V = probs.shape
+    noise = torch.empty_like(probs)
+    unseeded = [r for r, g in enumerate(generators) if g is None]
+    if unseeded:
+        noise[unseeded] = torch.empty(len(unseeded), V, device=probs.device).exponential_()
+    for r, g in enumerate(generators):
+        if g is not None:
+            # drawn on the generator's own device, so a CPU generator also serves CUDA logits
+            noise[r] = torch.empty(V, device=g.device).exponential_(generator=g).to(probs.device)
+    # Exp(1) can return 0; 0/0 would be NaN and argmax picks NaN, so keep E > 0
+    noise.clamp_(min=torch.finfo(torch.float32).tiny)
+    return (probs / noise).argmax(dim=-1)
+
+
+class Sampler:
+    """Stateless: all per-request state (seeds, generated ids) comes in with each call."""
+
+    def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                 generators: Sequence[torch.Generator | None],
+                 output_token_ids: Sequence[Sequence[int]] | None = None) -> SamplerOutput:
+        # logits: [B, V], any float dtype
+        B, V = logits.shape
+        if len(params) != B or len(generators) != B or (
+                output_token_ids is not None and len(output_token_ids) != B):
+            raise ValueError(f"sampler got {B} logit rows but {len(params)} params, "
+                             f"{len(generators)} generators"
+                             + ("" if output_token_ids is None
+                                else f", {len(output_token_ids)} output_token_ids"))
+        dev = logits.device
+        x = logits.to(torch.float32, copy=True)  # the caller's logits are never modified
+        ok = torch.isfinite(x).all(dim=-1)  # ok: [B]
+        # zero the bad rows so nothing below turns them into NaN; their result is replaced
+        x.masked_fill_(~ok[:, None], 0.0)
+        log_z = torch.logsumexp(x, dim=-1)  # [B], normaliser of the raw distribution
+
+        apply_penalties(x, params, output_token_ids)
+        token_ids = x.argmax(dim=-1)  # right for greedy rows; argmax returns the first max
+
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if rows:
+            idx = torch.tensor(rows, device=dev)
+            sub = [params[i] for i in rows]
+            z = x[idx]  # z: [S, V]
+            # shift before dividing: (z - max) / T is <= 0, so a tiny T gives -inf, never inf
+            z = (z - z.amax(dim=-1, keepdim=True)) / torch.tensor(
+                [p.temperature for p in sub], device=dev)[:, None]
+            z = _filter(z, sub)
+            token_ids[idx] = _race(z.softmax(dim=-1), [generators[i] for i in rows])
+
+        chosen = logits.gather(1, token_ids[:, None]).squeeze(1).float()
+        logprobs = torch.where(ok, chosen - log_z, float("nan"))
+        token_ids = torch.where(ok, token_ids, -1)
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)

@@ -1,0 +1,75 @@
+"""KDA (Kimi Delta Attention), ARCHITECTURE.md section 1.
+
+State per sequence (one slot): the fp32 recurrent state [H, K, V] and the three short-conv windows
+(the last ``conv_size - 1`` pre-activation inputs of q, k and v). A sequence that starts this step
+(position 0) starts from zero state, so slots need no clearing when they are reused. Steps where every
+sequence brings one token use the recurrent form; any longer chunk uses the chunk form.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dayzero import ops
+from dayzero.cache.spec import StateSpec
+from dayzero.config.model_config import HybridConfig
+from dayzero.layers.attention.base import CachedLayer
+from dayzero.layers.norm import RMSNorm
+
+
+class KDAAttention(CachedLayer):
+    def __init__(self, cfg: HybridConfig):
+        super().__init__()
+        D, self.H, self.K = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim
+        P, W = self.H * self.K, cfg.kda_conv_size
+        self.P, self.W = P, W
+        self.lower_bound = cfg.kda_gate_lower_bound
+        self.eps = cfg.rms_norm_eps
+        self.q_proj = nn.Linear(D, P, bias=False)
+        self.k_proj = nn.Linear(D, P, bias=False)
+        self.v_proj = nn.Linear(D, P, bias=False)
+        # depthwise causal conv weights [P, 1, W], as checkpoints store them
+        self.q_conv1d = nn.Conv1d(P, P, W, groups=P, bias=False)
+        self.k_conv1d = nn.Conv1d(P, P, W, groups=P, bias=False)
+        self.v_conv1d = nn.Conv1d(P, P, W, groups=P, bias=False)
+        self.f_a_proj = nn.Linear(D, self.K, bias=False)
+        self.f_b_proj = nn.Linear(self.K, P, bias=False)
+        self.b_proj = nn.Linear(D, self.H, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(self.H, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.zeros(P, dtype=torch.float32))
+        self.g_a_proj = nn.Linear(D, self.K, bias=False)
+        self.g_b_proj = nn.Linear(self.K, P, bias=False)
+        self.o_norm = RMSNorm(self.K, cfg.rms_norm_eps)  # per-head gated norm over V
+        self.o_proj = nn.Linear(P, D, bias=False)
+
+    def cache_spec(self, dtype):
+        win = ((self.P, self.W - 1), dtype)
+        # the recurrent state is fp32 whatever the model dtype: it accumulates over the whole sequence
+        return StateSpec({"state": ((self.H, self.K, self.K), torch.float32), "q_conv": win, "k_conv": win, "v_conv": win})
+
+    def _conv(self, name: str, u: torch.Tensor, conv: nn.Conv1d, batch) -> torch.Tensor:
+        slots = batch.state_slots
+        window = self.cache[name][slots]  # [B, P, W-1]
+        window = torch.where(batch.fresh[:, None, None], torch.zeros_like(window), window)
+        y, new_window = ops.call("causal_conv1d", u, conv.weight[:, 0, :], window, batch.cu_seqlens, "silu")
+        self.cache[name][slots] = new_window.to(self.cache[name].dtype)
+        return y
+
+    def forward(self, x: torch.Tensor, batch) -> torch.Tensor:
+        T, H, K = x.shape[0], self.H, self.K
+        q = self._conv("q_conv", self.q_proj(x), self.q_conv1d, batch).view(T, H, K)
+        k = self._conv("k_conv", self.k_proj(x), self.k_conv1d, batch).view(T, H, K)
+        v = self._conv("v_conv", self.v_proj(x), self.v_conv1d, batch).view(T, H, K)
+        g = ops.call("kda_gate", self.f_b_proj(self.f_a_proj(x)).view(T, H, K), self.A_log, self.dt_bias, self.lower_bound)
+        beta = torch.sigmoid(self.b_proj(x).float())  # [T, H] fp32
+
+        slots = batch.state_slots
+        state = self.cache["state"][slots]  # [B, H, K, V] fp32
+        state = torch.where(batch.fresh[:, None, None, None], torch.zeros_like(state), state)
+        form = "kda_recurrent" if batch.max_query_len == 1 else "kda_chunk"
+        o, state = ops.call(form, q, k, v, g, beta, K**-0.5, state, batch.cu_seqlens, True)
+        self.cache["state"][slots] = state
+
+        gate = self.g_b_proj(self.g_a_proj(x)).view(T, H, K)
+        o = ops.call("rms_norm_gated", o, self.o_norm.weight, gate, self.eps)  # [T, H, V]
+        return self.o_proj(o.reshape(T, H * K))
