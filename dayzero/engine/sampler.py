@@ -103,7 +103,7 @@ def _filter(z: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     if any(k < V for k in top_k) or any(p < 1.0 for p in top_p):
         # stable sort: among equal logits the lower id ranks first, so a cut through a tie is
         # deterministic and does not depend on the batch
-        sorted_z, order = z.sort(dim=-1, descending=True, stable=False)
+        sorted_z, order = z.sort(dim=-1, descending=True, stable=True)
         rank = torch.arange(V, device=dev)[None, :]
         drop = rank >= torch.tensor(top_k, device=dev)[:, None]  # drop: [S, V] in sorted order
         if any(p < 1.0 for p in top_p):

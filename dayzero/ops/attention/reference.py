@@ -78,7 +78,7 @@ def attention(
         s_idx = torch.arange(lo, hi, device=q.device)
         allowed = s_idx <= pos  # [B, Sb]
         if window is not None:
-            allowed &= s_idx >= pos - window
+            allowed &= s_idx > pos - window
         if key_mask is not None:
             allowed &= key_mask[t0:t1, lo:hi]
 

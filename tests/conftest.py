@@ -1,0 +1,29 @@
+"""Shared fixtures: tiny random checkpoints written at test time."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dayzero.tools.build_default_model import build_checkpoint
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def tiny_config(**overrides) -> dict:
+    with open(CONFIGS / "dayzero-tiny.json") as f:
+        cfg = json.load(f)
+    cfg.update(overrides)
+    return cfg
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    """The tiny hybrid model (KDA + gated DSA + GQA, LatentMoE with shared experts), random weights, with tokenizer."""
+    return build_checkpoint(tmp_path_factory.mktemp("tiny"), tiny_config(), seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt_no_tokenizer(tmp_path_factory) -> Path:
+    return build_checkpoint(tmp_path_factory.mktemp("tiny-notok"), tiny_config(), seed=2, tokenizer=False)
