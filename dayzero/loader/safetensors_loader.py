@@ -65,7 +65,7 @@ def load_weights(model: torch.nn.Module, path: str | Path, strict: bool = True, 
                     raise CheckpointError(f"{file}: tensor {name!r} cannot be read ({e}); the file may be truncated") from e
                 if tuple(t.shape) != tuple(param.shape):
                     raise CheckpointError(
-                        f"{file}: tensor {name!r} has shape {tuple(t.shape)}, the model expects {tuple(param.shape)}"
+                        f"{file}: tensor {name!r} has shape {tuple(t.shape)}, the model built from config.json expects {tuple(param.shape)}"
                     )
                 if t.dtype.is_floating_point != param.dtype.is_floating_point:
                     raise CheckpointError(f"{file}: tensor {name!r} has dtype {t.dtype}, the model expects {param.dtype}")
