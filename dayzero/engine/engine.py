@@ -140,7 +140,9 @@ class LLMEngine:
 
     # --- one step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns the outputs of requests that finished in it."""
+        """Run one engine step. Returns, for every request that got a token in it, its outputs so far
+        (cumulative token ids and text); ``finished`` is set once all its sequences are done, and a
+        finished request is forgotten by the engine."""
         scheduled = self.scheduler.schedule()
         if not scheduled:
             if self.scheduler.has_work():
@@ -156,12 +158,11 @@ class LLMEngine:
         out = self.sampler(
             logits, [q.params for q in to_sample], [q.generator for q in to_sample], [q.output_ids for q in to_sample]
         )
-        finished_requests = set()
+        touched: dict[str, None] = {}
         for seq, tok, lp in zip(to_sample, out.token_ids.tolist(), out.logprobs.tolist()):
             self._append(seq, tok, lp)
-            if seq.finished:
-                finished_requests.add(seq.request_id)
-        return [self._output(r) for r in finished_requests if all(q.finished for q in self.requests[r])]
+            touched[seq.request_id] = None
+        return [self._output(r) for r in touched if r in self.requests]
 
     def _append(self, seq: Sequence, tok: int, logprob: float) -> None:
         p = seq.params
@@ -192,8 +193,9 @@ class LLMEngine:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
     def _output(self, request_id: str) -> RequestOutput:
-        seqs = self.requests.pop(request_id)
-        prompt = self.prompts.pop(request_id, None)
+        seqs = self.requests[request_id]
+        finished = all(q.finished for q in seqs)
+        prompt = self.prompts.get(request_id)
         outs = []
         for q in seqs:
             ids = q.output_ids
@@ -201,9 +203,19 @@ class LLMEngine:
                 ends_on_stop_id = q.finish_reason == "stop" and ids and (ids[-1] in self.eos_ids or ids[-1] in q.params.stop_token_ids)
                 q.text = self._decode(ids[:-1] if ends_on_stop_id else ids)
             outs.append(CompletionOutput(
-                q.index, q.text, ids, q.finish_reason, q.logprobs if q.params.logprobs is not None else None, q.stop_reason
+                q.index, q.text, list(ids), q.finish_reason, list(q.logprobs) if q.params.logprobs is not None else None, q.stop_reason
             ))
-        return RequestOutput(request_id, prompt, seqs[0].token_ids[: seqs[0].num_prompt_tokens], outs, True)
+        if finished:
+            del self.requests[request_id]
+            self.prompts.pop(request_id, None)
+        return RequestOutput(request_id, prompt, seqs[0].token_ids[: seqs[0].num_prompt_tokens], outs, finished)
 
     def cache_usage(self) -> dict[str, int]:
         return self.cache.usage()
+
+    def stats(self) -> dict[str, int]:
+        """Counters for metrics: queue lengths, cache use, preemptions, aborts."""
+        return {
+            "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+            "preemptions": self.scheduler.num_preemptions, "aborts": self.num_aborted, **self.cache.usage(),
+        }

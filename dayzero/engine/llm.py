@@ -81,8 +81,9 @@ class LLM:
             bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm)
             while self.engine.has_unfinished():
                 for out in self.engine.step():
-                    done[out.request_id] = out
-                    bar.update()
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update()
             bar.close()
         except BaseException:
             for rid in ids:
