@@ -28,7 +28,8 @@ def test_bundled_default_model_loads_with_no_arguments():
     llm = LLM(device="cpu")
     cfg = llm.engine.model_config
     assert cfg.model_type == "dayzero_hybrid" and {"kda", "dsa"} <= set(cfg.layer_types)
-    assert cfg.moe_latent_size and cfg.n_routed_experts > 1
+    moe = [l.mlp for l in cfg.layers if l.mlp_kind == "moe"]
+    assert moe and all(m.latent_size and m.n_experts > 1 for m in moe)
     out = llm.generate(["The quick brown fox"], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 8
     assert llm.tokenizer.decode(out.prompt_token_ids) == "The quick brown fox"

@@ -13,29 +13,14 @@ from typing import Any
 
 import torch
 
+from dayzero.config.spec import (
+    GQASpec, IndexerSpec, KDASpec, LayerSpec, MLASpec, MLPSpec, ModelSpec, MoESpec, RopeScaling, RopeSpec, softmax_scale,
+)
+
 ATTN_KINDS = ("kda", "dsa", "gqa")
 MLP_KINDS = ("dense", "moe")
 ROUTER_KINDS = ("sigmoid", "softmax")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class LayerSpec:
-    index: int
-    attn: str  # one of ATTN_KINDS
-    mlp: str  # one of MLP_KINDS
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """YaRN parameters (``type: yarn``); None on the config means plain RoPE."""
-
-    factor: float = 1.0
-    original_max_position_embeddings: int = 4096
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float = 1.0
-    mscale_all_dim: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -111,10 +96,6 @@ class HybridConfig:
             raise ValueError("invalid dayzero_hybrid config: " + "; ".join(err))
 
     # --- derived structure -------------------------------------------------------------
-    @property
-    def layers(self) -> tuple[LayerSpec, ...]:
-        return tuple(LayerSpec(i, a, self.mlp_kind(i)) for i, a in enumerate(self.layer_types))
-
     def mlp_kind(self, i: int) -> str:
         return "moe" if self.n_routed_experts and i >= self.first_k_dense_replace else "dense"
 
@@ -130,6 +111,43 @@ class HybridConfig:
     def eos_ids(self) -> tuple[int, ...]:
         e = self.eos_token_id
         return () if e is None else (tuple(e) if isinstance(e, (list, tuple)) else (e,))
+
+    def to_spec(self) -> ModelSpec:
+        scaling = self.rope_scaling if self.rope_scaling is not None and self.rope_scaling.factor > 1 else None
+        layers = []
+        for i, kind in enumerate(self.layer_types):
+            if kind == "kda":
+                attn = KDASpec(self.kda_num_heads, self.kda_head_dim, self.kda_conv_size, self.kda_gate_lower_bound)
+            elif kind == "dsa":
+                attn = MLASpec(
+                    self.num_attention_heads, self.q_lora_rank, self.kv_lora_rank, self.qk_nope_head_dim,
+                    self.qk_rope_head_dim, self.v_head_dim,
+                    rope=RopeSpec(self.qk_rope_head_dim, self.rope_theta, scaling, interleaved=True),
+                    scale=softmax_scale(self.qk_head_dim, scaling),
+                    indexer=IndexerSpec(self.index_n_heads, self.index_head_dim, self.index_topk,
+                                        RopeSpec(self.qk_rope_head_dim, self.rope_theta, scaling)),
+                    output_gate=self.attn_output_gate,
+                )
+            else:
+                attn = GQASpec(self.num_attention_heads, self.num_key_value_heads, self.head_dim,
+                               RopeSpec(self.head_dim, self.rope_theta, scaling), sliding_window=self.sliding_window)
+            if self.mlp_kind(i) == "moe":
+                mlp = MoESpec(
+                    self.n_routed_experts, self.num_experts_per_tok, self.moe_intermediate_size, router=self.router,
+                    correction_bias=self.router == "sigmoid", n_group=self.n_group, topk_group=self.topk_group,
+                    norm_topk_prob=self.norm_topk_prob, routed_scaling_factor=self.routed_scaling_factor,
+                    activation=self.extra.get("moe_activation", "silu"), n_shared=self.n_shared_experts,
+                    shared_intermediate_size=self.n_shared_experts * self.moe_intermediate_size,
+                    latent_size=self.moe_latent_size, latent_norm=self.moe_latent_norm,
+                )
+            else:
+                mlp = MLPSpec(self.intermediate_size)
+            layers.append(LayerSpec(i, attn, mlp))
+        return ModelSpec(
+            self.model_type, self.vocab_size, self.hidden_size, tuple(layers), self.max_position_embeddings,
+            self.rms_norm_eps, tie_word_embeddings=self.tie_word_embeddings, torch_dtype=self.torch_dtype,
+            eos_token_id=self.eos_ids, bos_token_id=self.bos_token_id,
+        )
 
     # --- (de)serialisation --------------------------------------------------------------
     @classmethod

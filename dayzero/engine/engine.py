@@ -19,7 +19,7 @@ from dayzero.engine.sampling_params import SamplingParams
 from dayzero.engine.scheduler import Scheduler
 from dayzero.engine.tokenizer import generation_eos_ids, load_tokenizer
 from dayzero.loader.safetensors_loader import load_weights
-from dayzero.models.registry import build_model, load_config
+from dayzero.models.registry import adapter_for, build_model, read_config
 
 log = logging.getLogger("dayzero")
 
@@ -64,9 +64,11 @@ class LLMEngine:
         dtype = config.dtype if config.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
         self.dtype = DTYPES[dtype]
         self.path = path
-        self.model_config = load_config(path)
+        raw, cfg_file = read_config(path)
+        adapter = adapter_for(raw, cfg_file)
+        self.model_config = adapter.to_spec(raw)
         self.model = build_model(self.model_config, self.dtype, self.device)
-        load_weights(self.model, path)
+        load_weights(self.model, path, adapter.rules(self.model_config), adapter.ignore)
         self.tokenizer = load_tokenizer(path)
         self.eos_ids = generation_eos_ids(path, self.model_config.eos_ids, self.tokenizer)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings

@@ -1,19 +1,24 @@
-"""Dense gated MLP: ``down(act(gate x) * up x)`` with gate and up fused in one [2I, D] weight."""
+"""Dense MLP: ``down(act(gate x) * up x)`` with gate and up fused in one [2I, D] weight (or ``down(relu(up x)²)``)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from dayzero import ops
+from dayzero.config.spec import MLPSpec
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, activation: str = "silu"):
+    def __init__(self, hidden: int, spec: MLPSpec):
         super().__init__()
-        self.activation = activation
-        rows = 2 * intermediate if activation == "silu" else intermediate
-        self.gate_up_proj = nn.Linear(hidden, rows, bias=False)  # [gate; up] rows, or [up] for relu2
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.activation = spec.activation
+        I = spec.intermediate_size
+        rows = I if spec.activation == "relu2" else 2 * I
+        self.gate_up_proj = nn.Linear(hidden, rows, bias=spec.bias)  # [gate; up] rows, or [up] for relu2
+        self.down_proj = nn.Linear(I, hidden, bias=spec.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.call("mlp", x, self.gate_up_proj.weight, self.down_proj.weight, self.activation)
+        if self.gate_up_proj.bias is None:
+            return ops.call("mlp", x, self.gate_up_proj.weight, self.down_proj.weight, self.activation)
+        h = ops.call("silu_and_mul" if self.activation == "silu" else "relu2", self.gate_up_proj(x))
+        return self.down_proj(h)

@@ -8,14 +8,19 @@ from dayzero import ops
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
+    """RMSNorm; ``offset=True`` for zero-centred weights stored as w, applied as (1 + w) (Qwen3-Next)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, offset: bool = False):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.offset = eps, offset
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
+
+    def scale(self) -> torch.Tensor:
+        return self.weight.float() + 1.0 if self.offset else self.weight
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without ``residual``: RMSNorm(x). With it: (RMSNorm(x + residual), x + residual), fused."""
-        y, res = ops.call("rms_norm", x, self.weight, self.eps, residual)
+        y, res = ops.call("rms_norm", x, self.scale(), self.eps, residual)
         return y if residual is None else (y, res)
 
 

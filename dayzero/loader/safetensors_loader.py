@@ -1,17 +1,30 @@
 """Streaming safetensors loader: one tensor at a time from a single file or an indexed set of shards,
-mapped onto the model's parameters, checked for shape, and copied into place.
+mapped onto the model's parameters by the architecture's name table, checked, and copied into place.
 
 Every failure names the file and the tensor: a missing shard, a file safetensors cannot read, a tensor
-with the wrong shape, a tensor the model needs that no file holds, a tensor the model does not use.
+with the wrong shape or dtype, a tensor the model needs that no file holds, a tensor the model does not
+use. :func:`check_headers` runs the same mapping over the headers alone (no tensor data is read), so a
+checkpoint of terabytes is checked against its config in seconds.
 """
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterable
 
 import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
+
+from dayzero.loader.rules import Rule
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
 
 
 class CheckpointError(RuntimeError):
@@ -34,51 +47,105 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def load_weights(model: torch.nn.Module, path: str | Path, strict: bool = True, progress: bool | None = None) -> None:
-    path = Path(path)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    tied = {n for n, p in params.items() if any(p is q and n != m for m, q in params.items())}
-    loaded: set[str] = set()
-    unexpected: list[str] = []
-    files = checkpoint_files(path)
-    total = 0
-    handles = []
-    for file in files:
-        try:
-            handles.append((file, safe_open(str(file), framework="pt", device="cpu")))
-        except Exception as e:  # safetensors raises its own error types for corrupt headers
-            raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from e
-        total += len(handles[-1][1].keys())
-    show = progress if progress is not None else total > 200
-    bar = tqdm(total=total, desc=f"loading {path.name}", unit="tensor", disable=not show)
-    with torch.no_grad():
-        for file, f in handles:
-            for name in f.keys():
-                bar.update()
-                param = params.get(name)
-                if param is None:
-                    unexpected.append(f"{name} (in {file.name})")
-                    continue
-                try:
-                    t = f.get_tensor(name)
-                except Exception as e:
-                    raise CheckpointError(f"{file}: tensor {name!r} cannot be read ({e}); the file may be truncated") from e
-                if tuple(t.shape) != tuple(param.shape):
-                    raise CheckpointError(
-                        f"{file}: tensor {name!r} has shape {tuple(t.shape)}, the model built from config.json expects {tuple(param.shape)}"
-                    )
-                if t.dtype.is_floating_point != param.dtype.is_floating_point:
-                    raise CheckpointError(f"{file}: tensor {name!r} has dtype {t.dtype}, the model expects {param.dtype}")
-                param.copy_(t.to(param.dtype))
-                loaded.add(name)
-    bar.close()
-    # a tied parameter is satisfied by any of its names
-    missing = [n for n, p in params.items() if n not in loaded and not (n in tied and any(
-        m in loaded for m, q in params.items() if q is p))]
-    problems = []
+def read_header(file: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """name -> (shape, dtype) from a safetensors header, reading no tensor data."""
+    try:
+        with open(file, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            size = file.stat().st_size
+            if n <= 0 or n > size - 8:
+                raise ValueError(f"header length {n} does not fit a file of {size} bytes")
+            header = json.loads(f.read(n))
+        out = {}
+        end = 0
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            out[name] = (tuple(info["shape"]), _DTYPES.get(info["dtype"], torch.uint8))
+            end = max(end, info["data_offsets"][1])
+        if 8 + n + end > size:
+            raise ValueError(f"tensors need {8 + n + end} bytes, the file has {size}; it is truncated")
+        return out
+    except (ValueError, KeyError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from e
+
+
+@dataclass
+class _Plan:
+    """Where each checkpoint tensor goes, and what the model still misses."""
+
+    assignments: list[tuple[Path, str, Rule, re.Match, str]] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+def _first_match(rules: Iterable[Rule], name: str):
+    for r in rules:
+        m = r.match(name)
+        if m is not None:
+            return r, m
+    return None, None
+
+
+def _plan(model: torch.nn.Module, path: Path, rules: list[Rule], ignore: list[str]) -> _Plan:
+    params = dict(model.named_parameters())
+    ignore_re = [re.compile(p) for p in ignore]
+    plan = _Plan()
+    covered: dict[str, int] = {n: 0 for n in params}
+    for file in checkpoint_files(path):
+        for name, (shape, dtype) in read_header(file).items():
+            rule, m = _first_match(rules, name)
+            target = rule.param_name(m) if rule else None
+            if target not in params:
+                if not any(r.fullmatch(name) for r in ignore_re):
+                    plan.unexpected.append(f"{name} (in {file.name})")
+                continue
+            param = params[target]
+            view = rule.view(param, m)
+            got = tuple(rule.transform(torch.empty(shape, dtype=dtype, device="meta")).shape)
+            if got != tuple(view.shape):
+                plan.problems.append(
+                    f"{file}: tensor {name!r} has shape {shape}, the model built from config.json expects "
+                    f"{tuple(view.shape)} for {target}")
+                continue
+            if dtype.is_floating_point != param.dtype.is_floating_point:
+                plan.problems.append(f"{file}: tensor {name!r} has dtype {dtype}, {target} is {param.dtype}")
+                continue
+            covered[target] += view.numel()
+            plan.assignments.append((file, name, rule, m, target))
+    missing = [n for n, c in covered.items() if c < params[n].numel()]
     if missing:
-        problems.append(f"tensors the model needs are missing from the checkpoint: {missing}")
-    if unexpected and strict:
-        problems.append(f"tensors in the checkpoint that the model does not use: {unexpected}")
+        plan.problems.append(f"tensors the model needs are missing from the checkpoint: {missing}")
+    return plan
+
+
+def check_headers(model: torch.nn.Module, path: str | Path, rules: list[Rule], ignore: list[str] = ()) -> list[str]:
+    """Every mismatch between the checkpoint's tensors (names, shapes, dtypes) and the model, from headers only.
+    ``model`` may live on the meta device."""
+    plan = _plan(model, Path(path), rules, list(ignore))
+    extra = [f"tensors in the checkpoint that the model does not use: {plan.unexpected}"] if plan.unexpected else []
+    return plan.problems + extra
+
+
+def load_weights(model: torch.nn.Module, path: str | Path, rules: list[Rule], ignore: list[str] = (),
+                 strict: bool = True, progress: bool | None = None) -> None:
+    path = Path(path)
+    plan = _plan(model, path, rules, list(ignore))
+    problems = list(plan.problems)
+    if plan.unexpected and strict:
+        problems.append(f"tensors in the checkpoint that the model does not use: {plan.unexpected}")
     if problems:
         raise CheckpointError(f"{path}: " + "; ".join(problems))
+    params = dict(model.named_parameters())
+    show = progress if progress is not None else len(plan.assignments) > 200
+    handles: dict[Path, object] = {}
+    with torch.no_grad():
+        for file, name, rule, m, target in tqdm(plan.assignments, desc=f"loading {path.name}", unit="tensor", disable=not show):
+            if file not in handles:
+                handles[file] = safe_open(str(file), framework="pt", device="cpu")
+            try:
+                t = handles[file].get_tensor(name)
+            except Exception as e:  # safetensors raises its own error types for damaged data
+                raise CheckpointError(f"{file}: tensor {name!r} cannot be read ({e}); the file may be truncated") from e
+            param = params[target]
+            rule.view(param, m).copy_(rule.transform(t).to(param.dtype))

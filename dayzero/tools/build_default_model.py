@@ -61,7 +61,7 @@ def build_checkpoint(path: str | Path, config: dict | HybridConfig, seed: int = 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg = config if isinstance(config, HybridConfig) else HybridConfig.from_dict(config)
-    model = init_random_weights(build_model(cfg, torch.float32, "cpu"), seed)
+    model = init_random_weights(build_model(cfg.to_spec(), torch.float32, "cpu"), seed)
     tensors = {}
     for name, p in model.state_dict().items():
         if cfg.tie_word_embeddings and name == "lm_head.weight":

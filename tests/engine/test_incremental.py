@@ -33,11 +33,12 @@ def engine(tiny_ckpt):
 @pytest.mark.parametrize("chunk", [1, 7, 40], ids=lambda c: f"chunk{c}")
 def test_incremental_equals_full(engine, chunk):
     cfg = engine.model_config
-    assert set(cfg.layer_types) == {"kda", "dsa", "gqa"} and cfg.n_routed_experts > 0
+    assert set(cfg.layer_types) == {"kda", "dsa", "gqa"} and "moe" in {l.mlp_kind for l in cfg.layers}
+    topk = next(l.attn.indexer.topk for l in cfg.layers if l.attn_kind == "dsa")
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (52,), generator=g).tolist()
     prompt_len = 40  # > index_topk (8): the DSA layers attend sparsely
-    assert prompt_len > cfg.index_topk
+    assert prompt_len > topk
     full = run_chunks(engine, tokens, [len(tokens)])
     chunks = [chunk] * (prompt_len // chunk) + ([prompt_len % chunk] if prompt_len % chunk else [])
     inc = run_chunks(engine, tokens, chunks + [1] * (len(tokens) - prompt_len))

@@ -11,8 +11,8 @@ from tests.conftest import tiny_config
 
 
 def _per_token_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
-    cfg = moe.cfg
-    E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
+    cfg = moe.spec
+    I = cfg.intermediate_size
     out = []
     for t in range(x.shape[0]):
         xt = x[t].double()
@@ -23,7 +23,7 @@ def _per_token_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
         keep = gscore.topk(cfg.topk_group).indices
         masked = torch.full_like(groups, float("-inf"))
         masked[keep] = groups[keep]
-        ids = masked.flatten().topk(cfg.num_experts_per_tok).indices
+        ids = masked.flatten().topk(cfg.top_k).indices
         w = s[ids] / s[ids].sum()
         z = moe.fc1_latent_proj.weight.double() @ xt  # [L]: routing read x, experts read z
         u = torch.zeros_like(z)
@@ -31,10 +31,10 @@ def _per_token_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
             gate, up = (moe.w1[e].double() @ z).split(I)
             u += we * (moe.w2[e].double() @ (torch.nn.functional.silu(gate) * up))
         if moe.latent_norm is not None:
-            u = u * torch.rsqrt(u.pow(2).mean() + cfg.rms_norm_eps) * moe.latent_norm.weight.double()
+            u = u * torch.rsqrt(u.pow(2).mean() + 1e-6) * moe.latent_norm.weight.double()
         y = cfg.routed_scaling_factor * (moe.fc2_latent_proj.weight.double() @ u)
         sh = moe.shared_experts
-        gate, up = (sh.gate_up_proj.weight.double() @ xt).split(cfg.n_shared_experts * I)
+        gate, up = (sh.gate_up_proj.weight.double() @ xt).split(cfg.shared_intermediate_size)
         y = y + sh.down_proj.weight.double() @ (torch.nn.functional.silu(gate) * up)
         out.append(y)
     return torch.stack(out)
@@ -42,10 +42,11 @@ def _per_token_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("latent_norm", [False, True], ids=["latent", "latent-norm"])
 def test_latent_moe_equals_definition(latent_norm):
-    cfg = HybridConfig.from_dict(tiny_config(moe_latent_norm=latent_norm))
-    assert cfg.moe_latent_size != cfg.hidden_size and cfg.moe_latent_size != cfg.moe_intermediate_size
-    moe = init_random_weights(MoE(cfg).float(), seed=3, std=0.2)
-    x = torch.randn(11, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    m = HybridConfig.from_dict(tiny_config(moe_latent_norm=latent_norm)).to_spec()
+    spec = m.layers[-1].mlp
+    assert spec.latent_size not in (m.hidden_size, spec.intermediate_size)
+    moe = init_random_weights(MoE(m.hidden_size, spec).float(), seed=3, std=0.2)
+    x = torch.randn(11, m.hidden_size, generator=torch.Generator().manual_seed(0))
     got = moe(x)
     ref = _per_token_reference(moe, x).float()
     rel = ((got - ref).norm() / ref.norm()).item()
@@ -53,9 +54,10 @@ def test_latent_moe_equals_definition(latent_norm):
 
 
 def test_plain_moe_without_latent_runs_at_full_width():
-    cfg = HybridConfig.from_dict(tiny_config(moe_latent_size=None, router="softmax", n_group=1, topk_group=1))
-    moe = init_random_weights(MoE(cfg).float(), seed=4)
-    assert moe.w1.shape == (cfg.n_routed_experts, 2 * cfg.moe_intermediate_size, cfg.hidden_size)
+    m = HybridConfig.from_dict(tiny_config(moe_latent_size=None, router="softmax", n_group=1, topk_group=1)).to_spec()
+    spec = m.layers[-1].mlp
+    moe = init_random_weights(MoE(m.hidden_size, spec).float(), seed=4)
+    assert moe.w1.shape == (spec.n_experts, 2 * spec.intermediate_size, m.hidden_size)
     assert moe.e_score_correction_bias is None and not hasattr(moe, "fc1_latent_proj")
-    x = torch.randn(5, cfg.hidden_size)
+    x = torch.randn(5, m.hidden_size)
     assert moe(x).shape == x.shape

@@ -1,4 +1,9 @@
-"""Dense grouped-query attention with NeoX RoPE over paged K/V caches."""
+"""Dense grouped-query attention over paged K/V caches.
+
+Covers the dense-attention variants of the supported families: q/k/v biases (gpt-oss), per-head q/k
+RMSNorm (Qwen3), partial NeoX RoPE, sliding windows and attention sinks (gpt-oss), and the Qwen3-Next
+output gate, whose q_proj emits ``[q | gate]`` per head (ARCHITECTURE.md 2.3).
+"""
 from __future__ import annotations
 
 import torch
@@ -6,33 +11,47 @@ from torch import nn
 
 from dayzero import ops
 from dayzero.cache.spec import PagedSpec
-from dayzero.config.model_config import HybridConfig
+from dayzero.config.spec import GQASpec
 from dayzero.layers.attention.base import CachedLayer
+from dayzero.layers.norm import RMSNorm
 from dayzero.layers.rotary import RotaryEmbedding
 
 
 class GQAAttention(CachedLayer):
-    def __init__(self, cfg: HybridConfig):
+    def __init__(self, hidden: int, spec: GQASpec, eps: float = 1e-6, norm_offset: bool = False):
         super().__init__()
-        D, self.H, self.Hkv, self.Dh = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(D, self.H * self.Dh, bias=False)
-        self.k_proj = nn.Linear(D, self.Hkv * self.Dh, bias=False)
-        self.v_proj = nn.Linear(D, self.Hkv * self.Dh, bias=False)
-        self.o_proj = nn.Linear(self.H * self.Dh, D, bias=False)
-        self.rotary = RotaryEmbedding(self.Dh, cfg.rope_theta, cfg.rope_scaling)
-        self.scale = self.Dh**-0.5
-        self.window = cfg.sliding_window
+        self.spec = spec
+        self.H, self.Hkv, self.Dh = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        q_rows = self.H * self.Dh * (2 if spec.output_gate == "q_interleaved" else 1)
+        self.q_proj = nn.Linear(hidden, q_rows, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.Hkv * self.Dh, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.Hkv * self.Dh, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(self.H * self.Dh, hidden, bias=spec.o_bias)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(self.Dh, eps, offset=norm_offset)
+            self.k_norm = RMSNorm(self.Dh, eps, offset=norm_offset)
+        self.sinks = nn.Parameter(torch.zeros(self.H, dtype=torch.float32)) if spec.sinks else None
+        self.rotary = RotaryEmbedding(spec.rope) if spec.rope is not None else None
+        self.scale = spec.scale if spec.scale is not None else self.Dh**-0.5
 
     def cache_spec(self, dtype):
         row = ((self.Hkv, self.Dh), dtype)
         return PagedSpec({"k": row, "v": row})
 
     def forward(self, x: torch.Tensor, batch) -> torch.Tensor:
-        T = x.shape[0]
-        cos, sin = self.rotary.cos_sin(batch.positions)
-        q = self.rotary(self.q_proj(x).view(T, self.H, self.Dh), cos, sin)  # [T, H, Dh]
-        k = self.rotary(self.k_proj(x).view(T, self.Hkv, self.Dh), cos, sin)  # [T, Hkv, Dh]
-        v = self.v_proj(x).view(T, self.Hkv, self.Dh)
+        T, H, Dh = x.shape[0], self.H, self.Dh
+        q = self.q_proj(x)
+        gate = None
+        if self.spec.output_gate == "q_interleaved":
+            q, gate = q.view(T, H, 2 * Dh).chunk(2, dim=-1)  # per head: [q | gate]
+        q = q.reshape(T, H, Dh)
+        k = self.k_proj(x).view(T, self.Hkv, Dh)
+        v = self.v_proj(x).view(T, self.Hkv, Dh)
+        if self.spec.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rotary is not None:
+            cos, sin = self.rotary.cos_sin(batch.positions)
+            q, k = self.rotary(q, cos, sin), self.rotary(k, cos, sin)
         self.write_rows("k", batch.slot_mapping, k)
         self.write_rows("v", batch.slot_mapping, v)
         out = torch.empty_like(q)
@@ -40,6 +59,8 @@ class GQAAttention(CachedLayer):
             rows, slots = batch.rows(b), batch.key_slots(b)
             out[rows] = ops.call(
                 "attention", q[rows], self.read_rows("k", slots), self.read_rows("v", slots),
-                batch.positions[rows], self.scale, None, None, self.window,
+                batch.positions[rows], self.scale, None, self.sinks, self.spec.sliding_window,
             )
-        return self.o_proj(out.view(T, -1))
+        if gate is not None:
+            out = (out.float() * torch.sigmoid(gate.float())).to(out.dtype)
+        return self.o_proj(out.reshape(T, H * Dh))

@@ -12,19 +12,19 @@ from torch import nn
 
 from dayzero import ops
 from dayzero.cache.spec import StateSpec
-from dayzero.config.model_config import HybridConfig
+from dayzero.config.spec import KDASpec
 from dayzero.layers.attention.base import CachedLayer
 from dayzero.layers.norm import RMSNorm
 
 
 class KDAAttention(CachedLayer):
-    def __init__(self, cfg: HybridConfig):
+    def __init__(self, hidden: int, spec: KDASpec, eps: float = 1e-6):
         super().__init__()
-        D, self.H, self.K = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim
-        P, W = self.H * self.K, cfg.kda_conv_size
+        D, self.H, self.K = hidden, spec.num_heads, spec.head_dim
+        P, W = self.H * self.K, spec.conv_size
         self.P, self.W = P, W
-        self.lower_bound = cfg.kda_gate_lower_bound
-        self.eps = cfg.rms_norm_eps
+        self.lower_bound = spec.gate_lower_bound
+        self.eps = eps
         self.q_proj = nn.Linear(D, P, bias=False)
         self.k_proj = nn.Linear(D, P, bias=False)
         self.v_proj = nn.Linear(D, P, bias=False)
@@ -39,7 +39,7 @@ class KDAAttention(CachedLayer):
         self.dt_bias = nn.Parameter(torch.zeros(P, dtype=torch.float32))
         self.g_a_proj = nn.Linear(D, self.K, bias=False)
         self.g_b_proj = nn.Linear(self.K, P, bias=False)
-        self.o_norm = RMSNorm(self.K, cfg.rms_norm_eps)  # per-head gated norm over V
+        self.o_norm = RMSNorm(self.K, eps)  # per-head gated norm over V
         self.o_proj = nn.Linear(P, D, bias=False)
 
     def cache_spec(self, dtype):

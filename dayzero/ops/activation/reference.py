@@ -26,3 +26,14 @@ def relu2(x: torch.Tensor) -> torch.Tensor:
     """Squared ReLU ``ReLU(x)^2`` (Nemotron-H experts, non-gated)."""
     # x: [..., I] -> [..., I]
     return torch.relu(x.float()).square().to(x.dtype)
+
+
+@register("swiglu_oai")
+def swiglu_oai(x: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """gpt-oss SwiGLU on ``x = [gate | up]``: ``gate=min(gate, limit)``, ``up=clamp(up, ±limit)``,
+    ``out = gate·σ(alpha·gate)·(up + 1)`` (ARCHITECTURE.md 4; the checkpoint interleaves gate/up rows,
+    the loader de-interleaves them into halves)."""
+    gate, up = x.float().chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(-limit, limit)
+    return (gate * torch.sigmoid(alpha * gate) * (up + 1)).to(x.dtype)

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import torch
 
-from dayzero.ops.activation.reference import relu2, silu_and_mul
+from dayzero.ops.activation.reference import relu2, silu_and_mul, swiglu_oai
 from dayzero.ops.registry import register
 
 # activation name -> (function on the w1 output, rows of w1 per intermediate channel)
 _ACTIVATIONS = {
     "silu": (silu_and_mul, 2),  # w1 = [gate; up], gated
     "relu2": (relu2, 1),        # w1 = up only (Nemotron-H / LatentMoE experts)
+    "swiglu_oai": (swiglu_oai, 2),  # gpt-oss: w1 = [gate; up], clamped SwiGLU
 }
 
 
@@ -29,10 +30,14 @@ def _activation(name: str, w1: torch.Tensor, w2: torch.Tensor):
     return fn
 
 
-def _mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, act) -> torch.Tensor:
-    """One expert or dense MLP in fp32: ``w2 · act(w1 · x)``."""
+def _mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, act, b1=None, b2=None) -> torch.Tensor:
+    """One expert or dense MLP in fp32: ``w2 · act(w1 · x + b1) + b2``."""
     # x: [N, D] fp32; w1: [r*I, D]; w2: [D, I] -> [N, D] fp32
-    return act(x @ w1.float().t()) @ w2.float().t()
+    h = x @ w1.float().t()
+    if b1 is not None:
+        h = h + b1.float()
+    y = act(h) @ w2.float().t()
+    return y if b2 is None else y + b2.float()
 
 
 @register("moe_route")
@@ -79,6 +84,12 @@ def route(logits: torch.Tensor, top_k: int, kind: str = "sigmoid",
         weights = scores.gather(1, ids)  # unbiased: the bias only steers selection
         if norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    elif kind == "softmax_topk":
+        # gpt-oss: top-k of the raw logits, softmax over the chosen k only
+        if correction_bias is not None or n_group != 1:
+            raise ValueError("softmax_topk routing takes no correction_bias and no expert groups")
+        top, ids = logits.topk(top_k, dim=-1)  # [T, k]
+        weights = top.softmax(dim=-1)
     elif kind == "softmax":
         if correction_bias is not None or n_group != 1:
             raise ValueError("softmax routing takes no correction_bias and no expert groups")
@@ -87,13 +98,14 @@ def route(logits: torch.Tensor, top_k: int, kind: str = "sigmoid",
         if norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
     else:
-        raise ValueError(f"unknown routing kind {kind!r}; expected 'sigmoid' or 'softmax'")
+        raise ValueError(f"unknown routing kind {kind!r}; expected 'sigmoid', 'softmax' or 'softmax_topk'")
     return weights * routed_scaling_factor, ids
 
 
 @register("moe_experts")
 def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                    w1: torch.Tensor, w2: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+                    w1: torch.Tensor, w2: torch.Tensor, activation: str = "silu",
+                    b1: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> torch.Tensor:
     """Routed experts: ``y_t = sum_j weights[t, j] * Expert_{ids[t, j]}(x_t)``.
 
     The (token, slot) pairs are sorted by expert so that each expert's rows are one contiguous
@@ -120,7 +132,8 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     ys = torch.empty(T * k, D, dtype=torch.float32, device=x.device)  # [T*k, D]
     for e, (start, n) in enumerate(zip(starts.tolist(), counts.tolist())):
         if n:
-            ys[start:start + n] = _mlp(xs[start:start + n], w1[e], w2[e], act)
+            ys[start:start + n] = _mlp(xs[start:start + n], w1[e], w2[e], act,
+                                       None if b1 is None else b1[e], None if b2 is None else b2[e])
 
     # fp32 accumulation of the k weighted expert outputs per token
     ws = weights.reshape(-1).float()[order]  # [T*k]

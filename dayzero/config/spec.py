@@ -1,0 +1,183 @@
+"""The per-layer model spec every architecture is built from.
+
+Native configs (``dayzero_hybrid``) and Hugging Face adapters both produce a :class:`ModelSpec`: one
+:class:`LayerSpec` per layer, each naming an attention (or mixer) spec and an MLP spec. The layer library
+builds modules from these specs alone, so a new architecture is an adapter that maps its config onto
+them, plus a checkpoint name table.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """YaRN parameters; None on a spec means plain RoPE."""
+
+    factor: float = 1.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    dim: int  # rotated dims (partial rotary rotates the first ``dim`` of a head)
+    theta: float = 10000.0
+    scaling: RopeScaling | None = None
+    interleaved: bool = False  # complex pairs (x0,x1),(x2,x3).. instead of NeoX halves
+
+
+@dataclass(frozen=True)
+class GQASpec:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope: RopeSpec | None
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: str | None = None  # "rms": per-head RMSNorm on q and k before RoPE
+    sliding_window: int | None = None
+    sinks: bool = False  # per-head learned logit added to the softmax denominator
+    output_gate: str | None = None  # "q_interleaved": q_proj emits [q | gate] per head, out *= sigmoid(gate)
+    scale: float | None = None
+    kind: str = "gqa"
+
+
+@dataclass(frozen=True)
+class IndexerSpec:
+    n_heads: int
+    head_dim: int
+    topk: int
+    rope: RopeSpec  # applied to the first ``rope.dim`` dims of q and k (NeoX, the fixed V3.2 layout)
+    q_from_latent: bool = True  # wq_b reads the normalised q latent (c_q), else x
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    num_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope: RopeSpec | None
+    scale: float
+    bias: bool = False  # attention_bias on q_a / kv_a / o projections
+    indexer: IndexerSpec | None = None  # set: DSA (sparse top-k attention)
+    output_gate: bool = False  # sigmoid gate on the per-head output, from its own projection of x
+    kind: str = "mla"
+
+    @property
+    def layer_kind(self) -> str:
+        return "dsa" if self.indexer is not None else "mla"
+
+
+@dataclass(frozen=True)
+class KDASpec:
+    num_heads: int
+    head_dim: int
+    conv_size: int = 4
+    gate_lower_bound: float | None = None
+    kind: str = "kda"
+
+
+@dataclass(frozen=True)
+class MLPSpec:
+    intermediate_size: int
+    activation: str = "silu"  # "silu" (gated), "relu2" (not gated)
+    bias: bool = False
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    n_experts: int
+    top_k: int
+    intermediate_size: int
+    router: str = "sigmoid"  # "sigmoid" | "softmax" | "softmax_topk" (top-k on logits, softmax over the chosen)
+    correction_bias: bool = True
+    router_bias: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    activation: str = "silu"  # "silu" | "relu2" | "swiglu_oai"
+    expert_bias: bool = False
+    n_shared: int = 0
+    shared_intermediate_size: int = 0
+    shared_gate: bool = False  # shared expert output scaled by sigmoid(shared_expert_gate x)
+    latent_size: int | None = None
+    latent_norm: bool = False
+
+
+AttnSpec = GQASpec | MLASpec | KDASpec
+MlpSpec = MLPSpec | MoESpec
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    index: int
+    attn: AttnSpec | None
+    mlp: MlpSpec | None
+
+    @property
+    def attn_kind(self) -> str | None:
+        if self.attn is None:
+            return None
+        return self.attn.layer_kind if isinstance(self.attn, MLASpec) else self.attn.kind
+
+    @property
+    def mlp_kind(self) -> str | None:
+        return None if self.mlp is None else ("moe" if isinstance(self.mlp, MoESpec) else "dense")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    layers: tuple[LayerSpec, ...]
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    norm_offset: bool = False  # RMSNorm weights stored zero-centred: y = norm(x) * (1 + w)
+    tie_word_embeddings: bool = False
+    torch_dtype: str = "bfloat16"
+    eos_token_id: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def layer_types(self) -> tuple[str | None, ...]:
+        return tuple(l.attn_kind for l in self.layers)
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        return self.eos_token_id
+
+    @property
+    def dtype(self) -> torch.dtype:
+        from dayzero.config.model_config import DTYPES
+
+        return DTYPES.get(self.torch_dtype, torch.bfloat16)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def softmax_scale(head_dim: int, scaling: RopeScaling | None) -> float:
+    """1/sqrt(d), times mscale² when YaRN sets ``mscale_all_dim`` (the HF convention, ARCHITECTURE.md 2.1)."""
+    scale = head_dim**-0.5
+    if scaling is not None and scaling.mscale_all_dim:
+        scale *= yarn_mscale(scaling.factor, scaling.mscale_all_dim) ** 2
+    return scale

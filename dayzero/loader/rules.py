@@ -1,0 +1,89 @@
+"""Declarative checkpoint name tables: one :class:`Rule` per family of checkpoint tensors.
+
+A rule matches a checkpoint name (a full regex match), names the parameter it feeds (``target``, a
+template over the match's groups, ``{0}``, ``{1}``...), picks the part of that parameter it fills
+(``view``: the whole parameter, one expert's slice, the gate or up half...) and says how the stored
+tensor becomes that part (``transform``: transpose, reshape, de-interleave). Every parameter's loading
+rule lives here, so the same table drives loading, header-only structure checks, and later sharding.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+View = Callable[[torch.Tensor, re.Match], torch.Tensor]
+Transform = Callable[[torch.Tensor], torch.Tensor]
+
+
+def whole(p: torch.Tensor, m: re.Match) -> torch.Tensor:
+    return p
+
+
+def same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+@dataclass(frozen=True)
+class Rule:
+    pattern: str
+    target: str
+    view: View = whole
+    transform: Transform = same
+    regex: re.Pattern = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "regex", re.compile(self.pattern))
+
+    def match(self, name: str) -> re.Match | None:
+        return self.regex.fullmatch(name)
+
+    def param_name(self, m: re.Match) -> str:
+        return self.target.format(*m.groups())
+
+
+# --- views: which part of a parameter a checkpoint tensor fills ---------------------------------------
+def expert(group: int = 2) -> View:
+    """``p[e]`` for stacked expert weights; ``e`` is the regex group number ``group`` (1-based)."""
+    return lambda p, m: p[int(m.group(group))]
+
+
+def rows(part: int, parts: int, expert_group: int | None = None) -> View:
+    """The ``part``-th of ``parts`` equal row blocks (e.g. gate = 0, up = 1 of a fused [gate; up])."""
+
+    def view(p, m):
+        if expert_group is not None:
+            p = p[int(m.group(expert_group))]
+        n = p.shape[-2] // parts if p.dim() > 1 else p.shape[0] // parts
+        return p.narrow(p.dim() - 2 if p.dim() > 1 else 0, part * n, n)
+
+    return view
+
+
+def cols_of_rows(part: int, parts: int) -> View:
+    """For biases stacked [E, 2I]: the ``part``-th half along the last dim."""
+    return lambda p, m: p.narrow(-1, part * (p.shape[-1] // parts), p.shape[-1] // parts)
+
+
+# --- transforms ----------------------------------------------------------------------------------------
+def transpose_last2(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(-1, -2)
+
+
+def deinterleave_rows(t: torch.Tensor) -> torch.Tensor:
+    """[.., 2I, D] with gate/up rows alternating (even = gate) -> [.., 2I, D] as [gate; up]."""
+    return torch.cat((t[..., 0::2, :], t[..., 1::2, :]), dim=-2)
+
+
+def deinterleave_last(t: torch.Tensor) -> torch.Tensor:
+    """[.., 2I] alternating -> [gate; up] (biases)."""
+    return torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1)
+
+
+
+
+def identity_rules() -> list[Rule]:
+    """Checkpoint names equal parameter names (the native format)."""
+    return [Rule(r"(.+)", "{0}")]

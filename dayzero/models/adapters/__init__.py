@@ -1,0 +1,1 @@
+"""Hugging Face architectures: one short module per family; importing registers them."""

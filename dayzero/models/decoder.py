@@ -1,0 +1,93 @@
+"""The decoder every architecture runs as: embeddings, one block per :class:`LayerSpec`, final norm, LM head.
+
+Each layer's attention (or mixer) and MLP kind is fixed when the model is built; ``forward`` takes the
+flat batch of one engine step and returns the hidden states of every scheduled token. A layer may have
+only a mixer or only an MLP (Nemotron-H alternates them), in which case it has one norm.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dayzero.config.spec import GQASpec, KDASpec, LayerSpec, MLASpec, MLPSpec, ModelSpec, MoESpec
+from dayzero.layers.attention.dsa import MLAAttention
+from dayzero.layers.attention.gqa import GQAAttention
+from dayzero.layers.attention.kda import KDAAttention
+from dayzero.layers.mlp import MLP
+from dayzero.layers.moe import MoE
+from dayzero.layers.norm import RMSNorm
+
+# spec type -> builder(hidden, spec, model spec); adapters register new mixer kinds here
+MIXERS = {
+    GQASpec: lambda D, s, m: GQAAttention(D, s, m.rms_norm_eps, m.norm_offset),
+    MLASpec: lambda D, s, m: MLAAttention(D, s, m.rms_norm_eps),
+    KDASpec: lambda D, s, m: KDAAttention(D, s, m.rms_norm_eps),
+}
+MLPS = {
+    MLPSpec: lambda D, s, m: MLP(D, s),
+    MoESpec: lambda D, s, m: MoE(D, s, m.rms_norm_eps),
+}
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, m: ModelSpec, spec: LayerSpec):
+        super().__init__()
+        D, eps, off = m.hidden_size, m.rms_norm_eps, m.norm_offset
+        self.spec = spec
+        if spec.attn is not None:
+            self.input_layernorm = RMSNorm(D, eps, off)
+            self.self_attn = MIXERS[type(spec.attn)](D, spec.attn, m)
+        if spec.mlp is not None:
+            self.post_attention_layernorm = RMSNorm(D, eps, off)
+            self.mlp = MLPS[type(spec.mlp)](D, spec.mlp, m)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch):
+        if self.spec.attn is not None:
+            x, residual = self._norm(self.input_layernorm, x, residual)
+            x = self.self_attn(x, batch)
+        if self.spec.mlp is not None:
+            x, residual = self._norm(self.post_attention_layernorm, x, residual)
+            x = self.mlp(x)
+        return x, residual
+
+    @staticmethod
+    def _norm(norm, x, residual):
+        if residual is None:
+            return norm(x), x
+        return norm(x, residual)
+
+
+class Backbone(nn.Module):
+    def __init__(self, m: ModelSpec):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(m.vocab_size, m.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(m, spec) for spec in m.layers)
+        self.norm = RMSNorm(m.hidden_size, m.rms_norm_eps, m.norm_offset)
+
+    def forward(self, batch) -> torch.Tensor:
+        x, residual = self.embed_tokens(batch.input_ids), None  # [T, D]
+        for layer in self.layers:
+            x, residual = layer(x, residual, batch)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class CausalLM(nn.Module):
+    def __init__(self, m: ModelSpec):
+        super().__init__()
+        self.config = m
+        self.model = Backbone(m)
+        self.lm_head = nn.Linear(m.hidden_size, m.vocab_size, bias=False)
+        if m.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, batch) -> torch.Tensor:
+        return self.model(batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [S, D] -> [S, vocab] fp32 (lm_head used in fp32, as the references do)
+        return torch.nn.functional.linear(hidden.float(), self.lm_head.weight.float())
+
+    def cached_layers(self):
+        """(layer index, mixer module) of every layer that keeps a cache."""
+        return [(i, layer.self_attn) for i, layer in enumerate(self.model.layers) if hasattr(layer, "self_attn")]
