@@ -1,0 +1,61 @@
+"""DeepSeek-V3 (MLA + sigmoid/group-limited MoE with shared experts) and its DSA successors
+(DeepSeek-V3.2 and GLM-MoE-DSA: the same blocks plus the lightning indexer)."""
+from __future__ import annotations
+
+from dayzero.config.spec import IndexerSpec, LayerSpec, MLASpec, ModelSpec, MoESpec, softmax_scale
+from dayzero.models.adapters.common import (
+    attn_rules, base_rules, dense_mlp_spec, dtype_of, eos_of, get, moe_layer_rules, rope_spec,
+)
+from dayzero.models.registry import Adapter, register
+
+
+def _moe(raw: dict) -> MoESpec:
+    n_shared = raw.get("n_shared_experts") or 0
+    return MoESpec(
+        get(raw, "n_routed_experts", "num_local_experts"), raw["num_experts_per_tok"], raw["moe_intermediate_size"],
+        router="sigmoid", correction_bias=True, n_group=raw.get("n_group") or 1, topk_group=raw.get("topk_group") or 1,
+        norm_topk_prob=raw.get("norm_topk_prob", True), routed_scaling_factor=raw.get("routed_scaling_factor", 1.0),
+        n_shared=n_shared, shared_intermediate_size=n_shared * raw["moe_intermediate_size"],
+    )
+
+
+def _is_moe(raw: dict, i: int) -> bool:
+    return i >= raw.get("first_k_dense_replace", 0) and i % raw.get("moe_layer_freq", 1) == 0
+
+
+def _mla(raw: dict, indexed: bool) -> MLASpec:
+    nope, rope_dim = raw["qk_nope_head_dim"], raw["qk_rope_head_dim"]
+    rope = rope_spec(raw, rope_dim, interleaved=raw.get("rope_interleave", True), dim=rope_dim)
+    indexer = None
+    if indexed:
+        indexer = IndexerSpec(raw["index_n_heads"], raw["index_head_dim"], raw["index_topk"],
+                              rope_spec(raw, rope_dim, interleaved=False, dim=rope_dim))
+    return MLASpec(
+        raw["num_attention_heads"], raw.get("q_lora_rank"), raw["kv_lora_rank"], nope, rope_dim, raw["v_head_dim"],
+        rope=rope, scale=softmax_scale(nope + rope_dim, rope.scaling), bias=raw.get("attention_bias", False),
+        indexer=indexer,
+    )
+
+
+def deepseek_spec(raw: dict, indexed: bool = False) -> ModelSpec:
+    attn = _mla(raw, indexed)
+    layers = tuple(
+        LayerSpec(i, attn, _moe(raw) if _is_moe(raw, i) else dense_mlp_spec(raw))
+        for i in range(raw["num_hidden_layers"])
+    )
+    return ModelSpec(
+        raw["model_type"], raw["vocab_size"], raw["hidden_size"], layers, raw["max_position_embeddings"],
+        raw.get("rms_norm_eps", 1e-6), tie_word_embeddings=raw.get("tie_word_embeddings", False),
+        torch_dtype=dtype_of(raw), eos_token_id=eos_of(raw), bos_token_id=raw.get("bos_token_id"),
+    )
+
+
+def deepseek_rules(spec: ModelSpec):
+    return base_rules() + moe_layer_rules() + attn_rules()
+
+
+register(Adapter(
+    "deepseek_v3", deepseek_spec, deepseek_rules,
+    # multi-token-prediction layers past num_hidden_layers are for speculative decoding, not loaded yet
+    notes="MLA + sigmoid group-limited MoE + shared experts",
+))
