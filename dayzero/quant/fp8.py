@@ -1,0 +1,32 @@
+"""FP8 E4M3: block-scaled weights as DeepSeek-V3 stores them (``weight_scale_inv`` per 128×128 tile,
+ARCHITECTURE.md 4) and per-block scaled copies for the expert workspace."""
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+TILE = 128
+
+
+def quantize_fp8_blocks(w: torch.Tensor, tile: int = TILE) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (w8 e4m3 [N, K], scale_inv fp32 [ceil(N/tile), ceil(K/tile)]) with w ≈ w8 · scale_inv
+    per tile (edge tiles zero-padded for the amax)."""
+    N, K = w.shape[-2:]
+    nb, kb = -(-N // tile), -(-K // tile)
+    padded = torch.zeros(*w.shape[:-2], nb * tile, kb * tile, dtype=torch.float32, device=w.device)
+    padded[..., :N, :K] = w.float()
+    tiles = padded.unflatten(-2, (nb, tile)).unflatten(-1, (kb, tile))  # [.., nb, tile, kb, tile]
+    amax = tiles.abs().amax(dim=(-3, -1))  # [.., nb, kb]
+    scale = (amax / FP8_MAX).clamp(min=1e-12)
+    q = (tiles / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
+    w8 = q.flatten(-4, -3).flatten(-2, -1)[..., :N, :K].to(FP8)
+    return w8.contiguous(), scale
+
+
+def dequantize_fp8_blocks(w8: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+                          tile: int = TILE) -> torch.Tensor:
+    """``W[n, k] = W8[n, k] · S[n // tile, k // tile]``."""
+    N, K = w8.shape[-2:]
+    s = scale_inv.float().repeat_interleave(tile, dim=-2).repeat_interleave(tile, dim=-1)[..., :N, :K]
+    return (w8.float() * s).to(dtype)

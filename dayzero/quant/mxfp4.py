@@ -1,0 +1,60 @@
+"""MXFP4 (OCP Microscaling v1.0, ARCHITECTURE.md 4): 32 consecutive elements along the reduction dim share
+one E8M0 scale; each element is an E2M1 code. Packed as gpt-oss stores it: ``blocks`` uint8 [..., K/32, 16]
+(element 2j in the low nibble of byte j, 2j+1 in the high nibble) and ``scales`` uint8 [..., K/32]
+(value 2^(e-127); 0xFF is NaN). 4.25 bits per weight.
+"""
+from __future__ import annotations
+
+import torch
+
+BLOCK = 32
+E8M0_NAN = 0xFF
+# E2M1 code -> value; codes 8..15 are the negatives (8 is -0)
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_MAGNITUDES = torch.tensor(FP4_VALUES[:8])
+_EMAX_ELEM = 2  # exponent of the largest E2M1 value (6 = 1.5 * 2^2)
+
+
+def _round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """Codes 0..15 of the E2M1 values nearest to x (already divided by the scale), ties to even code,
+    saturating at ±6."""
+    mag = x.abs().clamp(max=6.0)
+    grid = _MAGNITUDES.to(x.device)
+    hi = torch.searchsorted(grid, mag.contiguous(), right=False).clamp(max=7)  # first grid value >= mag
+    lo = (hi - 1).clamp(min=0)
+    d_lo, d_hi = mag - grid[lo], grid[hi] - mag
+    pick_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0))
+    code = torch.where(pick_hi, hi, lo)
+    return code + 8 * (x < 0).to(code.dtype) * (code > 0).to(code.dtype)
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., K] (K a multiple of 32) -> (blocks uint8 [..., K/32, 16], scales uint8 [..., K/32]).
+
+    OCP reference: X = 2^(floor(log2(amax)) - emax_elem), elements RNE(v / X) saturated to ±6."""
+    if w.shape[-1] % BLOCK:
+        raise ValueError(f"MXFP4 needs the last dim to be a multiple of {BLOCK}, got {tuple(w.shape)}")
+    x = w.float().reshape(*w.shape[:-1], w.shape[-1] // BLOCK, BLOCK)  # [..., G, 32]
+    amax = x.abs().amax(-1)
+    exp = torch.floor(torch.log2(amax.clamp(min=2.0**-127))) - _EMAX_ELEM
+    exp = exp.clamp(-127, 127)
+    scales = (exp + 127).to(torch.uint8)  # [..., G]
+    codes = _round_to_e2m1(x / torch.exp2(exp)[..., None]).to(torch.uint8)  # [..., G, 32]
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)  # [..., G, 16]
+    return blocks.contiguous(), scales.contiguous()
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """(blocks [..., G, 16], scales [..., G]) -> [..., G*32] in ``dtype``. A 0xFF scale gives NaN (OCP)."""
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
+    lo, hi = lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]  # [..., G, 16] each
+    vals = torch.stack((lo, hi), dim=-1).flatten(-2)  # [..., G, 32]: element 2j low nibble, 2j+1 high
+    e = scales.to(torch.int32) - 127
+    out = torch.ldexp(vals, e[..., None])
+    out = torch.where((scales == E8M0_NAN)[..., None], torch.full_like(out, float("nan")), out)
+    return out.flatten(-2).to(dtype)
+
+
+def packed_nbytes(numel: int) -> int:
+    """Bytes of an MXFP4 tensor of ``numel`` weights: 16 B of codes + 1 B of scale per 32 weights."""
+    return numel // BLOCK * 17
