@@ -37,6 +37,9 @@ class OpEntry:
 _OPS: dict[str, OpEntry] = {}
 _OVERRIDES: dict[str, str] = {}
 _LOGGED: set[tuple[str, str]] = set()
+# Wraps every op call while set (profilers, op tracing): hook(op, chosen, reason, fn, args, kwargs) runs
+# ``fn(*args, **kwargs)`` itself and returns its result. None (the default) costs one comparison per call.
+_HOOK: Callable | None = None
 
 
 def register(op: str, platform: str = REFERENCE, verifier=None, note: str = ""):
@@ -99,7 +102,16 @@ def call(op: str, *args, device: torch.device | str | None = None, **kwargs):
     if key not in _LOGGED:
         _LOGGED.add(key)
         log.info("op %s on %s: %s%s", op, plat, chosen, f" ({reason})" if reason else "")
+    if _HOOK is not None:
+        return _HOOK(op, chosen, reason, impl.fn, args, kwargs)
     return impl.fn(*args, **kwargs)
+
+
+def set_hook(hook: Callable | None) -> Callable | None:
+    """Install ``hook`` around every :func:`call` (None removes it); returns the hook it replaces."""
+    global _HOOK
+    prev, _HOOK = _HOOK, hook
+    return prev
 
 
 def table(platform: str) -> list[dict]:
