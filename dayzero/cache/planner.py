@@ -8,6 +8,7 @@ stops with the bytes needed, the bytes available and the settings that change ei
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -60,8 +61,9 @@ def plan_cache(
     max_num_seqs: int,
     budget_bytes: int | None,
     num_cache_blocks: int | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> CachePlan:
-    per_block = block_size * sum(s.bytes_per_token() for s in specs if isinstance(s, PagedSpec))
+    per_block = math.ceil(block_size * sum(s.bytes_per_token(kv_cache_dtype, block_size) for s in specs if isinstance(s, PagedSpec)))
     per_slot = sum(s.bytes_per_seq() for s in specs if isinstance(s, StateSpec))
     blocks_per_seq = -(-max_model_len // block_size) if per_block else 0
     if num_cache_blocks is not None:
@@ -73,7 +75,7 @@ def plan_cache(
             f"{_fmt(need_one)} ({need_one} bytes: {blocks_per_seq} blocks of {per_block} bytes + a state slot of "
             f"{per_slot} bytes), {_fmt(budget_bytes or 0)} ({budget_bytes or 0} bytes) is available. "
             f"Lower max_model_len, raise the cache memory (cache_memory_bytes / memory fraction), "
-            f"or use a smaller kv_cache_dtype"
+            f"or use a smaller kv_cache_dtype (fp8 or int8)"
         )
     slots = max_num_seqs
     spare = budget_bytes - slots * per_slot

@@ -18,7 +18,8 @@ class LLM:
 
     ``device``: "auto" (CUDA when present, else CPU) | "cpu" | "cuda"; ``dtype``: "auto" (bf16 on GPU, fp32 on
     CPU) | "bfloat16" | "float32". ``num_cache_blocks`` overrides the pool size computed from free memory;
-    ``max_num_batched_tokens`` is the per-step token budget, and so the prefill chunk size.
+    ``max_num_batched_tokens`` is the per-step token budget, and so the prefill chunk size;
+    ``kv_cache_dtype`` "fp8" or "int8" stores paged caches quantised (keys per channel, values per token).
     """
 
     def __init__(
@@ -34,11 +35,12 @@ class LLM:
         max_model_len: int | None = None,
         seed: int = 0,
         cache_memory_bytes: int | None = None,
+        kv_cache_dtype: str = "auto",
     ):
         self.engine = LLMEngine(EngineConfig(
             model=model, device=device, dtype=dtype, block_size=block_size, num_cache_blocks=num_cache_blocks,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            seed=seed, cache_memory_bytes=cache_memory_bytes,
+            seed=seed, cache_memory_bytes=cache_memory_bytes, kv_cache_dtype=kv_cache_dtype,
         ))
         self._ids = itertools.count()
 

@@ -12,17 +12,18 @@ from dayzero.engine.scheduler import ScheduledSeq
 
 
 class ModelRunner:
-    def __init__(self, model, device: torch.device, cache_dtype: torch.dtype):
+    def __init__(self, model, device: torch.device, cache_dtype: torch.dtype, kv_cache_dtype: str = "auto"):
         self.model = model
         self.device = device
         self.cache_dtype = cache_dtype
+        self.kv_cache_dtype = kv_cache_dtype
         self.layers = model.cached_layers()
         self.specs = [layer.cache_spec(cache_dtype) for _, layer in self.layers]
 
     def allocate_cache(self, plan: CachePlan) -> None:
         for (_, layer), spec in zip(self.layers, self.specs):
             count = plan.num_blocks if isinstance(spec, PagedSpec) else plan.num_slots
-            layer.bind_cache(allocate(spec, count, plan.block_size, self.device))
+            layer.bind_cache(allocate(spec, count, plan.block_size, self.device, self.kv_cache_dtype))
 
     def build_batch(self, scheduled: list[ScheduledSeq], cache: CacheManager) -> ForwardBatch:
         bs = cache.block_size

@@ -18,9 +18,14 @@ class CachedLayer(nn.Module):
         self.cache = tensors
 
     def write_rows(self, name: str, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
-        pool = self.cache[name]  # [num_blocks, block_size, *row]
-        pool.view(-1, *pool.shape[2:])[slot_mapping] = rows.to(pool.dtype)
+        pool = self.cache[name]  # [num_blocks, block_size, *row], or a quantised pool
+        if isinstance(pool, torch.Tensor):
+            pool.view(-1, *pool.shape[2:])[slot_mapping] = rows.to(pool.dtype)
+        else:
+            pool.write(slot_mapping, rows)
 
     def read_rows(self, name: str, slots: torch.Tensor) -> torch.Tensor:
         pool = self.cache[name]
-        return pool.view(-1, *pool.shape[2:])[slots]
+        if isinstance(pool, torch.Tensor):
+            return pool.view(-1, *pool.shape[2:])[slots]
+        return pool.read(slots)

@@ -36,7 +36,7 @@ class GQAAttention(CachedLayer):
 
     def cache_spec(self, dtype):
         row = ((self.Hkv, self.Dh), dtype)
-        return PagedSpec({"k": row, "v": row})
+        return PagedSpec({"k": row, "v": row}, roles={"k": "key", "v": "value"})
 
     def forward(self, x: torch.Tensor, batch) -> torch.Tensor:
         T, H, Dh = x.shape[0], self.H, self.Dh

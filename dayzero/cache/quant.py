@@ -1,0 +1,75 @@
+"""Quantised paged pools for fp8 / int8 KV caches.
+
+Value-like rows keep one scale per token row (per head); key-like rows keep one scale per channel per
+block, because key outliers live in fixed channels (KIVI). A per-channel scale covers every token of
+its block, so a write into a block re-derives the block's scale from the rows already there (dequantised)
+and the new rows, and requantises the block. Only rows before the first offset written in this step
+count as already there: stale rows left by an earlier owner of a reused block never influence a scale,
+so results do not depend on what ran before. Scales are bf16 (fp32's range, half the bytes).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+KV_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
+QMAX = {"fp8": 448.0, "int8": 127.0}
+SCALE_DTYPE = torch.bfloat16
+
+
+class QuantPagedPool:
+    def __init__(self, num_blocks: int, block_size: int, row: tuple[int, ...], kind: str, per_channel: bool,
+                 device, out_dtype: torch.dtype):
+        if kind not in QMAX:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_DTYPES)}, got {kind!r}")
+        self.kind, self.qmax, self.per_channel = kind, QMAX[kind], per_channel
+        self.block_size, self.row, self.out_dtype = block_size, tuple(row), out_dtype
+        self.data = torch.zeros((num_blocks, block_size, *row), dtype=KV_DTYPES[kind], device=device)
+        scale_shape = (num_blocks, *row) if per_channel else (num_blocks, block_size, *row[:-1])
+        self.scale = torch.zeros(scale_shape, dtype=SCALE_DTYPE, device=device)
+
+    @staticmethod
+    def bytes_per_token(row: tuple[int, ...], per_channel: bool, block_size: int) -> float:
+        n = math.prod(row)
+        scales = n / block_size if per_channel else math.prod(row[:-1])
+        return n * 1 + scales * SCALE_DTYPE.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size() + self.scale.numel() * self.scale.element_size()
+
+    def _quant(self, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        q = (x / s).clamp(-self.qmax, self.qmax)
+        return q.round().to(self.data.dtype) if self.kind == "int8" else q.to(self.data.dtype)
+
+    def _scale_of(self, amax: torch.Tensor) -> torch.Tensor:
+        # round the scale to its stored precision first, so quantising and dequantising use the same value
+        return (amax / self.qmax).clamp(min=1e-8).to(SCALE_DTYPE).float()
+
+    def write(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        rows = rows.float()
+        if not self.per_channel:
+            s = self._scale_of(rows.abs().amax(-1))  # [N, *row[:-1]]
+            self.data.view(-1, *self.row)[slots] = self._quant(rows, s[..., None])
+            self.scale.view(-1, *self.row[:-1])[slots] = s.to(SCALE_DTYPE)
+            return
+        bs = self.block_size
+        blocks, offs = slots // bs, slots % bs
+        ub, inv = torch.unique(blocks, return_inverse=True)  # [U], [N]
+        first = torch.full((ub.numel(),), bs, dtype=offs.dtype, device=offs.device).scatter_reduce(0, inv, offs, "amin")
+        old = self.data[ub].float() * self.scale[ub].float()[:, None]  # [U, bs, *row] dequantised
+        keep = torch.arange(bs, device=offs.device)[None, :] < first[:, None]  # rows written before this step
+        old = old * keep.view(*keep.shape, *([1] * len(self.row)))
+        old[inv, offs] = rows
+        s = self._scale_of(old.abs().amax(1))  # [U, *row]
+        self.data[ub] = self._quant(old, s[:, None])
+        self.scale[ub] = s.to(SCALE_DTYPE)
+
+    def read(self, slots: torch.Tensor) -> torch.Tensor:
+        q = self.data.view(-1, *self.row)[slots].float()
+        if self.per_channel:
+            s = self.scale[slots // self.block_size].float()
+        else:
+            s = self.scale.view(-1, *self.row[:-1])[slots].float()[..., None]
+        return (q * s).to(self.out_dtype)
