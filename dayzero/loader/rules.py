@@ -82,6 +82,28 @@ def deinterleave_last(t: torch.Tensor) -> torch.Tensor:
     return torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1)
 
 
+def as_out_in(out: int, inp: int) -> Transform:
+    """A stacked weight stored either [.., out, in] (our layout) or [.., in, out] (transformers' in-memory
+    expert layout, e.g. gpt-oss ``gate_up_proj`` [E, D, 2I]) -> [.., out, in], told apart by shape. A
+    square one (out == in) cannot be told apart and is read as [.., in, out], the layout transformers writes."""
+
+    def transform(t: torch.Tensor) -> torch.Tensor:
+        return t if tuple(t.shape[-2:]) == (out, inp) and out != inp else t.transpose(-1, -2)
+
+    return transform
+
+
+def chain(*transforms: Transform) -> Transform:
+    """Apply ``transforms`` left to right."""
+
+    def transform(t: torch.Tensor) -> torch.Tensor:
+        for f in transforms:
+            t = f(t)
+        return t
+
+    return transform
+
+
 
 
 def identity_rules() -> list[Rule]:
