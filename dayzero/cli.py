@@ -36,6 +36,73 @@ def _generate(args) -> int:
     return 0
 
 
+def _inspect(args) -> int:
+    from dayzero.tools.inspect import main  # the tools load only for their own command
+
+    return main(args)
+
+
+def _plan(args) -> int:
+    from dayzero.tools.plan import main
+
+    return main(args)
+
+
+def _ops(args) -> int:
+    from dayzero.tools.ops_table import main
+
+    return main(args)
+
+
+def _profile(args) -> int:
+    from dayzero.tools.profile import main
+
+    return main(args)
+
+
+def _add_tools(sub) -> None:
+    model_help = "checkpoint directory or config.json (default: the bundled model)"
+    i = sub.add_parser("inspect", help="structure check from config.json (and safetensors headers): layers, experts, "
+                                       "parameters, weight dtypes, cache sizes")
+    i.add_argument("model", nargs="?", default=None, help=model_help)
+    i.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8"])
+    i.add_argument("--json", action="store_true", help="one JSON object")
+    i.set_defaults(func=_inspect)
+    p = sub.add_parser("plan", help="memory per device and roofline speed for each TP/EP/PP/DP layout")
+    p.add_argument("model", nargs="?", default=None, help=model_help)
+    p.add_argument("--devices", required=True, help="NxKIND, e.g. 16xH200 (H100, H200, B200, MI300X, or --device-spec)")
+    p.add_argument("--device-spec", action="append", metavar="NAME:MEM_GIB:TBPS:TFLOPS:LINK_GBPS",
+                   help="describe another accelerator (link in GB/s per direction); repeatable")
+    p.add_argument("--context", type=int, default=None, help="tokens per sequence (default: the model's maximum)")
+    p.add_argument("--batch", type=int, default=1, help="sequences decoded together")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8"])
+    p.add_argument("--experts", default="auto", choices=["auto", "bf16", "fp8", "mxfp4"],
+                   help="routed-expert storage (default: as the config declares)")
+    p.add_argument("--conversion", default="bf16", choices=["bf16", "fp8", "fused"],
+                   help="MXFP4 experts: the workspace they are converted into, or a fused MXFP4 GEMM")
+    p.add_argument("--prefill-chunk", type=int, default=8192, help="prefill tokens per step per DP rank")
+    p.add_argument("--memory-fraction", type=float, default=0.92, help="share of device memory the plan may use")
+    p.add_argument("--top", type=int, default=12, help="layouts to list")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_plan)
+    o = sub.add_parser("ops", help="operator mapping table: each op the model needs and its implementation")
+    o.add_argument("model", nargs="?", default=None, help=model_help)
+    o.add_argument("--platform", default="cpu", help="cpu | cuda | another registered platform")
+    o.add_argument("--json", action="store_true")
+    o.set_defaults(func=_ops)
+    f = sub.add_parser("profile", help="per-layer latency and memory for prefill and decode, by layer kind")
+    f.add_argument("model", nargs="?", default=None, help=model_help + "; a bare config gets random weights")
+    f.add_argument("--prompt-len", type=int, default=128)
+    f.add_argument("--batch", type=int, default=1)
+    f.add_argument("--steps", type=int, default=8, help="decode steps")
+    f.add_argument("--repeats", type=int, default=3)
+    f.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    f.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    f.add_argument("--plot", default=None, metavar="FILE.png")
+    f.add_argument("--json", action="store_true")
+    f.set_defaults(func=_profile)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="dayzero", description="Bring up and serve ultra-large sparse MoE models.")
     ap.add_argument("-v", "--verbose", action="store_true", help="log op choices and loading details")
@@ -52,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     g.set_defaults(func=_generate)
+    _add_tools(sub)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     return args.func(args)

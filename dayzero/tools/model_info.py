@@ -1,0 +1,244 @@
+"""What the tools know about a model before any weight is read.
+
+:func:`load` turns MODEL (a checkpoint directory, a ``config.json``, or nothing for the bundled model) into
+its spec and a model built on the meta device. Every parameter is then sorted into a component
+(embedding, attention of each kind, routed experts, router, ...) by where it sits in the module tree, so
+counts, stored bytes and sharding work for any registered architecture without knowing its name.
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dayzero.config.spec import ModelSpec, MoESpec
+from dayzero.models.registry import Adapter, adapter_for, build_model, read_config
+
+DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "assets" / "default"
+
+# component names, in display order; attention components carry their kind: "attention.kda"
+EMBEDDING, LM_HEAD, NORMS, DENSE_MLP = "embedding", "lm_head", "norms", "dense_mlp"
+ROUTER, ROUTED, SHARED, LATENT, OTHER = "router", "experts_routed", "experts_shared", "moe_latent", "other"
+ORDER = (EMBEDDING, "attention", NORMS, DENSE_MLP, ROUTER, ROUTED, SHARED, LATENT, OTHER, LM_HEAD)
+_ROUTED_LEAF = re.compile(r"(w1|w2|b1|b2)(_\w+)?$")
+
+# bits per weight of each stored format (MXFP4: 4-bit elements + one 8-bit scale per 32)
+FORMAT_BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "fp8": 8, "mxfp4": 4.25}
+TORCH_FORMAT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+FORMAT_TORCH = {v: k for k, v in TORCH_FORMAT.items()}
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    layer: int | None  # decoder layer index, None outside the layers
+    component: str  # one of ORDER, attention ones as "attention.<kind>"
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def is_bias(self) -> bool:
+        leaf = self.name.rsplit(".", 1)[-1]
+        return "bias" in leaf or leaf in ("b1", "b2")
+
+
+@dataclass
+class ModelInfo:
+    source: Path  # what MODEL named
+    config_file: Path
+    raw: dict
+    adapter: Adapter
+    spec: ModelSpec
+    model: torch.nn.Module  # on the meta device
+    checkpoint: Path | None  # the directory, when it holds safetensors files
+    params: list[Param] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.source.name if self.source.is_dir() else self.source.stem
+
+    def layer_params(self, i: int) -> list[Param]:
+        return [p for p in self.params if p.layer == i]
+
+
+def component_of(spec: ModelSpec, name: str) -> tuple[int | None, str]:
+    """(layer index, component) of a parameter name of :class:`~dayzero.models.decoder.CausalLM`."""
+    if name.startswith("model.embed_tokens."):
+        return None, EMBEDDING
+    if name.startswith("lm_head."):
+        return None, LM_HEAD
+    m = re.match(r"model\.layers\.(\d+)\.(.+)", name)
+    if m is None:
+        return None, NORMS if "norm" in name else OTHER
+    i, rest = int(m.group(1)), m.group(2)
+    layer = spec.layers[i]
+    if rest.startswith("self_attn."):
+        return i, f"attention.{layer.attn_kind or 'mixer'}"
+    if rest.startswith("mlp."):
+        if not isinstance(layer.mlp, MoESpec):
+            return i, DENSE_MLP
+        sub = rest[len("mlp."):]
+        head = sub.split(".", 1)[0]
+        if _ROUTED_LEAF.fullmatch(head) or head == "experts":
+            return i, ROUTED
+        if head.startswith("shared_expert"):
+            return i, SHARED
+        if head in ("gate", "router", "e_score_correction_bias"):
+            return i, ROUTER
+        return i, LATENT
+    return i, NORMS if "norm" in rest else OTHER
+
+
+def _checkpoint_dir(path: Path) -> Path | None:
+    if path.is_dir() and (any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").exists()):
+        return path
+    return None
+
+
+def load(model: str | Path | None = None, dtype: torch.dtype | None = None) -> ModelInfo:
+    """Read MODEL's config and build it on the meta device (no memory, no weights read)."""
+    source = Path(model) if model else DEFAULT_MODEL
+    raw, config_file = read_config(source)
+    adapter = adapter_for(raw, config_file)
+    spec = adapter.to_spec(raw)
+    meta = build_model(spec, dtype or spec.dtype, "meta")
+    info = ModelInfo(source, config_file, raw, adapter, spec, meta, _checkpoint_dir(source))
+    for name, p in meta.named_parameters():  # tied weights appear once
+        layer, comp = component_of(spec, name)
+        info.params.append(Param(name, layer, comp, tuple(p.shape), p.dtype))
+    return info
+
+
+# --- parameter counts --------------------------------------------------------------------------------
+def moe_fraction(spec: ModelSpec, layer: int | None) -> float:
+    """Share of a layer's routed-expert parameters one token uses: top_k / n_experts."""
+    mlp = spec.layers[layer].mlp if layer is not None else None
+    return mlp.top_k / mlp.n_experts if isinstance(mlp, MoESpec) and mlp.n_experts else 1.0
+
+
+def count_params(info: ModelInfo) -> dict:
+    """Totals and per-token active counts, by component."""
+    total, active = defaultdict(int), defaultdict(float)
+    for p in info.params:
+        total[p.component] += p.numel
+        active[p.component] += p.numel * (moe_fraction(info.spec, p.layer) if p.component == ROUTED else 1.0)
+    n_total, n_active = sum(total.values()), sum(active.values())
+    emb, head = total.get(EMBEDDING, 0), total.get(LM_HEAD, 0)
+    return {
+        "by_component": {c: {"total": total[c], "active": round(active[c])} for c in sorted(total, key=_order)},
+        "params_total": n_total,
+        "params_active": round(n_active),
+        "params_active_excl_embeddings": round(n_active - emb - head),
+        "params_active_excl_input_embedding": round(n_active - emb),
+        "params_total_excl_embeddings": n_total - emb - head,
+    }
+
+
+def _order(component: str) -> tuple[int, str]:
+    base = component.split(".", 1)[0]
+    return (ORDER.index(base) if base in ORDER else len(ORDER), component)
+
+
+# --- weights as stored -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class WeightFormat:
+    """How weights are stored: ``dense`` for matrices outside the routed experts, ``experts`` for them;
+    parameters the model keeps in fp32 (router, decay rates, indexer weights) stay fp32, and biases,
+    norms, embeddings and names matching ``keep`` stay in ``base``."""
+
+    base: str = "bf16"
+    dense: str = "bf16"
+    experts: str = "bf16"
+    block: tuple[int, int] = (128, 128)  # fp8 scale tile (one fp32 scale per tile)
+    keep: tuple[str, ...] = ()
+    source: str = "config"
+
+    def describe(self) -> str:
+        parts = [f"experts {self.experts.upper()}", f"other matrices {self.dense.upper()}"]
+        if "fp8" in (self.dense, self.experts):
+            parts.append(f"fp8 scales per {self.block[0]}x{self.block[1]} tile")
+        return ", ".join(parts)
+
+
+def format_from_config(raw: dict, spec: ModelSpec) -> WeightFormat:
+    """The stored format a config declares (``quantization_config``), else its ``torch_dtype``."""
+    base = TORCH_FORMAT.get(spec.dtype, "bf16")
+    q = raw.get("quantization_config") or {}
+    method = str(q.get("quant_method", "")).lower()
+    keep = tuple(q.get("modules_to_not_convert") or q.get("ignored_layers") or ())
+    if method == "mxfp4":
+        return WeightFormat(base, base, "mxfp4", keep=keep, source="quantization_config")
+    if method == "fp8":
+        block = tuple(q.get("weight_block_size") or (128, 128))
+        return WeightFormat(base, "fp8", "fp8", block, keep, "quantization_config")
+    return WeightFormat(base, base, base)
+
+
+def _keep(name: str, patterns: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatch(name, p) or fnmatch.fnmatch(name, p + ".*") or name.startswith(p + ".") for p in patterns)
+
+
+def param_format(p: Param, wf: WeightFormat) -> str:
+    if p.dtype == torch.float32 and wf.base != "fp32":
+        return "fp32"  # kept high precision by the model itself
+    if p.is_bias or len(p.shape) < 2 or _keep(p.name, wf.keep):
+        return wf.base
+    if p.component == ROUTED:
+        return wf.experts
+    if p.component in (EMBEDDING, LM_HEAD) or "conv" in p.name or "norm" in p.name:
+        return wf.base
+    return wf.dense
+
+
+def format_bytes(shape: tuple[int, ...], fmt: str, block: tuple[int, int] = (128, 128)) -> float:
+    n = math.prod(shape)
+    if fmt == "fp8" and len(shape) >= 2:
+        tiles = math.prod(shape[:-2]) * math.ceil(shape[-2] / block[0]) * math.ceil(shape[-1] / block[1])
+        return n + 4 * tiles
+    return n * FORMAT_BITS[fmt] / 8
+
+
+def stored_bytes(info: ModelInfo, wf: WeightFormat) -> dict[str, dict[str, float]]:
+    """format -> component -> bytes, for the whole model stored as ``wf`` says."""
+    out: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for p in info.params:
+        fmt = param_format(p, wf)
+        out[fmt.upper()][p.component] += format_bytes(p.shape, fmt, wf.block)
+    return {k: dict(v) for k, v in out.items()}
+
+
+# --- caches ------------------------------------------------------------------------------------------
+def paged_bytes_per_token(spec, kv_cache_dtype: str = "auto", block_size: int = 16) -> float:
+    """Bytes per token of a paged cache spec, quantised pools included when the spec supports them."""
+    if kv_cache_dtype == "auto":
+        return spec.bytes_per_token()
+    try:
+        return spec.bytes_per_token(kv_cache_dtype, block_size)
+    except TypeError:  # a spec without quantised pools: plain rows in the requested width
+        width = {"fp8": 1, "int8": 1}[kv_cache_dtype]
+        return sum(math.prod(s) * width for s, _ in spec.rows.values())
+
+
+def cache_specs(info: ModelInfo, dtype: torch.dtype | None = None):
+    """(layer index, attention kind, cache spec) of every layer that keeps a cache."""
+    from dayzero.cache.spec import PagedSpec, StateSpec
+
+    dtype = dtype or info.spec.dtype
+    out = []
+    for i, mod in info.model.cached_layers():  # the layers the engine allocates caches for
+        try:
+            s = mod.cache_spec(dtype)
+        except NotImplementedError:
+            continue
+        if isinstance(s, (PagedSpec, StateSpec)):
+            out.append((i, info.spec.layers[i].attn_kind or "mixer", s))
+    return out

@@ -1,0 +1,104 @@
+"""``dayzero ops MODEL --platform cuda``: the operator mapping table.
+
+Every op the model calls is found by running it, not by a list kept by hand: the model's probe (one layer
+of each kind at full attention size, see :mod:`dayzero.tools.probe`) runs a prefill and a decode step
+(one sequence past every top-k and window) with a hook on the ops registry. For each op: the layers that call it, the steps it runs
+in, the implementation the registry picks on the platform for the shapes it was called with, and, when
+that is the reference, why (no implementation for the platform, or the verifier's reason).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+
+import torch
+
+from dayzero import ops
+from dayzero.ops import registry
+from dayzero.tools import fmt
+from dayzero.tools.model_info import load
+from dayzero.tools.probe import run_probe
+
+
+def _reason(op: str, platform: str, args, kwargs) -> tuple[str, str | None]:
+    try:
+        chosen, _, reason = registry.choose(op, platform, *args, **kwargs)
+    except Exception as e:  # a verifier that cannot read the probe's arguments
+        return registry.REFERENCE, f"verifier failed: {e}"
+    return chosen, reason
+
+
+def op_table(model: str | None = None, platform: str = "cpu") -> dict:
+    info = load(model)
+    spec = info.spec
+    device = "cuda" if platform == "cuda" and torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if platform != "cpu" else torch.float32
+    seen: dict[str, dict] = {}
+    state = {"phase": "", "layer": None}
+
+    def hook(op, chosen, reason, fn, args, kwargs):
+        row = seen.get(op)
+        if row is None:
+            row = seen[op] = {"op": op, "layers": set(), "phases": set(), "calls": 0, "choices": defaultdict(set)}
+        row["calls"] += 1
+        row["phases"].add(state["phase"])
+        if state["layer"] is not None:
+            row["layers"].add(state["layer"])
+        impl, why = _reason(op, platform, args, kwargs)
+        row["choices"][impl].add(why or "")
+        return fn(*args, **kwargs)
+
+    def on_phase(name):
+        state["phase"] = name
+
+    def on_model(model):  # attribute op calls to layers
+        for i, layer in enumerate(model.model.layers):
+            layer.register_forward_pre_hook(lambda m, a, i=i: state.__setitem__("layer", i))
+            layer.register_forward_hook(lambda m, a, o: state.__setitem__("layer", None))
+
+    prev = registry.set_hook(hook)
+    try:
+        _, stands_for = run_probe(spec, dtype, device, on_phase, on_model)
+    finally:
+        registry.set_hook(prev)
+
+    kinds = [l.attn_kind or l.mlp_kind or "-" for l in spec.layers]
+    rows = []
+    for op, r in sorted(seen.items()):
+        layers = sorted({i for p in r["layers"] for i in stands_for[p]})
+        used_by = sorted({kinds[i] for i in layers}) if layers else ["model (outside layers)"]
+        chosen = sorted(r["choices"])
+        reasons = sorted({w for c in chosen for w in r["choices"][c] if w})
+        entry = registry.registered()[op]
+        rows.append({
+            "op": op, "used_by": used_by, "layers": len(layers), "phases": sorted(r["phases"]), "calls": r["calls"],
+            "implementation": chosen[0] if len(chosen) == 1 else "/".join(chosen), "available": sorted(entry.impls),
+            "fallback": registry.REFERENCE in chosen and platform != registry.REFERENCE, "reasons": reasons,
+        })
+    unused = sorted(set(ops.registered()) - set(seen))
+    return {"model": info.name, "platform": platform, "probe_device": device, "probe_dtype": str(dtype).removeprefix("torch."),
+            "ops": rows, "fallbacks": sum(r["fallback"] for r in rows), "registered_unused": unused}
+
+
+def render(t: dict) -> str:
+    out = [f"ops of {t['model']} on {t['platform']} (found by running a probe of the model on {t['probe_device']}, "
+           f"{t['probe_dtype']}):"]
+    rows = [[r["op"], ",".join(r["used_by"]), " + ".join(r["phases"]), r["implementation"],
+             ",".join(r["available"]), "yes" if r["fallback"] else "no", "; ".join(r["reasons"]) or "-"]
+            for r in t["ops"]]
+    out.append(fmt.table(rows, ["op", "used by", "steps", "chosen", "available", "fallback", "why"]))
+    out.append(f"{len(t['ops'])} ops; {t['fallbacks']} run the reference on {t['platform']}")
+    if t["registered_unused"]:
+        out.append(f"registered but not used by this model: {', '.join(t['registered_unused'])}")
+    return "\n".join(out)
+
+
+def main(args) -> int:
+    try:
+        t = op_table(args.model, args.platform)
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(t, indent=1) if args.json else render(t))
+    return 0

@@ -1,0 +1,341 @@
+"""``dayzero plan MODEL --devices 16xH200``: memory per device for each parallel layout, the layouts that
+fit, the best one by a roofline model of decode and prefill, and the longest context that fits.
+
+Every formula is in docs/planning.md. Layouts: pipeline stages ``pp`` of contiguous layers; inside a stage
+of ``G = N/pp`` devices, attention runs tensor parallel over ``tp`` and data parallel over ``dp = G/tp``
+(each DP rank holds its own sequences); routed experts spread over all ``G`` devices as expert parallel
+``ep`` times expert tensor parallel ``G/ep``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+
+from dayzero.tools import fmt
+from dayzero.tools.devices import DeviceKind, parse_device_spec, parse_devices
+from dayzero.tools.model_info import WeightFormat, format_from_config, load
+from dayzero.tools.plan_costs import LayerCost, ModelCosts, attn_flops, model_costs
+
+MEMORY_TERMS = ("weights", "workspace", "kv_cache", "state", "activations", "indexer_scratch", "moe_dispatch",
+                "comm_buffers", "runtime")
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    devices: int = 1
+    device: DeviceKind | None = None
+    context: int | None = None  # tokens per sequence; default: the model's maximum
+    batch: int = 1  # sequences decoded together
+    kv_cache_dtype: str = "auto"
+    dtype: str = "bf16"  # activations and unquantised weights
+    experts: str = "auto"  # routed-expert storage: auto (as the checkpoint/config says) | bf16 | fp8 | mxfp4
+    conversion: str = "bf16"  # MXFP4 experts: convert into a bf16 or fp8 workspace, or "fused" (no workspace)
+    block_size: int = 16
+    prefill_chunk: int = 8192  # tokens per DP rank per prefill step
+    indexer_block: int = 512  # query rows per indexer-logit tile
+    moe_imbalance: float = 1.5  # expert receive buffers sized for this multiple of the average load
+    memory_fraction: float = 0.92  # of device memory the plan may use
+    runtime_gib: float = 2.0  # runtime context, library workspaces, collective-library buffers
+
+
+@dataclass(frozen=True)
+class Layout:
+    pp: int
+    tp: int
+    dp: int
+    ep: int
+
+    @property
+    def etp(self) -> int:
+        return self.tp * self.dp // self.ep
+
+    def __str__(self) -> str:
+        return f"pp{self.pp} tp{self.tp} dp{self.dp} ep{self.ep}"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def stages(n_layers: int, pp: int) -> list[range]:
+    """Contiguous, as even as possible; earlier stages take the remainder."""
+    base, extra = divmod(n_layers, pp)
+    out, start = [], 0
+    for s in range(pp):
+        n = base + (1 if s < extra else 0)
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def layouts(costs: ModelCosts, n: int) -> list[Layout]:
+    moe = [lc for lc in costs.layers if lc.is_moe]
+    out = []
+    for pp in _divisors(n):
+        if pp > len(costs.layers):
+            continue
+        g = n // pp
+        for tp in _divisors(g):
+            if any(h % tp for h in costs.heads):
+                continue
+            eps = [ep for ep in _divisors(g)
+                   if all(lc.n_experts % ep == 0 and lc.expert_inter % (g // ep) == 0 for lc in moe)] if moe else [g]
+            out += [Layout(pp, tp, g // tp, ep) for ep in eps]
+    return out
+
+
+# --- memory ---------------------------------------------------------------------------------------------
+def _shard(max_shards: int, tp: int) -> int:
+    return min(tp, max_shards)
+
+
+def kv_bytes_per_token(lc: LayerCost, tp: int) -> float:
+    return sum(r.bytes_per_token / _shard(r.max_shards, tp) for r in lc.rows)
+
+
+def state_bytes(lc: LayerCost, tp: int) -> float:
+    return sum(b / _shard(s, tp) for b, s in lc.state)
+
+
+def stage_memory(costs: ModelCosts, cfg: PlanConfig, lay: Layout, layer_ids: range, first: bool, last: bool,
+                 context: int, chunk: int) -> dict[str, float]:
+    """Bytes per device of one pipeline stage, by term, for sequences of ``context`` tokens and prefill
+    chunks of ``chunk`` tokens per DP rank."""
+    g, a_b = lay.tp * lay.dp, _act_bytes(cfg)
+    ls = [costs.layers[i] for i in layer_ids]
+    seqs = math.ceil(cfg.batch / lay.dp)
+    tokens = -(-context // cfg.block_size) * cfg.block_size
+    weights = sum(lc.tp_bytes / lay.tp + lc.rep_bytes + lc.expert_bytes / g for lc in ls)
+    weights += (costs.embed_bytes / lay.tp if first else 0) + (costs.head_bytes / lay.tp + costs.other_bytes if last else 0)
+    if first and last and costs.tied:
+        weights -= costs.head_bytes / lay.tp  # one tensor serves as embedding and LM head
+    workspace = max((lc.expert_ws_bytes / g for lc in ls), default=0.0)
+    kv = seqs * tokens * sum(kv_bytes_per_token(lc, lay.tp) for lc in ls)
+    state = seqs * sum(state_bytes(lc, lay.tp) for lc in ls)
+    width = max((lc.max_width for lc in ls), default=costs.hidden)
+    act = chunk * (4 * costs.hidden * a_b + 2 * 4 * width / lay.tp)
+    if last:
+        act += seqs * costs.vocab / lay.tp * 4  # fp32 logits of the sampled rows
+    idx = (min(chunk, cfg.indexer_block) * tokens * 4) if any(lc.indexer is not None for lc in ls) else 0.0
+    moe = [lc for lc in ls if lc.is_moe]
+    dispatch = 0.0
+    if moe:
+        lc = max(moe, key=lambda x: x.top_k * x.moe_width)
+        send = chunk / lay.tp * lc.top_k * lc.moe_width * a_b
+        recv_rows = cfg.moe_imbalance * chunk * lay.dp * lc.top_k / lay.ep
+        dispatch = 2 * (send + recv_rows * lc.moe_width * a_b) + recv_rows * lc.expert_rows / lay.etp * a_b
+    comm = (2 * chunk * costs.hidden * a_b if lay.tp > 1 else 0.0) + (2 * chunk * costs.hidden * a_b if lay.pp > 1 else 0.0)
+    return {"weights": weights, "workspace": workspace, "kv_cache": kv, "state": state, "activations": act,
+            "indexer_scratch": idx, "moe_dispatch": dispatch, "comm_buffers": comm,
+            "runtime": cfg.runtime_gib * 2**30 if cfg.device is not None else 0.0}
+
+
+def memory(costs: ModelCosts, cfg: PlanConfig, lay: Layout, context: int) -> dict[str, float]:
+    """The worst stage's memory per device, by term."""
+    parts = stages(len(costs.layers), lay.pp)
+    chunk = min(cfg.prefill_chunk, context)
+    per_stage = [stage_memory(costs, cfg, lay, r, s == 0, s == lay.pp - 1, context, chunk) for s, r in enumerate(parts)]
+    return max(per_stage, key=lambda m: sum(m.values()))
+
+
+def longest_context(costs: ModelCosts, cfg: PlanConfig, lay: Layout, budget: float, chunk: int) -> int:
+    """The largest context (a block multiple, at most the model's maximum) whose memory fits ``budget``;
+    memory is affine in the context for a fixed prefill chunk, so two evaluations give the line."""
+    parts = stages(len(costs.layers), lay.pp)
+    bs, cap = cfg.block_size, costs.max_position
+    best = cap
+    for s, r in enumerate(parts):
+        m = lambda L: sum(stage_memory(costs, cfg, lay, r, s == 0, s == lay.pp - 1, L, chunk).values())  # noqa: E731
+        lo, hi = m(bs), m(2 * bs)
+        slope = (hi - lo) / bs
+        if lo > budget:
+            return 0
+        if slope > 0:
+            best = min(best, int(bs + (budget - lo) / slope) // bs * bs)
+    return max(0, min(best, cap))
+
+
+# --- roofline -------------------------------------------------------------------------------------------
+def _act_bytes(cfg: PlanConfig) -> int:
+    return 4 if cfg.dtype == "fp32" else 2
+
+
+def _link(dev: DeviceKind, group: int) -> float:
+    return (dev.link_gbps if group <= dev.node_size else dev.net_gbps) * 1e9
+
+
+def stage_time(costs: ModelCosts, cfg: PlanConfig, lay: Layout, layer_ids: range, last: bool, seqs: int,
+               tokens_rank: int, context: float, prefill: bool) -> dict[str, float]:
+    """Seconds for one stage to run one step: ``tokens_rank`` tokens per DP rank (``seqs`` sequences) with
+    ``context`` keys each, as max(bytes / bandwidth, FLOPs / peak) + link time + collective latency."""
+    dev, g, a_b = cfg.device, lay.tp * lay.dp, _act_bytes(cfg)
+    tokens_stage = tokens_rank * lay.dp
+    nbytes = flops = tp_comm = ep_comm = 0.0
+    n_coll = 0
+    for i in layer_ids:
+        lc = costs.layers[i]
+        nbytes += lc.tp_bytes / lay.tp + lc.rep_bytes
+        flops += 2 * tokens_rank * (lc.tp_params / lay.tp + lc.rep_params)
+        flops += tokens_rank * attn_flops(lc, context, prefill) / lay.tp
+        if lc.is_moe:
+            touched = 1 - (1 - lc.top_k / lc.n_experts) ** tokens_stage  # expected share of experts hit
+            nbytes += touched * (lc.expert_bytes + 2 * lc.expert_ws_bytes) / g  # ws: written then read
+            flops += 2 * tokens_stage * lc.top_k * lc.expert_params / lc.n_experts / g
+            if lay.ep > 1:
+                ep_comm += 2 * tokens_stage / g * lc.top_k * lc.moe_width * a_b * (1 - 1 / lay.ep)
+                n_coll += 2
+        for r in lc.rows:
+            keys = context if r.read == "all" else min(context, lc.topk if r.read == "topk" else lc.window)
+            nbytes += seqs * keys * r.bytes_per_token / _shard(r.max_shards, lay.tp)
+            if prefill:
+                nbytes += tokens_rank * r.bytes_per_token / _shard(r.max_shards, lay.tp)  # rows written
+        nbytes += 2 * seqs * state_bytes(lc, lay.tp)  # state read and written back
+        if lay.tp > 1:
+            tp_comm += 2 * 2 * (lay.tp - 1) / lay.tp * tokens_rank * costs.hidden * a_b  # attention + MLP all-reduce
+            n_coll += 2
+    if last:
+        nbytes += costs.head_bytes / lay.tp
+        flops += 2 * (tokens_rank if prefill else seqs) * costs.head_params / lay.tp
+    if lay.pp > 1:
+        tp_comm += tokens_rank * costs.hidden * a_b
+        n_coll += 1
+    t_mem, t_flop = nbytes / (dev.tbps * 1e12), flops / (dev.tflops * 1e12)
+    latency = (dev.latency_us if max(lay.tp, g if lay.ep > 1 else 1) <= dev.node_size else dev.net_latency_us) * 1e-6
+    t_comm = tp_comm / _link(dev, lay.tp) + ep_comm / _link(dev, g) + n_coll * latency
+    return {"seconds": max(t_mem, t_flop) + t_comm, "memory_s": t_mem, "compute_s": t_flop, "comm_s": t_comm,
+            "bytes": nbytes, "flops": flops, "link_bytes": tp_comm + ep_comm}
+
+
+def roofline(costs: ModelCosts, cfg: PlanConfig, lay: Layout, context: int) -> dict:
+    parts = stages(len(costs.layers), lay.pp)
+    micro = math.ceil(cfg.batch / lay.pp)  # pp micro-batches keep every stage busy
+    seqs = math.ceil(micro / lay.dp)
+    dec = [stage_time(costs, cfg, lay, r, s == lay.pp - 1, seqs, seqs, context, False) for s, r in enumerate(parts)]
+    worst = max(dec, key=lambda t: t["seconds"])
+    step = lay.pp * worst["seconds"]
+    chunk = min(cfg.prefill_chunk, context)
+    pre = [stage_time(costs, cfg, lay, r, s == lay.pp - 1, 1, chunk, context / 2, True) for s, r in enumerate(parts)]
+    pworst = max(pre, key=lambda t: t["seconds"])
+    bound = max(("memory", worst["memory_s"]), ("compute", worst["compute_s"]), ("comm", worst["comm_s"]),
+                key=lambda x: x[1])[0]
+    return {
+        "decode_step_s": step,
+        "decode_tokens_per_s": cfg.batch / step,
+        "decode_bound": bound,
+        "decode_stage": worst,
+        "prefill_tokens_per_s": chunk * lay.dp / pworst["seconds"],
+        "prefill_stage": pworst,
+    }
+
+
+# --- the plan -------------------------------------------------------------------------------------------
+def predict_allocation(model: str | None, dtype: str, context: int, batch: int, block_size: int = 16,
+                       kv_cache_dtype: str = "auto") -> dict[str, float]:
+    """Weights and cache bytes of a one-device load (what the engine allocates for ``batch`` sequences of
+    ``context`` tokens), from the same terms every layout's plan is built from."""
+    info = load(model)
+    cfg = PlanConfig(batch=batch, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size)
+    wf, workspace = weight_format(info, cfg)
+    from dayzero.tools.model_info import FORMAT_TORCH
+
+    costs = model_costs(info, wf, workspace, kv_cache_dtype, block_size, FORMAT_TORCH[dtype])
+    m = memory(costs, cfg, Layout(1, 1, 1, 1), context)
+    return {"weights": m["weights"] + m["workspace"], "cache": m["kv_cache"] + m["state"]}
+
+
+
+def weight_format(info, cfg: PlanConfig) -> tuple[WeightFormat, str | None]:
+    """Stored formats for the plan: quantised formats the config declares are kept (unless ``--experts``
+    says otherwise); everything unquantised is in the plan's dtype."""
+    declared = format_from_config(info.raw, info.spec)
+    base = cfg.dtype
+    if cfg.experts != "auto":
+        experts = cfg.experts
+    else:
+        experts = declared.experts if declared.source != "config" else base
+    dense = "fp8" if declared.dense == "fp8" else base
+    wf = WeightFormat(base, dense, experts, declared.block, declared.keep, declared.source)
+    workspace = cfg.conversion if experts == "mxfp4" and cfg.conversion != "fused" else None
+    return wf, workspace
+
+
+def plan(model: str | None, cfg: PlanConfig) -> dict:
+    info = load(model)
+    wf, workspace = weight_format(info, cfg)
+    costs = model_costs(info, wf, workspace, cfg.kv_cache_dtype, cfg.block_size)
+    context = cfg.context or costs.max_position
+    budget = (cfg.device.mem_bytes * cfg.memory_fraction) if cfg.device else math.inf
+    rows = []
+    for lay in layouts(costs, cfg.devices):
+        mem = memory(costs, cfg, lay, context)
+        total = sum(mem.values())
+        row = {"layout": asdict(lay), "name": str(lay), "memory": mem, "total": total, "fits": total <= budget}
+        if cfg.device is not None:
+            row["max_context"] = longest_context(costs, cfg, lay, budget, min(cfg.prefill_chunk, context))
+            row.update(roofline(costs, cfg, lay, context))
+        rows.append(row)
+    rows.sort(key=lambda r: (not r["fits"], -r.get("decode_tokens_per_s", 0), -r.get("prefill_tokens_per_s", 0)))
+    fitting = [r for r in rows if r["fits"]]
+    return {
+        "model": info.name, "devices": cfg.devices,
+        "kv_cache_dtype_resolved": cfg.kv_cache_dtype if cfg.kv_cache_dtype != "auto" else cfg.dtype, "device": asdict(cfg.device) if cfg.device else None,
+        "context": context, "batch": cfg.batch, "kv_cache_dtype": cfg.kv_cache_dtype,
+        "weights_format": wf.describe() + (f", MXFP4 experts converted into a {workspace.upper()} workspace"
+                                           if workspace else ""),
+        "budget_bytes": budget, "layouts": rows, "fitting": len(fitting),
+        "best": fitting[0] if fitting else None,
+        "longest_context": max((r.get("max_context", 0) for r in rows), default=0),
+    }
+
+
+def _row(r: dict) -> list:
+    m = r["memory"]
+    return [r["name"], fmt.size(m["weights"] + m["workspace"]), fmt.size(m["kv_cache"] + m["state"]),
+            fmt.size(m["activations"] + m["indexer_scratch"] + m["moe_dispatch"] + m["comm_buffers"] + m["runtime"]),
+            fmt.size(r["total"]), "yes" if r["fits"] else "no", fmt.tokens(r.get("max_context", 0)) or "0",
+            f"{r.get('decode_tokens_per_s', 0):.1f}", f"{r.get('prefill_tokens_per_s', 0):.0f}", r.get("decode_bound", "")]
+
+
+def render(p: dict, top: int = 12) -> str:
+    dev = p["device"]
+    out = [f"plan: {p['model']} on {p['devices']}×{dev['name']} ({dev['mem_gib']:g} GiB, {dev['tbps']:g} TB/s, "
+           f"{dev['tflops']:g} TFLOP/s, link {dev['link_gbps']:g} GB/s); context {fmt.tokens(p['context'])}, "
+           f"batch {p['batch']}, kv cache {p['kv_cache_dtype_resolved']}",
+           f"weights: {p['weights_format']}",
+           f"{p['fitting']} of {len(p['layouts'])} layouts fit in {fmt.size(p['budget_bytes'])} per device "
+           f"(decode tokens/s for the whole batch; prefill tokens/s with every DP rank prefilling):"]
+    shown = p["layouts"][:top]
+    out.append(fmt.table([_row(r) for r in shown], ["layout", "weights", "kv+state", "transient", "total/device",
+                                                     "fits", "max ctx", "decode tok/s", "prefill tok/s", "bound"]))
+    if len(p["layouts"]) > top:
+        out.append(f"  ... {len(p['layouts']) - top} more (--top N, or --json)")
+    b = p["best"]
+    if b is None:
+        out.append(f"no layout fits a {fmt.tokens(p['context'])} context at batch {p['batch']}; the longest context "
+                   f"any layout fits is {fmt.tokens(p['longest_context'])} tokens")
+        return "\n".join(out)
+    m = b["memory"]
+    out.append(f"best: {b['name']}: decode {b['decode_tokens_per_s']:.1f} tokens/s ({b['decode_step_s'] * 1e3:.1f} ms "
+               f"per step, {b['decode_bound']}-bound), prefill {b['prefill_tokens_per_s']:.0f} tokens/s, longest "
+               f"context at batch {p['batch']}: {fmt.tokens(b['max_context'])} tokens")
+    out.append("  per device: " + ", ".join(f"{k.replace('_', ' ')} {fmt.size(v)}" for k, v in m.items() if v))
+    return "\n".join(out)
+
+
+def main(args) -> int:
+    try:
+        custom = [parse_device_spec(s) for s in args.device_spec or []]
+        n, kind = parse_devices(args.devices, custom)
+        cfg = PlanConfig(
+            devices=n, device=kind, context=args.context, batch=args.batch, kv_cache_dtype=args.kv_cache_dtype,
+            experts=args.experts, conversion=args.conversion, prefill_chunk=args.prefill_chunk,
+            memory_fraction=args.memory_fraction,
+        )
+        p = plan(args.model, cfg)
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(p, indent=1, default=str) if args.json else render(p, args.top))
+    return 0 if p["best"] is not None else 1

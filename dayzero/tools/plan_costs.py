@@ -1,0 +1,168 @@
+"""Per-layer costs the planner works from, read off the meta-device model: weight bytes by how they shard,
+parameters a token touches, cache rows and state tensors with their sharding, and attention FLOPs.
+
+Sharding conventions (docs/planning.md): attention, dense-MLP, shared-expert and latent-projection matrices
+split over the tensor-parallel group; norms, router and other 1-D parameters are replicated; routed
+experts spread over every device of a pipeline stage (expert parallel × expert tensor parallel). A cache
+row or state tensor of rank >= 2 splits along its first (head) dimension over ``min(tp, that dim)``
+ranks; a rank-1 row (the MLA latent, the indexer key: one row shared by all heads) is replicated.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from dayzero.cache.spec import PagedSpec, StateSpec
+from dayzero.config.spec import GQASpec, KDASpec, MLASpec, MoESpec
+from dayzero.tools.model_info import (
+    EMBEDDING, LM_HEAD, ROUTED, ROUTER, ModelInfo, WeightFormat, cache_specs, format_bytes, paged_bytes_per_token,
+    param_format,
+)
+
+
+@dataclass
+class Row:
+    """One paged cache row of a layer: bytes per token, the shard count it allows, how many keys a query reads."""
+
+    name: str
+    bytes_per_token: float
+    max_shards: int  # 1: replicated over tensor parallel ranks
+    read: str = "all"  # "all" | "topk" | "window"
+
+
+@dataclass
+class LayerCost:
+    index: int
+    kind: str
+    tp_bytes: float = 0.0  # weights split over tp
+    rep_bytes: float = 0.0  # weights replicated on every rank
+    expert_bytes: float = 0.0  # routed experts, all of them, as stored
+    expert_ws_bytes: float = 0.0  # routed experts in the conversion workspace's format
+    tp_params: float = 0.0
+    rep_params: float = 0.0
+    expert_params: float = 0.0
+    n_experts: int = 0
+    top_k: int = 0
+    moe_width: int = 0  # width of the vectors dispatched to experts (latent width for LatentMoE)
+    expert_rows: int = 0  # intermediate rows one expert computes per token (2I gated, I otherwise)
+    expert_inter: int = 0  # I, split by expert tensor parallelism
+    max_width: int = 0  # widest projection output (activation scratch)
+    rows: list[Row] = field(default_factory=list)
+    state: list[tuple[float, int]] = field(default_factory=list)  # (bytes per sequence, max shards)
+    topk: int | None = None
+    window: int | None = None
+    attn: object = None
+    indexer: object = None
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+
+@dataclass
+class ModelCosts:
+    layers: list[LayerCost]
+    embed_bytes: float
+    head_bytes: float
+    head_params: float
+    other_bytes: float  # final norm and anything outside the layers
+    tied: bool  # one tensor is both embedding and LM head
+    hidden: int
+    vocab: int
+    max_position: int
+    heads: list[int]  # attention head counts (tensor parallel must divide them)
+
+
+def _heads(attn) -> int | None:
+    return getattr(attn, "num_heads", None)
+
+
+def model_costs(info: ModelInfo, wf: WeightFormat, workspace: str | None, kv_cache_dtype: str = "auto",
+                block_size: int = 16, cache_dtype: torch.dtype | None = None) -> ModelCosts:
+    spec = info.spec
+    layers = [LayerCost(l.index, l.attn_kind or "none", attn=l.attn) for l in spec.layers]
+    embed = head = head_params = other = 0.0
+    for p in info.params:
+        fmt_ = param_format(p, wf)
+        b = format_bytes(p.shape, fmt_, wf.block)
+        if p.layer is None:
+            if p.component == EMBEDDING:
+                embed += b
+                if spec.tie_word_embeddings:
+                    head, head_params = head + b, head_params + p.numel
+            elif p.component == LM_HEAD:
+                head, head_params = head + b, head_params + p.numel
+            else:
+                other += b
+            continue
+        lc = layers[p.layer]
+        if p.component == ROUTED:
+            lc.expert_bytes += b
+            lc.expert_params += p.numel
+            if workspace is not None and not p.is_bias:
+                lc.expert_ws_bytes += format_bytes(p.shape, workspace)
+        elif p.component == ROUTER or len(p.shape) < 2:
+            lc.rep_bytes += b
+            lc.rep_params += p.numel
+        else:
+            lc.tp_bytes += b
+            lc.tp_params += p.numel
+    for l, lc in zip(spec.layers, layers):
+        if isinstance(l.mlp, MoESpec):
+            m = l.mlp
+            lc.n_experts, lc.top_k = m.n_experts, m.top_k
+            lc.moe_width = m.latent_size or spec.hidden_size
+            lc.expert_rows = m.intermediate_size * (1 if m.activation == "relu2" else 2)
+            lc.expert_inter = m.intermediate_size
+        a = l.attn
+        if isinstance(a, MLASpec) and a.indexer is not None:
+            lc.topk = a.indexer.topk
+            lc.indexer = None if getattr(a.indexer, "shared", False) else a.indexer
+        if isinstance(a, GQASpec):
+            lc.window = a.sliding_window
+    for mod_index, layer in enumerate(info.model.model.layers):
+        widths = [m.out_features for name, m in layer.named_modules()
+                  if isinstance(m, torch.nn.Linear) and ".experts" not in name and "gate" != name.rsplit(".", 1)[-1]]
+        layers[mod_index].max_width = max(widths, default=spec.hidden_size)
+    for i, _, s in cache_specs(info, cache_dtype or info.spec.dtype):
+        lc = layers[i]
+        if isinstance(s, PagedSpec):
+            for name, (shape, dt) in s.rows.items():
+                one = PagedSpec({name: (shape, dt)}, **({"roles": {name: s.roles[name]}}
+                                                         if name in getattr(s, "roles", {}) else {}))
+                read = "all"
+                if lc.topk is not None and "index" not in name:
+                    read = "topk"
+                elif lc.window:
+                    read = "window"
+                lc.rows.append(Row(name, paged_bytes_per_token(one, kv_cache_dtype, block_size),
+                                   shape[0] if len(shape) >= 2 else 1, read))
+        elif isinstance(s, StateSpec):
+            for name, (shape, dt) in s.tensors.items():
+                lc.state.append((math.prod(shape) * dt.itemsize, shape[0] if len(shape) >= 2 else 1))
+    heads = sorted({h for l in spec.layers if (h := _heads(l.attn)) is not None})
+    return ModelCosts(layers, embed, head, head_params, other, spec.tie_word_embeddings, spec.hidden_size, spec.vocab_size,
+                      spec.max_position_embeddings, heads)
+
+
+def attn_flops(lc: LayerCost, context: float, prefill: bool) -> float:
+    """FLOPs of one query token against ``context`` keys in one layer (all heads), beyond its projections."""
+    a = lc.attn
+    if isinstance(a, GQASpec):
+        keys = min(context, a.sliding_window) if a.sliding_window else context
+        return 4 * a.num_heads * a.head_dim * keys
+    if isinstance(a, MLASpec):
+        keys = min(context, lc.topk) if lc.topk else context
+        if prefill:  # naive form: q·k over nope+rope dims, p·v over v dims, per head
+            f = 2 * a.num_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim) * keys
+        else:  # absorbed form: scores over the 576-wide latent row, values over its first 512
+            f = 2 * a.num_heads * (2 * a.kv_lora_rank + a.qk_rope_head_dim) * keys
+        if lc.indexer is not None:
+            f += 2 * lc.indexer.n_heads * lc.indexer.head_dim * context
+        return f
+    if isinstance(a, KDASpec):  # decay, k·S, rank-1 update and S·q on a [K, V] state per head
+        return 8 * a.num_heads * a.head_dim * a.head_dim
+    # any other mixer: about 4 FLOPs per fp32 element of a recurrent state, read, updated and read out
+    return float(sum(b for b, _ in lc.state))

@@ -1,0 +1,131 @@
+"""A runnable stand-in for a model too large to load: one layer of each distinct (attention, MLP) spec,
+attention at full size, MoE and dense MLP narrowed (fewer and narrower experts, a narrower latent: which ops
+run is set by the structure, not the width), a small vocabulary, zero weights. Running it through the
+real model runner shows every op the model calls, with the shapes its attention layers really have.
+
+Two steps run: a prefill, then a decode step of two sequences, one of them at a context longer than every
+indexer top-k and sliding window (its earlier tokens are taken as cached), so sparse selection and
+windowed paths run too.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+
+import torch
+
+from dayzero.cache.manager import CacheManager
+from dayzero.cache.planner import plan_cache
+from dayzero.cache.spec import PagedSpec, StateSpec
+from dayzero.config.spec import GQASpec, LayerSpec, MLASpec, MLPSpec, ModelSpec, MoESpec
+from dayzero.engine.model_runner import ModelRunner
+from dayzero.engine.request import Sequence
+from dayzero.engine.sampling_params import SamplingParams
+from dayzero.engine.scheduler import ScheduledSeq
+from dayzero.models.decoder import CausalLM
+from dayzero.models.registry import default_dtype
+
+NARROW = 64  # expert and dense-MLP width in the probe
+_INIT = ("kaiming_uniform_", "kaiming_normal_", "uniform_", "normal_", "trunc_normal_", "xavier_uniform_",
+         "xavier_normal_", "zeros_", "ones_", "constant_")
+
+
+def _narrow(mlp):
+    if isinstance(mlp, MoESpec):
+        per_group = max(2, math.ceil(mlp.top_k / mlp.topk_group))
+        experts = min(mlp.n_experts, mlp.n_group * per_group)
+        return dataclasses.replace(mlp, n_experts=experts, intermediate_size=min(mlp.intermediate_size, NARROW),
+                                   shared_intermediate_size=min(mlp.shared_intermediate_size, NARROW),
+                                   latent_size=min(mlp.latent_size, NARROW) if mlp.latent_size else None)
+    if isinstance(mlp, MLPSpec):
+        return dataclasses.replace(mlp, intermediate_size=min(mlp.intermediate_size, NARROW))
+    return mlp
+
+
+def probe_spec(spec: ModelSpec) -> tuple[ModelSpec, list[list[int]]]:
+    """The probe's spec, and for each probe layer the original layers it stands for."""
+    keys: dict[str, int] = {}
+    layers: list[LayerSpec] = []
+    stands_for: list[list[int]] = []
+    for l in spec.layers:
+        mlp = _narrow(l.mlp)
+        key = repr((l.attn, mlp))
+        if key not in keys:
+            keys[key] = len(layers)
+            layers.append(dataclasses.replace(l, index=len(layers), mlp=mlp))
+            stands_for.append([])
+        stands_for[keys[key]].append(l.index)
+    return dataclasses.replace(spec, vocab_size=min(spec.vocab_size, 512), layers=tuple(layers)), stands_for
+
+
+def long_context(spec: ModelSpec) -> int:
+    """Past every indexer top-k and sliding window, so the sparse and windowed paths run."""
+    n = 16
+    for l in spec.layers:
+        if isinstance(l.attn, MLASpec) and l.attn.indexer is not None:
+            n = max(n, l.attn.indexer.topk + 2)
+        if isinstance(l.attn, GQASpec) and l.attn.sliding_window:
+            n = max(n, l.attn.sliding_window + 2)
+    return n
+
+
+@contextlib.contextmanager
+def skip_init():
+    """Modules allocate their parameters without running initialisers (the probe zeroes them after)."""
+    saved = {n: getattr(torch.nn.init, n) for n in _INIT if hasattr(torch.nn.init, n)}
+    for n in saved:
+        setattr(torch.nn.init, n, lambda t, *a, **k: t)
+    try:
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(torch.nn.init, n, fn)
+
+
+def build_uninitialised(spec: ModelSpec, dtype: torch.dtype, device) -> CausalLM:
+    """The model on ``device`` with its parameters allocated but not initialised (fast for large ones)."""
+    with skip_init(), torch.device(device), default_dtype(dtype):
+        return CausalLM(spec).eval()
+
+
+def build_probe(spec: ModelSpec, dtype: torch.dtype, device) -> CausalLM:
+    model = build_uninitialised(spec, dtype, device)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    return model
+
+
+def _seq(n_tokens: int, computed: int) -> Sequence:
+    seq = Sequence("probe", 0, [1] * n_tokens, n_tokens, SamplingParams(max_tokens=1))
+    seq.num_computed = computed
+    return seq
+
+
+def run_probe(spec: ModelSpec, dtype: torch.dtype, device, on_phase=None, on_model=None):
+    """Build the probe (``on_model(model)`` sees it first) and run its two steps; ``on_phase(name)`` is
+    called before each. Returns the probe model and, per probe layer, the original layers it stands for."""
+    pspec, stands_for = probe_spec(spec)
+    model = build_probe(pspec, dtype, device)
+    if on_model is not None:
+        on_model(model)
+    runner = ModelRunner(model, torch.device(device), dtype)
+    bs, n_long = 16, long_context(pspec)
+    blocks = 4 + math.ceil((n_long + 1) / bs)
+    plan = plan_cache(runner.specs, bs, n_long + 1, 2, None, blocks)
+    runner.allocate_cache(plan)
+    cache = CacheManager(bs, plan.num_blocks, plan.num_slots,
+                         uses_blocks=any(isinstance(s, PagedSpec) for s in runner.specs),
+                         uses_slots=any(isinstance(s, StateSpec) for s in runner.specs))
+    short, long = _seq(9, 0), _seq(n_long + 1, n_long)
+    cache.grow(short.seq_id, 9)
+    cache.grow(long.seq_id, n_long + 1)
+    for name, scheduled in (("prefill", [ScheduledSeq(short, 8)]), ("decode", None)):
+        if on_phase is not None:
+            on_phase(name)
+        if scheduled is None:  # both sequences bring one token
+            short.num_computed = 8
+            scheduled = [ScheduledSeq(short, 1), ScheduledSeq(long, 1)]
+        runner.execute(runner.build_batch(scheduled, cache))
+    return model, stands_for

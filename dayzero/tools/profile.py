@@ -1,0 +1,396 @@
+"""``dayzero profile MODEL``: latency and memory per layer for prefill and decode, grouped by layer kind,
+with each kind's own costs split out (KDA state update, DSA indexer scoring and top-k vs attention, MoE
+routing / expert compute / weight conversion / dispatch).
+
+Three kinds of run, on the model runner the engine uses:
+- plain steps, timed as a whole: the measured step time;
+- steps with a hook on each decoder layer: per-layer times (and, on CUDA, each layer's transient peak);
+- steps with hooks on every op call (the ops registry hook) and every linear projection as well: the
+  split inside each layer. Whatever is left of the layer's time is glue ("other").
+On CUDA every interval is a pair of CUDA events read after the step; on the CPU ``time.perf_counter``.
+A checkpoint loads its weights; a bare config gets random ones (the numbers do not depend on the values).
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+from dayzero.ops import registry
+from dayzero.tools import fmt
+
+# op name fragment -> the part of a layer it belongs to (first match wins; unknown ops keep their name)
+PARTS = (
+    ("indexer", "indexer score + top-k"),
+    ("kda_chunk", "state update"), ("kda_recurrent", "state update"), ("ssd_chunk", "state update"),
+    ("ssd_recurrent", "state update"), ("conv", "short conv"), ("gate", "gates"), ("ssd_dt", "gates"),
+    ("mla_", "attention"), ("attention", "attention"),
+    ("moe_route", "MoE routing"), ("moe_experts", "MoE expert compute"),
+    ("mxfp4", "MoE weight conversion"), ("dequant", "MoE weight conversion"), ("convert", "MoE weight conversion"),
+    ("dispatch", "MoE dispatch"), ("combine", "MoE dispatch"), ("all_to_all", "MoE dispatch"),
+    ("norm", "norms"), ("rotary", "rotary"), ("mlp", "dense MLP / shared experts"), ("silu", "activation"),
+    ("relu", "activation"), ("swiglu", "activation"),
+)
+PROJECTIONS, OTHER = "projections", "other"
+MOE_PARTS = ("MoE routing", "MoE expert compute", "MoE weight conversion", "MoE dispatch")
+
+
+def part_of(op: str) -> str:
+    return next((p for frag, p in PARTS if frag in op), op)
+
+
+class _Clock:
+    """Intervals on the device's own timeline: CUDA events, or perf_counter on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def seconds(self, a, b) -> float:
+        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
+
+
+@torch.no_grad()
+def random_init_(model: torch.nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Random weights in place on the model's device (same rules as the test checkpoints use)."""
+    dev = next(model.parameters()).device
+    g = torch.Generator(device=dev).manual_seed(seed)
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf == "A_log":
+            p.copy_(torch.log(torch.rand(p.shape, generator=g, device=dev) * 15 + 1))
+        elif leaf in ("dt_bias", "e_score_correction_bias", "b1", "b2") or "bias" in leaf:
+            p.normal_(0.0, 0.1, generator=g)
+        elif "norm" in name:
+            p.normal_(1.0, 0.1, generator=g)
+        elif "conv1d" in name:
+            p.normal_(0.0, 1 / math.sqrt(p.shape[-1]), generator=g)
+        else:
+            p.normal_(0.0, std, generator=g)
+
+
+def _setup(model: str | None, device: str, dtype: str, batch: int, tokens: int, block_size: int = 16):
+    """(model, runner, cache manager, spec) with caches for ``batch`` sequences of ``tokens`` tokens."""
+    from dayzero.cache.manager import CacheManager
+    from dayzero.cache.planner import plan_cache
+    from dayzero.cache.spec import PagedSpec, StateSpec
+    from dayzero.config.model_config import DTYPES
+    from dayzero.engine.engine import EngineConfig, LLMEngine
+    from dayzero.engine.model_runner import ModelRunner
+    from dayzero.tools.model_info import load
+    from dayzero.tools.probe import build_uninitialised
+
+    blocks = 1 + batch * -(-tokens // block_size)
+    info = load(model)
+    if info.checkpoint is not None:
+        eng = LLMEngine(EngineConfig(model=str(info.source), device=device, dtype=dtype, block_size=block_size,
+                                     num_cache_blocks=blocks, max_num_seqs=batch, max_model_len=tokens,
+                                     max_num_batched_tokens=max(2048, tokens * batch)))
+        return eng.model, eng.runner, eng.cache, eng.model_config
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    dt = DTYPES[dtype] if dtype != "auto" else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    net = build_uninitialised(info.spec, dt, dev)
+    random_init_(net)
+    runner = ModelRunner(net, dev, dt)
+    plan = plan_cache(runner.specs, block_size, tokens, batch, None, blocks)
+    runner.allocate_cache(plan)
+    cache = CacheManager(block_size, plan.num_blocks, plan.num_slots,
+                         uses_blocks=any(isinstance(s, PagedSpec) for s in runner.specs),
+                         uses_slots=any(isinstance(s, StateSpec) for s in runner.specs))
+    return net, runner, cache, info.spec
+
+
+class Profiler:
+    """Runs prefill and decode steps of ``batch`` sequences of ``prompt_len`` tokens and times them."""
+
+    def __init__(self, model, runner, cache, spec, batch: int, prompt_len: int, steps: int, seed: int = 0):
+        from dayzero.engine.request import Sequence
+        from dayzero.engine.sampling_params import SamplingParams
+
+        self.model, self.runner, self.cache, self.spec = model, runner, cache, spec
+        self.prompt_len, self.steps = prompt_len, steps
+        self.clock = _Clock(runner.device)
+        self.layers = list(model.model.layers)
+        self.kinds = [f"{l.attn_kind or '-'}+{l.mlp_kind or '-'}" for l in spec.layers]
+        g = torch.Generator().manual_seed(seed)
+        n = prompt_len + steps
+        self.ids = [torch.randint(0, spec.vocab_size, (n,), generator=g).tolist() for _ in range(batch)]
+        self.seqs = [Sequence("profile", 0, ids[:prompt_len], prompt_len, SamplingParams(max_tokens=steps))
+                     for ids in self.ids]
+        for s in self.seqs:
+            if not cache.grow(s.seq_id, n):
+                raise RuntimeError(f"the cache cannot hold {len(self.seqs)} sequences of {n} tokens")
+        self.records: list[tuple[int | None, str, object, object]] = []  # (layer, part, start, end)
+        self.peaks: dict[int, int] = {}
+        self._layer: int | None = None
+        self._depth = 0
+
+    # --- batches ---------------------------------------------------------------------------------------
+    def _batch(self, start: int, n: int):
+        from dayzero.engine.scheduler import ScheduledSeq
+
+        for s, ids in zip(self.seqs, self.ids):
+            s.token_ids = ids[:start + n]
+            s.num_computed = start
+        return self.runner.build_batch([ScheduledSeq(s, n) for s in self.seqs], self.cache)
+
+    def prefill_batch(self):
+        return self._batch(0, self.prompt_len)
+
+    def decode_batch(self, k: int):
+        return self._batch(self.prompt_len + k, 1)
+
+    def step(self, batch) -> float:
+        self.clock.sync()
+        a = self.clock.mark()
+        self.runner.execute(batch)
+        b = self.clock.mark()
+        self.clock.sync()
+        return self.clock.seconds(a, b)
+
+    # --- hooks -----------------------------------------------------------------------------------------
+    def _install(self, ops: bool) -> list:
+        handles, cuda = [], self.clock.cuda
+
+        def pre(i):
+            def hook(m, args):
+                self._layer = i
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                    self._mem0 = torch.cuda.memory_allocated()
+                self._t0 = self.clock.mark()
+            return hook
+
+        def post(i):
+            def hook(m, args, out):
+                self.records.append((i, "layer", self._t0, self.clock.mark()))
+                if cuda:
+                    self.peaks[i] = max(self.peaks.get(i, 0), torch.cuda.max_memory_allocated() - self._mem0)
+                self._layer = None
+            return hook
+
+        for i, layer in enumerate(self.layers):
+            handles += [layer.register_forward_pre_hook(pre(i)), layer.register_forward_hook(post(i))]
+        if ops:
+            def lin_pre(m, args):
+                self._lin0 = self.clock.mark()
+
+            def lin_post(m, args, out):
+                if self._depth == 0:
+                    self.records.append((self._layer, PROJECTIONS, self._lin0, self.clock.mark()))
+
+            for layer in self.layers:
+                for mod in layer.modules():
+                    if isinstance(mod, torch.nn.Linear):
+                        handles += [mod.register_forward_pre_hook(lin_pre), mod.register_forward_hook(lin_post)]
+
+            def op_hook(op, chosen, reason, fn, args, kwargs):
+                if self._depth:  # an op inside an op is part of the outer one
+                    return fn(*args, **kwargs)
+                self._depth += 1
+                a = self.clock.mark()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    self.records.append((self._layer, part_of(op), a, self.clock.mark()))
+                    self._depth -= 1
+
+            prev = registry.set_hook(op_hook)
+            handles.append(_Restore(prev))
+        return handles
+
+    def _collect(self) -> dict[tuple[int | None, str], float]:
+        self.clock.sync()
+        out: dict = defaultdict(float)
+        for layer, part, a, b in self.records:
+            out[(layer, part)] += self.clock.seconds(a, b)
+        self.records = []
+        return out
+
+    # --- the runs --------------------------------------------------------------------------------------
+    def _phase(self, mode: str, phase: str, res: dict) -> None:
+        """One prefill step, or a prefill then ``steps`` decode steps, with ``mode``'s hooks on."""
+        if phase == "decode":
+            self.step(self.prefill_batch())
+        handles = self._install(mode == "ops") if mode != "plain" else []
+        try:
+            batches = [self.prefill_batch()] if phase == "prefill" else [self.decode_batch(k) for k in range(self.steps)]
+            for i, b in enumerate(batches):
+                if phase == "decode":
+                    b = self.decode_batch(i)  # decode positions advance; rebuild after the previous step
+                t = self.step(b)
+                res[mode][phase].append((t, self._collect()))
+        finally:
+            for h in handles:
+                h.remove()
+
+    def run(self, repeats: int = 3, warmup: int = 1) -> dict:
+        """Plain, layer-timed and op-timed steps interleaved repeat by repeat, so that a machine whose speed
+        drifts affects all three alike; medians over repeats (and decode steps)."""
+        res = {m: {"prefill": [], "decode": []} for m in ("plain", "layers", "ops")}
+        with torch.inference_mode():
+            for _ in range(warmup):
+                for mode in res:
+                    for phase in ("prefill", "decode"):
+                        self._phase(mode, phase, {m: {"prefill": [], "decode": []} for m in res})
+            for _ in range(repeats):
+                for phase in ("prefill", "decode"):
+                    for mode in res:
+                        self._phase(mode, phase, res)
+        return self._summarise(res)
+
+    def _summarise(self, res) -> dict:
+        n = len(self.layers)
+        out = {}
+        for phase in ("prefill", "decode"):
+            plain = statistics.median(t for t, _ in res["plain"][phase])
+            timed = res["layers"][phase]
+            layer_s = [statistics.median(r.get((i, "layer"), 0.0) for _, r in timed) for i in range(n)]
+            coverage = statistics.median(sum(r.get((i, "layer"), 0.0) for i in range(n)) / t for t, r in timed if t)
+            op_recs = [r for _, r in res["ops"][phase]]
+            parts = []
+            for i in range(n):
+                names = {p for r in op_recs for (l, p) in r if l == i and p != "layer"}
+                split = {p: statistics.median(r.get((i, p), 0.0) for r in op_recs) for p in names}
+                split[OTHER] = max(0.0, layer_s[i] - sum(split.values()))
+                parts.append(split)
+            out[phase] = {"step_s": plain, "timed_step_s": statistics.median(t for t, _ in timed),
+                          "layers_s": layer_s, "layers_sum_s": sum(layer_s), "coverage": coverage, "parts": parts}
+        return out
+
+
+class _Restore:
+    def __init__(self, prev):
+        self.prev = prev
+
+    def remove(self):
+        registry.set_hook(self.prev)
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else int(getattr(t, "nbytes", 0))
+
+
+def profile(model: str | None = None, prompt_len: int = 128, batch: int = 1, steps: int = 8, device: str = "auto",
+            dtype: str = "auto", repeats: int = 3, warmup: int = 1) -> dict:
+    net, runner, cache, spec = _setup(model, device, dtype, batch, prompt_len + steps)
+    prof = Profiler(net, runner, cache, spec, batch, prompt_len, steps)
+    timing = prof.run(repeats, warmup)
+    layers = []
+    for i, layer in enumerate(prof.layers):
+        cache_bytes = sum(_nbytes(t) for m in layer.children() for t in (getattr(m, "cache", None) or {}).values())
+        layers.append({
+            "index": i, "kind": prof.kinds[i],
+            "prefill_s": timing["prefill"]["layers_s"][i], "decode_s": timing["decode"]["layers_s"][i],
+            "weights_bytes": sum(p.numel() * p.element_size() for p in layer.parameters()),
+            "cache_bytes": cache_bytes, "peak_transient_bytes": prof.peaks.get(i),
+            "prefill_parts": timing["prefill"]["parts"][i], "decode_parts": timing["decode"]["parts"][i],
+        })
+    by_kind: dict[str, dict] = {}
+    for l in layers:
+        k = by_kind.setdefault(l["kind"], {"kind": l["kind"], "layers": 0, "prefill_s": 0.0, "decode_s": 0.0,
+                                           "parts": defaultdict(lambda: {"prefill_s": 0.0, "decode_s": 0.0})})
+        k["layers"] += 1
+        k["prefill_s"] += l["prefill_s"]
+        k["decode_s"] += l["decode_s"]
+        for phase in ("prefill", "decode"):
+            for p, s in l[f"{phase}_parts"].items():
+                k["parts"][p][f"{phase}_s"] += s
+        if "moe" in l["kind"]:
+            for p in MOE_PARTS:
+                k["parts"][p]  # listed even at zero: this build has no such op
+    for k in by_kind.values():
+        k["parts"] = dict(k["parts"])
+    return {
+        "model": str(model or "default"), "device": str(runner.device), "dtype": str(runner.cache_dtype).removeprefix("torch."),
+        "prompt_len": prompt_len, "batch": batch, "steps": steps, "timer": "cuda events" if prof.clock.cuda else "perf_counter",
+        "prefill": {k: v for k, v in timing["prefill"].items() if k != "parts"},
+        "decode": {k: v for k, v in timing["decode"].items() if k != "parts"},
+        "layers": layers, "by_kind": sorted(by_kind.values(), key=lambda k: -(k["prefill_s"] + k["decode_s"])),
+    }
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.3f}"
+
+
+def render(r: dict, top: int = 16) -> str:
+    out = [f"profile: {r['model']} on {r['device']} ({r['dtype']}, {r['timer']}): prompt {r['prompt_len']} tokens × "
+           f"batch {r['batch']}, {r['steps']} decode steps"]
+    for phase in ("prefill", "decode"):
+        p = r[phase]
+        out.append(f"  {phase}: step {_ms(p['step_s'])} ms; with layer timers {_ms(p['timed_step_s'])} ms, of which "
+                   f"the layers {_ms(p['layers_sum_s'])} ms ({p['coverage'] * 100:.0f}%)")
+    out.append("by layer kind:")
+    tot = sum(k["prefill_s"] + k["decode_s"] for k in r["by_kind"]) or 1.0
+    out.append(fmt.table([[k["kind"], k["layers"], _ms(k["prefill_s"]), _ms(k["decode_s"]),
+                           f"{(k['prefill_s'] + k['decode_s']) / tot * 100:.1f}%"] for k in r["by_kind"]],
+                         ["kind", "layers", "prefill ms", "decode ms", "share"]))
+    out.append("cost by part, sorted (ms per step, summed over the kind's layers):")
+    rows = [(k["kind"], p, v["prefill_s"], v["decode_s"]) for k in r["by_kind"] for p, v in k["parts"].items()]
+    rows.sort(key=lambda x: -(x[2] + x[3]))
+    out.append(fmt.table([[k, p, _ms(a), _ms(b)] for k, p, a, b in rows], ["kind", "part", "prefill ms", "decode ms"]))
+    out.append(f"layers, sorted by cost (top {min(top, len(r['layers']))}):")
+    ls = sorted(r["layers"], key=lambda l: -(l["prefill_s"] + l["decode_s"]))[:top]
+    out.append(fmt.table([[l["index"], l["kind"], _ms(l["prefill_s"]), _ms(l["decode_s"]), fmt.size(l["weights_bytes"]),
+                           fmt.size(l["cache_bytes"]),
+                           fmt.size(l["peak_transient_bytes"]) if l["peak_transient_bytes"] is not None else "-"]
+                          for l in ls], ["layer", "kind", "prefill ms", "decode ms", "weights", "cache", "peak transient"]))
+    return "\n".join(out)
+
+
+def plot(r: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    parts = sorted({p for l in r["layers"] for ph in ("prefill", "decode") for p in l[f"{ph}_parts"]})
+    colors = {p: plt.get_cmap("tab20")(i % 20) for i, p in enumerate(parts)}
+    fig, axes = plt.subplots(2, 1, figsize=(max(8, 0.3 * len(r["layers"]) + 4), 8), sharex=True)
+    x = [l["index"] for l in r["layers"]]
+    for ax, phase in zip(axes, ("prefill", "decode")):
+        bottom = [0.0] * len(x)
+        for p in parts:
+            h = [l[f"{phase}_parts"].get(p, 0.0) * 1e3 for l in r["layers"]]
+            ax.bar(x, h, bottom=bottom, color=colors[p], label=p, width=0.8)
+            bottom = [b + v for b, v in zip(bottom, h)]
+        ax.set_ylabel(f"{phase} ms / step")
+        ax.set_title(f"{phase}: step {r[phase]['step_s'] * 1e3:.2f} ms, layers {r[phase]['layers_sum_s'] * 1e3:.2f} ms")
+    axes[1].set_xlabel("layer (" + ", ".join(sorted({l['kind'] for l in r['layers']})) + ")")
+    axes[0].legend(fontsize="small", ncol=3, loc="upper right")
+    fig.suptitle(f"{r['model']} on {r['device']}: prompt {r['prompt_len']} × batch {r['batch']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(args) -> int:
+    try:
+        r = profile(args.model, args.prompt_len, args.batch, args.steps, args.device, args.dtype, args.repeats)
+    except (FileNotFoundError, ValueError, KeyError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.plot:
+        plot(r, args.plot)
+    print(json.dumps(r, indent=1, default=str) if args.json else render(r))
+    if args.plot:
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    return 0
