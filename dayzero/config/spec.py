@@ -58,6 +58,9 @@ class IndexerSpec:
     topk: int
     rope: RopeSpec  # applied to the first ``rope.dim`` dims of q and k (NeoX, the fixed V3.2 layout)
     q_from_latent: bool = True  # wq_b reads the normalised q latent (c_q), else x
+    # IndexCache (GLM-MoE-DSA ``indexer_types: "shared"``): no indexer weights or key cache; the layer reuses
+    # the top-k of the nearest earlier layer that runs its indexer in the same step
+    shared: bool = False
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,10 @@ Cache per token: the latent row ``[c (kv_lora_rank) ‖ k_pe (rope dim)]`` and, 
 key, both paged under the sequence's one block table. Prefill chunks attend in the naive (MHA) form;
 single-token decode in the absorbed (MQA) form, which reads only the latent rows. When the sequence is no
 longer than ``topk`` the indexer selects every causal key, so it is skipped (the result is dense MLA).
+
+IndexCache (GLM-MoE-DSA ``indexer_types``, HY-V4): a layer whose indexer spec is ``shared`` has no indexer
+and no indexer key cache; it attends over the keys chosen by the nearest earlier layer that ran its indexer
+in the same step. That choice travels on the step's batch (``SELECTION``), so nothing outlives the step.
 """
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ from dayzero.layers.attention.base import CachedLayer
 from dayzero.layers.norm import LayerNorm, RMSNorm
 from dayzero.layers.rotary import RotaryEmbedding
 from dayzero.ops.attention.reference import indices_to_mask
+
+SELECTION = "dsa_selection"  # batch attribute: per sequence, the [Tq, S] key mask of the last indexer (None: dense)
 
 
 class Indexer(nn.Module):
@@ -57,7 +63,9 @@ class MLAAttention(CachedLayer):
         self.kv_b_proj = nn.Linear(self.R, H * (self.N + self.V), bias=False)
         self.o_proj = nn.Linear(H * self.V, hidden, bias=spec.bias)
         self.g_proj = nn.Linear(hidden, H * self.V, bias=False) if spec.output_gate else None
-        self.indexer = Indexer(hidden, spec.q_lora_rank or hidden, spec.indexer) if spec.indexer else None
+        ispec = spec.indexer
+        self.indexer = Indexer(hidden, spec.q_lora_rank or hidden, ispec) if ispec and not ispec.shared else None
+        self.shares_selection = ispec is not None and ispec.shared
         self.rotary = RotaryEmbedding(spec.rope) if spec.rope is not None else None
         self.scale = spec.scale
 
@@ -82,19 +90,25 @@ class MLAAttention(CachedLayer):
             iq, ik, iw = self.indexer.project(x, c_q, batch.positions)
             self.write_rows("index_k", batch.slot_mapping, ik)
 
+        selection = [None] * batch.num_seqs
+        if self.shares_selection:
+            selection = getattr(batch, SELECTION, None)
+            assert selection is not None, "a shared-index DSA layer needs an earlier layer that runs its indexer"
         out = q_nope.new_empty(T, self.H, self.V)
         for b in range(batch.num_seqs):
             rows, slots, S = batch.rows(b), batch.key_slots(b), batch.seq_lens[b]
             q_pos = batch.positions[rows]
-            key_mask = None
             if self.indexer is not None and S > self.indexer.topk:
                 idx = ops.call("indexer_topk", iq[rows], iw[rows], self.read_rows("index_k", slots), q_pos, self.indexer.topk)
-                key_mask = indices_to_mask(idx, S)  # [Tq, S]
+                selection[b] = indices_to_mask(idx, S)  # [Tq, S]
+            key_mask = selection[b]
             form = "mla_absorbed" if rows.stop - rows.start == 1 else "mla_naive"
             out[rows] = ops.call(
                 form, q_nope[rows], q_pe[rows], self.read_rows("latent", slots), self.kv_b_proj.weight,
                 self.V, q_pos, self.scale, key_mask, None,
             )
+        if self.indexer is not None:
+            setattr(batch, SELECTION, selection)
         if self.g_proj is not None:
             out = (out.float() * torch.sigmoid(self.g_proj(x).float().view(T, self.H, self.V))).to(out.dtype)
         return self.o_proj(out.reshape(T, self.H * self.V))

@@ -9,7 +9,7 @@ from dayzero.models.adapters.common import (
 from dayzero.models.registry import Adapter, register
 
 
-def _moe(raw: dict) -> MoESpec:
+def moe_spec(raw: dict) -> MoESpec:
     n_shared = raw.get("n_shared_experts") or 0
     return MoESpec(
         get(raw, "n_routed_experts", "num_local_experts"), raw["num_experts_per_tok"], raw["moe_intermediate_size"],
@@ -19,17 +19,20 @@ def _moe(raw: dict) -> MoESpec:
     )
 
 
-def _is_moe(raw: dict, i: int) -> bool:
+def is_moe_layer(raw: dict, i: int) -> bool:
     return i >= raw.get("first_k_dense_replace", 0) and i % raw.get("moe_layer_freq", 1) == 0
 
 
-def _mla(raw: dict, indexed: bool) -> MLASpec:
+def indexer_spec(raw: dict, interleaved: bool = False, shared: bool = False) -> IndexerSpec:
+    """The lightning indexer; its RoPE covers the first ``qk_rope_head_dim`` dims with MLA's frequencies."""
+    rope_dim = raw["qk_rope_head_dim"]
+    return IndexerSpec(raw["index_n_heads"], raw["index_head_dim"], raw["index_topk"],
+                       rope_spec(raw, rope_dim, interleaved=interleaved, dim=rope_dim), shared=shared)
+
+
+def mla_spec(raw: dict, indexer: IndexerSpec | None = None) -> MLASpec:
     nope, rope_dim = raw["qk_nope_head_dim"], raw["qk_rope_head_dim"]
     rope = rope_spec(raw, rope_dim, interleaved=raw.get("rope_interleave", True), dim=rope_dim)
-    indexer = None
-    if indexed:
-        indexer = IndexerSpec(raw["index_n_heads"], raw["index_head_dim"], raw["index_topk"],
-                              rope_spec(raw, rope_dim, interleaved=False, dim=rope_dim))
     return MLASpec(
         raw["num_attention_heads"], raw.get("q_lora_rank"), raw["kv_lora_rank"], nope, rope_dim, raw["v_head_dim"],
         rope=rope, scale=softmax_scale(nope + rope_dim, rope.scaling), bias=raw.get("attention_bias", False),
@@ -37,17 +40,20 @@ def _mla(raw: dict, indexed: bool) -> MLASpec:
     )
 
 
-def deepseek_spec(raw: dict, indexed: bool = False) -> ModelSpec:
-    attn = _mla(raw, indexed)
-    layers = tuple(
-        LayerSpec(i, attn, _moe(raw) if _is_moe(raw, i) else dense_mlp_spec(raw))
-        for i in range(raw["num_hidden_layers"])
-    )
+def model_spec(raw: dict, layers) -> ModelSpec:
     return ModelSpec(
-        raw["model_type"], raw["vocab_size"], raw["hidden_size"], layers, raw["max_position_embeddings"],
+        raw["model_type"], raw["vocab_size"], raw["hidden_size"], tuple(layers), raw["max_position_embeddings"],
         raw.get("rms_norm_eps", 1e-6), tie_word_embeddings=raw.get("tie_word_embeddings", False),
         torch_dtype=dtype_of(raw), eos_token_id=eos_of(raw), bos_token_id=raw.get("bos_token_id"),
     )
+
+
+def deepseek_spec(raw: dict, indexed: bool = False) -> ModelSpec:
+    attn = mla_spec(raw, indexer_spec(raw) if indexed else None)
+    return model_spec(raw, (
+        LayerSpec(i, attn, moe_spec(raw) if is_moe_layer(raw, i) else dense_mlp_spec(raw))
+        for i in range(raw["num_hidden_layers"])
+    ))
 
 
 def deepseek_rules(spec: ModelSpec):
