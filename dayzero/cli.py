@@ -103,6 +103,12 @@ def _add_tools(sub) -> None:
     f.set_defaults(func=_profile)
 
 
+def _align(args) -> int:
+    from dayzero.tools.align_cli import run  # the comparison code loads only for this command
+
+    return run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="dayzero", description="Bring up and serve ultra-large sparse MoE models.")
     ap.add_argument("-v", "--verbose", action="store_true", help="log op choices and loading details")
@@ -120,6 +126,22 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     g.set_defaults(func=_generate)
     _add_tools(sub)
+    a = sub.add_parser("align", help="compare every layer with a reference; exit 1 when a layer is over threshold")
+    a.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: the bundled model)")
+    a.add_argument("--reference", default="auto", choices=["auto", "hf", "fp32"],
+                   help="hf: transformers in fp32; fp32: dayzero in fp32 on the CPU; auto: hf when transformers knows the model")
+    a.add_argument("--reference-model", default=None, help="checkpoint the reference loads (default: MODEL)")
+    a.add_argument("--precision", default=None, metavar="CONFIG", help="JSON file of LLM keyword arguments under test")
+    a.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="dtype under test (default: the precision config's, else bfloat16)")
+    a.add_argument("--device", default=None, help="device under test (default: the precision config's, else auto)")
+    a.add_argument("--prompts", default=None, metavar="FILE", help="text prompts, one a line (needs a tokenizer)")
+    a.add_argument("--lengths", default="6,48,300", help="lengths of the default token-id prompts")
+    a.add_argument("--threshold", type=float, default=None, help="relative error per layer (default: by dtype)")
+    a.add_argument("--jump-factor", type=float, default=4.0, help="error growth over the previous layer that marks a jump")
+    a.add_argument("--plot", default=None, metavar="FILE.png", help="relative error by layer, log scale")
+    a.add_argument("--json", action="store_true", help="print the result as JSON")
+    a.set_defaults(func=_align)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     return args.func(args)

@@ -1,0 +1,334 @@
+"""Alignment: the engine under test against a reference, layer by layer, on the same prompts.
+
+Each prompt goes through our engine as one prefill chunk, with a forward hook on every decoder layer
+that records the residual stream after it (``x + residual``); the final logits come from
+``compute_logits``. The reference is either transformers' own implementation of the architecture
+(``"hf"``, fp32 on the CPU) or the same checkpoint loaded by dayzero in fp32 on the CPU (``"fp32"``, our
+reference ops). The two sides run one after the other, so only one model is in memory at a time.
+
+Per layer: relative error ‖a−b‖/‖b‖ over every prompt token, max absolute error, mean per-token cosine
+similarity, and the growth of the relative error over the previous layer. A layer fails when its relative
+error is over the threshold (or not finite). The advice names the failing layers and the first layer whose
+error grows by more than ``jump_factor`` over the previous one while within a factor 10 of the threshold:
+the layers to keep in higher precision. End to end: top-1 agreement and KL(reference ‖ ours) of the
+next-token distributions at every prompt position.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from dayzero.engine.engine import DEFAULT_MODEL
+
+# default relative-error thresholds by the dtype under test (the reference is always fp32)
+THRESHOLDS = {"float32": 1e-3, "float16": 2e-2, "bfloat16": 5e-2}
+LOW_PRECISION_THRESHOLD = 1e-1  # a precision config that names an 8-bit or 4-bit format
+LOW_PRECISION_NAMES = ("fp8", "e4m3", "e5m2", "int8", "int4", "fp4", "mxfp4", "nvfp4")
+DEFAULT_LENGTHS = (6, 48, 300)
+JUMP_FACTOR = 4.0
+
+
+@dataclass
+class LayerRow:
+    index: int
+    kind: str  # "<attention kind>+<mlp kind>", e.g. "dsa+moe"
+    rel_err: float
+    max_abs: float
+    cosine: float
+    growth: float | None  # rel_err / rel_err of the previous layer
+    passed: bool
+    note: str = ""
+
+
+@dataclass
+class AlignResult:
+    model: str
+    reference: str  # "hf" | "fp32"
+    reference_model: str
+    dtype: str
+    device: str
+    precision: dict
+    threshold: float
+    jump_factor: float
+    prompt_lengths: list[int]
+    rows: list[LayerRow]
+    first_failing: int | None
+    jump_layer: int | None
+    suggestions: list[int]
+    top1: float  # fraction of positions whose argmax agrees
+    kl_mean: float
+    kl_max: float
+    logits_rel_err: float
+    by_kind: dict[str, dict] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return self.first_failing is None
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["passed"] = self.passed
+        return d
+
+    def to_json(self) -> str:
+        # NaN and inf are not JSON: a diverged layer is reported as a string
+        def clean(v):
+            if isinstance(v, float) and not math.isfinite(v):
+                return str(v)
+            if isinstance(v, dict):
+                return {k: clean(x) for k, x in v.items()}
+            if isinstance(v, list):
+                return [clean(x) for x in v]
+            return v
+
+        return json.dumps(clean(self.to_dict()), indent=2)
+
+
+@dataclass
+class Capture:
+    """One prompt's outputs on one side, fp32 on the CPU."""
+
+    layers: list[torch.Tensor]  # residual stream after each layer, each [T, D]
+    final: torch.Tensor | None  # after the final norm [T, D]
+    logits: torch.Tensor  # [T, vocab]
+    notes: dict[int, str] = field(default_factory=dict)  # layer -> why its reference is not the plain residual
+
+
+# --- inputs ---------------------------------------------------------------------------------------
+def default_prompts(vocab_size: int, max_len: int, lengths=DEFAULT_LENGTHS, seed: int = 0) -> list[list[int]]:
+    """Fixed token-id prompts of different lengths, drawn from the vocab: no tokenizer needed."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (min(n, max_len),), generator=g).tolist() for n in lengths]
+
+
+def text_prompts(path: str | Path, model: str | Path) -> list[list[int]]:
+    from dayzero.engine.tokenizer import load_tokenizer
+
+    lines = [l.rstrip("\n") for l in Path(path).read_text().splitlines() if l.strip()]
+    if not lines:
+        raise ValueError(f"{path}: no prompts (one per non-empty line)")
+    tok = load_tokenizer(model)
+    if tok is None:
+        raise ValueError(f"{model} has no tokenizer: text prompts need one (leave out --prompts to use token ids)")
+    return [tok.encode(l, add_special_tokens=False) for l in lines]
+
+
+def default_threshold(dtype: str, precision: dict) -> float:
+    low = any(isinstance(v, str) and any(n in v.lower() for n in LOW_PRECISION_NAMES) for v in precision.values())
+    return LOW_PRECISION_THRESHOLD if low else THRESHOLDS.get(dtype, THRESHOLDS["bfloat16"])
+
+
+def layer_kinds(spec) -> list[str]:
+    return [f"{l.attn_kind or '-'}+{l.mlp_kind or '-'}" for l in spec.layers]
+
+
+# --- our side -------------------------------------------------------------------------------------
+def _engine_kwargs(dtype: str, device: str, precision: dict, longest: int) -> dict:
+    # one sequence at a time: a cache of one prompt's length is enough; the precision config wins
+    return {"device": device, "dtype": dtype, "max_num_seqs": 1, "max_model_len": longest + 1,
+            "max_num_batched_tokens": max(2048, longest), **precision}
+
+
+@torch.inference_mode()
+def run_engine(engine, ids: list[int]) -> Capture:
+    """Push one prompt through ``engine``'s runner as one prefill chunk, recording every layer's output."""
+    from dayzero.engine.request import Sequence
+    from dayzero.engine.sampling_params import SamplingParams
+    from dayzero.engine.scheduler import ScheduledSeq
+
+    layers = engine.model.model.layers
+    outs: list[torch.Tensor | None] = [None] * len(layers)
+
+    def record(i):
+        def hook(_module, _args, out):
+            x, residual = out
+            # the residual stream after layer i, summed in fp32 before the next layer's rounding
+            outs[i] = (x.float() if residual is None else x.float() + residual.float()).cpu()
+        return hook
+
+    handles = [layer.register_forward_hook(record(i)) for i, layer in enumerate(layers)]
+    seq = Sequence("align", 0, list(ids), len(ids), SamplingParams())
+    try:
+        if not engine.cache.grow(seq.seq_id, len(ids)):
+            raise RuntimeError(f"the cache cannot hold a prompt of {len(ids)} tokens")
+        batch = engine.runner.build_batch([ScheduledSeq(seq, len(ids))], engine.cache)
+        hidden = engine.model(batch)  # [T, D] after the final norm
+        logits = engine.model.compute_logits(hidden)
+    finally:
+        for h in handles:
+            h.remove()
+        engine.cache.release(seq.seq_id)
+    return Capture(outs, hidden.float().cpu(), logits.float().cpu())
+
+
+def capture_dayzero(model: str, prompts: list[list[int]], **llm_kwargs) -> tuple[list[Capture], object, str]:
+    """Load ``model`` with dayzero (``llm_kwargs`` go to ``LLM``), run every prompt: the captures, the model
+    spec and the device it ran on."""
+    from dayzero import LLM
+
+    llm = LLM(model, **llm_kwargs)
+    try:
+        caps = [run_engine(llm.engine, ids) for ids in prompts]
+        spec, dev = llm.engine.model_config, str(llm.engine.device)
+    finally:
+        del llm  # the next side loads into the memory this one held
+        release_memory()
+    return caps, spec, dev
+
+
+def release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# --- comparison -----------------------------------------------------------------------------------
+class _Acc:
+    """Sums over prompts for one compared tensor: ‖a−b‖², ‖b‖², max |a−b|, per-token cosines."""
+
+    def __init__(self):
+        self.diff2 = self.ref2 = self.max_abs = self.cos_sum = 0.0
+        self.tokens = 0
+
+    def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        a, b = a.double(), b.double()
+        d = a - b
+        self.diff2 += float((d * d).sum())
+        self.ref2 += float((b * b).sum())
+        self.max_abs = max(self.max_abs, float(d.abs().max())) if d.numel() else self.max_abs
+        if not torch.isfinite(d).all():
+            self.max_abs = math.inf
+        self.cos_sum += float(torch.nn.functional.cosine_similarity(a, b, dim=-1).sum())
+        self.tokens += a.shape[0]
+
+    @property
+    def rel(self) -> float:
+        if not math.isfinite(self.diff2):
+            return math.nan
+        return math.sqrt(self.diff2 / self.ref2) if self.ref2 > 0 else (0.0 if self.diff2 == 0 else math.inf)
+
+    @property
+    def cosine(self) -> float:
+        return self.cos_sum / max(self.tokens, 1)
+
+
+def compare(ours: list[Capture], ref: list[Capture], kinds: list[str], threshold: float, jump_factor: float):
+    """Per-layer rows, first failing layer, first jump, and the end-to-end numbers."""
+    n_layers = len(kinds)
+    accs = [_Acc() for _ in range(n_layers)]
+    logit_acc = _Acc()
+    agree = positions = 0
+    kl_sum, kl_max = 0.0, 0.0
+    notes: dict[int, str] = {}
+    for o, r in zip(ours, ref):
+        for i in range(n_layers):
+            if i in r.notes:  # the reference only has this layer after the final norm: compare like with like
+                accs[i].add(o.final, r.layers[i])
+                notes[i] = r.notes[i]
+            else:
+                accs[i].add(o.layers[i], r.layers[i])
+        logit_acc.add(o.logits, r.logits)
+        agree += int((o.logits.argmax(-1) == r.logits.argmax(-1)).sum())
+        positions += o.logits.shape[0]
+        logp_ref = torch.log_softmax(r.logits.double(), -1)
+        logq = torch.log_softmax(o.logits.double(), -1)
+        kl = (logp_ref.exp() * (logp_ref - logq)).sum(-1)  # KL(reference ‖ ours) per position
+        kl_sum += float(kl.sum())
+        kl_max = max(kl_max, float(kl.max())) if torch.isfinite(kl).all() else math.inf
+    rows, prev = [], None
+    for i, (acc, kind) in enumerate(zip(accs, kinds)):
+        rel = acc.rel
+        growth = rel / prev if prev is not None and prev > 0 and math.isfinite(rel) else None
+        passed = math.isfinite(rel) and rel <= threshold
+        rows.append(LayerRow(i, kind, rel, acc.max_abs, acc.cosine, growth, passed, notes.get(i, "")))
+        prev = rel
+    first_failing = next((r.index for r in rows if not r.passed), None)
+    jump = next((r.index for r in rows if r.growth is not None and r.growth > jump_factor and r.rel_err >= threshold / 10), None)
+    suggestions = sorted({r.index for r in rows if not r.passed} | ({jump} if jump is not None else set()))
+    end = {"top1": agree / max(positions, 1), "kl_mean": kl_sum / max(positions, 1), "kl_max": kl_max,
+           "logits_rel_err": logit_acc.rel}
+    return rows, first_failing, jump, suggestions, end
+
+
+def by_kind(rows: list[LayerRow]) -> dict[str, dict]:
+    """Per layer kind: how many layers, mean and max relative error, geometric-mean growth over the previous layer."""
+    out: dict[str, dict] = {}
+    for kind in dict.fromkeys(r.kind for r in rows):
+        rs = [r for r in rows if r.kind == kind]
+        rels = [r.rel_err for r in rs]
+        growth = [r.growth for r in rs if r.growth is not None and r.growth > 0]
+        out[kind] = {
+            "layers": [r.index for r in rs], "rel_err_mean": sum(rels) / len(rels), "rel_err_max": max(rels),
+            "growth_gmean": math.exp(sum(map(math.log, growth)) / len(growth)) if growth else None,
+        }
+    return out
+
+
+# --- the tool -------------------------------------------------------------------------------------
+def align(
+    model: str | Path | None = None,
+    *,
+    reference: str = "auto",
+    reference_model: str | Path | None = None,
+    precision: dict | None = None,
+    dtype: str | None = None,
+    device: str | None = None,
+    prompts: list[list[int]] | None = None,
+    lengths: tuple[int, ...] = DEFAULT_LENGTHS,
+    threshold: float | None = None,
+    jump_factor: float = JUMP_FACTOR,
+) -> AlignResult:
+    """Run ``model`` with the settings under test and a reference on the same prompts; compare layer by layer.
+
+    ``reference``: "hf" (transformers, fp32, CPU), "fp32" (dayzero, fp32, CPU) or "auto" (hf when transformers
+    knows the model_type, else fp32). ``reference_model`` defaults to ``model``. ``precision``: keyword
+    arguments for ``LLM`` (its own ``dtype`` / ``device`` are used unless ``dtype`` / ``device`` are given).
+    ``prompts``: token-id lists; default fixed prompts of ``lengths`` tokens drawn from the vocab.
+    """
+    from dayzero.models.registry import load_config
+    from dayzero.tools.align_hf import capture_hf, hf_knows
+
+    model = str(model or DEFAULT_MODEL)
+    reference_model = str(reference_model or model)
+    precision = dict(precision or {})
+    file_dtype, file_device = precision.pop("dtype", None), precision.pop("device", None)
+    dtype = dtype or file_dtype or "bfloat16"
+    device = device or file_device or "auto"
+    if reference not in ("auto", "hf", "fp32"):
+        raise ValueError(f"reference must be 'auto', 'hf' or 'fp32', got {reference!r}")
+    if reference == "auto":
+        reference = "hf" if hf_knows(reference_model) else "fp32"
+    elif reference == "hf" and not hf_knows(reference_model):
+        raise ValueError(f"{reference_model}: transformers is not installed or has no implementation of its model_type; "
+                         f"use --reference fp32")
+    spec = load_config(model)
+    if prompts is None:
+        prompts = default_prompts(spec.vocab_size, spec.max_position_embeddings - 1, lengths)
+    if not prompts or any(not p for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    bad = sorted({t for p in prompts for t in p if not 0 <= t < spec.vocab_size})
+    if bad:
+        raise ValueError(f"prompt token ids must be in [0, {spec.vocab_size}), got {bad[:5]}")
+    longest = max(map(len, prompts))
+    if threshold is None:
+        threshold = default_threshold(dtype, precision)
+
+    ours, spec, device = capture_dayzero(model, prompts, **_engine_kwargs(dtype, device, precision, longest))
+    if reference == "hf":
+        ref = capture_hf(reference_model, prompts, spec.num_hidden_layers)
+    else:
+        ref, ref_spec, _ = capture_dayzero(reference_model, prompts, **_engine_kwargs("float32", "cpu", {}, longest))
+        if ref_spec.num_hidden_layers != spec.num_hidden_layers:
+            raise ValueError(f"{reference_model} has {ref_spec.num_hidden_layers} layers, {model} has {spec.num_hidden_layers}")
+    kinds = layer_kinds(spec)
+    rows, first, jump, suggestions, end = compare(ours, ref, kinds, threshold, jump_factor)
+    return AlignResult(
+        model=model, reference=reference, reference_model=reference_model, dtype=dtype, device=device,
+        precision=precision, threshold=threshold, jump_factor=jump_factor, prompt_lengths=[len(p) for p in prompts],
+        rows=rows, first_failing=first, jump_layer=jump, suggestions=suggestions, by_kind=by_kind(rows), **end,
+    )

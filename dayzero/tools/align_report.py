@@ -1,0 +1,94 @@
+"""Printing and plotting an :class:`~dayzero.tools.align.AlignResult`."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from dayzero.tools.align import AlignResult
+
+
+def _e(v: float | None) -> str:
+    return "-" if v is None else (f"{v:.2e}" if math.isfinite(v) else str(v))
+
+
+def _layer_list(idx: list[int]) -> str:
+    text = ",".join(map(str, idx))
+    return text if len(text) <= 16 else f"{len(idx)} layers"
+
+
+def format_report(r: AlignResult) -> str:
+    ref = "transformers, fp32, cpu" if r.reference == "hf" else "dayzero, fp32, cpu"
+    same = "" if r.reference_model == r.model else f" ({r.reference_model})"
+    extra = ", ".join(f"{k}={v}" for k, v in r.precision.items())
+    lines = [
+        f"model     {r.model}",
+        f"ours      {r.dtype} on {r.device}" + (f" ({extra})" if extra else ""),
+        f"reference {r.reference}: {ref}{same}",
+        f"prompts   {len(r.prompt_lengths)} of {', '.join(map(str, r.prompt_lengths))} tokens "
+        f"({sum(r.prompt_lengths)} positions); threshold {r.threshold:.1e} relative error",
+        "",
+        f"{'layer':>5}  {'kind':<11} {'rel err':>9} {'max abs':>9} {'cosine':>10} {'growth':>7}  pass",
+    ]
+    for row in r.rows:
+        growth = "-" if row.growth is None else f"x{row.growth:.1f}"
+        note = f"  ({row.note})" if row.note else ""
+        lines.append(f"{row.index:>5}  {row.kind:<11} {_e(row.rel_err):>9} {_e(row.max_abs):>9} {row.cosine:>10.6f} "
+                     f"{growth:>7}  {'ok' if row.passed else 'FAIL'}{note}")
+    lines += ["", f"{'kind':<11} {'layers':<16} {'mean rel':>9} {'max rel':>9} {'growth':>7}"]
+    for kind, v in r.by_kind.items():
+        growth = "-" if v["growth_gmean"] is None else f"x{v['growth_gmean']:.2f}"
+        lines.append(f"{kind:<11} {_layer_list(v['layers']):<16} {_e(v['rel_err_mean']):>9} {_e(v['rel_err_max']):>9} {growth:>7}")
+    lines.append("")
+    if r.first_failing is None:
+        lines.append("first layer over threshold: none")
+    else:
+        row = r.rows[r.first_failing]
+        lines.append(f"first layer over threshold: {row.index} ({row.kind}, relative error {_e(row.rel_err)})")
+    if r.suggestions:
+        why = []
+        for i in r.suggestions:
+            reasons = (["fails"] if not r.rows[i].passed else []) + ([f"error jumps x{r.rows[i].growth:.1f}"] if i == r.jump_layer else [])
+            why.append(f"{i} ({r.rows[i].kind}: {', '.join(reasons)})")
+        lines.append("keep in higher precision: " + ", ".join(why))
+    else:
+        lines.append("keep in higher precision: none needed")
+    n = sum(r.prompt_lengths)
+    lines.append(f"end to end: top-1 agreement {r.top1:.1%} ({round(r.top1 * n)}/{n}), KL mean {_e(r.kl_mean)} "
+                 f"max {_e(r.kl_max)}, logits relative error {_e(r.logits_rel_err)}")
+    lines.append("PASS" if r.passed else f"FAIL: {sum(not row.passed for row in r.rows)} of {len(r.rows)} layers over threshold")
+    return "\n".join(lines)
+
+
+def plot(r: AlignResult, path: str | Path) -> None:
+    """Relative error by layer (log scale), coloured by layer kind, with the threshold line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    kinds = list(r.by_kind)
+    colours = {k: plt.get_cmap("tab10")(i % 10) for i, k in enumerate(kinds)}
+    floor = 1e-12  # an exact layer (relative error 0) still gets a point on the log axis
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.25 * len(r.rows) + 3), 4))
+    xs = [row.index for row in r.rows]
+    ys = [max(row.rel_err, floor) if math.isfinite(row.rel_err) else float("nan") for row in r.rows]
+    ax.plot(xs, ys, color="0.7", linewidth=1, zorder=1)
+    for k in kinds:
+        sel = [row.index for row in r.rows if row.kind == k]
+        ax.scatter(sel, [ys[i] for i in sel], color=colours[k], label=k, zorder=2, s=36)
+    bad = [row.index for row in r.rows if not row.passed]
+    if bad:
+        ax.scatter(bad, [ys[i] for i in bad], facecolors="none", edgecolors="red", s=110, linewidths=1.5, zorder=3,
+                   label="over threshold")
+    ax.axhline(r.threshold, color="red", linestyle="--", linewidth=1, label=f"threshold {r.threshold:.0e}")
+    ax.set_yscale("log")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("layer")
+    ax.set_ylabel("relative error of the residual stream")
+    ax.set_title(f"{Path(r.model).name}: {r.dtype} vs {r.reference} reference")
+    ax.legend(fontsize=8)
+    ax.grid(True, which="major", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(str(path), dpi=120)
+    plt.close(fig)
