@@ -13,7 +13,11 @@ import math
 
 import torch
 
-KV_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
+# quantised kinds -> storage dtype
+KV_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
+# plain kinds -> storage dtype (None: the model dtype)
+PLAIN_KV_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+KV_CACHE_DTYPES = (*PLAIN_KV_DTYPES, *KV_DTYPES)
 QMAX = {"fp8": 448.0, "int8": 127.0}
 SCALE_DTYPE = torch.bfloat16
 
@@ -22,7 +26,7 @@ class QuantPagedPool:
     def __init__(self, num_blocks: int, block_size: int, row: tuple[int, ...], kind: str, per_channel: bool,
                  device, out_dtype: torch.dtype):
         if kind not in QMAX:
-            raise ValueError(f"kv_cache_dtype must be one of {list(KV_DTYPES)}, got {kind!r}")
+            raise ValueError(f"quantised kv_cache_dtype must be one of {list(KV_DTYPES)}, got {kind!r}")
         self.kind, self.qmax, self.per_channel = kind, QMAX[kind], per_channel
         self.block_size, self.row, self.out_dtype = block_size, tuple(row), out_dtype
         self.data = torch.zeros((num_blocks, block_size, *row), dtype=KV_DTYPES[kind], device=device)

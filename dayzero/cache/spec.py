@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dayzero.cache.quant import KV_DTYPES, QuantPagedPool
+from dayzero.cache.quant import PLAIN_KV_DTYPES, QuantPagedPool
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -32,8 +32,9 @@ class PagedSpec:
     roles: dict[str, str] = field(default_factory=dict)  # name -> "key" | "value" (default "value")
 
     def bytes_per_token(self, kv_cache_dtype: str = "auto", block_size: int = 16) -> int | float:
-        if KV_DTYPES[kv_cache_dtype] is None:
-            return sum(_nbytes(s, d) for s, d in self.rows.values())
+        if kv_cache_dtype in PLAIN_KV_DTYPES:
+            plain = PLAIN_KV_DTYPES[kv_cache_dtype]
+            return sum(_nbytes(s, plain or d) for s, d in self.rows.values())
         return sum(QuantPagedPool.bytes_per_token(s, self.roles.get(n, "value") == "key", block_size)
                    for n, (s, _) in self.rows.items())
 
@@ -50,11 +51,13 @@ class StateSpec:
 
 def allocate(spec: PagedSpec | StateSpec, count: int, block_size: int, device, kv_cache_dtype: str = "auto") -> dict:
     """Cache storage for one layer: ``count`` blocks (paged) or slots (state). Paged rows are plain
-    zero-filled tensors [count, block_size, *row], or :class:`QuantPagedPool` for fp8/int8."""
+    zero-filled tensors [count, block_size, *row] (in the model dtype for "auto", else the named one), or
+    :class:`QuantPagedPool` for fp8/int8."""
     if isinstance(spec, StateSpec):
         return {n: torch.zeros((count, *s), dtype=d, device=device) for n, (s, d) in spec.tensors.items()}
-    if KV_DTYPES[kv_cache_dtype] is None:
-        return {n: torch.zeros((count, block_size, *s), dtype=d, device=device) for n, (s, d) in spec.rows.items()}
+    if kv_cache_dtype in PLAIN_KV_DTYPES:
+        plain = PLAIN_KV_DTYPES[kv_cache_dtype]
+        return {n: torch.zeros((count, block_size, *s), dtype=plain or d, device=device) for n, (s, d) in spec.rows.items()}
     return {
         n: QuantPagedPool(count, block_size, s, kv_cache_dtype, spec.roles.get(n, "value") == "key", device, d)
         for n, (s, d) in spec.rows.items()

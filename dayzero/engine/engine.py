@@ -10,7 +10,7 @@ import torch
 
 from dayzero.cache.manager import CacheManager
 from dayzero.cache.planner import available_memory, plan_cache
-from dayzero.cache.quant import KV_DTYPES
+from dayzero.cache.quant import KV_CACHE_DTYPES
 from dayzero.cache.spec import PagedSpec, StateSpec
 from dayzero.config.model_config import DTYPES
 from dayzero.engine.model_runner import ModelRunner
@@ -40,7 +40,7 @@ class EngineConfig:
     seed: int = 0
     cache_memory_bytes: int | None = None  # budget for the cache pools; default a fraction of free memory
     cache_memory_fraction: float = 0.5
-    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "fp8" | "int8"
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "bfloat16" | "float16" | "float32" | "fp8" | "int8"
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -51,8 +51,8 @@ class EngineConfig:
             raise ValueError(f"num_cache_blocks must be >= 2 (block 0 is reserved), got {self.num_cache_blocks}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
-        if self.kv_cache_dtype not in KV_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {list(KV_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {list(DTYPES)}, got {self.dtype!r}")
 

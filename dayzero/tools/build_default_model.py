@@ -56,12 +56,12 @@ def save_byte_tokenizer(path: Path) -> None:
 
 
 def build_checkpoint(path: str | Path, config: dict | HybridConfig, seed: int = 0, tokenizer: bool = True,
-                     save_dtype: torch.dtype | None = None) -> Path:
+                     save_dtype: torch.dtype | None = None, std: float = 0.02) -> Path:
     """Write config.json, model.safetensors (random weights) and, optionally, the byte tokenizer."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg = config if isinstance(config, HybridConfig) else HybridConfig.from_dict(config)
-    model = init_random_weights(build_model(cfg.to_spec(), torch.float32, "cpu"), seed)
+    model = init_random_weights(build_model(cfg.to_spec(), torch.float32, "cpu"), seed, std)
     tensors = {}
     for name, p in model.state_dict().items():
         if cfg.tie_word_embeddings and name == "lm_head.weight":
