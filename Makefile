@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 run: install
-	$(VENV)/bin/dayzero generate "The quick brown fox" --max-tokens 32
+	$(VENV)/bin/dayzero serve
 
 test: install
 	$(PY) -m pytest -q tests

@@ -103,6 +103,12 @@ def _add_tools(sub) -> None:
     f.set_defaults(func=_profile)
 
 
+def _serve(args) -> int:
+    from dayzero.server.launcher import serve  # fastapi and uvicorn load only for this command
+
+    return serve(args)
+
+
 def _align(args) -> int:
     from dayzero.tools.align_cli import run  # the comparison code loads only for this command
 
@@ -125,6 +131,31 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     g.set_defaults(func=_generate)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (bundled default model unless MODEL)")
+    s.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: the bundled model)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set DAYZERO_API_KEY)")
+    s.add_argument("--served-model-name", default=None, help="the model name clients use (default: the checkpoint folder)")
+    s.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    s.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together")
+    s.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step")
+    s.add_argument("--block-size", type=int, default=16)
+    s.add_argument("--num-cache-blocks", type=int, default=None, help="default: sized from free memory")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM")
+    lim = s.add_argument_group("limits (each refused with a clear error)")
+    lim.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    lim.add_argument("--max-concurrent-requests", type=int, default=256, help="requests in the engine at once")
+    lim.add_argument("--max-queue-len", type=int, default=1024, help="requests waiting for a place; more get a 429")
+    lim.add_argument("--max-n", type=int, default=16)
+    lim.add_argument("--max-logprobs", type=int, default=20)
+    lim.add_argument("--max-stop-sequences", type=int, default=16)
+    lim.add_argument("--max-stop-length", type=int, default=256, help="characters per stop sequence")
+    lim.add_argument("--max-prompts", type=int, default=64, help="prompts in one completions request")
+    s.set_defaults(func=_serve)
     _add_tools(sub)
     a = sub.add_parser("align", help="compare every layer with a reference; exit 1 when a layer is over threshold")
     a.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: the bundled model)")

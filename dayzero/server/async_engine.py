@@ -1,0 +1,176 @@
+"""The engine on a thread of its own, fed from the asyncio event loop.
+
+``LLMEngine`` is single-threaded, so exactly one thread touches it. That thread loops:
+
+1. take every pending command (add, abort, abort all, stop), blocking only while the engine is idle;
+2. run one engine step;
+3. hand every request's cumulative output to its consumer on the event loop.
+
+Commands are applied between steps: a request that arrives while others decode joins the very next step
+(continuous batching across HTTP requests), and an abort frees the request's blocks and state slot before
+that step. Outputs cross back with ``loop.call_soon_threadsafe``; each is a fresh snapshot (the engine
+copies token ids per step), so a slow consumer may skip to the latest one without losing anything.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from dayzero.engine.engine import LLMEngine
+from dayzero.engine.request import RequestOutput
+from dayzero.engine.sampling_params import SamplingParams
+from dayzero.server.errors import APIError
+
+log = logging.getLogger("dayzero.server")
+
+
+@dataclass
+class Ended:
+    """The server ended a request before the engine finished it (abort, shutdown, engine failure)."""
+
+    error: APIError
+
+
+Item = tuple[Any, RequestOutput | Ended]  # (the consumer's tag, what happened)
+
+
+@dataclass
+class _Sink:
+    queue: asyncio.Queue
+    tag: Any
+
+
+_STOP = object()
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, _Sink] = {}  # engine thread only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.stats: dict[str, int] = engine.stats()  # a snapshot, replaced (never mutated) by the engine thread
+        self.num_steps = 0
+        self.failure: str | None = None  # set when the engine thread died; /health reports it
+
+    # --- event-loop side ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="dayzero-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        """Abort whatever is left and end the engine thread."""
+        if self._thread is None:
+            return
+        self._commands.put((_STOP,))
+        await asyncio.to_thread(self._thread.join, timeout)
+        if self._thread.is_alive():
+            log.error("engine thread did not stop within %.0fs", timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, prompt: str | None,
+                  sink: asyncio.Queue, tag: Any) -> None:
+        """Queue a request; returns once the engine accepted it. Raises the engine's ``ValueError`` for a
+        request it refuses (prompt too long, ids outside the vocabulary, larger than the whole cache)."""
+        if not self.alive:
+            raise APIError(503, f"the engine is not running: {self.failure or 'stopped'}", code="engine_dead")
+        accepted = self._loop.create_future()
+        self._commands.put(("add", request_id, prompt_ids, params, prompt, _Sink(sink, tag), accepted))
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            self.abort(request_id)  # applied after the add: commands run in order
+            raise
+
+    def abort(self, request_id: str, error: APIError | None = None) -> None:
+        """Abort a request (no-op once it finished); its consumer gets ``Ended(error)``."""
+        self._commands.put(("abort", request_id, error or APIError(499, "the request was aborted", code="aborted")))
+
+    def abort_all(self, error: APIError) -> None:
+        self._commands.put(("abort_all", error))
+
+    # --- engine thread -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                commands = [] if self.engine.has_unfinished() else [self._commands.get()]  # idle: wait
+                while True:
+                    try:
+                        commands.append(self._commands.get_nowait())
+                    except queue.Empty:
+                        break
+                for cmd in commands:
+                    if cmd[0] is _STOP:
+                        self._end_all(APIError(503, "the server is shutting down", code="shutting_down"))
+                        return
+                    self._apply(cmd)
+                if self.engine.has_unfinished():
+                    self._step()
+                self.stats = self.engine.stats()
+        except BaseException as e:  # a bug, not a request's fault: fail everything, leave /health unhealthy
+            log.exception("engine thread failed")
+            self.failure = f"{type(e).__name__}: {e}"
+            self._end_all(APIError(500, f"the engine failed: {self.failure}", code="engine_failed"))
+        finally:
+            self.stats = self.engine.stats()
+
+    def _apply(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, rid, ids, params, prompt, sink, accepted = cmd
+            try:
+                self.engine.add_request(rid, ids, params, prompt=prompt)
+            except Exception as e:  # ValueError: the engine refused the request, with the reason
+                self._loop.call_soon_threadsafe(_settle, accepted, e)
+                return
+            self._sinks[rid] = sink
+            self._loop.call_soon_threadsafe(_settle, accepted, None)
+        elif kind == "abort":
+            _, rid, error = cmd
+            self._end(rid, error)
+        elif kind == "abort_all":
+            self._end_all(cmd[1])
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            log.exception("engine step failed; ending the requests in it")
+            self._end_all(APIError(500, f"the engine step failed: {type(e).__name__}: {e}", code="engine_error"))
+            return
+        self.num_steps += 1
+        for out in outputs:
+            sink = self._sinks.pop(out.request_id) if out.finished else self._sinks.get(out.request_id)
+            if sink is not None:
+                self._loop.call_soon_threadsafe(sink.queue.put_nowait, (sink.tag, out))
+
+    def _end(self, rid: str, error: APIError) -> None:
+        sink = self._sinks.pop(rid, None)
+        self.engine.abort(rid)
+        if sink is not None:
+            self._loop.call_soon_threadsafe(sink.queue.put_nowait, (sink.tag, Ended(error)))
+
+    def _end_all(self, error: APIError) -> None:
+        for rid in list(self._sinks):
+            try:
+                self._end(rid, error)
+            except Exception:  # keep going: every consumer must hear that its request ended
+                log.exception("abort of %s failed", rid)
+
+
+def _settle(fut: asyncio.Future, error: BaseException | None) -> None:
+    if fut.done():  # the caller gave up waiting (client gone); its abort is already queued
+        return
+    if error is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(error)

@@ -1,0 +1,115 @@
+"""``POST /v1/completions``: one or more prompts (text or token ids), ``n`` choices each, streamed or not.
+
+Choice ``i * n + j`` is output ``j`` of prompt ``i``, as in OpenAI's API.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from dayzero.server.detokenize import ChoiceDeltas
+from dayzero.server.errors import APIError, bad_request
+from dayzero.server.generation import Prompt, Run, ServerState
+from dayzero.server.protocol import (
+    CompletionRequest, check_unsupported, completion_logprobs, parse, parse_prompt, sampling_params, usage,
+)
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+DONE = "data: [DONE]\n\n"
+
+
+def _validate(srv: ServerState, req: CompletionRequest) -> None:
+    srv.check_model(req.model)
+    check_unsupported(req)
+    n = 1 if req.n is None else req.n
+    srv.limits.check_n(n)
+    if req.best_of is not None and req.best_of != n:
+        raise bad_request(f"best_of is not supported (it may only equal n, {n}), got {req.best_of}", "best_of")
+    if req.suffix:
+        raise bad_request("suffix is not supported by this server", "suffix")
+    if req.logprobs is not None:
+        if req.logprobs < 0:
+            raise bad_request(f"logprobs must be an int >= 0 or null, got {req.logprobs}", "logprobs")
+        srv.limits.check_logprobs("logprobs", req.logprobs)
+        if req.logprobs > 0:
+            raise bad_request(f"logprobs must be 0: this server returns the chosen token's logprob but not the top "
+                              f"alternatives yet, got {req.logprobs}", "logprobs")
+        if req.echo:
+            raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
+    srv.limits.check_stop(req.stop)
+
+
+async def create_completion(srv: ServerState, http: Request, body: dict, arrival: float) -> Response:
+    req = parse(CompletionRequest, body)
+    _validate(srv, req)
+    params = sampling_params(req, req.max_tokens, req.logprobs is not None)
+    prompts = srv.prompts(parse_prompt(req.prompt))
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    run = Run(srv, http, rid, prompts, params, arrival)
+    await run.start()
+    head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": srv.model_name}
+    echo = [_prompt_text(srv, p) for p in prompts] if req.echo else None
+    if req.stream:
+        return StreamingResponse(_stream(srv, run, head, params.n, echo, req.include_usage), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+    try:
+        async for _ in run.updates():
+            pass
+    finally:
+        run.close()
+    choices = []
+    for i in range(len(prompts)):
+        for o in run.outputs[i].outputs:
+            lps = completion_logprobs(o.token_ids, o.logprobs, srv.token_text, 0) if o.logprobs is not None else None
+            choices.append({"index": i * params.n + o.index, "text": (echo[i] if echo else "") + o.text, "logprobs": lps,
+                            "finish_reason": o.finish_reason})
+    n_out = sum(len(o.token_ids) for r in run.outputs.values() for o in r.outputs)
+    return JSONResponse({**head, "choices": choices, "usage": usage(sum(len(p.ids) for p in prompts), n_out)})
+
+
+def _prompt_text(srv: ServerState, p: Prompt) -> str:
+    if p.text is not None:
+        return p.text
+    return srv.tokenizer.decode(p.ids) if srv.tokenizer is not None else ""
+
+
+async def _stream(srv: ServerState, run: Run, head: dict, n: int, echo: list[str] | None, include_usage: bool):
+    deltas = ChoiceDeltas(n, run.params.stop)
+    offsets: dict[int, int] = {}  # characters of token text sent per choice, for text_offset
+    usage_field = {"usage": None} if include_usage else {}
+    try:
+        if echo:
+            yield "".join(sse({**head, "choices": [{"index": i * n + j, "text": text, "logprobs": None,
+                                                   "finish_reason": None}], **usage_field})
+                          for i, text in enumerate(echo) for j in range(n))
+        async for changed in run.updates():
+            events = []
+            for d in deltas(changed):
+                lps = None
+                if d.logprobs is not None:
+                    lps = completion_logprobs(d.token_ids, d.logprobs, srv.token_text, offsets.get(d.choice, 0))
+                    offsets[d.choice] = offsets.get(d.choice, 0) + sum(len(t) for t in lps["tokens"])
+                choice = {"index": d.choice, "text": d.text, "logprobs": lps, "finish_reason": d.finish_reason}
+                events.append(sse({**head, "choices": [choice], **usage_field}))
+            if events:
+                yield "".join(events)
+        if include_usage:
+            n_out = sum(len(o.token_ids) for r in run.outputs.values() for o in r.outputs)
+            yield sse({**head, "choices": [], "usage": usage(sum(len(p.ids) for p in run.prompts), n_out)})
+    except APIError as e:
+        if run.client_gone:
+            return
+        yield sse(e.body())
+    finally:
+        run.close()
+    yield DONE

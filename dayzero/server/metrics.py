@@ -1,0 +1,79 @@
+"""Prometheus metrics (``GET /metrics``), in a registry of the app's own.
+
+Engine state (queue lengths, cache blocks, state slots, preemptions, aborts) is read at scrape time
+from the engine thread's latest stats snapshot; per-request numbers (tokens, latencies) are recorded by
+the server when a request ends.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TOKEN_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+
+
+class _EngineCollector:
+    """Gauges and counters read from the engine's stats at scrape time."""
+
+    def __init__(self, stats: Callable[[], dict[str, int]], queued: Callable[[], int]):
+        self._stats, self._queued = stats, queued
+
+    def collect(self):
+        s = self._stats()
+        gauges = [
+            ("dayzero_requests_running", "Sequences the scheduler is running (a request with n > 1 counts n)", s["running"]),
+            ("dayzero_requests_waiting", "Sequences waiting in the engine (new, or preempted)", s["waiting"]),
+            ("dayzero_requests_queued", "Requests waiting for a place in the engine (--max-concurrent-requests)",
+             self._queued()),
+            ("dayzero_cache_blocks_used", "Paged cache blocks in use", s["blocks_total"] - s["blocks_free"]),
+            ("dayzero_cache_blocks_free", "Paged cache blocks free", s["blocks_free"]),
+            ("dayzero_state_slots_used", "Linear-attention state slots in use", s["slots_total"] - s["slots_free"]),
+            ("dayzero_state_slots_free", "Linear-attention state slots free", s["slots_free"]),
+        ]
+        for name, doc, value in gauges:
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], value)
+            yield g
+        for name, doc, key in [
+            ("dayzero_preemptions", "Sequences preempted under cache pressure (recomputed later)", "preemptions"),
+            ("dayzero_aborts", "Requests aborted before they finished (client gone, shutdown, failure)", "aborts"),
+        ]:
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], s[key])
+            yield c
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], dict[str, int]], queued: Callable[[], int]):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.prompt_tokens = Counter("dayzero_prompt_tokens", "Prompt tokens of finished or aborted requests", registry=r)
+        self.generation_tokens = Counter("dayzero_generation_tokens", "Generated tokens", registry=r)
+        self.requests = Counter("dayzero_requests", "Generation requests that ended, by outcome", ["outcome"], registry=r)
+        self.errors = Counter("dayzero_request_errors", "Requests refused with an error, by HTTP status", ["status"], registry=r)
+        self.ttft = Histogram("dayzero_time_to_first_token_seconds", "Arrival to first generated token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("dayzero_time_per_output_token_seconds", "Mean time per generated token after the first",
+                              buckets=_TOKEN_TIME_BUCKETS, registry=r)
+        self.e2e = Histogram("dayzero_e2e_request_latency_seconds", "Arrival to last token", buckets=_LATENCY_BUCKETS, registry=r)
+        r.register(_EngineCollector(stats, queued))
+
+    def record(self, outcome: str, prompt_tokens: int, output_tokens: int, longest: int, ttft: float | None,
+               total: float) -> None:
+        """One ended request: ``output_tokens`` over all its choices, ``longest`` of its longest choice."""
+        self.requests.labels(outcome).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(output_tokens)
+        if ttft is not None:
+            self.ttft.observe(ttft)
+            if longest > 1:
+                self.tpot.observe((total - ttft) / (longest - 1))
+        self.e2e.observe(total)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
