@@ -112,6 +112,13 @@ class HybridConfig:
         e = self.eos_token_id
         return () if e is None else (tuple(e) if isinstance(e, (list, tuple)) else (e,))
 
+    @property
+    def expert_format(self) -> str:
+        method = (self.extra.get("quantization_config") or {}).get("quant_method")
+        if method not in (None, "mxfp4"):
+            raise ValueError(f"quantization method {method!r} is not supported for dayzero_hybrid; supported: mxfp4")
+        return "mxfp4" if method == "mxfp4" else "dense"
+
     def to_spec(self) -> ModelSpec:
         scaling = self.rope_scaling if self.rope_scaling is not None and self.rope_scaling.factor > 1 else None
         layers = []
@@ -139,6 +146,7 @@ class HybridConfig:
                     activation=self.extra.get("moe_activation", "silu"), n_shared=self.n_shared_experts,
                     shared_intermediate_size=self.n_shared_experts * self.moe_intermediate_size,
                     latent_size=self.moe_latent_size, latent_norm=self.moe_latent_norm,
+                    expert_format=self.expert_format,
                 )
             else:
                 mlp = MLPSpec(self.intermediate_size)

@@ -118,6 +118,7 @@ class MoESpec:
     shared_gate: bool = False  # shared expert output scaled by sigmoid(shared_expert_gate x)
     latent_size: int | None = None
     latent_norm: bool = False
+    expert_format: str = "dense"  # "dense" | "mxfp4" (packed E2M1 blocks + E8M0 scales, converted per layer)
 
 
 AttnSpec = GQASpec | MLASpec | KDASpec

@@ -19,7 +19,9 @@ from dayzero.engine.sampler import Sampler, make_generator
 from dayzero.engine.sampling_params import SamplingParams
 from dayzero.engine.scheduler import Scheduler
 from dayzero.engine.tokenizer import generation_eos_ids, load_tokenizer
+from dayzero.layers.moe import MoE, attach_workspace, unpack_experts
 from dayzero.loader.safetensors_loader import load_weights
+from dayzero.quant.workspace import COMPUTE, ExpertWorkspace
 from dayzero.models.registry import adapter_for, build_model, read_config
 
 log = logging.getLogger("dayzero")
@@ -41,6 +43,8 @@ class EngineConfig:
     cache_memory_bytes: int | None = None  # budget for the cache pools; default a fraction of free memory
     cache_memory_fraction: float = 0.5
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "bfloat16" | "float16" | "float32" | "fp8" | "int8"
+    expert_compute: str = "bf16"  # workspace format packed MXFP4 experts are converted into: "bf16" | "fp8"
+    high_precision_layers: tuple[int, ...] = ()  # layers whose packed experts are dequantised once at load
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -51,6 +55,9 @@ class EngineConfig:
             raise ValueError(f"num_cache_blocks must be >= 2 (block 0 is reserved), got {self.num_cache_blocks}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.expert_compute not in COMPUTE:
+            raise ValueError(f"expert_compute must be one of {list(COMPUTE)}, got {self.expert_compute!r}")
+        self.high_precision_layers = tuple(self.high_precision_layers)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -73,6 +80,7 @@ class LLMEngine:
         self.model_config = adapter.to_spec(raw)
         self.model = build_model(self.model_config, self.dtype, self.device)
         load_weights(self.model, path, adapter.rules(self.model_config), adapter.ignore)
+        self._apply_precision(config)
         self.tokenizer = load_tokenizer(path)
         self.eos_ids = generation_eos_ids(path, self.model_config.eos_ids, self.tokenizer)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
@@ -97,6 +105,18 @@ class LLMEngine:
         self.requests: dict[str, list[Sequence]] = {}
         self.prompts: dict[str, str | None] = {}
         self.num_aborted = 0
+
+    def _apply_precision(self, config: EngineConfig) -> None:
+        layers = self.model.model.layers
+        bad = [i for i in config.high_precision_layers if not 0 <= i < len(layers)]
+        if bad:
+            raise ValueError(f"high_precision_layers {bad} are not layer indices (the model has {len(layers)} layers)")
+        for i in config.high_precision_layers:
+            mlp = getattr(layers[i], "mlp", None)
+            if isinstance(mlp, MoE) and mlp.packed:
+                unpack_experts(mlp, self.dtype)
+        self.expert_workspace = ExpertWorkspace(config.expert_compute, self.device)
+        self.packed_moe_layers = attach_workspace(self.model, self.expert_workspace)
 
     # --- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None):

@@ -20,6 +20,8 @@ class LLM:
     CPU) | "bfloat16" | "float32". ``num_cache_blocks`` overrides the pool size computed from free memory;
     ``max_num_batched_tokens`` is the per-step token budget, and so the prefill chunk size;
     ``kv_cache_dtype`` "fp8" or "int8" stores paged caches quantised (keys per channel, values per token).
+    Packed MXFP4 experts are converted per layer into one shared workspace in ``expert_compute`` ("bf16" or
+    "fp8"); ``high_precision_layers`` lists layers whose experts are instead dequantised once at load.
     """
 
     def __init__(
@@ -36,11 +38,14 @@ class LLM:
         seed: int = 0,
         cache_memory_bytes: int | None = None,
         kv_cache_dtype: str = "auto",
+        expert_compute: str = "bf16",
+        high_precision_layers: tuple[int, ...] | list[int] = (),
     ):
         self.engine = LLMEngine(EngineConfig(
             model=model, device=device, dtype=dtype, block_size=block_size, num_cache_blocks=num_cache_blocks,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             seed=seed, cache_memory_bytes=cache_memory_bytes, kv_cache_dtype=kv_cache_dtype,
+            expert_compute=expert_compute, high_precision_layers=tuple(high_precision_layers),
         ))
         self._ids = itertools.count()
 

@@ -29,8 +29,18 @@ class MoE(nn.Module):
         # The router stays in fp32: selection is sensitive to rounding (ARCHITECTURE.md 3.1).
         self.gate = nn.Linear(D, E, bias=spec.router_bias, dtype=torch.float32)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32)) if spec.correction_bias else None
-        self.w1 = nn.Parameter(torch.empty(E, rows, L))  # [E, 2I, L]: gate rows then up rows
-        self.w2 = nn.Parameter(torch.empty(E, L, I))  # [E, L, I]
+        self.packed = spec.expert_format == "mxfp4"
+        if self.packed:  # MXFP4: E2M1 codes [.., K/32, 16] + E8M0 scales [.., K/32], converted by the workspace
+            for name, (n, k) in (("w1", (rows, L)), ("w2", (L, I))):
+                if k % 32:
+                    raise ValueError(f"MXFP4 experts need {name}'s input width to be a multiple of 32, got {k}")
+                setattr(self, f"{name}_blocks", nn.Parameter(torch.empty(E, n, k // 32, 16, dtype=torch.uint8), requires_grad=False))
+                setattr(self, f"{name}_scales", nn.Parameter(torch.empty(E, n, k // 32, dtype=torch.uint8), requires_grad=False))
+            self.workspace = None  # set by the engine: one ExpertWorkspace shared by every MoE layer
+            self.next_moe = None  # the next packed MoE layer, converted while this one computes
+        else:
+            self.w1 = nn.Parameter(torch.empty(E, rows, L))  # [E, 2I, L]: gate rows then up rows
+            self.w2 = nn.Parameter(torch.empty(E, L, I))  # [E, L, I]
         self.b1 = nn.Parameter(torch.empty(E, rows)) if spec.expert_bias else None
         self.b2 = nn.Parameter(torch.empty(E, L)) if spec.expert_bias else None
         self.latent = spec.latent_size is not None
@@ -54,7 +64,16 @@ class MoE(nn.Module):
             s.norm_topk_prob, 1.0,
         )
         h = self.fc1_latent_proj(x) if self.latent else x  # [T, L]
-        y = ops.call("moe_experts", h, ids, weights, self.w1, self.w2, s.activation, self.b1, self.b2)
+        if self.packed:
+            if self.workspace is None:
+                raise RuntimeError("packed MXFP4 experts need an ExpertWorkspace (attach_workspace)")
+            w1, w2 = self.workspace.acquire(self)
+            self.workspace.prefetch(self.next_moe)
+        else:
+            w1, w2 = self.w1, self.w2
+        y = ops.call("moe_experts", h, ids, weights, w1, w2, s.activation, self.b1, self.b2)
+        if self.packed:
+            self.workspace.release(self)
         if self.latent:
             if self.latent_norm is not None:
                 y = self.latent_norm(y)
@@ -69,3 +88,29 @@ class MoE(nn.Module):
                 shared = shared * torch.sigmoid(self.shared_expert_gate(x))
             y = y + shared
         return y
+
+
+def attach_workspace(model: nn.Module, workspace) -> list[MoE]:
+    """Give every packed MoE layer of ``model`` the one shared workspace, chained for prefetching;
+    returns those layers."""
+    packed = [m for m in model.modules() if isinstance(m, MoE) and m.packed]
+    for a, b in zip(packed, packed[1:] + [None]):
+        a.workspace = workspace
+        object.__setattr__(a, "next_moe", b)  # a plain reference, not a registered submodule
+    if packed:
+        workspace.reserve(packed)
+    return packed
+
+
+@torch.no_grad()
+def unpack_experts(moe: MoE, dtype: torch.dtype) -> None:
+    """Keep one layer's experts in high precision: dequantise its packed weights once into dense ones."""
+    from dayzero.quant.mxfp4 import dequantize_mxfp4
+
+    for name in ("w1", "w2"):
+        blocks, scales = getattr(moe, f"{name}_blocks"), getattr(moe, f"{name}_scales")
+        setattr(moe, name, nn.Parameter(dequantize_mxfp4(blocks, scales, dtype), requires_grad=False))
+        delattr(moe, f"{name}_blocks")
+        delattr(moe, f"{name}_scales")
+    moe.packed, moe.workspace = False, None
+    object.__setattr__(moe, "next_moe", None)

@@ -77,6 +77,11 @@ def deinterleave_rows(t: torch.Tensor) -> torch.Tensor:
     return torch.cat((t[..., 0::2, :], t[..., 1::2, :]), dim=-2)
 
 
+def deinterleave_packed_rows(t: torch.Tensor) -> torch.Tensor:
+    """MXFP4 codes [.., 2I, K/32, 16] with gate/up rows alternating -> [gate; up] rows."""
+    return torch.cat((t[..., 0::2, :, :], t[..., 1::2, :, :]), dim=-3)
+
+
 def deinterleave_last(t: torch.Tensor) -> torch.Tensor:
     """[.., 2I] alternating -> [gate; up] (biases)."""
     return torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1)

@@ -30,8 +30,9 @@ def block_kernels() -> None:
 
 
 @torch.no_grad()
-def make_hf_checkpoint(path: Path, model_type: str, seed: int = 0, **config):
-    """A tiny random ``model_type`` model made by transformers, saved to ``path``; returns the model (fp32)."""
+def make_hf_checkpoint(path: Path, model_type: str, seed: int = 0, init=None, **config):
+    """A tiny random ``model_type`` model made by transformers, saved to ``path``; returns the model (fp32).
+    ``init(model)``, if given, runs on the fresh model before the noise (e.g. to move gates into a trained range)."""
     block_kernels()
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -39,6 +40,8 @@ def make_hf_checkpoint(path: Path, model_type: str, seed: int = 0, **config):
     cfg = AutoConfig.for_model(model_type, **config)
     cfg._attn_implementation = "eager"
     model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32).eval()
+    if init is not None:
+        init(model)
     g = torch.Generator().manual_seed(seed + 1)
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if t.is_floating_point() and t.numel() > 1 and bool((t == t.flatten()[0]).all()) and "inv_freq" not in name:
@@ -55,10 +58,12 @@ def prompt_batch(vocab: int, lengths=(5, 23, 12, 40), seed: int = 0) -> list[lis
 
 
 @torch.no_grad()
-def check_parity(path: Path, hf_model, prompts: list[list[int]], new_tokens: int = 16, rtol: float = 1e-4) -> None:
+def check_parity(path: Path, hf_model, prompts: list[list[int]], new_tokens: int = 16, rtol: float = 1e-4,
+                 llm_kwargs: dict | None = None) -> None:
     """(a) prompt logits within ``rtol`` relative of transformers' forward; (b) ``new_tokens`` greedy tokens
     through ``LLM.generate`` (all prompts in one batch) equal transformers' ``generate(do_sample=False)``."""
-    llm = LLM(str(path), device="cpu", dtype="float32", block_size=4, num_cache_blocks=512, max_num_batched_tokens=64)
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=4, num_cache_blocks=512, max_num_batched_tokens=64,
+              **(llm_kwargs or {}))
     for ids in prompts:
         ref = hf_model(torch.tensor([ids])).logits[0].float()
         ours = run_chunks(llm.engine, ids, [len(ids)])

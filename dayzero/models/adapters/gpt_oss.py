@@ -2,7 +2,10 @@
 (``layer_types``), YaRN RoPE (``truncate=False`` in the release), and a MoE of biased experts with the
 clamped SwiGLU (``swiglu_oai``), routed by softmax over the top-k logits of a biased router.
 
-Expert weights load from bf16/fp32 tensors in any of these layouts (MXFP4 ``*_blocks``/``*_scales`` not yet):
+Expert weights load packed from MXFP4 checkpoints (``quantization_config.quant_method == "mxfp4"``:
+``experts.gate_up_proj_blocks`` [E, 2I, D/32, 16] + ``_scales`` [E, 2I, D/32] with gate/up rows interleaved,
+``experts.down_proj_blocks`` [E, D, I/32, 16] + ``_scales``; they stay packed and run through the expert
+workspace), or from bf16/fp32 tensors in any of these layouts:
 - fused, as transformers holds and saves them: ``experts.gate_up_proj`` [E, D, 2I] and its bias [E, 2I]
   with gate/up INTERLEAVED along 2I (even = gate, odd = up), ``experts.down_proj`` [E, I, D] + bias [E, D];
 - fused [E, out, in] (``gate_up_proj`` [E, 2I, D], still interleaved; ``down_proj`` [E, D, I]), the
@@ -13,7 +16,9 @@ Expert weights load from bf16/fp32 tensors in any of these layouts (MXFP4 ``*_bl
 from __future__ import annotations
 
 from dayzero.config.spec import GQASpec, LayerSpec, ModelSpec, MoESpec
-from dayzero.loader.rules import Rule, as_out_in, chain, deinterleave_last, deinterleave_rows, expert, rows
+from dayzero.loader.rules import (
+    Rule, as_out_in, chain, deinterleave_last, deinterleave_packed_rows, deinterleave_rows, expert, rows,
+)
 from dayzero.models.adapters.common import L, attn_rules, base_rules, dtype_of, eos_of, get, rope_params, rope_spec
 from dayzero.models.registry import Adapter, register
 
@@ -29,6 +34,13 @@ def _rope(raw: dict, head_dim: int):
     if p.get("rope_type", p.get("type")) is None:  # no scaling given: transformers' default is YaRN
         p = {**YARN, **p}
     return rope_spec({**raw, "rope_scaling": None, "rope_parameters": p}, head_dim)
+
+
+def _expert_format(raw: dict) -> str:
+    method = (raw.get("quantization_config") or {}).get("quant_method")
+    if method not in (None, "mxfp4"):
+        raise ValueError(f"gpt_oss: quantization method {method!r} is not supported; supported: mxfp4")
+    return "mxfp4" if method == "mxfp4" else "dense"
 
 
 def gpt_oss_spec(raw: dict) -> ModelSpec:
@@ -51,7 +63,7 @@ def gpt_oss_spec(raw: dict) -> ModelSpec:
     moe = MoESpec(
         get(raw, "num_local_experts", "num_experts"), get(raw, "num_experts_per_tok", "experts_per_token"),
         raw["intermediate_size"], router="softmax_topk", correction_bias=False, router_bias=True,
-        activation="swiglu_oai", expert_bias=True,
+        activation="swiglu_oai", expert_bias=True, expert_format=_expert_format(raw),
     )
     window = raw.get("sliding_window")
     layers = tuple(LayerSpec(i, attn(window if t == "sliding_attention" else None), moe) for i, t in enumerate(types))
@@ -79,6 +91,10 @@ def gpt_oss_rules(spec: ModelSpec) -> list[Rule]:
         Rule(rf"{src}\.gate_up_proj_bias", f"{dst}.b1", transform=deinterleave_last),
         Rule(rf"{src}\.down_proj", f"{dst}.w2", transform=as_out_in(D, I)),
         Rule(rf"{src}\.down_proj_bias", f"{dst}.b2"),
+        # MXFP4: [E, out, in/32, 16] codes and [E, out, in/32] scales, gate/up rows interleaved
+        Rule(rf"{src}\.gate_up_proj_blocks", f"{dst}.w1_blocks", transform=deinterleave_packed_rows),
+        Rule(rf"{src}\.gate_up_proj_scales", f"{dst}.w1_scales", transform=deinterleave_rows),
+        Rule(rf"{src}\.down_proj_(blocks|scales)", f"{dst}.w2_{{1}}"),
     ]
 
 

@@ -1,0 +1,139 @@
+"""The expert workspace: packed MXFP4 experts are converted here, one MoE layer at a time.
+
+MoE layers whose experts are stored packed (4.25 bits per weight) never hold them in full precision.
+Before a layer's experts run, :meth:`ExpertWorkspace.acquire` converts that layer's experts into buffers
+that every MoE layer reuses, in BF16 or in FP8 (E4M3 codes with one power-of-two scale per 32-element
+block: every E2M1 value times its E8M0 scale is exactly an E4M3 value times that scale, so the FP8
+workspace is lossless and half the size of the BF16 one). On CUDA the workspace keeps two slots and a
+side stream: while layer i computes from one slot, :meth:`prefetch` converts layer i+1 into the other.
+"""
+from __future__ import annotations
+
+import torch
+
+from dayzero.quant.mxfp4 import BLOCK, FP4_VALUES
+
+COMPUTE = ("bf16", "fp8")
+
+
+class BlockScaled:
+    """FP8 expert weights with per-32-block scales; indexing an expert gives its dequantised fp32 weight
+    (what a reference GEMM needs). ``data`` [E, N, K] e4m3, ``scale`` [E, N, K/32] fp32."""
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor):
+        self.data, self.scale = data, scale
+        self.shape = data.shape
+
+    def __getitem__(self, e: int) -> torch.Tensor:
+        return self.data[e].float() * self.scale[e].repeat_interleave(BLOCK, dim=-1)
+
+    def float(self) -> torch.Tensor:
+        return self.data.float() * self.scale.repeat_interleave(BLOCK, dim=-1)
+
+
+def _convert(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor | None) -> None:
+    """Unpack [E, N, K/32, 16] codes into ``out`` [E, N, K] (bf16 values, or fp8 codes with ``scale_out``)."""
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
+    vals = torch.stack((lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]), dim=-1).flatten(-3)  # [E, N, K]
+    s = torch.ldexp(torch.ones_like(scales, dtype=torch.float32), scales.to(torch.int32) - 127)  # [E, N, K/32]
+    s = torch.where(scales == 0xFF, torch.full_like(s, float("nan")), s)
+    if scale_out is None:
+        out.copy_(vals * s.repeat_interleave(BLOCK, dim=-1))
+    else:
+        out.copy_(vals)  # E2M1 values are exact in E4M3
+        scale_out.copy_(s)
+
+
+class ExpertWorkspace:
+    def __init__(self, compute: str = "bf16", device: torch.device | str = "cpu", slots: int | None = None):
+        if compute not in COMPUTE:
+            raise ValueError(f"expert_compute must be one of {list(COMPUTE)}, got {compute!r}")
+        self.compute, self.device = compute, torch.device(device)
+        self.num_slots = slots or (2 if self.device.type == "cuda" else 1)
+        self._slots: list[dict[str, torch.Tensor]] = [{} for _ in range(self.num_slots)]
+        self._owner: list[object | None] = [None] * self.num_slots
+        self._ready: list[torch.cuda.Event | None] = [None] * self.num_slots
+        self._freed: list[torch.cuda.Event | None] = [None] * self.num_slots
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" and self.num_slots > 1 else None
+        self.conversions = 0
+
+    # --- sizing --------------------------------------------------------------------------------------
+    def reserve(self, layers) -> None:
+        """Allocate every slot for the largest of ``layers`` up front, so memory is planned, not discovered."""
+        for name in ("w1", "w2"):
+            shapes = [tuple(getattr(l, f"{name}_blocks").shape[:-2]) + (getattr(l, f"{name}_blocks").shape[-2] * BLOCK,)
+                      for l in layers]
+            if not shapes:
+                continue
+            shape = max(shapes, key=lambda s: s[0] * s[1] * s[2])
+            for slot in self._slots:
+                self._buffers(slot, name, shape)
+
+    def _buffers(self, slot: dict, name: str, shape: tuple[int, ...]):
+        numel = shape[0] * shape[1] * shape[2]
+        have = slot.get(name)
+        if have is None or have.numel() < numel:
+            dtype = torch.float8_e4m3fn if self.compute == "fp8" else torch.bfloat16
+            slot[name] = torch.empty(numel, dtype=dtype, device=self.device)
+            if self.compute == "fp8":
+                slot[name + "_scale"] = torch.empty(numel // BLOCK, dtype=torch.float32, device=self.device)
+        data = slot[name][:numel].view(shape)
+        scale = slot[name + "_scale"][: numel // BLOCK].view(*shape[:-1], shape[-1] // BLOCK) if self.compute == "fp8" else None
+        return data, scale
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for slot in self._slots for t in slot.values())
+
+    # --- use -------------------------------------------------------------------------------------------
+    def _fill(self, i: int, layer) -> None:
+        slot = self._slots[i]
+        for name in ("w1", "w2"):
+            blocks, scales = getattr(layer, f"{name}_blocks"), getattr(layer, f"{name}_scales")
+            data, scale = self._buffers(slot, name, (*blocks.shape[:-2], blocks.shape[-2] * BLOCK))
+            _convert(blocks, scales, data, scale)
+        self._owner[i] = layer
+        self.conversions += 1
+
+    def _view(self, i: int, layer):
+        out = []
+        for name in ("w1", "w2"):
+            blocks = getattr(layer, f"{name}_blocks")
+            data, scale = self._buffers(self._slots[i], name, (*blocks.shape[:-2], blocks.shape[-2] * BLOCK))
+            out.append(BlockScaled(data, scale) if scale is not None else data)
+        return tuple(out)
+
+    def acquire(self, layer):
+        """(w1, w2) of ``layer`` in the workspace: converted now, or by an earlier :meth:`prefetch`."""
+        for i, owner in enumerate(self._owner):
+            if owner is layer:
+                if self._ready[i] is not None:
+                    torch.cuda.current_stream(self.device).wait_event(self._ready[i])
+                    self._ready[i] = None
+                return self._view(i, layer)
+        i = self.conversions % self.num_slots
+        self._fill(i, layer)
+        return self._view(i, layer)
+
+    def release(self, layer) -> None:
+        """The caller has queued its last use of ``layer``'s weights (lets a prefetch reuse the slot)."""
+        if self._stream is None:
+            return
+        for i, owner in enumerate(self._owner):
+            if owner is layer:
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(self.device))
+                self._freed[i] = ev
+
+    def prefetch(self, layer) -> None:
+        """Start converting ``layer`` into the slot not in use (CUDA only; a no-op elsewhere)."""
+        if self._stream is None or layer is None or layer in self._owner:
+            return
+        i = self.conversions % self.num_slots
+        with torch.cuda.stream(self._stream):
+            if self._freed[i] is not None:
+                self._stream.wait_event(self._freed[i])
+            self._fill(i, layer)
+            ev = torch.cuda.Event()
+            ev.record(self._stream)
+            self._ready[i] = ev

@@ -1,0 +1,151 @@
+"""MXFP4 experts through the shared workspace: BF16 and FP8 workspaces equal dequantize-then-matmul,
+one workspace serves every MoE layer, and packed experts never exist twice in full precision."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dayzero import LLM, SamplingParams
+from dayzero.config.model_config import HybridConfig
+from dayzero.layers.moe import MoE
+from dayzero.models.init import init_random_weights
+from dayzero.quant.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from dayzero.quant.workspace import ExpertWorkspace
+from dayzero.tools.build_default_model import build_checkpoint
+from dayzero.tools.quantize import quantize_checkpoint
+from tests.conftest import tiny_config
+from tests.engine.test_incremental import run_chunks
+
+# expert widths that are multiples of the 32-element MX block
+MX = dict(moe_intermediate_size=32, moe_latent_size=64, n_routed_experts=6, num_experts_per_tok=2, n_group=2, topk_group=1)
+
+
+def _packed_layer(seed: int = 0) -> MoE:
+    spec = HybridConfig.from_dict(tiny_config(**MX, quantization_config={"quant_method": "mxfp4"})).to_spec()
+    moe = MoE(spec.hidden_size, spec.layers[-1].mlp).float()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name in ("w1", "w2"):
+            blocks, scales = quantize_mxfp4(torch.randn(getattr(moe, f"{name}_blocks").shape[:-2] + (getattr(moe, f"{name}_blocks").shape[-2] * 32,), generator=g))
+            getattr(moe, f"{name}_blocks").copy_(blocks)
+            getattr(moe, f"{name}_scales").copy_(scales)
+    return moe
+
+
+@pytest.mark.parametrize("compute", ["bf16", "fp8"])
+def test_workspace_equals_dequantize_then_matmul(compute):
+    from dayzero.ops.moe.reference import grouped_experts
+
+    moe = _packed_layer()
+    ws = ExpertWorkspace(compute)
+    w1, w2 = ws.acquire(moe)
+    x = torch.randn(9, moe.w1_blocks.shape[-2] * 32, generator=torch.Generator().manual_seed(1))
+    ids = torch.tensor([[0, 3], [1, 5], [2, 2], [4, 0], [5, 1], [3, 4], [0, 1], [2, 5], [1, 3]])
+    weights = torch.rand(9, 2, generator=torch.Generator().manual_seed(2))
+    got = grouped_experts(x, ids, weights, w1, w2, "silu")
+    d1 = dequantize_mxfp4(moe.w1_blocks, moe.w1_scales, torch.float32)
+    d2 = dequantize_mxfp4(moe.w2_blocks, moe.w2_scales, torch.float32)
+    ref = torch.zeros_like(x)
+    for t in range(9):  # dequantize, then a plain per-token loop
+        for e, w in zip(ids[t].tolist(), weights[t]):
+            gate, up = (d1[e] @ x[t]).chunk(2)
+            ref[t] += w * (d2[e] @ (torch.nn.functional.silu(gate) * up))
+    rel = ((got - ref).norm() / ref.norm()).item()
+    assert rel < 1e-6, rel  # fp32 summation order only: the workspace holds the MXFP4 values exactly
+    if compute == "fp8":
+        assert w1.data.dtype == torch.float8_e4m3fn  # E2M1 codes held exactly as E4M3, scales beside them
+
+
+@pytest.fixture(scope="module")
+def mx_ckpts(tmp_path_factory):
+    dense = build_checkpoint(tmp_path_factory.mktemp("dense"), tiny_config(**MX), seed=4, std=0.05)
+    packed = tmp_path_factory.mktemp("mxfp4")
+    stats = quantize_checkpoint(dense, packed, progress=False)
+    # the same model with every expert weight replaced by its dequantized MXFP4 value, stored dense
+    ref = tmp_path_factory.mktemp("dequantized")
+    for f in dense.iterdir():
+        if f.is_file():
+            (ref / f.name).write_bytes(f.read_bytes())
+    t, q = load_file(str(dense / "model.safetensors")), load_file(str(packed / "model.safetensors"))
+    for name in list(t):
+        if name + "_blocks" in q:
+            t[name] = dequantize_mxfp4(q[name + "_blocks"], q[name + "_scales"], torch.float32)
+    save_file(t, str(ref / "model.safetensors"))
+    return dense, packed, ref, stats
+
+
+def test_quantize_tool_output(mx_ckpts):
+    dense, packed, _, stats = mx_ckpts
+    assert json.loads((packed / "config.json").read_text())["quantization_config"]["quant_method"] == "mxfp4"
+    n_moe = sum(1 for i in range(4) if i >= tiny_config()["first_k_dense_replace"])
+    assert stats["quantized"] == 2 * n_moe
+    q = load_file(str(packed / "model.safetensors"))
+    assert not any(k.endswith(".w1") or k.endswith(".w2") for k in q)
+    assert (packed / "tokenizer.json").exists()
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize_checkpoint(packed, packed.parent / "again", progress=False)
+
+
+@pytest.mark.parametrize("compute", ["bf16", "fp8"])
+def test_packed_model_equals_dequantized_dense_model(mx_ckpts, compute):
+    _, packed, ref, _ = mx_ckpts
+    kw = dict(device="cpu", dtype="float32", num_cache_blocks=64)
+    ours = LLM(str(packed), expert_compute=compute, **kw)
+    dense = LLM(str(ref), **kw)
+    toks = list(range(5, 40))
+    a, b = run_chunks(ours.engine, toks, [len(toks)]), run_chunks(dense.engine, toks, [len(toks)])
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    p = [{"prompt_token_ids": toks}]
+    assert ours.generate(p, sp)[0].outputs[0].token_ids == dense.generate(p, sp)[0].outputs[0].token_ids
+
+
+def test_one_workspace_shared_and_memory_accounting(mx_ckpts):
+    _, packed, _, _ = mx_ckpts
+    for compute, elem in (("bf16", 2.0), ("fp8", 1.0 + 4 / 32)):
+        llm = LLM(str(packed), device="cpu", dtype="float32", num_cache_blocks=16, expert_compute=compute)
+        eng = llm.engine
+        layers = eng.packed_moe_layers
+        assert len(layers) == 3 and all(m.workspace is eng.expert_workspace for m in layers)
+        # the workspace holds one layer's experts (the largest), not one per layer
+        per_layer = max(m.w1_blocks.shape[:2].numel() * m.w1_blocks.shape[2] * 32 + m.w2_blocks.shape[:2].numel() * m.w2_blocks.shape[2] * 32
+                        for m in layers)
+        assert eng.expert_workspace.nbytes == int(per_layer * elem) * eng.expert_workspace.num_slots
+        # the model itself keeps only the packed form: 17 bytes per 32 weights, no dense expert tensors
+        for m in layers:
+            assert not hasattr(m, "w1") and not hasattr(m, "w2")
+            packed_bytes = sum(getattr(m, n).numel() for n in ("w1_blocks", "w1_scales", "w2_blocks", "w2_scales"))
+            weights = (m.w1_blocks.shape[:3].numel() + m.w2_blocks.shape[:3].numel()) * 32
+            assert packed_bytes * 8 / weights == pytest.approx(4.25)
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=3))
+        assert eng.expert_workspace.conversions >= len(layers)
+
+
+def test_high_precision_layers_dequantize_once(mx_ckpts):
+    _, packed, ref, _ = mx_ckpts
+    kw = dict(device="cpu", dtype="float32", num_cache_blocks=64)
+    llm = LLM(str(packed), high_precision_layers=[2], **kw)
+    layer2 = llm.engine.model.model.layers[2].mlp
+    assert not layer2.packed and layer2.w1.dtype == torch.float32
+    assert len(llm.engine.packed_moe_layers) == 2
+    toks = list(range(7, 30))
+    torch.testing.assert_close(run_chunks(llm.engine, toks, [len(toks)]), run_chunks(LLM(str(ref), **kw).engine, toks, [len(toks)]),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="high_precision_layers"):
+        LLM(str(packed), high_precision_layers=[99], **kw)
+
+
+def test_quantize_rejects_widths_that_are_not_whole_blocks(tmp_path):
+    src = build_checkpoint(tmp_path / "src", tiny_config(), seed=0, tokenizer=False)  # moe_intermediate_size 24
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_checkpoint(src, tmp_path / "dst", progress=False)
+
+
+def test_quantize_rejects_unknown_layouts(tmp_path):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "config.json").write_text(json.dumps({"model_type": "mixtral"}))
+    with pytest.raises(ValueError, match="supported: .*dayzero_hybrid.*gpt_oss"):
+        quantize_checkpoint(tmp_path / "src", tmp_path / "dst", progress=False)
