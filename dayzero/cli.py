@@ -123,7 +123,7 @@ def _quantize(args) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"{args.dst}: {stats['quantized']} expert tensors in {args.format}, {stats['copied']} copied; "
+    print(f"{args.dst}: {stats['quantized']} tensors in {args.format}, {stats['copied']} copied; "
           f"{stats['bytes_before'] / 2**20:.1f} MiB -> {stats['bytes_after'] / 2**20:.1f} MiB")
     return 0
 
@@ -186,10 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--plot", default=None, metavar="FILE.png", help="relative error by layer, log scale")
     a.add_argument("--json", action="store_true", help="print the result as JSON")
     a.set_defaults(func=_align)
-    q = sub.add_parser("quantize", help="copy a checkpoint with its routed experts in MXFP4")
+    q = sub.add_parser("quantize", help="copy a checkpoint with MXFP4 experts or block-FP8 linears")
     q.add_argument("src", help="checkpoint directory (bf16/fp32 experts)")
     q.add_argument("dst", help="output directory")
-    q.add_argument("--format", default="mxfp4", choices=["mxfp4"])
+    q.add_argument("--format", default="mxfp4", choices=["mxfp4", "fp8"])
     q.set_defaults(func=_quantize)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")

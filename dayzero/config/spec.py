@@ -118,7 +118,7 @@ class MoESpec:
     shared_gate: bool = False  # shared expert output scaled by sigmoid(shared_expert_gate x)
     latent_size: int | None = None
     latent_norm: bool = False
-    expert_format: str = "dense"  # "dense" | "mxfp4" (packed E2M1 blocks + E8M0 scales, converted per layer)
+    expert_format: str = "dense"  # "dense" | "mxfp4" (packed, converted per layer) | "fp8_block" (128×128 tiles)
 
 
 AttnSpec = GQASpec | MLASpec | KDASpec
@@ -155,6 +155,8 @@ class ModelSpec:
     torch_dtype: str = "bfloat16"
     eos_token_id: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    linear_format: str = "dense"  # "dense" | "fp8_block" (DeepSeek 128×128 block-scaled FP8 linears)
+    linear_exclude: tuple[str, ...] = ()  # module globs kept in high precision (modules_to_not_convert)
 
     @property
     def num_hidden_layers(self) -> int:

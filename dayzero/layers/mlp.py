@@ -18,7 +18,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(I, hidden, bias=spec.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj.bias is None:
+        plain = type(self.gate_up_proj) is nn.Linear and type(self.down_proj) is nn.Linear
+        if plain and self.gate_up_proj.bias is None:
             return ops.call("mlp", x, self.gate_up_proj.weight, self.down_proj.weight, self.activation)
+        # biases, or block-FP8 linears that dequantise their own weights
         h = ops.call("silu_and_mul" if self.activation == "silu" else "relu2", self.gate_up_proj(x))
         return self.down_proj(h)

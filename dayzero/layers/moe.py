@@ -17,6 +17,7 @@ from dayzero import ops
 from dayzero.config.spec import MLPSpec, MoESpec
 from dayzero.layers.mlp import MLP
 from dayzero.layers.norm import RMSNorm
+from dayzero.quant.fp8 import TileScaled
 
 
 class MoE(nn.Module):
@@ -41,6 +42,13 @@ class MoE(nn.Module):
         else:
             self.w1 = nn.Parameter(torch.empty(E, rows, L))  # [E, 2I, L]: gate rows then up rows
             self.w2 = nn.Parameter(torch.empty(E, L, I))  # [E, L, I]
+        self.fp8 = spec.expert_format == "fp8_block"
+        if self.fp8:  # DeepSeek block FP8: e4m3 weights + fp32 scale_inv per 128×128 tile, kept in FP8
+            if I % 128:
+                raise ValueError(f"block-FP8 experts need the expert width to be a multiple of 128, got {I}")
+            for name, (n, k) in (("w1", (rows, L)), ("w2", (L, I))):
+                setattr(self, name, nn.Parameter(torch.empty(E, n, k, dtype=torch.float8_e4m3fn), requires_grad=False))
+                setattr(self, f"{name}_scale_inv", nn.Parameter(torch.empty(E, -(-n // 128), -(-k // 128), dtype=torch.float32), requires_grad=False))
         self.b1 = nn.Parameter(torch.empty(E, rows)) if spec.expert_bias else None
         self.b2 = nn.Parameter(torch.empty(E, L)) if spec.expert_bias else None
         self.latent = spec.latent_size is not None
@@ -69,6 +77,8 @@ class MoE(nn.Module):
                 raise RuntimeError("packed MXFP4 experts need an ExpertWorkspace (attach_workspace)")
             w1, w2 = self.workspace.acquire(self)
             self.workspace.prefetch(self.next_moe)
+        elif self.fp8:
+            w1, w2 = TileScaled(self.w1, self.w1_scale_inv), TileScaled(self.w2, self.w2_scale_inv)
         else:
             w1, w2 = self.w1, self.w2
         y = ops.call("moe_experts", h, ids, weights, w1, w2, s.activation, self.b1, self.b2)

@@ -84,4 +84,9 @@ def build_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device | str 
     """The model with uninitialised weights, built directly on ``device`` (``"meta"`` reads nothing).
     Parameters that must stay fp32 (router, A_log/dt_bias, indexer weights_proj, sinks) say so themselves."""
     with torch.device(device), default_dtype(dtype):
-        return CausalLM(spec).eval()
+        model = CausalLM(spec).eval()
+        if spec.linear_format == "fp8_block":
+            from dayzero.quant.fp8 import convert_linears_to_fp8
+
+            convert_linears_to_fp8(model, spec.linear_exclude)
+        return model

@@ -30,3 +30,66 @@ def dequantize_fp8_blocks(w8: torch.Tensor, scale_inv: torch.Tensor, dtype: torc
     N, K = w8.shape[-2:]
     s = scale_inv.float().repeat_interleave(tile, dim=-2).repeat_interleave(tile, dim=-1)[..., :N, :K]
     return (w8.float() * s).to(dtype)
+
+
+class TileScaled:
+    """Stacked FP8 expert weights with 128×128 tile scales, as DeepSeek stores them: ``data`` [E, N, K]
+    e4m3, ``scale_inv`` [E, N/128, K/128]; indexing an expert gives its dequantised fp32 weight (what a
+    reference GEMM needs; a fused FP8 kernel reads ``data`` and ``scale_inv`` directly)."""
+
+    def __init__(self, data: torch.Tensor, scale_inv: torch.Tensor):
+        self.data, self.scale_inv, self.shape = data, scale_inv, data.shape
+
+    def __getitem__(self, e: int) -> torch.Tensor:
+        return dequantize_fp8_blocks(self.data[e], self.scale_inv[e], torch.float32)
+
+
+class BlockFp8Linear(torch.nn.Module):
+    """A linear layer whose weight stays in FP8 with a per-tile ``weight_scale_inv`` and is dequantised
+    tile by tile when it runs (the DeepSeek-V3 checkpoint layout)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=FP8, device=device), requires_grad=False)
+        self.weight_scale_inv = torch.nn.Parameter(
+            torch.empty(-(-out_features // TILE), -(-in_features // TILE), dtype=torch.float32, device=device), requires_grad=False)
+        self.bias = torch.nn.Parameter(torch.empty(out_features, device=device)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = dequantize_fp8_blocks(self.weight, self.weight_scale_inv, x.dtype)
+        return torch.nn.functional.linear(x, w, self.bias)
+
+
+def dense_weight(linear: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """The weight of a plain or block-FP8 linear as a dense tensor (for ops that read weights directly)."""
+    if isinstance(linear, BlockFp8Linear):
+        return dequantize_fp8_blocks(linear.weight, linear.weight_scale_inv, dtype)
+    return linear.weight
+
+
+# linears that stay in high precision whatever the checkpoint: router, LM head, indexer head weights,
+# shared-expert gate (ARCHITECTURE.md 4). Globs over module paths; ``*`` is one path component.
+KEEP_HIGH = ("lm_head", "mlp.gate", "weights_proj", "shared_expert_gate")
+
+
+def _in(name: str, pattern: str) -> bool:
+    """Whether ``pattern`` names ``name`` or one of its parents (anywhere along the dotted path)."""
+    import re
+
+    rx = re.escape(pattern).replace(r"\*", "[^.]+")
+    return re.fullmatch(rf"(.*\.)?{rx}(\..*)?", name) is not None
+
+
+def convert_linears_to_fp8(model: torch.nn.Module, exclude: tuple[str, ...] = ()) -> list[str]:
+    """Swap every ``nn.Linear`` of ``model`` not named by ``KEEP_HIGH`` or ``exclude`` (the checkpoint's
+    ``modules_to_not_convert``) for a :class:`BlockFp8Linear`; returns the swapped module names."""
+    swapped = []
+    for name, mod in list(model.named_modules()):
+        if type(mod) is not torch.nn.Linear or any(_in(name, p) for p in (*KEEP_HIGH, *exclude)):
+            continue
+        parent_name, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, leaf, BlockFp8Linear(mod.in_features, mod.out_features, mod.bias is not None, mod.weight.device))
+        swapped.append(name)
+    return swapped

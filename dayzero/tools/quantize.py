@@ -1,9 +1,11 @@
-"""``dayzero quantize SRC DST``: a copy of a checkpoint with its routed experts in MXFP4.
+"""``dayzero quantize SRC DST [--format mxfp4|fp8]``: a low-precision copy of a checkpoint.
 
-Streams the source one shard at a time (peak memory about one shard), quantises every routed-expert
-tensor along its reduction (input) dimension with the OCP MX rounding (``dayzero.quant.mxfp4``), writes
-them in the layout the architecture's MXFP4 checkpoints use, copies everything else unchanged, and adds
-``quantization_config`` to ``config.json``. Router, norms, attention, embeddings and LM head stay as they are.
+Streams the source one shard at a time (peak memory about one shard) and adds ``quantization_config`` to
+``config.json``. ``mxfp4`` quantises every routed-expert tensor along its reduction (input) dimension with
+the OCP MX rounding (``dayzero.quant.mxfp4``) in the layout the architecture's MXFP4 checkpoints use;
+router, norms, attention, embeddings and LM head stay as they are. ``fp8`` writes DeepSeek's block-FP8
+layout: every linear weight as e4m3 with a ``weight_scale_inv`` per 128×128 tile, except the modules
+that stay in high precision (router, LM head, indexer head weights, embeddings, norms).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from dayzero.loader.safetensors_loader import checkpoint_files
+from dayzero.quant.fp8 import KEEP_HIGH, _in, quantize_fp8_blocks
 from dayzero.quant.mxfp4 import BLOCK, quantize_mxfp4
 
 
@@ -35,6 +38,8 @@ LAYOUTS = {
     # transformers' gpt-oss layout: gate_up_proj [E, D, 2I], down_proj [E, I, D] (input dim first)
     "gpt_oss": [ExpertTensor(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)", lambda t: t.transpose(-1, -2))],
 }
+FP8_MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
+FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 NOT_CONVERTED = {
     "gpt_oss": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
 }
@@ -42,19 +47,20 @@ NOT_CONVERTED = {
 
 def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str = "mxfp4", progress: bool = True) -> dict:
     src, dst = Path(src), Path(dst)
-    if fmt != "mxfp4":
-        raise ValueError(f"format {fmt!r} is not supported; supported: mxfp4")
+    if fmt not in ("mxfp4", "fp8"):
+        raise ValueError(f"format {fmt!r} is not supported; supported: mxfp4, fp8")
     with open(src / "config.json") as f:
         config = json.load(f)
     model_type = config.get("model_type")
-    if model_type not in LAYOUTS:
-        raise ValueError(f"quantize does not know the expert layout of model_type {model_type!r}; supported: {sorted(LAYOUTS)}")
+    supported = sorted(LAYOUTS) if fmt == "mxfp4" else list(FP8_MODEL_TYPES)
+    if model_type not in supported:
+        raise ValueError(f"quantize --format {fmt} does not know the layout of model_type {model_type!r}; supported: {supported}")
     if (config.get("quantization_config") or {}).get("quant_method"):
         raise ValueError(f"{src} is already quantized ({config['quantization_config']['quant_method']})")
     if dst.resolve() == src.resolve():
         raise ValueError("DST must differ from SRC")
     dst.mkdir(parents=True, exist_ok=True)
-    rules = [(re.compile(e.pattern), e) for e in LAYOUTS[model_type]]
+    rules = [(re.compile(e.pattern), e) for e in LAYOUTS.get(model_type, [])] if fmt == "mxfp4" else []
     files = checkpoint_files(src)
     weight_map, stats = {}, {"quantized": 0, "copied": 0, "bytes_before": 0, "bytes_after": 0}
     for n, file in enumerate(files):
@@ -63,12 +69,20 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str = "mxfp4", pr
             for name in tqdm(list(f.keys()), desc=f"quantizing {file.name}", disable=not progress):
                 t = f.get_tensor(name)
                 stats["bytes_before"] += t.numel() * t.element_size()
-                m = next((m for r, e in rules if (m := r.fullmatch(name))), None)
-                if m is None:
+                if fmt == "fp8":
+                    if _fp8_target(name, t):
+                        out[name], out[name + "_scale_inv"] = quantize_fp8_blocks(t)
+                        stats["quantized"] += 1
+                    else:
+                        out[name] = t
+                        stats["copied"] += 1
+                    continue
+                expert = next((e for r, e in rules if r.fullmatch(name)), None)
+                if expert is None:
                     out[name] = t
                     stats["copied"] += 1
                     continue
-                w = next(e for r, e in rules if r.fullmatch(name)).to_out_in(t)
+                w = expert.to_out_in(t)
                 if w.shape[-1] % BLOCK:
                     raise ValueError(f"{file}: {name} has input width {w.shape[-1]}, not a multiple of {BLOCK}: cannot be MXFP4")
                 blocks, scales = quantize_mxfp4(w.float())
@@ -84,9 +98,17 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str = "mxfp4", pr
     for extra in src.iterdir():  # tokenizer, generation config, chat template...
         if extra.is_file() and not extra.name.endswith(".safetensors") and extra.name not in ("config.json", "model.safetensors.index.json"):
             shutil.copy2(extra, dst / extra.name)
-    config["quantization_config"] = {"quant_method": "mxfp4"}
-    if model_type in NOT_CONVERTED:
+    config["quantization_config"] = dict(FP8_CONFIG) if fmt == "fp8" else {"quant_method": "mxfp4"}
+    if fmt == "mxfp4" and model_type in NOT_CONVERTED:
         config["quantization_config"]["modules_to_not_convert"] = NOT_CONVERTED[model_type]
     with open(dst / "config.json", "w") as f:
         json.dump(config, f, indent=2)
     return stats
+
+
+def _fp8_target(name: str, t: torch.Tensor) -> bool:
+    """A 2-D linear weight outside the modules that stay in high precision."""
+    if t.dim() != 2 or not name.endswith(".weight") or "embed" in name or "norm" in name:
+        return False
+    module = name[: -len(".weight")]
+    return not any(_in(module, p) for p in KEEP_HIGH)

@@ -21,6 +21,7 @@ from dayzero.layers.attention.base import CachedLayer
 from dayzero.layers.norm import LayerNorm, RMSNorm
 from dayzero.layers.rotary import RotaryEmbedding
 from dayzero.ops.attention.reference import indices_to_mask
+from dayzero.quant.fp8 import dense_weight
 
 SELECTION = "dsa_selection"  # batch attribute: per sequence, the [Tq, S] key mask of the last indexer (None: dense)
 
@@ -94,6 +95,7 @@ class MLAAttention(CachedLayer):
         if self.shares_selection:
             selection = getattr(batch, SELECTION, None)
             assert selection is not None, "a shared-index DSA layer needs an earlier layer that runs its indexer"
+        kv_b = dense_weight(self.kv_b_proj, torch.float32)  # [H*(N+V), R]; block-FP8 tiles dequantised once a step
         out = q_nope.new_empty(T, self.H, self.V)
         for b in range(batch.num_seqs):
             rows, slots, S = batch.rows(b), batch.key_slots(b), batch.seq_lens[b]
@@ -104,7 +106,7 @@ class MLAAttention(CachedLayer):
             key_mask = selection[b]
             form = "mla_absorbed" if rows.stop - rows.start == 1 else "mla_naive"
             out[rows] = ops.call(
-                form, q_nope[rows], q_pe[rows], self.read_rows("latent", slots), self.kv_b_proj.weight,
+                form, q_nope[rows], q_pe[rows], self.read_rows("latent", slots), kv_b,
                 self.V, q_pos, self.scale, key_mask, None,
             )
         if self.indexer is not None:

@@ -78,11 +78,13 @@ def attn_rules(src: str = "self_attn") -> list[Rule]:
 
 
 def fused_gate_up(prefix: str, dst: str, gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj") -> list[Rule]:
-    """A dense gated MLP stored as separate gate/up/down into our fused [gate; up] + down."""
+    """A dense gated MLP stored as separate gate/up/down into our fused [gate; up] + down (with block-FP8
+    ``weight_scale_inv`` tiles split the same way)."""
+    w = r"(weight|weight_scale_inv)"
     return [
-        Rule(rf"{L}\.{prefix}\.{gate}\.weight", f"model.layers.{{0}}.{dst}.gate_up_proj.weight", rows(0, 2)),
-        Rule(rf"{L}\.{prefix}\.{up}\.weight", f"model.layers.{{0}}.{dst}.gate_up_proj.weight", rows(1, 2)),
-        Rule(rf"{L}\.{prefix}\.{down}\.weight", f"model.layers.{{0}}.{dst}.down_proj.weight"),
+        Rule(rf"{L}\.{prefix}\.{gate}\.{w}", f"model.layers.{{0}}.{dst}.gate_up_proj.{{1}}", rows(0, 2)),
+        Rule(rf"{L}\.{prefix}\.{up}\.{w}", f"model.layers.{{0}}.{dst}.gate_up_proj.{{1}}", rows(1, 2)),
+        Rule(rf"{L}\.{prefix}\.{down}\.{w}", f"model.layers.{{0}}.{dst}.down_proj.{{1}}"),
     ]
 
 
@@ -93,9 +95,10 @@ def expert_rules(prefix: str = "mlp", experts: str = "experts", gate: str = "gat
     weight and correction bias."""
     dst = "model.layers.{0}.mlp"
     return [
-        Rule(rf"{L}\.{prefix}\.{experts}\.(\d+)\.{gate}\.weight", f"{dst}.w1", rows(0, 2, expert_group=2)),
-        Rule(rf"{L}\.{prefix}\.{experts}\.(\d+)\.{up}\.weight", f"{dst}.w1", rows(1, 2, expert_group=2)),
-        Rule(rf"{L}\.{prefix}\.{experts}\.(\d+)\.{down}\.weight", f"{dst}.w2", expert(2)),
+        # weight, or its block-FP8 tile scales (weight_scale_inv -> w1_scale_inv)
+        Rule(rf"{L}\.{prefix}\.{experts}\.(\d+)\.{gate}\.weight((?:_scale_inv)?)", f"{dst}.w1{{2}}", rows(0, 2, expert_group=2)),
+        Rule(rf"{L}\.{prefix}\.{experts}\.(\d+)\.{up}\.weight((?:_scale_inv)?)", f"{dst}.w1{{2}}", rows(1, 2, expert_group=2)),
+        Rule(rf"{L}\.{prefix}\.{experts}\.(\d+)\.{down}\.weight((?:_scale_inv)?)", f"{dst}.w2{{2}}", expert(2)),
         Rule(rf"{L}\.{prefix}\.{experts}\.gate_up_proj", f"{dst}.w1", transform=same),
         Rule(rf"{L}\.{prefix}\.{experts}\.down_proj", f"{dst}.w2"),
         Rule(rf"{L}\.{prefix}\.{router}\.weight", f"{dst}.gate.weight"),
@@ -107,3 +110,17 @@ def moe_layer_rules(prefix: str = "mlp", shared: str = "shared_experts", **names
     """Experts + shared experts + the dense MLP of non-MoE layers, all under ``prefix``."""
     return (expert_rules(prefix, **names) + fused_gate_up(f"{prefix}\\.{shared}", "mlp.shared_experts")
             + fused_gate_up(prefix, "mlp"))
+
+
+def weight_format(raw: dict) -> tuple[str, tuple[str, ...]]:
+    """("fp8_block", modules kept high) for DeepSeek-style block-FP8 checkpoints, else ("dense", ())."""
+    q = raw.get("quantization_config") or {}
+    method = q.get("quant_method")
+    if method is None:
+        return "dense", ()
+    if method != "fp8":
+        raise ValueError(f"quantization method {method!r} is not supported for {raw.get('model_type')}; supported: fp8")
+    block = q.get("weight_block_size", [128, 128])
+    if list(block) != [128, 128]:
+        raise ValueError(f"block-FP8 weights need weight_block_size [128, 128], got {block}")
+    return "fp8_block", tuple(q.get("modules_to_not_convert") or ())

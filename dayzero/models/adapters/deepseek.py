@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dayzero.config.spec import IndexerSpec, LayerSpec, MLASpec, ModelSpec, MoESpec, softmax_scale
 from dayzero.models.adapters.common import (
-    attn_rules, base_rules, dense_mlp_spec, dtype_of, eos_of, get, moe_layer_rules, rope_spec,
+    attn_rules, base_rules, dense_mlp_spec, dtype_of, eos_of, get, moe_layer_rules, rope_spec, weight_format,
 )
 from dayzero.models.registry import Adapter, register
 
@@ -16,6 +16,7 @@ def moe_spec(raw: dict) -> MoESpec:
         router="sigmoid", correction_bias=True, n_group=raw.get("n_group") or 1, topk_group=raw.get("topk_group") or 1,
         norm_topk_prob=raw.get("norm_topk_prob", True), routed_scaling_factor=raw.get("routed_scaling_factor", 1.0),
         n_shared=n_shared, shared_intermediate_size=n_shared * raw["moe_intermediate_size"],
+        expert_format=weight_format(raw)[0],
     )
 
 
@@ -45,6 +46,7 @@ def model_spec(raw: dict, layers) -> ModelSpec:
         raw["model_type"], raw["vocab_size"], raw["hidden_size"], tuple(layers), raw["max_position_embeddings"],
         raw.get("rms_norm_eps", 1e-6), tie_word_embeddings=raw.get("tie_word_embeddings", False),
         torch_dtype=dtype_of(raw), eos_token_id=eos_of(raw), bos_token_id=raw.get("bos_token_id"),
+        linear_format=weight_format(raw)[0], linear_exclude=weight_format(raw)[1],
     )
 
 
