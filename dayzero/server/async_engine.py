@@ -57,6 +57,7 @@ class AsyncEngine:
         self.stats: dict[str, int] = engine.stats()  # a snapshot, replaced (never mutated) by the engine thread
         self.num_steps = 0
         self.failure: str | None = None  # set when the engine thread died; /health reports it
+        self._stopped = False  # the engine thread has ended (or is ending): no command will run any more
 
     # --- event-loop side ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -75,7 +76,7 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and not self._stopped
 
     async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, prompt: str | None,
                   sink: asyncio.Queue, tag: Any) -> None:
@@ -85,6 +86,8 @@ class AsyncEngine:
             raise APIError(503, f"the engine is not running: {self.failure or 'stopped'}", code="engine_dead")
         accepted = self._loop.create_future()
         self._commands.put(("add", request_id, prompt_ids, params, prompt, _Sink(sink, tag), accepted))
+        if self._stopped:  # the thread ended just now and may have drained the queue before our add
+            self._refuse_pending()
         try:
             await accepted
         except asyncio.CancelledError:
@@ -121,7 +124,20 @@ class AsyncEngine:
             self.failure = f"{type(e).__name__}: {e}"
             self._end_all(APIError(500, f"the engine failed: {self.failure}", code="engine_failed"))
         finally:
+            self._stopped = True
+            self._refuse_pending()
             self.stats = self.engine.stats()
+
+    def _refuse_pending(self) -> None:
+        """Once the thread has ended: fail every add still queued, so that no caller waits forever."""
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                error = APIError(503, f"the engine is not running: {self.failure or 'stopped'}", code="engine_dead")
+                self._loop.call_soon_threadsafe(_settle, cmd[-1], error)
 
     def _apply(self, cmd: tuple) -> None:
         kind = cmd[0]

@@ -1,6 +1,7 @@
 """``POST /v1/chat/completions``: messages through the model's own chat template, ``n`` choices, streamed or not."""
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 
@@ -14,6 +15,8 @@ from dayzero.server.generation import Prompt, Run, ServerState
 from dayzero.server.protocol import (
     ChatCompletionRequest, chat_logprobs, check_unsupported, parse, parse_messages, sampling_params, usage,
 )
+
+log = logging.getLogger("dayzero.server")
 
 
 def _validate(srv: ServerState, req: ChatCompletionRequest) -> None:
@@ -44,7 +47,7 @@ def _chat_prompt(srv: ServerState, messages: list[dict]) -> Prompt:
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except Exception as e:  # the template itself refuses (e.g. roles out of order): the client's to fix
         raise bad_request(f"messages do not fit the model's chat template: {e}", "messages") from None
-    return Prompt(srv.encode(text), text)
+    return Prompt(srv.encode(text, "messages"), text)
 
 
 async def create_chat_completion(srv: ServerState, http: Request, body: dict, arrival: float) -> Response:
@@ -100,6 +103,9 @@ async def _stream(srv: ServerState, run: Run, head: dict, n: int, include_usage:
         if run.client_gone:
             return
         yield sse(e.body())
+    except Exception as e:  # a server bug: the client still gets a final error event and [DONE]
+        log.exception("%s failed while streaming", run.id)
+        yield sse(APIError(500, f"internal server error: {type(e).__name__}", code="internal_error").body())
     finally:
         run.close()
     yield DONE

@@ -5,6 +5,7 @@ Choice ``i * n + j`` is output ``j`` of prompt ``i``, as in OpenAI's API.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 
@@ -17,6 +18,8 @@ from dayzero.server.generation import Prompt, Run, ServerState
 from dayzero.server.protocol import (
     CompletionRequest, check_unsupported, completion_logprobs, parse, parse_prompt, sampling_params, usage,
 )
+
+log = logging.getLogger("dayzero.server")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -110,6 +113,9 @@ async def _stream(srv: ServerState, run: Run, head: dict, n: int, echo: list[str
         if run.client_gone:
             return
         yield sse(e.body())
+    except Exception as e:  # a server bug: the client still gets a final error event and [DONE]
+        log.exception("%s failed while streaming", run.id)
+        yield sse(APIError(500, f"internal server error: {type(e).__name__}", code="internal_error").body())
     finally:
         run.close()
     yield DONE

@@ -53,9 +53,13 @@ class ServerState:
         if name is not None and name != self.model_name:
             raise model_not_found(name, self.model_name)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, param: str = "prompt") -> list[int]:
         if self.tokenizer is None:
-            raise bad_request("this model has no tokenizer: give the prompt as token ids", "prompt")
+            raise bad_request("this model has no tokenizer: give the prompt as token ids", param)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # JSON can carry a lone surrogate ("\ud800"); no text can
+            raise bad_request(f"{param} is not valid Unicode: {e.reason} at character {e.start}", param) from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def prompts(self, raw: list[str | list[int]]) -> list[Prompt]:

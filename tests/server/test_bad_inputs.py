@@ -153,6 +153,17 @@ def test_omitted_max_tokens_means_the_rest_of_the_context(server):
     complete_ok(server)
 
 
+@pytest.mark.parametrize("path,body,param", [
+    (COMPLETIONS, b'{"prompt": "a\\ud800b"}', "prompt"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "messages"),
+], ids=["prompt", "message"])
+def test_lone_surrogate_is_not_text(server, path, body, param):
+    # JSON escapes can encode half of a UTF-16 pair, which no UTF-8 text holds
+    r = raw(server, path, body)
+    assert r.status_code == 400 and f"{param} is not valid Unicode" in r.json()["error"]["message"], r.text
+    complete_ok(server)
+
+
 def test_nan_and_infinite_temperature(server):
     # JSON has no NaN or Infinity, but Python's parser accepts the literals: they must still be refused
     for literal in (b"NaN", b"Infinity", b"-Infinity", b"1e999"):

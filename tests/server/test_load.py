@@ -16,7 +16,7 @@ from tests.server.conftest import MODEL, ServerProcess, complete_ok
 def test_64_concurrent_streams_of_mixed_lengths(server):
     before = server.metrics()
     rng = random.Random(0)
-    jobs = [("word " * rng.randint(1, 60), rng.randint(1, 40)) for _ in range(64)]
+    jobs = [("word " * rng.randint(1, 24), rng.randint(1, 32)) for _ in range(64)]
 
     async def one(client, prompt, max_tokens, i):
         kw = dict(model=MODEL, max_tokens=max_tokens, stream=True, stream_options={"include_usage": True},
