@@ -9,3 +9,4 @@ from dayzero.ops.kda import reference as _kda  # noqa: F401,E402
 from dayzero.ops.moe import reference as _moe  # noqa: F401,E402
 from dayzero.ops.norm import reference as _norm  # noqa: F401,E402
 from dayzero.ops.rotary import reference as _rotary  # noqa: F401,E402
+from dayzero.ops.ssd import reference as _ssd  # noqa: F401,E402
