@@ -115,3 +115,13 @@ def test_unknown_kv_cache_dtype_is_rejected(tiny_ckpt):
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         LLM(str(tiny_ckpt), device="cpu", kv_cache_dtype="fp4")
     assert LLM(str(tiny_ckpt), device="cpu", dtype="float32", kv_cache_dtype="bfloat16", num_cache_blocks=8).engine.runner.kv_cache_dtype == "bfloat16"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", KINDS)
+def test_cuda_quantised_cache_equals_cpu(tiny_ckpt, kind):
+    kw = dict(dtype="float32", block_size=8, num_cache_blocks=128, kv_cache_dtype=kind)
+    toks = list(range(3, 50))
+    gpu = run_chunks(LLM(str(tiny_ckpt), device="cuda", **kw).engine, toks, [20, 1, 1, 25]).cpu()
+    cpu = run_chunks(LLM(str(tiny_ckpt), device="cpu", **kw).engine, toks, [20, 1, 1, 25])
+    assert ((gpu - cpu).norm() / cpu.norm()).item() < 1e-3

@@ -149,3 +149,22 @@ def test_quantize_rejects_unknown_layouts(tmp_path):
     (tmp_path / "src" / "config.json").write_text(json.dumps({"model_type": "mixtral"}))
     with pytest.raises(ValueError, match="supported: .*dayzero_hybrid.*gpt_oss"):
         quantize_checkpoint(tmp_path / "src", tmp_path / "dst", progress=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("compute", ["bf16", "fp8"])
+def test_cuda_double_buffered_workspace_equals_cpu(mx_ckpts, compute):
+    """On CUDA the next layer's experts convert on a side stream while this layer computes."""
+    _, packed, _, _ = mx_ckpts
+    kw = dict(dtype="float32", num_cache_blocks=64, expert_compute=compute)
+    gpu = LLM(str(packed), device="cuda", **kw)
+    assert gpu.engine.expert_workspace.num_slots == 2
+    toks = list(range(5, 60))
+    a = run_chunks(gpu.engine, toks, [len(toks)]).cpu()
+    b = run_chunks(LLM(str(packed), device="cpu", **kw).engine, toks, [len(toks)])
+    rel = ((a - b).norm() / b.norm()).item()
+    assert rel < 1e-4, rel
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    p = [{"prompt_token_ids": toks[:n]} for n in (5, 17, 40)]
+    outs = [o.outputs[0].token_ids for o in gpu.generate(p, sp)]
+    assert all(len(o) == 12 for o in outs)
