@@ -62,10 +62,11 @@ def _profile(args) -> int:
 
 def _add_tools(sub) -> None:
     model_help = "checkpoint directory or config.json (default: the bundled model)"
+    kv_dtypes = ["auto", "bfloat16", "float16", "float32", "fp8", "int8"]
     i = sub.add_parser("inspect", help="structure check from config.json (and safetensors headers): layers, experts, "
                                        "parameters, weight dtypes, cache sizes")
     i.add_argument("model", nargs="?", default=None, help=model_help)
-    i.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8"])
+    i.add_argument("--kv-cache-dtype", default="auto", choices=kv_dtypes)
     i.add_argument("--json", action="store_true", help="one JSON object")
     i.set_defaults(func=_inspect)
     p = sub.add_parser("plan", help="memory per device and roofline speed for each TP/EP/PP/DP layout")
@@ -75,7 +76,7 @@ def _add_tools(sub) -> None:
                    help="describe another accelerator (link in GB/s per direction); repeatable")
     p.add_argument("--context", type=int, default=None, help="tokens per sequence (default: the model's maximum)")
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=kv_dtypes)
     p.add_argument("--experts", default="auto", choices=["auto", "bf16", "fp8", "mxfp4"],
                    help="routed-expert storage (default: as the config declares)")
     p.add_argument("--conversion", default="bf16", choices=["bf16", "fp8", "fused"],

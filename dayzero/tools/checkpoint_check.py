@@ -12,13 +12,7 @@ from pathlib import Path
 import torch
 
 from dayzero.loader.safetensors_loader import CheckpointError, check_headers, checkpoint_files, read_header
-from dayzero.tools.model_info import ModelInfo, component_of
-
-_LABELS = {
-    torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
-    torch.float8_e4m3fn: "FP8", torch.float8_e5m2: "FP8-E5M2",
-}
-
+from dayzero.tools.model_info import ModelInfo, component_of, stored_label
 
 @dataclass(frozen=True)
 class Mismatch:
@@ -26,13 +20,6 @@ class Mismatch:
     tensor: str
     file: str
     detail: str
-
-
-def stored_label(name: str, dtype: torch.dtype) -> str:
-    """The storage format of a checkpoint tensor: MXFP4 blocks and scales are uint8 tensors so named."""
-    if dtype == torch.uint8 and re.search(r"[._](blocks|scales)$", name):
-        return "MXFP4"
-    return _LABELS.get(dtype, str(dtype).removeprefix("torch.").upper())
 
 
 def check_checkpoint(info: ModelInfo, path: Path | None = None) -> dict:

@@ -19,7 +19,7 @@ from dayzero.cache.spec import PagedSpec, StateSpec
 from dayzero.config.spec import GQASpec, KDASpec, LayerSpec, MLASpec, ModelSpec, MoESpec, RopeSpec
 from dayzero.tools import fmt
 from dayzero.tools.model_info import (
-    ModelInfo, cache_specs, count_params, format_from_config, load, paged_bytes_per_token, stored_bytes,
+    ModelInfo, cache_specs, count_params, declared_format, load, paged_bytes_per_token, stored_bytes,
 )
 
 CONTEXTS = (4096, 131072, 1048576)
@@ -35,8 +35,6 @@ def layer_label(layer: LayerSpec, mixed_mlp: bool) -> str:
         label = "SWA"
     if layer.mlp_kind == "dense" and mixed_mlp:
         label += "+dense"
-    elif layer.mlp is None and mixed_mlp:
-        label += "-only"
     return label
 
 
@@ -214,13 +212,13 @@ def inspect(model: str | None = None, kv_cache_dtype: str = "auto", check: bool 
         **{k: v for k, v in counts.items() if k != "by_component"},
         "params_by_component": counts["by_component"],
     }
-    wf = format_from_config(info.raw, spec)
-    by_fmt = stored_bytes(info, wf)
+    by_fmt = stored_bytes(info)
     report["weights"] = {
-        "source": "config" if wf.source == "config" else "config quantization_config",
-        "format": f"{wf.describe()} (from {'quantization_config' if wf.source != 'config' else 'torch_dtype'})",
+        "source": "config",
+        "format": declared_format(spec),
         "by_format": {f: sum(c.values()) for f, c in by_fmt.items()},
         "bytes": sum(sum(c.values()) for c in by_fmt.values()),
+        "by_component": by_fmt,
     }
     cache = cache_report(info, kv_cache_dtype)
     report["cache"] = cache

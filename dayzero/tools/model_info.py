@@ -7,7 +7,6 @@ counts, stored bytes and sharding work for any registered architecture without k
 """
 from __future__ import annotations
 
-import fnmatch
 import math
 import re
 from collections import defaultdict
@@ -27,8 +26,9 @@ ROUTER, ROUTED, SHARED, LATENT, OTHER = "router", "experts_routed", "experts_sha
 ORDER = (EMBEDDING, "attention", NORMS, DENSE_MLP, ROUTER, ROUTED, SHARED, LATENT, OTHER, LM_HEAD)
 _ROUTED_LEAF = re.compile(r"(w1|w2|b1|b2)(_\w+)?$")
 
-# bits per weight of each stored format (MXFP4: 4-bit elements + one 8-bit scale per 32)
-FORMAT_BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "fp8": 8, "mxfp4": 4.25}
+# bits per weight of each stored format (MXFP4: 4-bit elements + one 8-bit scale per 32; the fp8 expert
+# workspace: e4m3 codes + one fp32 scale per 32)
+FORMAT_BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "fp8": 8, "mxfp4": 4.25, "fp8_ws": 9}
 TORCH_FORMAT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 FORMAT_TORCH = {v: k for k, v in TORCH_FORMAT.items()}
 
@@ -46,9 +46,54 @@ class Param:
         return math.prod(self.shape)
 
     @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def kind(self) -> str:
+        """"weight"; "mxfp4" for packed E2M1 codes (two weights a byte); "scale" for quantisation scales."""
+        if self.dtype == torch.uint8 and re.search(r"[._]blocks$", self.name):
+            return "mxfp4"
+        if re.search(r"([._]scales|scale_inv|_scale)$", self.name):
+            return "scale"
+        return "weight"
+
+    @property
+    def logical_shape(self) -> tuple[int, ...]:
+        """The weight's shape as a matrix of numbers: packed MXFP4 [.., N, K/32, 16] is [.., N, K]."""
+        if self.kind == "mxfp4":
+            return (*self.shape[:-2], self.shape[-2] * self.shape[-1] * 2)
+        return self.shape
+
+    @property
+    def logical(self) -> int:
+        """Model parameters this tensor holds (scales are metadata, not parameters)."""
+        return 0 if self.kind == "scale" else math.prod(self.logical_shape)
+
+    @property
     def is_bias(self) -> bool:
         leaf = self.name.rsplit(".", 1)[-1]
         return "bias" in leaf or leaf in ("b1", "b2")
+
+    @property
+    def label(self) -> str:
+        return stored_label(self.name, self.dtype)
+
+
+_LABELS = {
+    torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
+    torch.float8_e4m3fn: "FP8", torch.float8_e5m2: "FP8-E5M2",
+}
+
+
+def stored_label(name: str, dtype: torch.dtype) -> str:
+    """The storage format of a tensor: MXFP4 codes and scales are uint8 tensors so named, and block-FP8
+    scales (``*scale_inv``) belong to their FP8 weights."""
+    if dtype == torch.uint8 and re.search(r"[._](blocks|scales)$", name):
+        return "MXFP4"
+    if name.endswith("scale_inv"):
+        return "FP8"
+    return _LABELS.get(dtype, str(dtype).removeprefix("torch.").upper())
 
 
 @dataclass
@@ -129,8 +174,8 @@ def count_params(info: ModelInfo) -> dict:
     """Totals and per-token active counts, by component."""
     total, active = defaultdict(int), defaultdict(float)
     for p in info.params:
-        total[p.component] += p.numel
-        active[p.component] += p.numel * (moe_fraction(info.spec, p.layer) if p.component == ROUTED else 1.0)
+        total[p.component] += p.logical
+        active[p.component] += p.logical * (moe_fraction(info.spec, p.layer) if p.component == ROUTED else 1.0)
     n_total, n_active = sum(total.values()), sum(active.values())
     emb, head = total.get(EMBEDDING, 0), total.get(LM_HEAD, 0)
     return {
@@ -149,57 +194,18 @@ def _order(component: str) -> tuple[int, str]:
 
 
 # --- weights as stored -------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class WeightFormat:
-    """How weights are stored: ``dense`` for matrices outside the routed experts, ``experts`` for them;
-    parameters the model keeps in fp32 (router, decay rates, indexer weights) stay fp32, and biases,
-    norms, embeddings and names matching ``keep`` stay in ``base``."""
-
-    base: str = "bf16"
-    dense: str = "bf16"
-    experts: str = "bf16"
-    block: tuple[int, int] = (128, 128)  # fp8 scale tile (one fp32 scale per tile)
-    keep: tuple[str, ...] = ()
-    source: str = "config"
-
-    def describe(self) -> str:
-        parts = [f"experts {self.experts.upper()}", f"other matrices {self.dense.upper()}"]
-        if "fp8" in (self.dense, self.experts):
-            parts.append(f"fp8 scales per {self.block[0]}x{self.block[1]} tile")
-        return ", ".join(parts)
-
-
-def format_from_config(raw: dict, spec: ModelSpec) -> WeightFormat:
-    """The stored format a config declares (``quantization_config``), else its ``torch_dtype``."""
-    base = TORCH_FORMAT.get(spec.dtype, "bf16")
-    q = raw.get("quantization_config") or {}
-    method = str(q.get("quant_method", "")).lower()
-    keep = tuple(q.get("modules_to_not_convert") or q.get("ignored_layers") or ())
-    if method == "mxfp4":
-        return WeightFormat(base, base, "mxfp4", keep=keep, source="quantization_config")
-    if method == "fp8":
-        block = tuple(q.get("weight_block_size") or (128, 128))
-        return WeightFormat(base, "fp8", "fp8", block, keep, "quantization_config")
-    return WeightFormat(base, base, base)
-
-
-def _keep(name: str, patterns: tuple[str, ...]) -> bool:
-    return any(fnmatch.fnmatch(name, p) or fnmatch.fnmatch(name, p + ".*") or name.startswith(p + ".") for p in patterns)
-
-
-def param_format(p: Param, wf: WeightFormat) -> str:
-    if p.dtype == torch.float32 and wf.base != "fp32":
-        return "fp32"  # kept high precision by the model itself
-    if p.is_bias or len(p.shape) < 2 or _keep(p.name, wf.keep):
-        return wf.base
-    if p.component == ROUTED:
-        return wf.experts
-    if p.component in (EMBEDDING, LM_HEAD) or "conv" in p.name or "norm" in p.name:
-        return wf.base
-    return wf.dense
+def declared_format(spec: ModelSpec) -> str:
+    """How the config says weights are stored: routed experts, and the other linear layers."""
+    experts = {getattr(l.mlp, "expert_format", "dense") for l in spec.layers if isinstance(l.mlp, MoESpec)}
+    linear = getattr(spec, "linear_format", "dense")
+    names = {"dense": spec.torch_dtype, "mxfp4": "MXFP4", "fp8_block": "block FP8 (128x128 tiles)"}
+    parts = [f"experts {', '.join(names.get(e, e) for e in sorted(experts))}"] if experts else []
+    parts.append(f"other matrices {names.get(linear, linear)}")
+    return ", ".join(parts)
 
 
 def format_bytes(shape: tuple[int, ...], fmt: str, block: tuple[int, int] = (128, 128)) -> float:
+    """Bytes of a weight of ``shape`` stored as ``fmt`` (fp8 with one fp32 scale per ``block`` tile)."""
     n = math.prod(shape)
     if fmt == "fp8" and len(shape) >= 2:
         tiles = math.prod(shape[:-2]) * math.ceil(shape[-2] / block[0]) * math.ceil(shape[-1] / block[1])
@@ -207,25 +213,19 @@ def format_bytes(shape: tuple[int, ...], fmt: str, block: tuple[int, int] = (128
     return n * FORMAT_BITS[fmt] / 8
 
 
-def stored_bytes(info: ModelInfo, wf: WeightFormat) -> dict[str, dict[str, float]]:
-    """format -> component -> bytes, for the whole model stored as ``wf`` says."""
-    out: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+def stored_bytes(info: ModelInfo) -> dict[str, dict[str, int]]:
+    """format -> component -> bytes of the model's tensors as built from the config (quantised formats the
+    config declares are built as such, so these are the bytes a matching checkpoint holds)."""
+    out: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for p in info.params:
-        fmt = param_format(p, wf)
-        out[fmt.upper()][p.component] += format_bytes(p.shape, fmt, wf.block)
+        out[p.label][p.component] += p.nbytes
     return {k: dict(v) for k, v in out.items()}
 
 
 # --- caches ------------------------------------------------------------------------------------------
 def paged_bytes_per_token(spec, kv_cache_dtype: str = "auto", block_size: int = 16) -> float:
-    """Bytes per token of a paged cache spec, quantised pools included when the spec supports them."""
-    if kv_cache_dtype == "auto":
-        return spec.bytes_per_token()
-    try:
-        return spec.bytes_per_token(kv_cache_dtype, block_size)
-    except TypeError:  # a spec without quantised pools: plain rows in the requested width
-        width = {"fp8": 1, "int8": 1}[kv_cache_dtype]
-        return sum(math.prod(s) * width for s, _ in spec.rows.values())
+    """Bytes per token of a paged cache spec in ``kv_cache_dtype`` (quantised pools with their scales)."""
+    return spec.bytes_per_token(kv_cache_dtype, block_size)
 
 
 def cache_specs(info: ModelInfo, dtype: torch.dtype | None = None):

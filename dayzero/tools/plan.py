@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass
 
 from dayzero.tools import fmt
 from dayzero.tools.devices import DeviceKind, parse_device_spec, parse_devices
-from dayzero.tools.model_info import WeightFormat, format_from_config, load
-from dayzero.tools.plan_costs import LayerCost, ModelCosts, attn_flops, model_costs
+from dayzero.tools.model_info import FORMAT_TORCH, declared_format, load
+from dayzero.tools.plan_costs import LayerCost, ModelCosts, attn_flops, expert_format, model_costs
 
 MEMORY_TERMS = ("weights", "workspace", "kv_cache", "state", "activations", "indexer_scratch", "moe_dispatch",
                 "comm_buffers", "runtime")
@@ -38,6 +38,7 @@ class PlanConfig:
     moe_imbalance: float = 1.5  # expert receive buffers sized for this multiple of the average load
     memory_fraction: float = 0.92  # of device memory the plan may use
     runtime_gib: float = 2.0  # runtime context, library workspaces, collective-library buffers
+    workspace_slots: int = 2  # expert conversion buffers: two on GPUs (the next layer converts while one runs)
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ def stage_memory(costs: ModelCosts, cfg: PlanConfig, lay: Layout, layer_ids: ran
     weights += (costs.embed_bytes / lay.tp if first else 0) + (costs.head_bytes / lay.tp + costs.other_bytes if last else 0)
     if first and last and costs.tied:
         weights -= costs.head_bytes / lay.tp  # one tensor serves as embedding and LM head
-    workspace = max((lc.expert_ws_bytes / g for lc in ls), default=0.0)
+    workspace = cfg.workspace_slots * max((lc.expert_ws_bytes / g for lc in ls), default=0.0)
     kv = seqs * tokens * sum(kv_bytes_per_token(lc, lay.tp) for lc in ls)
     state = seqs * sum(state_bytes(lc, lay.tp) for lc in ls)
     width = max((lc.max_width for lc in ls), default=costs.hidden)
@@ -120,12 +121,7 @@ def stage_memory(costs: ModelCosts, cfg: PlanConfig, lay: Layout, layer_ids: ran
         act += seqs * costs.vocab / lay.tp * 4  # fp32 logits of the sampled rows
     idx = (min(chunk, cfg.indexer_block) * tokens * 4) if any(lc.indexer is not None for lc in ls) else 0.0
     moe = [lc for lc in ls if lc.is_moe]
-    dispatch = 0.0
-    if moe:
-        lc = max(moe, key=lambda x: x.top_k * x.moe_width)
-        send = chunk / lay.tp * lc.top_k * lc.moe_width * a_b
-        recv_rows = cfg.moe_imbalance * chunk * lay.dp * lc.top_k / lay.ep
-        dispatch = 2 * (send + recv_rows * lc.moe_width * a_b) + recv_rows * lc.expert_rows / lay.etp * a_b
+    dispatch = max((moe_buffers(lc, lay, chunk * lay.dp, cfg.moe_imbalance, a_b) for lc in moe), default=0.0)
     comm = (2 * chunk * costs.hidden * a_b if lay.tp > 1 else 0.0) + (2 * chunk * costs.hidden * a_b if lay.pp > 1 else 0.0)
     return {"weights": weights, "workspace": workspace, "kv_cache": kv, "state": state, "activations": act,
             "indexer_scratch": idx, "moe_dispatch": dispatch, "comm_buffers": comm,
@@ -138,6 +134,37 @@ def memory(costs: ModelCosts, cfg: PlanConfig, lay: Layout, context: int) -> dic
     chunk = min(cfg.prefill_chunk, context)
     per_stage = [stage_memory(costs, cfg, lay, r, s == 0, s == lay.pp - 1, context, chunk) for s, r in enumerate(parts)]
     return max(per_stage, key=lambda m: sum(m.values()))
+
+
+def group_share(lc: LayerCost, ep: int) -> float:
+    """Expected share of a stage's tokens that one expert-parallel group receives: a token goes to each
+    distinct group among its top-k experts (uniform routing), so 1 for ep = 1 and about k/ep for large ep."""
+    return 1 - (1 - 1 / ep) ** lc.top_k
+
+
+def moe_buffers(lc: LayerCost, lay: Layout, tokens_stage: int, imbalance: float, a_b: int) -> float:
+    """Dispatch send/receive and combine buffers plus the experts' intermediate rows, per device."""
+    g = lay.tp * lay.dp
+    u = group_share(lc, lay.ep)
+    send = tokens_stage / g * lay.ep * u * lc.moe_width * a_b
+    rows = imbalance * tokens_stage * u  # token vectors an expert group holds (all-gathered over its etp ranks)
+    pairs = imbalance * tokens_stage * lc.top_k / lay.ep  # (token, expert) pairs the group computes
+    return 2 * (send + rows * lc.moe_width * a_b) + pairs * lc.expert_rows / lay.etp * a_b
+
+
+def moe_link_bytes(lc: LayerCost, lay: Layout, tokens_stage: float, a_b: int) -> tuple[float, int]:
+    """Bytes one device sends per MoE layer (dispatch + combine) and the collectives it takes: an
+    all-to-all over the ``ep`` groups, then all-gather / reduce-scatter inside each group's ``etp`` ranks."""
+    g = lay.tp * lay.dp
+    u = group_share(lc, lay.ep)
+    nbytes, n = 0.0, 0
+    if lay.ep > 1:
+        nbytes += 2 * tokens_stage / g * lay.ep * u * lc.moe_width * a_b * (1 - 1 / lay.ep)
+        n += 2
+    if lay.etp > 1:
+        nbytes += 2 * tokens_stage * u * lc.moe_width * a_b * (lay.etp - 1) / lay.etp
+        n += 2
+    return nbytes, n
 
 
 def longest_context(costs: ModelCosts, cfg: PlanConfig, lay: Layout, budget: float, chunk: int) -> int:
@@ -183,9 +210,9 @@ def stage_time(costs: ModelCosts, cfg: PlanConfig, lay: Layout, layer_ids: range
             touched = 1 - (1 - lc.top_k / lc.n_experts) ** tokens_stage  # expected share of experts hit
             nbytes += touched * (lc.expert_bytes + 2 * lc.expert_ws_bytes) / g  # ws: written then read
             flops += 2 * tokens_stage * lc.top_k * lc.expert_params / lc.n_experts / g
-            if lay.ep > 1:
-                ep_comm += 2 * tokens_stage / g * lc.top_k * lc.moe_width * a_b * (1 - 1 / lay.ep)
-                n_coll += 2
+            link, n = moe_link_bytes(lc, lay, tokens_stage, a_b)
+            ep_comm += link
+            n_coll += n
         for r in lc.rows:
             keys = context if r.read == "all" else min(context, lc.topk if r.read == "topk" else lc.window)
             nbytes += seqs * keys * r.bytes_per_token / _shard(r.max_shards, lay.tp)
@@ -197,12 +224,13 @@ def stage_time(costs: ModelCosts, cfg: PlanConfig, lay: Layout, layer_ids: range
             n_coll += 2
     if last:
         nbytes += costs.head_bytes / lay.tp
-        flops += 2 * (tokens_rank if prefill else seqs) * costs.head_params / lay.tp
+        flops += 2 * seqs * costs.head_params / lay.tp  # logits of each sequence's last token
     if lay.pp > 1:
         tp_comm += tokens_rank * costs.hidden * a_b
         n_coll += 1
     t_mem, t_flop = nbytes / (dev.tbps * 1e12), flops / (dev.tflops * 1e12)
-    latency = (dev.latency_us if max(lay.tp, g if lay.ep > 1 else 1) <= dev.node_size else dev.net_latency_us) * 1e-6
+    moe_group = g if any(costs.layers[i].is_moe for i in layer_ids) else 1
+    latency = (dev.latency_us if max(lay.tp, moe_group) <= dev.node_size else dev.net_latency_us) * 1e-6
     t_comm = tp_comm / _link(dev, lay.tp) + ep_comm / _link(dev, g) + n_coll * latency
     return {"seconds": max(t_mem, t_flop) + t_comm, "memory_s": t_mem, "compute_s": t_flop, "comm_s": t_comm,
             "bytes": nbytes, "flops": flops, "link_bytes": tp_comm + ep_comm}
@@ -235,36 +263,34 @@ def predict_allocation(model: str | None, dtype: str, context: int, batch: int, 
                        kv_cache_dtype: str = "auto") -> dict[str, float]:
     """Weights and cache bytes of a one-device load (what the engine allocates for ``batch`` sequences of
     ``context`` tokens), from the same terms every layout's plan is built from."""
-    info = load(model)
-    cfg = PlanConfig(batch=batch, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size)
-    wf, workspace = weight_format(info, cfg)
-    from dayzero.tools.model_info import FORMAT_TORCH
-
-    costs = model_costs(info, wf, workspace, kv_cache_dtype, block_size, FORMAT_TORCH[dtype])
+    info = load(model, FORMAT_TORCH[dtype])
+    cfg = PlanConfig(batch=batch, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size, workspace_slots=1)
+    override, workspace, _ = expert_storage(info, cfg)
+    costs = model_costs(info, override, workspace, kv_cache_dtype, block_size, FORMAT_TORCH[dtype])
     m = memory(costs, cfg, Layout(1, 1, 1, 1), context)
     return {"weights": m["weights"] + m["workspace"], "cache": m["kv_cache"] + m["state"]}
 
 
 
-def weight_format(info, cfg: PlanConfig) -> tuple[WeightFormat, str | None]:
-    """Stored formats for the plan: quantised formats the config declares are kept (unless ``--experts``
-    says otherwise); everything unquantised is in the plan's dtype."""
-    declared = format_from_config(info.raw, info.spec)
-    base = cfg.dtype
-    if cfg.experts != "auto":
-        experts = cfg.experts
-    else:
-        experts = declared.experts if declared.source != "config" else base
-    dense = "fp8" if declared.dense == "fp8" else base
-    wf = WeightFormat(base, dense, experts, declared.block, declared.keep, declared.source)
-    workspace = cfg.conversion if experts == "mxfp4" and cfg.conversion != "fused" else None
-    return wf, workspace
+def expert_storage(info, cfg: PlanConfig) -> tuple[str | None, str | None, str]:
+    """(override of the routed experts' format or None, workspace format or None, description)."""
+    declared = expert_format(info)
+    override = None if cfg.experts in ("auto", declared) else cfg.experts
+    effective = override or declared
+    workspace = cfg.conversion if effective == "mxfp4" and cfg.conversion != "fused" else None
+    desc = declared_format(info.spec) if override is None else f"experts {override.upper()} (--experts)"
+    if workspace:
+        desc += f"; MXFP4 experts converted into a {workspace.upper()} workspace ({cfg.workspace_slots} slot" \
+                f"{'s' if cfg.workspace_slots > 1 else ''})"
+    elif effective == "mxfp4":
+        desc += "; MXFP4 experts run by a fused GEMM (no workspace)"
+    return override, workspace, desc
 
 
 def plan(model: str | None, cfg: PlanConfig) -> dict:
-    info = load(model)
-    wf, workspace = weight_format(info, cfg)
-    costs = model_costs(info, wf, workspace, cfg.kv_cache_dtype, cfg.block_size)
+    info = load(model, FORMAT_TORCH[cfg.dtype])
+    override, workspace, desc = expert_storage(info, cfg)
+    costs = model_costs(info, override, workspace, cfg.kv_cache_dtype, cfg.block_size, FORMAT_TORCH[cfg.dtype])
     context = cfg.context or costs.max_position
     budget = (cfg.device.mem_bytes * cfg.memory_fraction) if cfg.device else math.inf
     rows = []
@@ -279,11 +305,10 @@ def plan(model: str | None, cfg: PlanConfig) -> dict:
     rows.sort(key=lambda r: (not r["fits"], -r.get("decode_tokens_per_s", 0), -r.get("prefill_tokens_per_s", 0)))
     fitting = [r for r in rows if r["fits"]]
     return {
-        "model": info.name, "devices": cfg.devices,
-        "kv_cache_dtype_resolved": cfg.kv_cache_dtype if cfg.kv_cache_dtype != "auto" else cfg.dtype, "device": asdict(cfg.device) if cfg.device else None,
+        "model": info.name, "devices": cfg.devices, "device": asdict(cfg.device) if cfg.device else None,
         "context": context, "batch": cfg.batch, "kv_cache_dtype": cfg.kv_cache_dtype,
-        "weights_format": wf.describe() + (f", MXFP4 experts converted into a {workspace.upper()} workspace"
-                                           if workspace else ""),
+        "kv_cache_dtype_resolved": cfg.kv_cache_dtype if cfg.kv_cache_dtype != "auto" else cfg.dtype,
+        "weights_format": desc,
         "budget_bytes": budget, "layouts": rows, "fitting": len(fitting),
         "best": fitting[0] if fitting else None,
         "longest_context": max((r.get("max_context", 0) for r in rows), default=0),

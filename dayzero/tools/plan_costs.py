@@ -17,8 +17,7 @@ import torch
 from dayzero.cache.spec import PagedSpec, StateSpec
 from dayzero.config.spec import GQASpec, KDASpec, MLASpec, MoESpec
 from dayzero.tools.model_info import (
-    EMBEDDING, LM_HEAD, ROUTED, ROUTER, ModelInfo, WeightFormat, cache_specs, format_bytes, paged_bytes_per_token,
-    param_format,
+    EMBEDDING, LM_HEAD, ROUTED, ROUTER, ModelInfo, Param, cache_specs, format_bytes, paged_bytes_per_token,
 )
 
 
@@ -79,36 +78,56 @@ def _heads(attn) -> int | None:
     return getattr(attn, "num_heads", None)
 
 
-def model_costs(info: ModelInfo, wf: WeightFormat, workspace: str | None, kv_cache_dtype: str = "auto",
-                block_size: int = 16, cache_dtype: torch.dtype | None = None) -> ModelCosts:
+def expert_format(info: ModelInfo) -> str:
+    """The routed experts' format as the model holds them: "mxfp4" (packed), "fp8", or the float dtype."""
+    kinds = {(p.kind, p.dtype) for p in info.params if p.component == ROUTED and not p.is_bias}
+    if any(k == "mxfp4" for k, _ in kinds):
+        return "mxfp4"
+    if any(d == torch.float8_e4m3fn for _, d in kinds):
+        return "fp8"
+    return {torch.float32: "fp32", torch.float16: "fp16"}.get(next((d for k, d in kinds if k == "weight"), None), "bf16")
+
+
+def _bytes(p: Param, experts: str | None) -> float:
+    """Stored bytes of a parameter; routed-expert weights in ``experts`` when that overrides the config."""
+    if experts is None or p.component != ROUTED or p.is_bias:
+        return p.nbytes
+    if p.kind == "scale":
+        return 0.0  # the override's own scales are in format_bytes
+    return format_bytes(p.logical_shape, experts)
+
+
+def model_costs(info: ModelInfo, experts: str | None = None, workspace: str | None = None,
+                kv_cache_dtype: str = "auto", block_size: int = 16, cache_dtype: torch.dtype | None = None) -> ModelCosts:
+    """``experts``: store routed experts in this format instead of the config's ("bf16", "fp8", "mxfp4");
+    ``workspace``: the format MXFP4 experts are converted into before they run ("bf16", "fp8"), or None."""
     spec = info.spec
     layers = [LayerCost(l.index, l.attn_kind or "none", attn=l.attn) for l in spec.layers]
     embed = head = head_params = other = 0.0
     for p in info.params:
-        fmt_ = param_format(p, wf)
-        b = format_bytes(p.shape, fmt_, wf.block)
+        b = _bytes(p, experts)
         if p.layer is None:
             if p.component == EMBEDDING:
                 embed += b
                 if spec.tie_word_embeddings:
-                    head, head_params = head + b, head_params + p.numel
+                    head, head_params = head + b, head_params + p.logical
             elif p.component == LM_HEAD:
-                head, head_params = head + b, head_params + p.numel
+                head, head_params = head + b, head_params + p.logical
             else:
                 other += b
             continue
         lc = layers[p.layer]
         if p.component == ROUTED:
             lc.expert_bytes += b
-            lc.expert_params += p.numel
-            if workspace is not None and not p.is_bias:
-                lc.expert_ws_bytes += format_bytes(p.shape, workspace)
+            lc.expert_params += p.logical
+            if workspace is not None and not p.is_bias and p.kind != "scale":
+                lc.expert_ws_bytes += format_bytes(p.logical_shape, "fp8_ws" if workspace == "fp8" else workspace)
         elif p.component == ROUTER or len(p.shape) < 2:
             lc.rep_bytes += b
-            lc.rep_params += p.numel
+            lc.rep_params += p.logical
         else:
             lc.tp_bytes += b
-            lc.tp_params += p.numel
+            lc.tp_params += p.logical
     for l, lc in zip(spec.layers, layers):
         if isinstance(l.mlp, MoESpec):
             m = l.mlp
@@ -123,8 +142,8 @@ def model_costs(info: ModelInfo, wf: WeightFormat, workspace: str | None, kv_cac
         if isinstance(a, GQASpec):
             lc.window = a.sliding_window
     for mod_index, layer in enumerate(info.model.model.layers):
-        widths = [m.out_features for name, m in layer.named_modules()
-                  if isinstance(m, torch.nn.Linear) and ".experts" not in name and "gate" != name.rsplit(".", 1)[-1]]
+        widths = [m.out_features for name, m in layer.named_modules()  # nn.Linear and its quantised stand-ins
+                  if hasattr(m, "out_features") and ".experts" not in name and "gate" != name.rsplit(".", 1)[-1]]
         layers[mod_index].max_width = max(widths, default=spec.hidden_size)
     for i, _, s in cache_specs(info, cache_dtype or info.spec.dtype):
         lc = layers[i]

@@ -198,7 +198,7 @@ class Profiler:
 
             for layer in self.layers:
                 for mod in layer.modules():
-                    if isinstance(mod, torch.nn.Linear):
+                    if hasattr(mod, "in_features") and hasattr(mod, "out_features"):  # nn.Linear, FP8 linears
                         handles += [mod.register_forward_pre_hook(lin_pre), mod.register_forward_hook(lin_post)]
 
             def op_hook(op, chosen, reason, fn, args, kwargs):
@@ -364,7 +364,7 @@ def plot(r: dict, path: str) -> None:
 
     parts = sorted({p for l in r["layers"] for ph in ("prefill", "decode") for p in l[f"{ph}_parts"]})
     colors = {p: plt.get_cmap("tab20")(i % 20) for i, p in enumerate(parts)}
-    fig, axes = plt.subplots(2, 1, figsize=(max(8, 0.3 * len(r["layers"]) + 4), 8), sharex=True)
+    fig, axes = plt.subplots(2, 1, figsize=(max(11, 0.3 * len(r["layers"]) + 5), 8), sharex=True)
     x = [l["index"] for l in r["layers"]]
     for ax, phase in zip(axes, ("prefill", "decode")):
         bottom = [0.0] * len(x)
@@ -375,9 +375,10 @@ def plot(r: dict, path: str) -> None:
         ax.set_ylabel(f"{phase} ms / step")
         ax.set_title(f"{phase}: step {r[phase]['step_s'] * 1e3:.2f} ms, layers {r[phase]['layers_sum_s'] * 1e3:.2f} ms")
     axes[1].set_xlabel("layer (" + ", ".join(sorted({l['kind'] for l in r['layers']})) + ")")
-    axes[0].legend(fontsize="small", ncol=3, loc="upper right")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize="small", loc="center right")
     fig.suptitle(f"{r['model']} on {r['device']}: prompt {r['prompt_len']} × batch {r['batch']}")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 0.8, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

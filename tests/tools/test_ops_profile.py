@@ -1,0 +1,71 @@
+"""dayzero ops and dayzero profile on the tiny model."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dayzero import LLM, SamplingParams
+from dayzero.cli import main as cli
+from dayzero.ops import registry
+from dayzero.tools.ops_table import op_table
+from dayzero.tools.profile import MOE_PARTS, profile
+from tests.conftest import CONFIGS
+
+
+def test_ops_lists_every_op_the_model_runs(tiny_ckpt):
+    called = set()
+
+    def hook(op, chosen, reason, fn, args, kwargs):
+        called.add(op)
+        return fn(*args, **kwargs)
+
+    llm = LLM(str(tiny_ckpt), device="cpu", dtype="float32", num_cache_blocks=64, max_num_batched_tokens=16)
+    prev = registry.set_hook(hook)
+    try:  # a long prompt (past the indexer's top-k, in chunks) and decoding
+        llm.generate([{"prompt_token_ids": list(range(40))}, "hi"], SamplingParams(max_tokens=4, ignore_eos=True))
+    finally:
+        registry.set_hook(prev)
+    t = op_table(str(tiny_ckpt), "cpu")
+    listed = {r["op"] for r in t["ops"]}
+    assert called and called <= listed, called - listed
+    by_op = {r["op"]: r for r in t["ops"]}
+    assert by_op["kda_chunk"]["used_by"] == ["kda"] and by_op["indexer_topk"]["used_by"] == ["dsa"]
+    assert "decode" in by_op["mla_absorbed"]["phases"]
+
+
+def test_ops_cli_on_another_platform_names_the_fallbacks(capsys):
+    assert cli(["ops", str(CONFIGS / "dayzero-tiny.json"), "--platform", "cuda", "--json"]) == 0
+    t = json.loads(capsys.readouterr().out)
+    for r in t["ops"]:
+        assert r["implementation"] in r["available"]
+        if r["fallback"]:
+            assert r["reasons"], r  # why it runs the reference: no implementation, or the verifier's reason
+    assert t["fallbacks"] == sum(r["fallback"] for r in t["ops"])
+
+
+@pytest.fixture
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # steadier timings on a shared machine
+    yield
+    torch.set_num_threads(n)
+
+
+def test_profile_layers_account_for_the_step(tiny_ckpt, tmp_path, one_thread):
+    r = profile(str(tiny_ckpt), prompt_len=48, batch=2, steps=4, device="cpu", dtype="float32", repeats=5)
+    for phase in ("prefill", "decode"):
+        assert r[phase]["coverage"] == pytest.approx(1.0, abs=0.15), (phase, r[phase])
+        assert r[phase]["step_s"] > 0
+    kinds = {k["kind"]: k for k in r["by_kind"]}
+    assert set(kinds) == {"kda+dense", "dsa+moe", "kda+moe", "gqa+moe"}
+    assert kinds["kda+moe"]["parts"]["state update"]["prefill_s"] > 0
+    assert kinds["dsa+moe"]["parts"]["attention"]["decode_s"] > 0
+    assert set(MOE_PARTS) <= set(kinds["gqa+moe"]["parts"])
+    assert kinds["gqa+moe"]["parts"]["MoE expert compute"]["decode_s"] > 0
+    assert all(l["weights_bytes"] > 0 and l["cache_bytes"] > 0 for l in r["layers"])
+    png = tmp_path / "p.png"
+    assert cli(["profile", str(CONFIGS / "dayzero-tiny.json"), "--prompt-len", "40", "--steps", "2", "--repeats", "1",
+                "--device", "cpu", "--plot", str(png)]) == 0
+    assert png.stat().st_size > 10_000

@@ -1,0 +1,127 @@
+"""dayzero plan: device table, layouts, memory terms against a real allocation, roofline ranking."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dayzero import LLM
+from dayzero.cache.planner import plan_cache
+from dayzero.cli import main as cli
+from dayzero.engine.model_runner import ModelRunner
+from dayzero.models.registry import load_config
+from dayzero.tools.devices import DEVICES, parse_device_spec, parse_devices
+from dayzero.tools.plan import PlanConfig, memory, plan, predict_allocation
+from dayzero.tools.probe import build_uninitialised
+from tests.conftest import CONFIGS, tiny_config
+from tests.tools.released_configs import RELEASED
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else t.nbytes
+
+
+def _allocated(model, layers) -> tuple[int, int]:
+    weights = sum(_nbytes(p) for p in model.parameters())
+    cache = sum(_nbytes(t) for _, layer in layers for t in layer.cache.values())
+    return weights, cache
+
+
+def test_device_table_and_custom_devices():
+    assert parse_devices("16xH200") == (16, DEVICES["h200"])
+    assert parse_devices("mi300x")[0] == 1
+    npu = parse_device_spec("npu:96:1.6:320:200")
+    assert parse_devices("4xNPU", [npu]) == (4, npu) and npu.mem_gib == 96 and npu.link_gbps == 200
+    with pytest.raises(ValueError, match="unknown device kind"):
+        parse_devices("8xTPU9")
+    with pytest.raises(ValueError, match="name:mem_gib"):
+        parse_device_spec("npu:96")
+
+
+def test_prediction_matches_a_real_load_of_the_tiny_model(tiny_ckpt_no_tokenizer):
+    L, B = 512, 4
+    llm = LLM(str(tiny_ckpt_no_tokenizer), device="cpu", dtype="float32", max_num_seqs=B, max_model_len=L,
+              cache_memory_bytes=1 << 40)
+    weights, cache = _allocated(llm.engine.model, llm.engine.runner.layers)
+    pred = predict_allocation(str(tiny_ckpt_no_tokenizer), "fp32", L, B)
+    assert pred["weights"] == pytest.approx(weights, rel=0.10)
+    assert pred["cache"] == pytest.approx(cache, rel=0.10)
+
+
+def test_prediction_matches_a_real_load_with_mxfp4_experts(tmp_path):
+    """Packed MXFP4 experts plus the conversion workspace the engine reserves for the largest layer."""
+    from dayzero.tools.build_default_model import build_checkpoint
+    from dayzero.tools.quantize import quantize_checkpoint
+
+    src = build_checkpoint(tmp_path / "src", tiny_config(moe_latent_size=64, moe_intermediate_size=32), tokenizer=False)
+    dst = tmp_path / "mxfp4"
+    quantize_checkpoint(src, dst, "mxfp4", progress=False)
+    L, B = 256, 2
+    llm = LLM(str(dst), device="cpu", dtype="float32", max_num_seqs=B, max_model_len=L, cache_memory_bytes=1 << 40)
+    eng = llm.engine
+    weights, cache = _allocated(eng.model, eng.runner.layers)
+    pred = predict_allocation(str(dst), "fp32", L, B)
+    assert pred["weights"] == pytest.approx(weights + eng.expert_workspace.nbytes, rel=0.10)
+    assert pred["cache"] == pytest.approx(cache, rel=0.10)
+    assert eng.expert_workspace.nbytes > 0
+
+
+def test_prediction_matches_the_engine_allocation_of_the_small_model():
+    """The 1.9B config: the engine's own model runner and cache planner allocate (pages stay untouched)."""
+    L, B = 8192, 8
+    path = CONFIGS / "dayzero-small.json"
+    spec = load_config(path)
+    model = build_uninitialised(spec, torch.bfloat16, "cpu")
+    runner = ModelRunner(model, torch.device("cpu"), torch.bfloat16)
+    runner.allocate_cache(plan_cache(runner.specs, 16, L, B, 1 << 50))
+    weights, cache = _allocated(model, runner.layers)
+    pred = predict_allocation(str(path), "bf16", L, B)
+    assert pred["weights"] == pytest.approx(weights, rel=0.10)
+    assert pred["cache"] == pytest.approx(cache, rel=0.10)
+
+
+def test_2p8t_on_h200s_with_mxfp4_experts():
+    cfg = PlanConfig(devices=64, device=DEVICES["h200"], context=131072, batch=16, experts="mxfp4")
+    p = plan(str(CONFIGS / "dayzero-2.8t.json"), cfg)
+    best = p["best"]
+    assert best is not None and best["fits"] and best["max_context"] >= 131072
+    assert best["decode_tokens_per_s"] > 0 and best["prefill_tokens_per_s"] > 0
+    m = best["memory"]
+    assert all(m[k] > 0 for k in ("weights", "workspace", "kv_cache", "state", "indexer_scratch", "moe_dispatch"))
+    # MXFP4 experts (4.25 bits) take about 4.25/16 of their bf16 bytes
+    bf16 = plan(str(CONFIGS / "dayzero-2.8t.json"), PlanConfig(devices=64, device=DEVICES["h200"], context=131072,
+                                                                batch=16, experts="bf16"))
+    same = next(r for r in bf16["layouts"] if r["name"] == best["name"])
+    assert m["weights"] < 0.4 * same["memory"]["weights"]
+    assert same["memory"]["workspace"] == 0
+
+
+def test_memory_terms_scale_as_stated():
+    from dayzero.tools.model_info import load
+    from dayzero.tools.plan import Layout, model_costs
+
+    info = load(str(CONFIGS / "dayzero-2.8t.json"))
+    cfg = PlanConfig(devices=16, device=DEVICES["h200"], batch=4)
+    costs = model_costs(info)
+    lay = Layout(1, 4, 4, 16)
+    a, b = memory(costs, cfg, lay, 65536), memory(costs, cfg, lay, 131072)
+    assert b["kv_cache"] == pytest.approx(2 * a["kv_cache"]) and b["state"] == a["state"]
+    assert b["weights"] == a["weights"]
+    # the MLA latent is one row for all heads: tensor parallelism replicates it, data parallelism splits sequences
+    tp = memory(costs, cfg, Layout(1, 16, 1, 16), 65536)
+    assert tp["kv_cache"] == pytest.approx(4 * a["kv_cache"], rel=0.01)
+
+
+def test_attention_data_parallel_pays_for_big_mla_batches(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(RELEASED["DeepSeek-V3"][0]))
+    big = plan(str(tmp_path), PlanConfig(devices=8, device=DEVICES["h200"], context=32768, batch=64))
+    one = plan(str(tmp_path), PlanConfig(devices=8, device=DEVICES["h200"], context=32768, batch=1))
+    assert big["best"]["layout"]["dp"] > 1 and one["best"]["layout"]["dp"] == 1
+
+
+def test_plan_cli(capsys):
+    rc = cli(["plan", str(CONFIGS / "dayzero-small.json"), "--devices", "2xnpu", "--device-spec", "npu:32:1.6:300:100",
+              "--context", "32768", "--batch", "8"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "best: pp" in out and "longest context" in out
