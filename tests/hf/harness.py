@@ -69,6 +69,7 @@ def check_parity(path: Path, hf_model, prompts: list[list[int]], new_tokens: int
         ours = run_chunks(llm.engine, ids, [len(ids)])
         rel = ((ours - ref).norm() / ref.norm()).item()
         assert rel <= rtol, f"prompt of {len(ids)} tokens: logits relative error {rel:.2e} (max abs {(ours - ref).abs().max():.2e})"
+        print(f"parity: prompt of {len(ids)} tokens, logits relative error {rel:.2e}")
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
     for ids, out in zip(prompts, outs):
