@@ -1,9 +1,12 @@
-"""KDA (Kimi Delta Attention), ARCHITECTURE.md section 1.
+"""KDA (Kimi Delta Attention), ARCHITECTURE.md section 1, and what every delta-rule mixer shares.
 
-State per sequence (one slot): the fp32 recurrent state [H, K, V] and the three short-conv windows
-(the last ``conv_size - 1`` pre-activation inputs of q, k and v). A sequence that starts this step
-(position 0) starts from zero state, so slots need no clearing when they are reused. Steps where every
-sequence brings one token use the recurrent form; any longer chunk uses the chunk form.
+State per sequence (one slot): the fp32 recurrent state [H, K, V] and the short-conv windows (the last
+``conv_size - 1`` pre-activation inputs). A sequence that starts this step (position 0) starts from zero
+state, so slots need no clearing when they are reused. Steps where every sequence brings one token use
+the recurrent form; any longer chunk uses the chunk form.
+
+Checkpoint layouts (Kimi-Linear, as vLLM and transformers store it): ``A_log`` may be [1, 1, H, 1] and
+loads into our [H] through the name table; the three convs are separate [P, 1, W] weights.
 """
 from __future__ import annotations
 
@@ -17,7 +20,32 @@ from dayzero.layers.attention.base import CachedLayer
 from dayzero.layers.norm import RMSNorm
 
 
-class KDAAttention(CachedLayer):
+class DeltaRuleLayer(CachedLayer):
+    """A mixer whose cache is one state slot per sequence: short causal convs plus a delta-rule state
+    (KDA, Gated DeltaNet). Subclasses name their cache tensors; the recurrent state is ``"state"``."""
+
+    def conv(self, name: str, u: torch.Tensor, weight: torch.Tensor, batch) -> torch.Tensor:
+        """SiLU(causal depthwise conv) of ``u`` [T, C], continuing each sequence's window ``name``."""
+        slots = batch.state_slots
+        window = self.cache[name][slots]  # [B, C, W-1]
+        window = torch.where(batch.fresh[:, None, None], torch.zeros_like(window), window)
+        y, new_window = ops.call("causal_conv1d", u, weight, window, batch.cu_seqlens, "silu")
+        self.cache[name][slots] = new_window.to(self.cache[name].dtype)
+        return y
+
+    def delta_rule(self, q, k, v, g, beta, scale: float, batch) -> torch.Tensor:
+        """The gated delta rule from each sequence's state; q, k, g: [T, H, K], v: [T, H, V], beta: [T, H].
+        Returns o [T, H, V] and stores the new states."""
+        slots = batch.state_slots
+        state = self.cache["state"][slots]  # [B, H, K, V] fp32
+        state = torch.where(batch.fresh[:, None, None, None], torch.zeros_like(state), state)
+        form = "kda_recurrent" if batch.max_query_len == 1 else "kda_chunk"
+        o, state = ops.call(form, q, k, v, g, beta, scale, state, batch.cu_seqlens, True)
+        self.cache["state"][slots] = state
+        return o
+
+
+class KDAAttention(DeltaRuleLayer):
     def __init__(self, hidden: int, spec: KDASpec, eps: float = 1e-6):
         super().__init__()
         D, self.H, self.K = hidden, spec.num_heads, spec.head_dim
@@ -47,28 +75,14 @@ class KDAAttention(CachedLayer):
         # the recurrent state is fp32 whatever the model dtype: it accumulates over the whole sequence
         return StateSpec({"state": ((self.H, self.K, self.K), torch.float32), "q_conv": win, "k_conv": win, "v_conv": win})
 
-    def _conv(self, name: str, u: torch.Tensor, conv: nn.Conv1d, batch) -> torch.Tensor:
-        slots = batch.state_slots
-        window = self.cache[name][slots]  # [B, P, W-1]
-        window = torch.where(batch.fresh[:, None, None], torch.zeros_like(window), window)
-        y, new_window = ops.call("causal_conv1d", u, conv.weight[:, 0, :], window, batch.cu_seqlens, "silu")
-        self.cache[name][slots] = new_window.to(self.cache[name].dtype)
-        return y
-
     def forward(self, x: torch.Tensor, batch) -> torch.Tensor:
         T, H, K = x.shape[0], self.H, self.K
-        q = self._conv("q_conv", self.q_proj(x), self.q_conv1d, batch).view(T, H, K)
-        k = self._conv("k_conv", self.k_proj(x), self.k_conv1d, batch).view(T, H, K)
-        v = self._conv("v_conv", self.v_proj(x), self.v_conv1d, batch).view(T, H, K)
+        q = self.conv("q_conv", self.q_proj(x), self.q_conv1d.weight, batch).view(T, H, K)
+        k = self.conv("k_conv", self.k_proj(x), self.k_conv1d.weight, batch).view(T, H, K)
+        v = self.conv("v_conv", self.v_proj(x), self.v_conv1d.weight, batch).view(T, H, K)
         g = ops.call("kda_gate", self.f_b_proj(self.f_a_proj(x)).view(T, H, K), self.A_log, self.dt_bias, self.lower_bound)
         beta = torch.sigmoid(self.b_proj(x).float())  # [T, H] fp32
-
-        slots = batch.state_slots
-        state = self.cache["state"][slots]  # [B, H, K, V] fp32
-        state = torch.where(batch.fresh[:, None, None, None], torch.zeros_like(state), state)
-        form = "kda_recurrent" if batch.max_query_len == 1 else "kda_chunk"
-        o, state = ops.call(form, q, k, v, g, beta, K**-0.5, state, batch.cu_seqlens, True)
-        self.cache["state"][slots] = state
+        o = self.delta_rule(q, k, v, g, beta, K**-0.5, batch)
 
         gate = self.g_b_proj(self.g_a_proj(x)).view(T, H, K)
         o = ops.call("rms_norm_gated", o, self.o_norm.weight, gate, self.eps)  # [T, H, V]

@@ -1,0 +1,108 @@
+"""Gated DeltaNet (Qwen3-Next linear attention): KDA with one scalar decay per head and token.
+
+Per value head, with state S in R^{K x V}:  S_t = (I - b_t k_t k_t^T) e^{g_t} S_{t-1} + b_t k_t v_t^T,
+o_t = S_t^T q_t, where g_t = -exp(A_log) softplus(a_t + dt_bias) is a scalar. That is the KDA recurrence
+with g broadcast over K, so the KDA ops (``kda_gate``, ``causal_conv1d``, ``kda_chunk``/``kda_recurrent``)
+run it unchanged. Differences from KDA:
+
+- q, k, v come from one projection with z (the output gate), and b (beta logit) and a (decay input)
+  from another; one short conv runs over the concatenated q, k, v channels;
+- ``num_k_heads`` may be smaller than ``num_v_heads``: each q/k head serves ``num_v_heads/num_k_heads``
+  consecutive value heads (grouped like GQA), and the state is [Hv, K, V];
+- the output norm is a per-head RMSNorm (plain weight, not zero-centred) gated by SiLU(z), not sigmoid.
+
+Our parameters hold q, k, v, z (and b, a) as contiguous blocks, head-major; Qwen3-Next checkpoints group
+them per key head and :func:`ungroup_qkvz` / :func:`ungroup_ba` reorder them at load.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dayzero import ops
+from dayzero.cache.spec import StateSpec
+from dayzero.layers.attention.kda import DeltaRuleLayer
+from dayzero.layers.norm import RMSNorm
+from dayzero.models import decoder
+
+
+@dataclass(frozen=True)
+class GDNSpec:
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_size: int = 4
+    kind: str = "gdn"
+
+    @property
+    def conv_dim(self) -> int:  # channels of the short conv: [q | k | v]
+        return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
+
+
+def ungroup_qkvz(spec: GDNSpec):
+    """Checkpoint [Hk * (2K + 2rV), D], per key head [q(K) | k(K) | v(rV) | z(rV)] (r = Hv/Hk), to our
+    [q (Hk K) | k (Hk K) | v (Hv V) | z (Hv V)]."""
+    K, rV = spec.head_k_dim, spec.num_v_heads // spec.num_k_heads * spec.head_v_dim
+
+    def transform(t: torch.Tensor) -> torch.Tensor:
+        parts = t.reshape(spec.num_k_heads, 2 * K + 2 * rV, -1).split([K, K, rV, rV], dim=1)
+        return torch.cat([p.reshape(-1, t.shape[-1]) for p in parts])
+
+    return transform
+
+
+def ungroup_ba(spec: GDNSpec):
+    """Checkpoint [2 Hv, D], per key head [b(r) | a(r)], to our [b (Hv) | a (Hv)]."""
+    r = spec.num_v_heads // spec.num_k_heads
+
+    def transform(t: torch.Tensor) -> torch.Tensor:
+        b, a = t.reshape(spec.num_k_heads, 2 * r, -1).split([r, r], dim=1)
+        return torch.cat([b.reshape(-1, t.shape[-1]), a.reshape(-1, t.shape[-1])])
+
+    return transform
+
+
+class GatedDeltaNet(DeltaRuleLayer):
+    def __init__(self, hidden: int, spec: GDNSpec, eps: float = 1e-6):
+        super().__init__()
+        if spec.num_v_heads % spec.num_k_heads:
+            raise ValueError(f"num_v_heads {spec.num_v_heads} is not a multiple of num_k_heads {spec.num_k_heads}")
+        self.spec, self.eps = spec, eps
+        Hk, Hv, K, V, W = spec.num_k_heads, spec.num_v_heads, spec.head_k_dim, spec.head_v_dim, spec.conv_size
+        C = spec.conv_dim
+        self.in_proj_qkvz = nn.Linear(hidden, C + Hv * V, bias=False)  # [q | k | v | z]
+        self.in_proj_ba = nn.Linear(hidden, 2 * Hv, bias=False)  # [b | a]
+        self.conv1d = nn.Conv1d(C, C, W, groups=C, bias=False)  # weight [C, 1, W]
+        self.A_log = nn.Parameter(torch.zeros(Hv, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.zeros(Hv, dtype=torch.float32))
+        self.norm = RMSNorm(V, eps)
+        self.out_proj = nn.Linear(Hv * V, hidden, bias=False)
+
+    def cache_spec(self, dtype):
+        s = self.spec
+        # the recurrent state is fp32 whatever the model dtype: it accumulates over the whole sequence
+        return StateSpec({"state": ((s.num_v_heads, s.head_k_dim, s.head_v_dim), torch.float32),
+                          "conv": ((s.conv_dim, s.conv_size - 1), dtype)})
+
+    def forward(self, x: torch.Tensor, batch) -> torch.Tensor:
+        s, T = self.spec, x.shape[0]
+        Hk, Hv, K, V = s.num_k_heads, s.num_v_heads, s.head_k_dim, s.head_v_dim
+        qkv, z = self.in_proj_qkvz(x).split([s.conv_dim, Hv * V], dim=-1)
+        q, k, v = self.conv("conv", qkv, self.conv1d.weight, batch).split([Hk * K, Hk * K, Hv * V], dim=-1)
+        r = Hv // Hk
+        q = q.reshape(T, Hk, K).repeat_interleave(r, dim=1)  # [T, Hv, K]: key head h serves value heads h*r..
+        k = k.reshape(T, Hk, K).repeat_interleave(r, dim=1)
+        b, a = self.in_proj_ba(x).split([Hv, Hv], dim=-1)
+        g = ops.call("kda_gate", a.reshape(T, Hv, 1), self.A_log, self.dt_bias).expand(T, Hv, K)  # fp32, <= 0
+        beta = torch.sigmoid(b.float())  # [T, Hv]
+        o = self.delta_rule(q, k, v.reshape(T, Hv, V), g, beta, K**-0.5, batch)  # [T, Hv, V]
+
+        o = self.norm(o).float() * F.silu(z.reshape(T, Hv, V).float())  # gated norm, gate after the norm
+        return self.out_proj(o.to(x.dtype).reshape(T, Hv * V))
+
+
+decoder.MIXERS[GDNSpec] = lambda D, s, m: GatedDeltaNet(D, s, m.rms_norm_eps)

@@ -1,0 +1,79 @@
+"""Qwen3-Next: Gated DeltaNet linear attention (3 of 4 layers) + gated full attention + softmax top-k MoE
+with a sigmoid-gated shared expert (ARCHITECTURE.md 2.3, 3.2).
+
+Every decoder RMSNorm (layer norms, final norm, attention q/k norms) is zero-centred, applied as (1 + w);
+the Gated DeltaNet output norm is not (plain weight, SiLU(z) gate). Full-attention q_proj emits
+``[q | gate]`` per head; RoPE is NeoX on the first ``partial_rotary_factor`` of each head. Checkpoints
+name the mixer ``linear_attn`` in linear layers and the shared expert ``shared_expert`` (singular).
+"""
+from __future__ import annotations
+
+from dayzero.config.spec import GQASpec, LayerSpec, MLPSpec, ModelSpec, MoESpec
+from dayzero.layers.attention.gdn import GDNSpec, ungroup_ba, ungroup_qkvz
+from dayzero.loader.rules import Rule
+from dayzero.models.adapters.common import (
+    L, attn_rules, base_rules, dense_mlp_spec, dtype_of, eos_of, get, moe_layer_rules, rope_spec,
+)
+from dayzero.models.registry import Adapter, register
+
+
+def _layer_types(raw: dict) -> list[str]:
+    if raw.get("layer_types"):
+        return list(raw["layer_types"])
+    every = raw.get("full_attention_interval", 4)
+    return ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(raw["num_hidden_layers"])]
+
+
+def _gdn(raw: dict) -> GDNSpec:
+    if raw.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise ValueError(f"hidden_act {raw['hidden_act']!r} is not supported for the Gated DeltaNet conv; supported: silu")
+    return GDNSpec(raw["linear_num_key_heads"], raw["linear_num_value_heads"], raw["linear_key_head_dim"],
+                   raw["linear_value_head_dim"], raw.get("linear_conv_kernel_dim", 4))
+
+
+def _gqa(raw: dict) -> GQASpec:
+    hd = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    p = {"partial_rotary_factor": 0.25, **raw}  # transformers' default when the config names none
+    return GQASpec(raw["num_attention_heads"], raw["num_key_value_heads"], hd, rope_spec(p, hd),
+                   qkv_bias=raw.get("attention_bias", False), qk_norm="rms", output_gate="q_interleaved")
+
+
+def _mlp(raw: dict, i: int) -> MLPSpec | MoESpec:
+    n_experts = get(raw, "num_experts", "num_local_experts", default=0)
+    if i in set(raw.get("mlp_only_layers") or []) or not n_experts or (i + 1) % raw.get("decoder_sparse_step", 1):
+        return dense_mlp_spec(raw)
+    shared = raw.get("shared_expert_intermediate_size") or 0
+    return MoESpec(n_experts, raw["num_experts_per_tok"], raw["moe_intermediate_size"], router="softmax",
+                   correction_bias=False, norm_topk_prob=raw.get("norm_topk_prob", True), n_shared=int(shared > 0),
+                   shared_intermediate_size=shared, shared_gate=shared > 0)
+
+
+def qwen3_next_spec(raw: dict) -> ModelSpec:
+    gdn, gqa = _gdn(raw), _gqa(raw)
+    layers = tuple(LayerSpec(i, gqa if t == "full_attention" else gdn, _mlp(raw, i))
+                   for i, t in enumerate(_layer_types(raw)))
+    return ModelSpec(
+        raw["model_type"], raw["vocab_size"], raw["hidden_size"], layers, raw["max_position_embeddings"],
+        raw.get("rms_norm_eps", 1e-6), norm_offset=True, tie_word_embeddings=raw.get("tie_word_embeddings", False),
+        torch_dtype=dtype_of(raw), eos_token_id=eos_of(raw), bos_token_id=raw.get("bos_token_id"),
+    )
+
+
+def qwen3_next_rules(spec: ModelSpec) -> list[Rule]:
+    gdn = next((l.attn for l in spec.layers if isinstance(l.attn, GDNSpec)), None)
+    linear = [] if gdn is None else [
+        Rule(rf"{L}\.linear_attn\.in_proj_qkvz\.weight", "model.layers.{0}.self_attn.in_proj_qkvz.weight",
+             transform=ungroup_qkvz(gdn)),
+        Rule(rf"{L}\.linear_attn\.in_proj_ba\.weight", "model.layers.{0}.self_attn.in_proj_ba.weight",
+             transform=ungroup_ba(gdn)),
+    ]
+    return base_rules() + linear + attn_rules("linear_attn") + attn_rules() + moe_layer_rules(shared="shared_expert") + [
+        Rule(rf"{L}\.mlp\.shared_expert_gate\.weight", "model.layers.{0}.mlp.shared_expert_gate.weight"),
+    ]
+
+
+register(Adapter(
+    "qwen3_next", qwen3_next_spec, qwen3_next_rules,
+    ignore=(r"mtp\..*",),  # multi-token-prediction head, for speculative decoding; not loaded yet
+    notes="Gated DeltaNet + gated GQA + softmax MoE with a gated shared expert",
+))
