@@ -24,9 +24,9 @@ from dayzero.engine.request import Sequence
 from dayzero.engine.sampling_params import SamplingParams
 from dayzero.engine.scheduler import ScheduledSeq
 from dayzero.models.decoder import CausalLM
-from dayzero.models.registry import default_dtype
+from dayzero.models.registry import build_model
 
-NARROW = 64  # expert and dense-MLP width in the probe
+NARROW = 128  # expert, latent and dense-MLP width in the probe (a multiple of the MXFP4 and FP8 block sizes)
 _INIT = ("kaiming_uniform_", "kaiming_normal_", "uniform_", "normal_", "trunc_normal_", "xavier_uniform_",
          "xavier_normal_", "zeros_", "ones_", "constant_")
 
@@ -84,16 +84,35 @@ def skip_init():
 
 
 def build_uninitialised(spec: ModelSpec, dtype: torch.dtype, device) -> CausalLM:
-    """The model on ``device`` with its parameters allocated but not initialised (fast for large ones)."""
-    with skip_init(), torch.device(device), default_dtype(dtype):
-        return CausalLM(spec).eval()
+    """The model as the engine builds it (quantised tensors where the config declares them), on ``device``
+    with its parameters allocated but not initialised (fast for large ones), ready to run."""
+    with skip_init():
+        model = build_model(spec, dtype, device)
+    prepare_like_engine(model, device)
+    return model
+
+
+def prepare_like_engine(model: CausalLM, device, compute: str = "bf16") -> None:
+    """What the engine does after loading: packed MXFP4 experts get the shared conversion workspace."""
+    from dayzero.layers.moe import attach_workspace
+    from dayzero.quant.workspace import ExpertWorkspace
+
+    attach_workspace(model, ExpertWorkspace(compute, device))
+
+
+@torch.no_grad()
+def fill_(p: torch.Tensor, values: torch.Tensor | None = None) -> None:
+    """Set a parameter of any storage dtype to ``values`` (cast), or to zero."""
+    if values is None:
+        p.zero_()
+    else:
+        p.copy_(values.to(p.dtype))
 
 
 def build_probe(spec: ModelSpec, dtype: torch.dtype, device) -> CausalLM:
     model = build_uninitialised(spec, dtype, device)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()
+    for p in model.parameters():
+        fill_(p)
     return model
 
 

@@ -67,21 +67,36 @@ class _Clock:
 
 @torch.no_grad()
 def random_init_(model: torch.nn.Module, seed: int = 0, std: float = 0.02) -> None:
-    """Random weights in place on the model's device (same rules as the test checkpoints use)."""
+    """Random weights in place on the model's device (the rules the test checkpoints use); packed MXFP4
+    codes get random bytes and FP8 tensors cast random values."""
+    from dayzero.tools.probe import fill_
+
     dev = next(model.parameters()).device
     g = torch.Generator(device=dev).manual_seed(seed)
+
+    def normal(p, mean, sd):
+        return torch.randn(p.shape, generator=g, device=dev) * sd + mean
+
     for name, p in model.named_parameters():
         leaf = name.rsplit(".", 1)[-1]
-        if leaf == "A_log":
-            p.copy_(torch.log(torch.rand(p.shape, generator=g, device=dev) * 15 + 1))
+        if p.dtype == torch.uint8:  # MXFP4: random E2M1 codes, E8M0 scales of 2^-6
+            v = (torch.full(p.shape, 121, device=dev) if leaf.endswith("scales")
+                 else torch.randint(0, 256, p.shape, generator=g, device=dev))
+        elif leaf == "A_log":
+            v = torch.log(torch.rand(p.shape, generator=g, device=dev) * 15 + 1)
+        elif "scale" in leaf:  # block-FP8 scales
+            v = torch.full(p.shape, 1e-3, device=dev)
         elif leaf in ("dt_bias", "e_score_correction_bias", "b1", "b2") or "bias" in leaf:
-            p.normal_(0.0, 0.1, generator=g)
+            v = normal(p, 0.0, 0.1)
         elif "norm" in name:
-            p.normal_(1.0, 0.1, generator=g)
+            v = normal(p, 1.0, 0.1)
         elif "conv1d" in name:
-            p.normal_(0.0, 1 / math.sqrt(p.shape[-1]), generator=g)
+            v = normal(p, 0.0, 1 / math.sqrt(p.shape[-1]))
+        elif p.dtype == torch.float8_e4m3fn:  # block-FP8 codes, scaled by the 1e-3 scales above
+            v = normal(p, 0.0, std * 1e3)
         else:
-            p.normal_(0.0, std, generator=g)
+            v = normal(p, 0.0, std)
+        fill_(p, v)
 
 
 def _setup(model: str | None, device: str, dtype: str, batch: int, tokens: int, block_size: int = 16):
@@ -214,7 +229,23 @@ class Profiler:
 
             prev = registry.set_hook(op_hook)
             handles.append(_Restore(prev))
+            # MXFP4 experts are converted by the shared workspace before a layer's experts run
+            spaces = {id(w): w for m in self.model.modules() if (w := getattr(m, "workspace", None)) is not None}
+            for ws in spaces.values():
+                ws.acquire = self._timed(ws.acquire, "MoE weight conversion")
+                handles.append(_Unwrap(ws, "acquire"))
         return handles
+
+    def _timed(self, fn, part: str):
+        def run(*args, **kwargs):
+            self._depth += 1
+            a = self.clock.mark()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth -= 1
+                self.records.append((self._layer, part, a, self.clock.mark()))
+        return run
 
     def _collect(self) -> dict[tuple[int | None, str], float]:
         self.clock.sync()
@@ -282,6 +313,16 @@ class _Restore:
 
     def remove(self):
         registry.set_hook(self.prev)
+
+
+class _Unwrap:
+    """Drops an instance attribute that wraps a method, so the class's method shows through again."""
+
+    def __init__(self, obj, name: str):
+        self.obj, self.name = obj, name
+
+    def remove(self):
+        self.obj.__dict__.pop(self.name, None)
 
 
 def _nbytes(t) -> int:
