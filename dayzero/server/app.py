@@ -56,7 +56,7 @@ def build_app(engine: LLMEngine, model_name: str, limits: ServerLimits | None = 
     metrics = ServerMetrics(lambda: async_engine.stats, lambda: admission.queued)
     # the engine thread decodes with engine.tokenizer; a second instance keeps the two threads apart
     tokenizer = load_tokenizer(engine.path) if engine.tokenizer is not None else None
-    srv = ServerState(async_engine, tokenizer, model_name, limits, admission, metrics, api_key)
+    srv = ServerState(async_engine, tokenizer, model_name, limits, admission, metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

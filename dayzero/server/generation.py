@@ -42,7 +42,6 @@ class ServerState:
     limits: ServerLimits
     admission: Admission
     metrics: ServerMetrics
-    api_key: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     runs: set = field(default_factory=set)
 
