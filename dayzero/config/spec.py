@@ -61,6 +61,8 @@ class IndexerSpec:
     # IndexCache (GLM-MoE-DSA ``indexer_types: "shared"``): no indexer weights or key cache; the layer reuses
     # the top-k of the nearest earlier layer that runs its indexer in the same step
     shared: bool = False
+    rope_last: bool = False  # RoPE on the last ``rope.dim`` dims instead of the first (HY-V4)
+    norm_eps: float = 1e-6  # k_norm (LayerNorm) eps
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,10 @@ class MLASpec:
     bias: bool = False  # attention_bias on q_a / kv_a / o projections
     indexer: IndexerSpec | None = None  # set: DSA (sparse top-k attention)
     output_gate: bool = False  # sigmoid gate on the per-head output, from its own projection of x
+    # "elementwise": g_proj [H*v_head_dim, D], one gate per output channel; "headwise": [H, D], one per head
+    output_gate_kind: str = "elementwise"
+    sinks: bool = False  # per-head learned logit added to the softmax denominator (HY-V4)
+    latent_norm_eps: float | None = None  # eps of q_a / kv_a latent RMSNorms (None: the model's rms_norm_eps)
     kind: str = "mla"
 
     @property
@@ -118,7 +124,18 @@ class MoESpec:
     shared_gate: bool = False  # shared expert output scaled by sigmoid(shared_expert_gate x)
     latent_size: int | None = None
     latent_norm: bool = False
+    swiglu_limit: float | None = None  # routed experts: gate clamped to <= limit, up to [-limit, limit] (HY-V4)
     expert_format: str = "dense"  # "dense" | "mxfp4" (packed, converted per layer) | "fp8_block" (128×128 tiles)
+
+
+@dataclass(frozen=True)
+class HyperSpec:
+    """Hyper-connections (HY-V4): the residual stream is carried as ``streams`` parallel copies; around each
+    sublayer, input-dependent sigmoid weights mix them into the sublayer input and spread its output back."""
+
+    streams: int
+    eps: float = 1e-6  # added to every sigmoid mixing weight
+    post_magnitude: float = 2.0  # scale of the sigmoid weights that spread a sublayer's output
 
 
 AttnSpec = GQASpec | MLASpec | KDASpec
@@ -157,6 +174,7 @@ class ModelSpec:
     bos_token_id: int | None = None
     linear_format: str = "dense"  # "dense" | "fp8_block" (DeepSeek 128×128 block-scaled FP8 linears)
     linear_exclude: tuple[str, ...] = ()  # module globs kept in high precision (modules_to_not_convert)
+    hyper: HyperSpec | None = None  # set: hyper-connections instead of one residual stream (models/hyper.py)
 
     @property
     def num_hidden_layers(self) -> int:

@@ -8,6 +8,9 @@ longer than ``topk`` the indexer selects every causal key, so it is skipped (the
 IndexCache (GLM-MoE-DSA ``indexer_types``, HY-V4): a layer whose indexer spec is ``shared`` has no indexer
 and no indexer key cache; it attends over the keys chosen by the nearest earlier layer that ran its indexer
 in the same step. That choice travels on the step's batch (``SELECTION``), so nothing outlives the step.
+
+Options HY-V4 uses: a per-head learned sink logit in the softmax denominator (``sinks``), a head-wise output
+gate (one sigmoid per head, ``g_proj`` [H, D]), and an indexer whose RoPE covers its LAST dims.
 """
 from __future__ import annotations
 
@@ -32,17 +35,25 @@ class Indexer(nn.Module):
         self.H, self.Dh, self.topk = spec.n_heads, spec.head_dim, spec.topk
         self.wq_b = nn.Linear(q_in, self.H * self.Dh, bias=False)
         self.wk = nn.Linear(hidden, self.Dh, bias=False)
-        self.k_norm = LayerNorm(self.Dh, 1e-6)
+        self.k_norm = LayerNorm(self.Dh, spec.norm_eps)
         # weights_proj stays in high precision (ARCHITECTURE.md 2.2)
         self.weights_proj = nn.Linear(hidden, self.H, bias=False, dtype=torch.float32)
         self.weight_scale = self.H**-0.5 * self.Dh**-0.5
-        self.rotary = RotaryEmbedding(spec.rope)  # rotates the first rope.dim dims (NeoX)
+        self.rotary = RotaryEmbedding(spec.rope)  # rotates the first rope.dim dims, or the last with rope_last
+        self.rope_last = spec.rope_last
+
+    def _rope(self, t, cos, sin):
+        # t: [T, h, Di]
+        if not self.rope_last:
+            return self.rotary(t, cos, sin)
+        rest, rot = t.split([self.Dh - self.rotary.dim, self.rotary.dim], dim=-1)
+        return torch.cat((rest, self.rotary(rot, cos, sin)), dim=-1)
 
     def project(self, x, c_q, positions):
         T = x.shape[0]
         cos, sin = self.rotary.cos_sin(positions)
-        q = self.rotary(self.wq_b(c_q).view(T, self.H, self.Dh), cos, sin)  # [T, Hi, Di]
-        k = self.rotary(self.k_norm(self.wk(x)).view(T, 1, self.Dh), cos, sin)[:, 0]  # [T, Di]
+        q = self._rope(self.wq_b(c_q).view(T, self.H, self.Dh), cos, sin)  # [T, Hi, Di]
+        k = self._rope(self.k_norm(self.wk(x)).view(T, 1, self.Dh), cos, sin)[:, 0]  # [T, Di]
         w = torch.nn.functional.linear(x.float(), self.weights_proj.weight.float()) * self.weight_scale  # [T, Hi]
         return q, k, w
 
@@ -55,15 +66,20 @@ class MLAAttention(CachedLayer):
         self.H, self.N, self.P, self.V, self.R = H, spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim, spec.kv_lora_rank
         if spec.q_lora_rank:
             self.q_a_proj = nn.Linear(hidden, spec.q_lora_rank, bias=spec.bias)
-            self.q_a_layernorm = RMSNorm(spec.q_lora_rank, eps)
+            self.q_a_layernorm = RMSNorm(spec.q_lora_rank, spec.latent_norm_eps or eps)
             self.q_b_proj = nn.Linear(spec.q_lora_rank, H * (self.N + self.P), bias=False)
         else:
             self.q_proj = nn.Linear(hidden, H * (self.N + self.P), bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, self.R + self.P, bias=spec.bias)
-        self.kv_a_layernorm = RMSNorm(self.R, eps)
+        self.kv_a_layernorm = RMSNorm(self.R, spec.latent_norm_eps or eps)
         self.kv_b_proj = nn.Linear(self.R, H * (self.N + self.V), bias=False)
         self.o_proj = nn.Linear(H * self.V, hidden, bias=spec.bias)
-        self.g_proj = nn.Linear(hidden, H * self.V, bias=False) if spec.output_gate else None
+        if spec.output_gate_kind not in ("elementwise", "headwise"):
+            raise ValueError(f"output_gate_kind {spec.output_gate_kind!r}: expected 'elementwise' or 'headwise'")
+        self.gate_width = self.V if spec.output_gate_kind == "elementwise" else 1
+        self.g_proj = nn.Linear(hidden, H * self.gate_width, bias=False) if spec.output_gate else None
+        # sink logits stay fp32, as the softmax they join
+        self.sinks = nn.Parameter(torch.zeros(H, dtype=torch.float32)) if spec.sinks else None
         ispec = spec.indexer
         self.indexer = Indexer(hidden, spec.q_lora_rank or hidden, ispec) if ispec and not ispec.shared else None
         self.shares_selection = ispec is not None and ispec.shared
@@ -107,10 +123,11 @@ class MLAAttention(CachedLayer):
             form = "mla_absorbed" if rows.stop - rows.start == 1 else "mla_naive"
             out[rows] = ops.call(
                 form, q_nope[rows], q_pe[rows], self.read_rows("latent", slots), kv_b,
-                self.V, q_pos, self.scale, key_mask, None,
+                self.V, q_pos, self.scale, key_mask, self.sinks,
             )
         if self.indexer is not None:
             setattr(batch, SELECTION, selection)
         if self.g_proj is not None:
-            out = (out.float() * torch.sigmoid(self.g_proj(x).float().view(T, self.H, self.V))).to(out.dtype)
+            gate = self.g_proj(x).float().view(T, self.H, self.gate_width)  # per channel, or per head (width 1)
+            out = (out.float() * torch.sigmoid(gate)).to(out.dtype)
         return self.o_proj(out.reshape(T, self.H * self.V))

@@ -31,13 +31,18 @@ def indexer_spec(raw: dict, interleaved: bool = False, shared: bool = False) -> 
                        rope_spec(raw, rope_dim, interleaved=interleaved, dim=rope_dim), shared=shared)
 
 
+# DeepSeek's reference code and transformers build the q/kv latent RMSNorms with their default eps 1e-6,
+# whatever rms_norm_eps says (GLM-5 sets 1e-5 there)
+LATENT_NORM_EPS = 1e-6
+
+
 def mla_spec(raw: dict, indexer: IndexerSpec | None = None) -> MLASpec:
     nope, rope_dim = raw["qk_nope_head_dim"], raw["qk_rope_head_dim"]
     rope = rope_spec(raw, rope_dim, interleaved=raw.get("rope_interleave", True), dim=rope_dim)
     return MLASpec(
         raw["num_attention_heads"], raw.get("q_lora_rank"), raw["kv_lora_rank"], nope, rope_dim, raw["v_head_dim"],
         rope=rope, scale=softmax_scale(nope + rope_dim, rope.scaling), bias=raw.get("attention_bias", False),
-        indexer=indexer,
+        indexer=indexer, latent_norm_eps=LATENT_NORM_EPS,
     )
 
 

@@ -53,11 +53,11 @@ def _mla(raw: dict) -> MLASpec:
     if get(raw, "num_key_value_heads", default=raw["num_attention_heads"]) != raw["num_attention_heads"]:
         raise ValueError("kimi_linear MLA needs num_key_value_heads == num_attention_heads")
     nope, rope_dim = raw["qk_nope_head_dim"], raw["qk_rope_head_dim"]
-    # NoPE: the k_pe part of the latent is kept and shared by all heads, but never rotated. transformers
-    # normalises the latents with eps 1e-6 (not rms_norm_eps, 1e-5); our MLA uses the model's eps, a
-    # difference of about 1e-5 relative in fp32 logits.
+    # NoPE: the k_pe part of the latent is kept and shared by all heads, but never rotated. The latents are
+    # normalised with eps 1e-6 (the DeepSeek convention), not rms_norm_eps.
     return MLASpec(raw["num_attention_heads"], raw.get("q_lora_rank"), raw["kv_lora_rank"], nope, rope_dim,
-                   raw["v_head_dim"], rope=None, scale=(nope + rope_dim) ** -0.5, bias=raw.get("attention_bias", False))
+                   raw["v_head_dim"], rope=None, scale=(nope + rope_dim) ** -0.5, bias=raw.get("attention_bias", False),
+                   latent_norm_eps=1e-6)
 
 
 def _moe(raw: dict) -> MoESpec:
