@@ -13,8 +13,6 @@ import json
 import sys
 from collections import defaultdict
 
-import torch
-
 from dayzero.cache.spec import PagedSpec, StateSpec
 from dayzero.config.spec import GQASpec, KDASpec, LayerSpec, MLASpec, ModelSpec, MoESpec, RopeSpec
 from dayzero.tools import fmt
@@ -101,8 +99,9 @@ def describe_attn(a) -> str:
                  f"qk {a.qk_nope_head_dim} nope + {a.qk_rope_head_dim} rope, v {a.v_head_dim}", _rope(a.rope)]
         ix = a.indexer
         if ix is not None:
-            parts.append(f"indexer {'shared (reuses an earlier layer top-k)' if getattr(ix, 'shared', False) else f'{ix.n_heads} heads × {ix.head_dim}'}, "
-                         f"top-{ix.topk}")
+            shared = getattr(ix, "shared", False)
+            who = "shared (reuses an earlier layer's top-k)" if shared else f"{ix.n_heads} heads × {ix.head_dim}"
+            parts.append(f"indexer {who}, top-{ix.topk}")
         if a.output_gate:
             parts.append("sigmoid output gate")
         return ", ".join(parts)
@@ -125,7 +124,8 @@ def describe_mlp(m) -> str:
         if m.routed_scaling_factor != 1.0:
             parts.append(f"routed scale {m.routed_scaling_factor:g}")
         if m.n_shared:
-            parts.append(f"{m.n_shared} shared expert{'s' if m.n_shared > 1 else ''} (width {m.shared_intermediate_size}"
+            plural = "s" if m.n_shared > 1 else ""
+            parts.append(f"{m.n_shared} shared expert{plural} (width {m.shared_intermediate_size}"
                          f"{', gated' if m.shared_gate else ''})")
         if m.latent_size:
             parts.append(f"LatentMoE width {m.latent_size}{' + latent norm' if m.latent_norm else ''}")
@@ -278,10 +278,11 @@ def render(r: dict) -> str:
                      fmt.size(k["state_bytes_per_seq_per_layer"]) if k["state_bytes_per_seq"] else "-",
                      fmt.size(k["state_bytes_per_seq"]) if k["state_bytes_per_seq"] else "-"])
     out.append(fmt.table(rows, ["kind", "layers", "per token/layer", "per token", "per seq/layer", "per seq"]))
-    out.append(f"  per sequence: " + ", ".join(f"{L} tokens {fmt.size(b)}" for L, b in c["per_sequence"].items()))
+    out.append("  per sequence: " + ", ".join(f"{L} tokens {fmt.size(b)}" for L, b in c["per_sequence"].items()))
     cc = r["checkpoint_check"]
     if cc is not None:
-        head = f"checkpoint: {cc['tensors']} tensors in {cc['files']} file{'s' if cc['files'] != 1 else ''}, {fmt.size(cc['bytes'])}, headers only:"
+        files = f"{cc['files']} file{'s' if cc['files'] != 1 else ''}"
+        head = f"checkpoint: {cc['tensors']} tensors in {files}, {fmt.size(cc['bytes'])}, headers only:"
         if cc["ok"]:
             out.append(head + " every tensor matches config.json")
         else:

@@ -1,10 +1,11 @@
 """``dayzero ops MODEL --platform cuda``: the operator mapping table.
 
 Every op the model calls is found by running it, not by a list kept by hand: the model's probe (one layer
-of each kind at full attention size, see :mod:`dayzero.tools.probe`) runs a prefill and a decode step
-(one sequence past every top-k and window) with a hook on the ops registry. For each op: the layers that call it, the steps it runs
-in, the implementation the registry picks on the platform for the shapes it was called with, and, when
-that is the reference, why (no implementation for the platform, or the verifier's reason).
+of each kind at full attention size, see :mod:`dayzero.tools.probe`) runs a prefill and a decode step (one
+sequence past every top-k and window) with a hook on the ops registry. For each op: the layers that call
+it, the steps it runs in, the implementation the registry picks on the platform for the shapes it was
+called with, and, when that is the reference, why (no implementation for the platform, or the verifier's
+reason).
 """
 from __future__ import annotations
 
@@ -77,7 +78,8 @@ def op_table(model: str | None = None, platform: str = "cpu") -> dict:
             "fallback": registry.REFERENCE in chosen and platform != registry.REFERENCE, "reasons": reasons,
         })
     unused = sorted(set(ops.registered()) - set(seen))
-    return {"model": info.name, "platform": platform, "probe_device": device, "probe_dtype": str(dtype).removeprefix("torch."),
+    return {"model": info.name, "platform": platform, "probe_device": device,
+            "probe_dtype": str(dtype).removeprefix("torch."),
             "ops": rows, "fallbacks": sum(r["fallback"] for r in rows), "registered_unused": unused}
 
 

@@ -109,7 +109,10 @@ def stage_memory(costs: ModelCosts, cfg: PlanConfig, lay: Layout, layer_ids: ran
     seqs = math.ceil(cfg.batch / lay.dp)
     tokens = -(-context // cfg.block_size) * cfg.block_size
     weights = sum(lc.tp_bytes / lay.tp + lc.rep_bytes + lc.expert_bytes / g for lc in ls)
-    weights += (costs.embed_bytes / lay.tp if first else 0) + (costs.head_bytes / lay.tp + costs.other_bytes if last else 0)
+    if first:
+        weights += costs.embed_bytes / lay.tp
+    if last:
+        weights += costs.head_bytes / lay.tp + costs.other_bytes
     if first and last and costs.tied:
         weights -= costs.head_bytes / lay.tp  # one tensor serves as embedding and LM head
     workspace = cfg.workspace_slots * max((lc.expert_ws_bytes / g for lc in ls), default=0.0)
@@ -122,7 +125,7 @@ def stage_memory(costs: ModelCosts, cfg: PlanConfig, lay: Layout, layer_ids: ran
     idx = (min(chunk, cfg.indexer_block) * tokens * 4) if any(lc.indexer is not None for lc in ls) else 0.0
     moe = [lc for lc in ls if lc.is_moe]
     dispatch = max((moe_buffers(lc, lay, chunk * lay.dp, cfg.moe_imbalance, a_b) for lc in moe), default=0.0)
-    comm = (2 * chunk * costs.hidden * a_b if lay.tp > 1 else 0.0) + (2 * chunk * costs.hidden * a_b if lay.pp > 1 else 0.0)
+    comm = 2 * chunk * costs.hidden * a_b * ((lay.tp > 1) + (lay.pp > 1))  # all-reduce / stage send buffers
     return {"weights": weights, "workspace": workspace, "kv_cache": kv, "state": state, "activations": act,
             "indexer_scratch": idx, "moe_dispatch": dispatch, "comm_buffers": comm,
             "runtime": cfg.runtime_gib * 2**30 if cfg.device is not None else 0.0}
@@ -320,7 +323,8 @@ def _row(r: dict) -> list:
     return [r["name"], fmt.size(m["weights"] + m["workspace"]), fmt.size(m["kv_cache"] + m["state"]),
             fmt.size(m["activations"] + m["indexer_scratch"] + m["moe_dispatch"] + m["comm_buffers"] + m["runtime"]),
             fmt.size(r["total"]), "yes" if r["fits"] else "no", fmt.tokens(r.get("max_context", 0)) or "0",
-            f"{r.get('decode_tokens_per_s', 0):.1f}", f"{r.get('prefill_tokens_per_s', 0):.0f}", r.get("decode_bound", "")]
+            f"{r.get('decode_tokens_per_s', 0):.1f}", f"{r.get('prefill_tokens_per_s', 0):.0f}",
+            r.get("decode_bound", "")]
 
 
 def render(p: dict, top: int = 12) -> str:

@@ -85,7 +85,8 @@ def expert_format(info: ModelInfo) -> str:
         return "mxfp4"
     if any(d == torch.float8_e4m3fn for _, d in kinds):
         return "fp8"
-    return {torch.float32: "fp32", torch.float16: "fp16"}.get(next((d for k, d in kinds if k == "weight"), None), "bf16")
+    dense = next((d for k, d in kinds if k == "weight"), None)
+    return {torch.float32: "fp32", torch.float16: "fp16"}.get(dense, "bf16")
 
 
 def _bytes(p: Param, experts: str | None) -> float:
@@ -98,7 +99,8 @@ def _bytes(p: Param, experts: str | None) -> float:
 
 
 def model_costs(info: ModelInfo, experts: str | None = None, workspace: str | None = None,
-                kv_cache_dtype: str = "auto", block_size: int = 16, cache_dtype: torch.dtype | None = None) -> ModelCosts:
+                kv_cache_dtype: str = "auto", block_size: int = 16,
+                cache_dtype: torch.dtype | None = None) -> ModelCosts:
     """``experts``: store routed experts in this format instead of the config's ("bf16", "fp8", "mxfp4");
     ``workspace``: the format MXFP4 experts are converted into before they run ("bf16", "fp8"), or None."""
     spec = info.spec
@@ -162,7 +164,8 @@ def model_costs(info: ModelInfo, experts: str | None = None, workspace: str | No
             for name, (shape, dt) in s.tensors.items():
                 lc.state.append((math.prod(shape) * dt.itemsize, shape[0] if len(shape) >= 2 else 1))
     heads = sorted({h for l in spec.layers if (h := _heads(l.attn)) is not None})
-    return ModelCosts(layers, embed, head, head_params, other, spec.tie_word_embeddings, spec.hidden_size, spec.vocab_size,
+    return ModelCosts(layers, embed, head, head_params, other, spec.tie_word_embeddings, spec.hidden_size,
+                      spec.vocab_size,
                       spec.max_position_embeddings, heads)
 
 
