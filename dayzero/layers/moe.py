@@ -81,7 +81,8 @@ class MoE(nn.Module):
             w1, w2 = TileScaled(self.w1, self.w1_scale_inv), TileScaled(self.w2, self.w2_scale_inv)
         else:
             w1, w2 = self.w1, self.w2
-        y = ops.call("moe_experts", h, ids, weights, w1, w2, s.activation, self.b1, self.b2)
+        clamp = {} if s.swiglu_limit is None else {"limit": s.swiglu_limit}
+        y = ops.call("moe_experts", h, ids, weights, w1, w2, s.activation, self.b1, self.b2, **clamp)
         if self.packed:
             self.workspace.release(self)
         if self.latent:

@@ -76,7 +76,12 @@ class CausalLM(nn.Module):
     def __init__(self, m: ModelSpec):
         super().__init__()
         self.config = m
-        self.model = Backbone(m)
+        if m.hyper is not None:  # n residual streams instead of one
+            from dayzero.models.hyper import HyperBackbone
+
+            self.model = HyperBackbone(m)
+        else:
+            self.model = Backbone(m)
         self.lm_head = nn.Linear(m.hidden_size, m.vocab_size, bias=False)
         if m.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -12,12 +12,15 @@ from dayzero.ops.registry import register
 
 
 @register("silu_and_mul")
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU: ``SiLU(gate) * up`` where ``x = [gate | up]`` along the last dim."""
+def silu_and_mul(x: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """SwiGLU: ``SiLU(gate) * up`` where ``x = [gate | up]`` along the last dim. With ``limit`` (HY-V4 and
+    DeepSeek-V4 experts) ``gate = min(gate, limit)`` and ``up = clamp(up, ±limit)`` first."""
     # x: [..., 2I] -> [..., I]
     if x.shape[-1] % 2:
         raise ValueError(f"silu_and_mul needs an even last dim [gate | up], got {tuple(x.shape)}")
     gate, up = x.float().chunk(2, dim=-1)
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
     return (F.silu(gate) * up).to(x.dtype)
 
 

@@ -5,6 +5,8 @@ input's dtype, routing weights stay fp32.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from dayzero.ops.activation.reference import relu2, silu_and_mul, swiglu_oai
@@ -18,11 +20,16 @@ _ACTIVATIONS = {
 }
 
 
-def _activation(name: str, w1: torch.Tensor, w2: torch.Tensor):
-    """Look up ``name`` and check that w1 [.., r*I, D] and w2 [.., D, I] fit it and each other."""
+def _activation(name: str, w1: torch.Tensor, w2: torch.Tensor, limit: float | None = None):
+    """Look up ``name`` and check that w1 [.., r*I, D] and w2 [.., D, I] fit it and each other; ``limit``
+    clamps the gated SiLU's inputs (``silu`` only)."""
     if name not in _ACTIVATIONS:
         raise ValueError(f"unknown activation {name!r}; known: {sorted(_ACTIVATIONS)}")
+    if limit is not None and name != "silu":
+        raise ValueError(f"a clamp limit applies to the 'silu' activation only, not {name!r}")
     fn, rows = _ACTIVATIONS[name]
+    if limit is not None:
+        fn = functools.partial(silu_and_mul, limit=limit)
     inter, d_in, d_out = w2.shape[-1], w1.shape[-1], w2.shape[-2]
     if w1.shape[-2] != rows * inter or d_in != d_out:
         raise ValueError(f"activation {name!r} needs w1 [.., {rows}*I, D] and w2 [.., D, I]; "
@@ -105,8 +112,9 @@ def route(logits: torch.Tensor, top_k: int, kind: str = "sigmoid",
 @register("moe_experts")
 def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                     w1: torch.Tensor, w2: torch.Tensor, activation: str = "silu",
-                    b1: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> torch.Tensor:
-    """Routed experts: ``y_t = sum_j weights[t, j] * Expert_{ids[t, j]}(x_t)``.
+                    b1: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                    limit: float | None = None) -> torch.Tensor:
+    """Routed experts: ``y_t = sum_j weights[t, j] * Expert_{ids[t, j]}(x_t)``; ``limit``: clamped SwiGLU.
 
     The (token, slot) pairs are sorted by expert so that each expert's rows are one contiguous
     segment and the expert runs as ONE GEMM over them. This permute -> per-expert GEMM ->
@@ -114,7 +122,7 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     dispatch by expert) work on, so a faster implementation can be compared to this step by step.
     """
     # x: [T, D]; ids, weights: [T, k]; w1: [E, r*I, D] (r=2 gated: rows [gate; up]); w2: [E, D, I]
-    act = _activation(activation, w1, w2)
+    act = _activation(activation, w1, w2, limit)
     T, D = x.shape
     E, k = w1.shape[0], ids.shape[1]
     if ids.shape != weights.shape or ids.shape[0] != T:

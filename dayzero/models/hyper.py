@@ -1,0 +1,82 @@
+"""The decoder with hyper-connections (HY-V4): the residual stream is ``n`` parallel copies, mixed by
+learned, input-dependent weights around every sublayer (the math is in ``ops/hyper``).
+
+Each layer keeps the ordinary layer's sublayers and norms (it is a :class:`DecoderLayer`) and adds one
+:class:`HyperConnection` per sublayer (``attn_hc``, ``ffn_hc``)::
+
+    x, post = hc_pre(h)          # [T, D] mixed from the n copies h [T, n, D]
+    h = hc_post(h, post, f(norm(x)))
+
+The embedding starts every copy equal; a pre-only connection (``hc_head``) collapses the copies before the
+final norm. ``model.layers[i](h, None, batch)`` returns ``(h, None)``: the streams after layer i,
+[T, n, D], stand where other decoders return ``(x, residual)`` (whose sum is the residual stream).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+import dayzero.ops.hyper.reference  # noqa: F401  (registers hc_pre / hc_post)
+from dayzero import ops
+from dayzero.config.spec import HyperSpec, LayerSpec, ModelSpec
+from dayzero.layers.norm import RMSNorm
+from dayzero.models.decoder import DecoderLayer
+
+
+class HyperConnection(nn.Module):
+    """Mixing weights of one sublayer (``post=True``) or of the final collapse (``post=False``); fp32, as
+    the reference keeps them."""
+
+    def __init__(self, hidden: int, spec: HyperSpec, norm_eps: float, post: bool = True):
+        super().__init__()
+        n, parts = spec.streams, 2 if post else 1
+        self.spec, self.norm_eps = spec, norm_eps
+        self.fn = nn.Parameter(torch.empty(parts * n, n * hidden, dtype=torch.float32))  # [pre ‖ post] rows
+        # untrained values give equal pre weights summing to ~1; a checkpoint overwrites them
+        self.base = nn.Parameter(torch.full((parts * n,), -math.log(max(n - 1, 1)), dtype=torch.float32))
+        self.scale = nn.Parameter(torch.full((parts,), 0.01, dtype=torch.float32))
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # h: [T, n, D] -> x [T, D], post [T, n] (None for the final collapse)
+        s = self.spec
+        return ops.call("hc_pre", h, self.fn, self.base, self.scale, self.norm_eps, s.eps, s.post_magnitude)
+
+
+class HyperLayer(DecoderLayer):
+    def __init__(self, m: ModelSpec, spec: LayerSpec):
+        super().__init__(m, spec)
+        D = m.hidden_size
+        if spec.attn is not None:
+            self.attn_hc = HyperConnection(D, m.hyper, m.rms_norm_eps)
+        if spec.mlp is not None:
+            self.ffn_hc = HyperConnection(D, m.hyper, m.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, residual: None, batch):
+        # h: [T, n, D]; ``residual`` is unused (the streams are the residual) and stays None
+        if self.spec.attn is not None:
+            x, post = self.attn_hc(h)
+            h = ops.call("hc_post", h, post, self.self_attn(self.input_layernorm(x), batch))
+        if self.spec.mlp is not None:
+            x, post = self.ffn_hc(h)
+            h = ops.call("hc_post", h, post, self.mlp(self.post_attention_layernorm(x)))
+        return h, None
+
+
+class HyperBackbone(nn.Module):
+    def __init__(self, m: ModelSpec):
+        super().__init__()
+        self.streams = m.hyper.streams
+        self.embed_tokens = nn.Embedding(m.vocab_size, m.hidden_size)
+        self.layers = nn.ModuleList(HyperLayer(m, spec) for spec in m.layers)
+        self.hc_head = HyperConnection(m.hidden_size, m.hyper, m.rms_norm_eps, post=False)
+        self.norm = RMSNorm(m.hidden_size, m.rms_norm_eps, m.norm_offset)
+
+    def forward(self, batch) -> torch.Tensor:
+        x = self.embed_tokens(batch.input_ids)  # [T, D]
+        h = x[:, None, :].expand(-1, self.streams, -1).contiguous()  # [T, n, D]: every copy starts equal
+        for layer in self.layers:
+            h, _ = layer(h, None, batch)
+        x, _ = self.hc_head(h)
+        return self.norm(x)
