@@ -22,6 +22,7 @@ from dayzero.engine.tokenizer import generation_eos_ids, load_tokenizer
 from dayzero.layers.moe import MoE, attach_workspace, unpack_experts
 from dayzero.loader.safetensors_loader import load_weights
 from dayzero.quant.workspace import COMPUTE, ExpertWorkspace
+from dayzero.models.init import init_random_weights
 from dayzero.models.registry import adapter_for, build_model, read_config
 
 log = logging.getLogger("dayzero")
@@ -42,6 +43,7 @@ class EngineConfig:
     seed: int = 0
     cache_memory_bytes: int | None = None  # budget for the cache pools; default a fraction of free memory
     cache_memory_fraction: float = 0.5
+    load_format: str = "auto"  # "auto": the checkpoint's safetensors; "dummy": random weights (benchmarks, planning)
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "bfloat16" | "float16" | "float32" | "fp8" | "int8"
     expert_compute: str = "bf16"  # workspace format packed MXFP4 experts are converted into: "bf16" | "fp8"
     high_precision_layers: tuple[int, ...] = ()  # layers whose packed experts are dequantised once at load
@@ -55,6 +57,8 @@ class EngineConfig:
             raise ValueError(f"num_cache_blocks must be >= 2 (block 0 is reserved), got {self.num_cache_blocks}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.expert_compute not in COMPUTE:
             raise ValueError(f"expert_compute must be one of {list(COMPUTE)}, got {self.expert_compute!r}")
         self.high_precision_layers = tuple(self.high_precision_layers)
@@ -79,7 +83,10 @@ class LLMEngine:
         adapter = adapter_for(raw, cfg_file)
         self.model_config = adapter.to_spec(raw)
         self.model = build_model(self.model_config, self.dtype, self.device)
-        load_weights(self.model, path, adapter.rules(self.model_config), adapter.ignore)
+        if config.load_format == "dummy":
+            init_random_weights(self.model, config.seed)
+        else:
+            load_weights(self.model, path, adapter.rules(self.model_config), adapter.ignore)
         self._apply_precision(config)
         self.tokenizer = load_tokenizer(path)
         self.eos_ids = generation_eos_ids(path, self.model_config.eos_ids, self.tokenizer)

@@ -22,6 +22,7 @@ class LLM:
     ``kv_cache_dtype`` "fp8" or "int8" stores paged caches quantised (keys per channel, values per token).
     Packed MXFP4 experts are converted per layer into one shared workspace in ``expert_compute`` ("bf16" or
     "fp8"); ``high_precision_layers`` lists layers whose experts are instead dequantised once at load.
+    ``load_format="dummy"`` gives random weights from the config alone (``model`` may then be a config file).
     """
 
     def __init__(
@@ -40,12 +41,13 @@ class LLM:
         kv_cache_dtype: str = "auto",
         expert_compute: str = "bf16",
         high_precision_layers: tuple[int, ...] | list[int] = (),
+        load_format: str = "auto",
     ):
         self.engine = LLMEngine(EngineConfig(
             model=model, device=device, dtype=dtype, block_size=block_size, num_cache_blocks=num_cache_blocks,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             seed=seed, cache_memory_bytes=cache_memory_bytes, kv_cache_dtype=kv_cache_dtype,
-            expert_compute=expert_compute, high_precision_layers=tuple(high_precision_layers),
+            expert_compute=expert_compute, high_precision_layers=tuple(high_precision_layers), load_format=load_format,
         ))
         self._ids = itertools.count()
 

@@ -9,15 +9,19 @@ import torch
 
 @torch.no_grad()
 def init_random_weights(model: torch.nn.Module, seed: int = 0, std: float = 0.02) -> torch.nn.Module:
-    g = torch.Generator().manual_seed(seed)
+    gens: dict[torch.device, torch.Generator] = {}
 
-    def rand(shape):
-        return torch.randn(shape, generator=g, dtype=torch.float32)
+    def rand(shape):  # drawn where the parameter lives, so large models initialise on the GPU
+        return torch.randn(shape, generator=g, dtype=torch.float32, device=g.device)
 
     for name, p in model.named_parameters():
+        dev = p.device if p.device.type == "cuda" else torch.device("cpu")
+        g = gens.setdefault(dev, torch.Generator(dev).manual_seed(seed))
+        if not p.is_floating_point() or p.dtype.itemsize == 1:
+            continue  # packed / fp8 storage has no meaningful random init
         leaf = name.rsplit(".", 1)[-1]
         if leaf == "A_log":
-            v = torch.log(torch.rand(p.shape, generator=g) * 15 + 1)  # decay rates in [1, 16]
+            v = torch.log(torch.rand(p.shape, generator=g, device=g.device) * 15 + 1)  # decay rates in [1, 16]
         elif leaf == "dt_bias" or leaf == "e_score_correction_bias" or leaf == "bias":
             v = 0.1 * rand(p.shape)
         elif "norm" in name:
