@@ -7,6 +7,7 @@ latency at p50/p90/p99, plus failed and truncated requests, and checks that the 
 
     python benchmarks/serve_load.py --launch --num-requests 200 --concurrency 16
     python benchmarks/serve_load.py --url http://127.0.0.1:8000 --request-rate 20 --api-key KEY
+    python benchmarks/serve_load.py --in-process --num-requests 200 --concurrency 16   # the engine alone
 
 Every request sets ``ignore_eos`` so that it generates exactly its ``max_tokens``: a stream that ends with
 fewer tokens, without a finish reason or without ``[DONE]`` counts as truncated.
@@ -162,6 +163,22 @@ def report(args, results: list[Result], duration: float, after: dict[str, float]
     return "\n".join(lines)
 
 
+def in_process(args) -> str:
+    """The same prompts and lengths through ``LLM.generate``, ``concurrency`` sequences at a time: the
+    engine without the server, for comparison."""
+    from dayzero import LLM, SamplingParams
+
+    llm = LLM(args.launch_model, max_num_seqs=args.concurrency)
+    jobs = make_jobs(args)
+    t0 = time.perf_counter()
+    outs = llm.generate([p for p, _ in jobs], [SamplingParams(max_tokens=m, temperature=1.0, ignore_eos=True)
+                                               for _, m in jobs])
+    dt = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    return (f"{len(jobs)} prompts through LLM.generate, {args.concurrency} at a time: {dt:.2f} s, "
+            f"{len(jobs) / dt:.2f} req/s, {n_out / dt:.1f} output tok/s")
+
+
 def launch(args) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -204,7 +221,12 @@ def main(argv=None) -> int:
     ap.add_argument("--launch", action="store_true", help="start `dayzero serve` on a free loopback port and stop it after")
     ap.add_argument("--launch-model", default=None, help="checkpoint for --launch (default: the bundled model)")
     ap.add_argument("--server-args", default="", help="extra `dayzero serve` arguments for --launch")
+    ap.add_argument("--in-process", action="store_true",
+                    help="no server: run the same workload through LLM.generate (--launch-model) for comparison")
     args = ap.parse_args(argv)
+    if args.in_process:
+        print(in_process(args))
+        return 0
 
     proc, url = launch(args) if args.launch else (None, args.url.rstrip("/"))
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}

@@ -16,7 +16,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from dayzero.engine.engine import LLMEngine
 from dayzero.engine.tokenizer import load_tokenizer
 from dayzero.server.async_engine import AsyncEngine
 from dayzero.server.chat import create_chat_completion
@@ -49,9 +48,10 @@ class APIKeyMiddleware:
                            headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
 
 
-def build_app(engine: LLMEngine, model_name: str, limits: ServerLimits | None = None, api_key: str | None = None) -> FastAPI:
+def build_app(async_engine: AsyncEngine, model_name: str, limits: ServerLimits | None = None,
+              api_key: str | None = None) -> FastAPI:
     limits = limits or ServerLimits()
-    async_engine = AsyncEngine(engine)
+    engine = async_engine.engine
     admission = Admission(limits.max_concurrent_requests, limits.max_queue_len)
     metrics = ServerMetrics(lambda: async_engine.stats, lambda: admission.queued)
     # the engine thread decodes with engine.tokenizer; a second instance keeps the two threads apart

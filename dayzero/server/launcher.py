@@ -14,6 +14,7 @@ import uvicorn
 
 from dayzero.engine.engine import DEFAULT_MODEL, EngineConfig, LLMEngine
 from dayzero.server.app import build_app
+from dayzero.server.async_engine import AsyncEngine
 from dayzero.server.limits import ServerLimits
 
 log = logging.getLogger("dayzero.server")
@@ -71,10 +72,11 @@ def serve(args) -> int:
         if args.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {args.shutdown_timeout}")
         t0 = time.perf_counter()
-        engine = LLMEngine(config)
+        async_engine = AsyncEngine(lambda: LLMEngine(config))
     except (ValueError, RuntimeError, OSError) as e:  # bad setting, not enough memory, unreadable checkpoint
         print(f"error: {e}", file=sys.stderr)
         return 2
+    engine = async_engine.engine
     name = args.served_model_name or ("dayzero-default" if engine.path == DEFAULT_MODEL else engine.path.resolve().name)
     plan = engine.cache_plan
     cfg = engine.model_config
@@ -87,7 +89,7 @@ def serve(args) -> int:
     api_key = args.api_key or os.environ.get("DAYZERO_API_KEY") or None
     if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without an API key: anyone who can reach it can use it", args.host)
-    app = build_app(engine, name, limits, api_key)
+    app = build_app(async_engine, name, limits, api_key)
 
     def on_signal():
         loop = app.state.loop

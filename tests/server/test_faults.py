@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 from dayzero import cli
 from dayzero.engine.engine import EngineConfig, LLMEngine
 from dayzero.server.app import build_app
+from dayzero.server.async_engine import AsyncEngine
 from dayzero.server.limits import ServerLimits
 
 POISON_SEED = 666  # requests with this seed get non-finite logits
@@ -20,7 +21,9 @@ POISON_SEED = 666  # requests with this seed get non-finite logits
 
 @pytest.fixture()
 def app_and_engine(tiny_ckpt):
-    engine = LLMEngine(EngineConfig(model=str(tiny_ckpt), device="cpu", dtype="float32", num_cache_blocks=128))
+    async_engine = AsyncEngine(lambda: LLMEngine(EngineConfig(model=str(tiny_ckpt), device="cpu", dtype="float32",
+                                                             num_cache_blocks=128)))
+    engine = async_engine.engine
     real = engine.sampler
 
     def sampler(logits, params, generators, output_ids=None):
@@ -31,7 +34,7 @@ def app_and_engine(tiny_ckpt):
         return out
 
     engine.sampler = sampler
-    return build_app(engine, "tiny"), engine
+    return build_app(async_engine, "tiny"), engine
 
 
 def sse_events(text: str) -> list:
