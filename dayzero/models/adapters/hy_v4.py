@@ -51,7 +51,8 @@ def _kinds(raw: dict, key: str, default: list[str], allowed: set[str]) -> list[s
 def hy_v4_spec(raw: dict) -> ModelSpec:
     raw = {**DEFAULTS, **{k: v for k, v in raw.items() if v is not None}, "rope_interleave": False}
     n = raw["num_hidden_layers"]
-    _kinds(raw, "layer_types", ["indexed_attention"] * n, {"indexed_attention"})
+    # transformers 5.17 writes "deepseek_sparse_attention", later versions "indexed_attention": both are DSA
+    _kinds(raw, "layer_types", ["indexed_attention"] * n, {"indexed_attention", "deepseek_sparse_attention"})
     mlps = _kinds(raw, "mlp_layer_types", ["dense"] + ["sparse"] * (n - 1), {"dense", "sparse"})
     default_index = ["full" if i == 0 or (i - 1) % 4 == 0 else "shared" for i in range(n)]
     index = indexer_types({**raw, "indexer_types": raw.get("indexer_types") or default_index})
