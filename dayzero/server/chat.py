@@ -1,22 +1,20 @@
 """``POST /v1/chat/completions``: messages through the model's own chat template, ``n`` choices, streamed or not."""
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from dayzero.server.completions import DONE, SSE_HEADERS, sse
+from dayzero.server.completions import SSE_HEADERS, guarded, sse
 from dayzero.server.detokenize import ChoiceDeltas
-from dayzero.server.errors import APIError, bad_request
+from dayzero.server.errors import bad_request
 from dayzero.server.generation import Prompt, Run, ServerState
 from dayzero.server.protocol import (
     ChatCompletionRequest, chat_logprobs, check_unsupported, parse, parse_messages, sampling_params, usage,
 )
 
-log = logging.getLogger("dayzero.server")
 
 
 def _validate(srv: ServerState, req: ChatCompletionRequest) -> None:
@@ -62,7 +60,7 @@ async def create_chat_completion(srv: ServerState, http: Request, body: dict, ar
     await run.start()
     head = {"id": rid, "created": int(time.time()), "model": srv.model_name}
     if req.stream:
-        return StreamingResponse(_stream(srv, run, head, params.n, req.include_usage), media_type="text/event-stream",
+        return StreamingResponse(guarded(run, _stream(srv, run, head, params.n, req.include_usage)), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
     try:
         async for _ in run.updates():
@@ -83,29 +81,18 @@ async def _stream(srv: ServerState, run: Run, head: dict, n: int, include_usage:
     head = {**head, "object": "chat.completion.chunk"}
     usage_field = {"usage": None} if include_usage else {}
     deltas = ChoiceDeltas(n, run.params.stop)
-    try:
-        yield "".join(sse({**head, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
-                                                "logprobs": None, "finish_reason": None}], **usage_field})
-                      for j in range(n))
-        async for changed in run.updates():
-            events = []
-            for d in deltas(changed):
-                lps = chat_logprobs(d.token_ids, d.logprobs, srv.token_text) if d.logprobs is not None else None
-                delta = {"content": d.text} if d.text or d.finish_reason is None else {}
-                choice = {"index": d.choice, "delta": delta, "logprobs": lps, "finish_reason": d.finish_reason}
-                events.append(sse({**head, "choices": [choice], **usage_field}))
-            if events:
-                yield "".join(events)
-        if include_usage:
-            outs = run.outputs[0].outputs
-            yield sse({**head, "choices": [], "usage": usage(len(run.prompts[0].ids), sum(len(o.token_ids) for o in outs))})
-    except APIError as e:
-        if run.client_gone:
-            return
-        yield sse(e.body())
-    except Exception as e:  # a server bug: the client still gets a final error event and [DONE]
-        log.exception("%s failed while streaming", run.id)
-        yield sse(APIError(500, f"internal server error: {type(e).__name__}", code="internal_error").body())
-    finally:
-        run.close()
-    yield DONE
+    yield "".join(sse({**head, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}], **usage_field})
+                  for j in range(n))
+    async for changed in run.updates():
+        events = []
+        for d in deltas(changed):
+            lps = chat_logprobs(d.token_ids, d.logprobs, srv.token_text) if d.logprobs is not None else None
+            delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+            choice = {"index": d.choice, "delta": delta, "logprobs": lps, "finish_reason": d.finish_reason}
+            events.append(sse({**head, "choices": [choice], **usage_field}))
+        if events:
+            yield "".join(events)
+    if include_usage:
+        outs = run.outputs[0].outputs
+        yield sse({**head, "choices": [], "usage": usage(len(run.prompts[0].ids), sum(len(o.token_ids) for o in outs))})

@@ -63,7 +63,7 @@ async def create_completion(srv: ServerState, http: Request, body: dict, arrival
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": srv.model_name}
     echo = [_prompt_text(srv, p) for p in prompts] if req.echo else None
     if req.stream:
-        return StreamingResponse(_stream(srv, run, head, params.n, echo, req.include_usage), media_type="text/event-stream",
+        return StreamingResponse(guarded(run, _stream(srv, run, head, params.n, echo, req.include_usage)), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
     try:
         async for _ in run.updates():
@@ -90,25 +90,32 @@ async def _stream(srv: ServerState, run: Run, head: dict, n: int, echo: list[str
     deltas = ChoiceDeltas(n, run.params.stop)
     offsets: dict[int, int] = {}  # characters of token text sent per choice, for text_offset
     usage_field = {"usage": None} if include_usage else {}
+    if echo:
+        yield "".join(sse({**head, "choices": [{"index": i * n + j, "text": text, "logprobs": None,
+                                               "finish_reason": None}], **usage_field})
+                      for i, text in enumerate(echo) for j in range(n))
+    async for changed in run.updates():
+        events = []
+        for d in deltas(changed):
+            lps = None
+            if d.logprobs is not None:
+                lps = completion_logprobs(d.token_ids, d.logprobs, srv.token_text, offsets.get(d.choice, 0))
+                offsets[d.choice] = offsets.get(d.choice, 0) + sum(len(t) for t in lps["tokens"])
+            choice = {"index": d.choice, "text": d.text, "logprobs": lps, "finish_reason": d.finish_reason}
+            events.append(sse({**head, "choices": [choice], **usage_field}))
+        if events:
+            yield "".join(events)
+    if include_usage:
+        n_out = sum(len(o.token_ids) for r in run.outputs.values() for o in r.outputs)
+        yield sse({**head, "choices": [], "usage": usage(sum(len(p.ids) for p in run.prompts), n_out)})
+
+
+async def guarded(run: Run, events):
+    """An endpoint's SSE events, then ``[DONE]``: an error mid-stream becomes a final error event, a client
+    that left gets nothing more, and the run is closed on every path."""
     try:
-        if echo:
-            yield "".join(sse({**head, "choices": [{"index": i * n + j, "text": text, "logprobs": None,
-                                                   "finish_reason": None}], **usage_field})
-                          for i, text in enumerate(echo) for j in range(n))
-        async for changed in run.updates():
-            events = []
-            for d in deltas(changed):
-                lps = None
-                if d.logprobs is not None:
-                    lps = completion_logprobs(d.token_ids, d.logprobs, srv.token_text, offsets.get(d.choice, 0))
-                    offsets[d.choice] = offsets.get(d.choice, 0) + sum(len(t) for t in lps["tokens"])
-                choice = {"index": d.choice, "text": d.text, "logprobs": lps, "finish_reason": d.finish_reason}
-                events.append(sse({**head, "choices": [choice], **usage_field}))
-            if events:
-                yield "".join(events)
-        if include_usage:
-            n_out = sum(len(o.token_ids) for r in run.outputs.values() for o in r.outputs)
-            yield sse({**head, "choices": [], "usage": usage(sum(len(p.ids) for p in run.prompts), n_out)})
+        async for event in events:
+            yield event
     except APIError as e:
         if run.client_gone:
             return
