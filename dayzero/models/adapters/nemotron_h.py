@@ -13,11 +13,13 @@ tensor per expert (released) or stacked ``experts.up_proj`` [E, I, L] / ``expert
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from dayzero.config.spec import GQASpec, LayerSpec, MLPSpec, ModelSpec, MoESpec
 from dayzero.layers.attention.mamba2 import Mamba2Spec
 from dayzero.loader.rules import Rule, expert
 from dayzero.models.adapters.common import dtype_of, eos_of, get
+from dayzero.models.adapters.deepseek import moe_spec
 from dayzero.models.registry import Adapter, register
 
 PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
@@ -66,14 +68,11 @@ def _act(raw: dict) -> str:
 
 
 def _moe(raw: dict) -> MoESpec:
+    """DeepSeek-style sigmoid routing (ARCHITECTURE.md 3.3), with ReLU² experts, one shared expert of its own
+    width and the optional latent width."""
     shared = raw.get("moe_shared_expert_intermediate_size") or 0
-    return MoESpec(
-        get(raw, "n_routed_experts", "num_local_experts"), raw["num_experts_per_tok"], raw["moe_intermediate_size"],
-        router="sigmoid", correction_bias=True, n_group=raw.get("n_group") or 1, topk_group=raw.get("topk_group") or 1,
-        norm_topk_prob=raw.get("norm_topk_prob", True), routed_scaling_factor=raw.get("routed_scaling_factor", 1.0),
-        activation=_act(raw), n_shared=1 if shared else 0, shared_intermediate_size=shared,
-        latent_size=raw.get("moe_latent_size"),
-    )
+    return replace(moe_spec(raw), activation=_act(raw), n_shared=1 if shared else 0, shared_intermediate_size=shared,
+                   latent_size=raw.get("moe_latent_size"))
 
 
 def nemotron_h_spec(raw: dict) -> ModelSpec:
