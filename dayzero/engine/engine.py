@@ -193,12 +193,16 @@ class LLMEngine:
             logits, [q.params for q in to_sample], [q.generator for q in to_sample], [q.output_ids for q in to_sample]
         )
         touched: dict[str, None] = {}
-        for seq, tok, lp in zip(to_sample, out.token_ids.tolist(), out.logprobs.tolist()):
-            self._append(seq, tok, lp)
+        tops = [[]] * len(to_sample)
+        if out.top_ids is not None:
+            ids, lps = out.top_ids.tolist(), out.top_logprobs.tolist()
+            tops = [list(zip(i[: q.params.logprobs or 0], l[: q.params.logprobs or 0])) for q, i, l in zip(to_sample, ids, lps)]
+        for seq, tok, lp, top in zip(to_sample, out.token_ids.tolist(), out.logprobs.tolist(), tops):
+            self._append(seq, tok, lp, top)
             touched[seq.request_id] = None
         return [self._output(r) for r in touched if r in self.requests]
 
-    def _append(self, seq: Sequence, tok: int, logprob: float) -> None:
+    def _append(self, seq: Sequence, tok: int, logprob: float, top: list[tuple[int, float]] = ()) -> None:
         p = seq.params
         if tok < 0:  # the sampler found NaN/inf logits: end this request, keep the others
             seq.finish_reason = "error"
@@ -206,6 +210,7 @@ class LLMEngine:
             return
         seq.token_ids.append(tok)
         seq.logprobs.append(logprob)
+        seq.top_logprobs.append(list(top))
         n_out = seq.num_output
         reason = None
         if n_out >= p.min_tokens and ((tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids):
@@ -236,8 +241,10 @@ class LLMEngine:
             if not isinstance(q.stop_reason, str):  # a stop string already cut q.text
                 ends_on_stop_id = q.finish_reason == "stop" and ids and (ids[-1] in self.eos_ids or ids[-1] in q.params.stop_token_ids)
                 q.text = self._decode(ids[:-1] if ends_on_stop_id else ids)
+            want = q.params.logprobs is not None
             outs.append(CompletionOutput(
-                q.index, q.text, list(ids), q.finish_reason, list(q.logprobs) if q.params.logprobs is not None else None, q.stop_reason
+                q.index, q.text, list(ids), q.finish_reason, list(q.logprobs) if want else None, q.stop_reason,
+                list(q.top_logprobs) if want else None,
             ))
         if finished:
             del self.requests[request_id]

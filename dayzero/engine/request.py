@@ -35,6 +35,7 @@ class Sequence:
     num_computed: int = 0
     status: SeqStatus = SeqStatus.WAITING
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # params.logprobs alternatives per token
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     text: str = ""
@@ -66,6 +67,7 @@ class CompletionOutput:
     finish_reason: str | None
     logprobs: list[float] | None = None
     stop_reason: str | int | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token: (id, logprob) of the most likely, best first
 
 
 @dataclass

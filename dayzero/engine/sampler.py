@@ -38,6 +38,8 @@ from dayzero.engine.sampling_params import SamplingParams
 class SamplerOutput:
     token_ids: torch.Tensor  # [B] int64; -1 where the row's logits were not finite
     logprobs: torch.Tensor   # [B] fp32; raw log-probability of token_ids, NaN where -1
+    top_ids: torch.Tensor | None = None       # [B, K] the K most likely tokens of the raw distribution
+    top_logprobs: torch.Tensor | None = None  # [B, K] their log-probabilities (K = the largest params.logprobs)
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -177,4 +179,8 @@ class Sampler:
         chosen = logits.gather(1, token_ids[:, None]).squeeze(1).float()
         logprobs = torch.where(ok, chosen - log_z, float("nan"))
         token_ids = torch.where(ok, token_ids, -1)
-        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+        k = min(max((p.logprobs or 0) for p in params), V) if B else 0
+        if k == 0:
+            return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+        top, top_ids = (logits.float() - log_z[:, None]).topk(k, dim=-1)  # alternatives under the raw distribution
+        return SamplerOutput(token_ids, logprobs, top_ids, torch.where(ok[:, None], top, float("nan")))

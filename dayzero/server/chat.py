@@ -27,9 +27,6 @@ def _validate(srv: ServerState, req: ChatCompletionRequest) -> None:
         srv.limits.check_logprobs("top_logprobs", req.top_logprobs)
         if not req.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
-        if req.top_logprobs > 0:
-            raise bad_request(f"top_logprobs must be 0: this server returns the chosen token's logprob but not the "
-                              f"top alternatives yet, got {req.top_logprobs}", "top_logprobs")
     if req.tools:
         raise bad_request("tools are not supported by this server", "tools")
     if req.response_format is not None and req.response_format.get("type", "text") != "text":
@@ -53,7 +50,7 @@ async def create_chat_completion(srv: ServerState, http: Request, body: dict, ar
     _validate(srv, req)
     messages = parse_messages(req.messages)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = sampling_params(req, max_tokens, bool(req.logprobs))
+    params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
     prompt = _chat_prompt(srv, messages)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     run = Run(srv, http, rid, [prompt], params, arrival)
@@ -70,7 +67,7 @@ async def create_chat_completion(srv: ServerState, http: Request, body: dict, ar
     outs = run.outputs[0].outputs
     choices = [{
         "index": o.index, "message": {"role": "assistant", "content": o.text},
-        "logprobs": chat_logprobs(o.token_ids, o.logprobs, srv.token_text) if o.logprobs is not None else None,
+        "logprobs": chat_logprobs(o.token_ids, o.logprobs, srv.token_text, o.top_logprobs) if o.logprobs is not None else None,
         "finish_reason": o.finish_reason,
     } for o in outs]
     return JSONResponse({**head, "object": "chat.completion", "choices": choices,
@@ -87,7 +84,7 @@ async def _stream(srv: ServerState, run: Run, head: dict, n: int, include_usage:
     async for changed in run.updates():
         events = []
         for d in deltas(changed):
-            lps = chat_logprobs(d.token_ids, d.logprobs, srv.token_text) if d.logprobs is not None else None
+            lps = chat_logprobs(d.token_ids, d.logprobs, srv.token_text, d.top_logprobs) if d.logprobs is not None else None
             delta = {"content": d.text} if d.text or d.finish_reason is None else {}
             choice = {"index": d.choice, "delta": delta, "logprobs": lps, "finish_reason": d.finish_reason}
             events.append(sse({**head, "choices": [choice], **usage_field}))

@@ -44,9 +44,6 @@ def _validate(srv: ServerState, req: CompletionRequest) -> None:
         if req.logprobs < 0:
             raise bad_request(f"logprobs must be an int >= 0 or null, got {req.logprobs}", "logprobs")
         srv.limits.check_logprobs("logprobs", req.logprobs)
-        if req.logprobs > 0:
-            raise bad_request(f"logprobs must be 0: this server returns the chosen token's logprob but not the top "
-                              f"alternatives yet, got {req.logprobs}", "logprobs")
         if req.echo:
             raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
     srv.limits.check_stop(req.stop)
@@ -55,7 +52,7 @@ def _validate(srv: ServerState, req: CompletionRequest) -> None:
 async def create_completion(srv: ServerState, http: Request, body: dict, arrival: float) -> Response:
     req = parse(CompletionRequest, body)
     _validate(srv, req)
-    params = sampling_params(req, req.max_tokens, req.logprobs is not None)
+    params = sampling_params(req, req.max_tokens, req.logprobs)
     prompts = srv.prompts(parse_prompt(req.prompt))
     rid = f"cmpl-{uuid.uuid4().hex}"
     run = Run(srv, http, rid, prompts, params, arrival)
@@ -73,7 +70,8 @@ async def create_completion(srv: ServerState, http: Request, body: dict, arrival
     choices = []
     for i in range(len(prompts)):
         for o in run.outputs[i].outputs:
-            lps = completion_logprobs(o.token_ids, o.logprobs, srv.token_text, 0) if o.logprobs is not None else None
+            lps = (completion_logprobs(o.token_ids, o.logprobs, srv.token_text, 0, o.top_logprobs if req.logprobs else None)
+                   if o.logprobs is not None else None)
             choices.append({"index": i * params.n + o.index, "text": (echo[i] if echo else "") + o.text, "logprobs": lps,
                             "finish_reason": o.finish_reason})
     n_out = sum(len(o.token_ids) for r in run.outputs.values() for o in r.outputs)
@@ -99,7 +97,8 @@ async def _stream(srv: ServerState, run: Run, head: dict, n: int, echo: list[str
         for d in deltas(changed):
             lps = None
             if d.logprobs is not None:
-                lps = completion_logprobs(d.token_ids, d.logprobs, srv.token_text, offsets.get(d.choice, 0))
+                lps = completion_logprobs(d.token_ids, d.logprobs, srv.token_text, offsets.get(d.choice, 0),
+                                          d.top_logprobs if run.params.logprobs else None)
                 offsets[d.choice] = offsets.get(d.choice, 0) + sum(len(t) for t in lps["tokens"])
             choice = {"index": d.choice, "text": d.text, "logprobs": lps, "finish_reason": d.finish_reason}
             events.append(sse({**head, "choices": [choice], **usage_field}))

@@ -115,6 +115,7 @@ class Delta:
     token_ids: list[int]  # tokens since the last delta of this choice
     logprobs: list[float] | None
     finish_reason: str | None  # set on the choice's last delta
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class ChoiceDeltas:
@@ -141,7 +142,8 @@ class ChoiceDeltas:
                 k = self._tokens.get(choice, 0)
                 self._tokens[choice] = len(o.token_ids)
                 lps = o.logprobs[k:] if o.logprobs is not None else None
-                deltas.append(Delta(choice, text, o.token_ids[k:], lps, o.finish_reason if done else None))
+                tops = o.top_logprobs[k:] if o.top_logprobs is not None else None
+                deltas.append(Delta(choice, text, o.token_ids[k:], lps, o.finish_reason if done else None, tops))
                 if done:
                     self._finished.add(choice)
         return deltas

@@ -88,7 +88,8 @@ def parse(model: type[_Strict], body: dict) -> Any:
         raise bad_request(f"{param}: {err['msg'].lower()}, got {got}", param) from None
 
 
-def sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs: bool) -> SamplingParams:
+def sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """``logprobs``: None for none, else how many top alternatives to return beside the chosen token's."""
     def pick(value, default):
         return default if value is None else value
 
@@ -99,7 +100,7 @@ def sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs: b
             min_p=pick(req.min_p, 0.0), presence_penalty=pick(req.presence_penalty, 0.0),
             frequency_penalty=pick(req.frequency_penalty, 0.0), repetition_penalty=pick(req.repetition_penalty, 1.0),
             seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=pick(req.ignore_eos, False),
-            logprobs=0 if logprobs else None, include_stop_str_in_output=pick(req.include_stop_str_in_output, False),
+            logprobs=logprobs, include_stop_str_in_output=pick(req.include_stop_str_in_output, False),
         )
     except ValueError as e:
         raise bad_request(str(e), param_of(str(e))) from None
@@ -195,23 +196,31 @@ def finite(lp: float) -> float:
     return lp if math.isfinite(lp) else -9999.0
 
 
-def completion_logprobs(token_ids, logprobs, token_text, offset: int) -> dict:
-    """The legacy completions logprobs object for some tokens; ``offset``: characters before them."""
+def completion_logprobs(token_ids, logprobs, token_text, offset: int, top=None) -> dict:
+    """The legacy completions logprobs object for some tokens; ``offset``: characters before them; ``top``:
+    per token the (id, logprob) alternatives, best first (None when none were asked for)."""
     tokens, offsets = [], []
     for t in token_ids:
         text, _ = token_text(t)
         tokens.append(text)
         offsets.append(offset)
         offset += len(text)
-    return {"tokens": tokens, "token_logprobs": [finite(lp) for lp in logprobs], "top_logprobs": None,
+    tops = None
+    if top is not None:
+        tops = [{token_text(i)[0]: finite(lp) for i, lp in reversed(alts)} for alts in top]  # best kept on a text tie
+    return {"tokens": tokens, "token_logprobs": [finite(lp) for lp in logprobs], "top_logprobs": tops,
             "text_offset": offsets}
 
 
-def chat_logprobs(token_ids, logprobs, token_text) -> dict:
+def chat_logprobs(token_ids, logprobs, token_text, top=None) -> dict:
     content = []
-    for t, lp in zip(token_ids, logprobs):
+    for j, (t, lp) in enumerate(zip(token_ids, logprobs)):
         text, raw = token_text(t)
-        content.append({"token": text, "logprob": finite(lp), "bytes": raw, "top_logprobs": []})
+        alts = []
+        for i, alp in (top[j] if top is not None else ()):
+            atext, araw = token_text(i)
+            alts.append({"token": atext, "logprob": finite(alp), "bytes": araw})
+        content.append({"token": text, "logprob": finite(lp), "bytes": raw, "top_logprobs": alts})
     return {"content": content}
 
 

@@ -73,6 +73,10 @@ def test_n_logprobs_and_max_tokens(llm):
         assert len(o.token_ids) == 5 and o.finish_reason == "length"
         assert len(o.logprobs) == 5 and all(lp <= 0 for lp in o.logprobs)
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    assert all(o.top_logprobs == [[]] * 5 for o in out.outputs)  # logprobs=0: the chosen token's only
+    top = llm.generate([prompts(1)[0]], SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, ignore_eos=True))[0].outputs[0]
+    for tok, lp, alts in zip(top.token_ids, top.logprobs, top.top_logprobs):
+        assert len(alts) == 3 and alts[0] == (tok, pytest.approx(lp, abs=1e-5))  # greedy = the best alternative
 
 
 def test_greedy_logprobs_match_full_forward(llm):

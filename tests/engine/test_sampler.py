@@ -306,3 +306,14 @@ def test_empty_batch():
 def test_length_mismatch_raises():
     with pytest.raises(ValueError, match="2 logit rows"):
         sampler(torch.zeros(2, 4), [SP()], [None, None])
+
+
+def test_top_logprobs_are_the_k_most_likely_under_the_raw_distribution():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0, -1.0], [5.0, 4.0, 3.0, 2.0, 1.0]])
+    params = [SP(temperature=0.0, logprobs=3), SP(temperature=0.0, logprobs=1)]
+    out = Sampler()(logits, params, [None, None])
+    raw = torch.log_softmax(logits, dim=-1)
+    assert out.top_ids.shape == (2, 3)  # the largest request sets K; the engine trims per request
+    assert out.top_ids[0].tolist() == [1, 3, 2]
+    torch.testing.assert_close(out.top_logprobs[0], raw[0, [1, 3, 2]])
+    assert Sampler()(logits, [SP(temperature=0.0)] * 2, [None, None]).top_ids is None

@@ -159,6 +159,29 @@ def test_n_and_logprobs(client):
     assert got == pytest.approx([t.logprob for t in content])
 
 
+def test_top_logprobs_are_the_most_likely_alternatives(client):
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                          logprobs=True, top_logprobs=3, temperature=0, extra_body={"ignore_eos": True})
+    for t in chat.choices[0].logprobs.content:
+        alts = [a.logprob for a in t.top_logprobs]
+        assert len(alts) == 3 and alts == sorted(alts, reverse=True)
+        assert t.logprob == pytest.approx(alts[0], abs=1e-5)  # greedy picks the most likely token
+        assert t.token == t.top_logprobs[0].token and all(isinstance(a.bytes, list) for a in t.top_logprobs)
+    streamed = []
+    for c in client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                            logprobs=True, top_logprobs=3, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True}):
+        for ch in c.choices:
+            streamed += [[a.logprob for a in t.top_logprobs] for t in (ch.logprobs.content if ch.logprobs else [])]
+    assert streamed == [pytest.approx([a.logprob for a in t.top_logprobs]) for t in chat.choices[0].logprobs.content]
+    r = client.completions.create(model=MODEL, prompt="x", max_tokens=3, logprobs=2, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.top_logprobs) == 3
+    for chosen, alts in zip(lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(alts) <= 2 and max(alts.values()) == pytest.approx(chosen, abs=1e-5)
+
+
 def test_batch_of_prompts_and_token_ids(client):
     r = client.completions.create(model=MODEL, prompt=[[72, 105], [104, 101, 121]], max_tokens=3, n=2,
                                   extra_body={"ignore_eos": True})

@@ -50,7 +50,6 @@ CASES = {
     "logprobs-above-limit": (COMPLETIONS, completion(logprobs=21), 400, "logprobs must be <= 20", "logprobs"),
     "logprobs-negative": (COMPLETIONS, completion(logprobs=-1), 400, "logprobs", "logprobs"),
     "top_logprobs-above-limit": (CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs must be <= 20", "top_logprobs"),
-    "top_logprobs-alternatives": (CHAT, chat(logprobs=True, top_logprobs=3), 400, "not the top alternatives", "top_logprobs"),
     "top_logprobs-without-logprobs": (CHAT, chat(top_logprobs=0), 400, "needs logprobs", "top_logprobs"),
     # unknown model
     "unknown-model": (COMPLETIONS, completion(model="gpt-9"), 404, "model 'gpt-9' does not exist", "model"),
