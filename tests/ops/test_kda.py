@@ -1,7 +1,7 @@
 """KDA reference ops: chunk form vs recurrent form vs an explicit per-token matrix loop (fp64),
 state carried across calls, the short causal conv, the forget gate, and bf16 inputs.
 
-Math: /work/shared/ARCHITECTURE.md section 1.
+Math: ARCHITECTURE.md section 1 (KDA).
 """
 import math
 

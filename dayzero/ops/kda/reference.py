@@ -1,6 +1,6 @@
 """KDA (Kimi Delta Attention) reference ops: forget gate, short causal conv, recurrent and chunk forms.
 
-Math: /work/shared/ARCHITECTURE.md section 1 (KDA). Per head, with state S in R^{K x V}:
+Math: the KDA section of the architecture reference (ARCHITECTURE.md section 1). Per head, with state S in R^{K x V}:
 
     S_t = (I - b_t k_t k_t^T) Diag(e^{g_t}) S_{t-1} + b_t k_t v_t^T,        o_t = S_t^T q_t
 
