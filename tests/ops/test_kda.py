@@ -11,24 +11,10 @@ import torch.nn.functional as F
 
 from dayzero.ops import call, registered
 from dayzero.ops.kda.reference import causal_conv1d, kda_chunk, kda_gate, kda_recurrent
-
-# tolerances, stated once: relative Frobenius error, per dtype
-RTOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+from tests.ops.varlen import RTOL, assert_close, cu, split
 
 
-def cu(lengths):
-    return torch.tensor([0] + list(lengths), dtype=torch.int64).cumsum(0)
 
-
-def assert_close(a, b, rtol, what=""):
-    a, b = a.double(), b.double()
-    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
-    assert torch.isfinite(a).all(), f"{what}: non-finite values"
-    diff = (a - b).norm().item()
-    ref = b.norm().item()
-    rel = diff / max(ref, 1e-30)
-    max_abs = (a - b).abs().max().item() if a.numel() else 0.0
-    assert rel <= rtol, f"{what}: rel err {rel:.3e} > {rtol:.1e} (max abs {max_abs:.3e}, |ref| {ref:.3e})"
 
 
 def make_inputs(lengths, H, K, V, seed=0, lower_bound=None, gate_scale=1.0):
@@ -156,17 +142,6 @@ def test_recurrent_zero_initial_state_and_inputs_untouched():
 
 # ---------------------------------------------------------------- state carried across calls
 
-def _split(inp, first):
-    """Split every sequence after first[i] tokens: returns the inputs of the two calls."""
-    b = inp["cu_seqlens"].tolist()
-    rows1 = [r for i, f in enumerate(first) for r in range(b[i], b[i] + f)]
-    rows2 = [r for i, f in enumerate(first) for r in range(b[i] + f, b[i + 1])]
-    lens = [b[i + 1] - b[i] for i in range(len(first))]
-    per_tok = ("q", "k", "v", "g", "beta")
-    a = {**inp, **{n: inp[n][rows1] for n in per_tok}, "cu_seqlens": cu(first)}
-    c = {**inp, **{n: inp[n][rows2] for n in per_tok}, "cu_seqlens": cu([n - f for n, f in zip(lens, first)])}
-    return a, c, rows1, rows2
-
 
 @pytest.mark.parametrize("form", ["recurrent", "chunk"])
 @pytest.mark.parametrize("lengths,first", [((40, 0, 70), (17, 0, 64)), ((9, 30), (9, 1)), ((20,), (0,))],
@@ -175,7 +150,7 @@ def test_split_calls_equal_one_call(form, lengths, first):
     fn = kda_recurrent if form == "recurrent" else lambda **kw: kda_chunk(**kw, chunk_size=16)
     inp = make_inputs(lengths, 2, 16, 8, seed=6)
     o, S = fn(**inp)
-    a, c, rows1, rows2 = _split(inp, first)
+    a, c, rows1, rows2 = split(inp, first, ("q", "k", "v", "g", "beta"))
     o1, S1 = fn(**a)
     o2, S2 = fn(**{**c, "initial_state": S1})
     o_split = torch.empty_like(o)
@@ -189,7 +164,7 @@ def test_prefill_then_decode_steps():
     lengths = (21, 35, 8)
     inp = make_inputs([n + 3 for n in lengths], 2, 16, 8, seed=7)
     o, S = kda_recurrent(**inp)
-    a, rest, rows1, _ = _split(inp, lengths)
+    a, rest, rows1, _ = split(inp, lengths, ("q", "k", "v", "g", "beta"))
     o_p, state = kda_chunk(**a, chunk_size=16)
     outs = {r: o_p[i] for i, r in enumerate(rows1)}
     b = inp["cu_seqlens"].tolist()

@@ -8,24 +8,11 @@ import torch.nn.functional as F
 
 from dayzero.ops import call, registered
 from dayzero.ops.ssd.reference import ssd_chunk, ssd_dt, ssd_gated_norm, ssd_recurrent
+from tests.ops.varlen import RTOL, assert_close, cu, split
 
-# tolerances, stated once: relative Frobenius error, per dtype
-RTOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 PER_TOKEN = ("x", "dt", "B", "C")
 
 
-def cu(lengths):
-    return torch.tensor([0] + list(lengths), dtype=torch.int64).cumsum(0)
-
-
-def assert_close(a, b, rtol, what=""):
-    a, b = a.double(), b.double()
-    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
-    assert torch.isfinite(a).all(), f"{what}: non-finite values"
-    ref = b.norm().item()
-    rel = (a - b).norm().item() / max(ref, 1e-30)
-    max_abs = (a - b).abs().max().item() if a.numel() else 0.0
-    assert rel <= rtol, f"{what}: rel err {rel:.3e} > {rtol:.1e} (max abs {max_abs:.3e}, |ref| {ref:.3e})"
 
 
 def make_inputs(lengths, H=4, P=8, N=16, G=2, seed=0):
@@ -125,16 +112,6 @@ def test_no_skip_zero_initial_state_and_inputs_untouched():
 
 # ---------------------------------------------------------------- state carried across calls
 
-def _split(inp, first):
-    """Split every sequence after first[i] tokens: the inputs of the two calls and their rows."""
-    b = inp["cu_seqlens"].tolist()
-    rows1 = [r for i, f in enumerate(first) for r in range(b[i], b[i] + f)]
-    rows2 = [r for i, f in enumerate(first) for r in range(b[i] + f, b[i + 1])]
-    lens = [b[i + 1] - b[i] for i in range(len(first))]
-    a = {**inp, **{n: inp[n][rows1] for n in PER_TOKEN}, "cu_seqlens": cu(first)}
-    c = {**inp, **{n: inp[n][rows2] for n in PER_TOKEN}, "cu_seqlens": cu([n - f for n, f in zip(lens, first)])}
-    return a, c, rows1, rows2
-
 
 @pytest.mark.parametrize("form", ["recurrent", "chunk"])
 @pytest.mark.parametrize("lengths,first", [((40, 0, 70), (17, 0, 33)), ((9, 30), (9, 1)), ((20,), (0,))],
@@ -143,7 +120,7 @@ def test_split_calls_equal_one_call(form, lengths, first):
     fn = ssd_recurrent if form == "recurrent" else lambda **kw: ssd_chunk(**kw, chunk_size=16)
     inp = make_inputs(lengths, seed=6)
     y, S = fn(**inp)
-    a, c, rows1, rows2 = _split(inp, first)
+    a, c, rows1, rows2 = split(inp, first, PER_TOKEN)
     y1, S1 = fn(**a)
     y2, S2 = fn(**{**c, "initial_state": S1})
     y_split = torch.empty_like(y)
@@ -157,7 +134,7 @@ def test_prefill_then_decode_steps():
     lengths = (21, 35, 8)
     inp = make_inputs([n + 3 for n in lengths], seed=7)
     y, S = naive_ssd(**inp)
-    a, _, rows1, _ = _split(inp, lengths)
+    a, _, rows1, _ = split(inp, lengths, PER_TOKEN)
     y_p, state = ssd_chunk(**a, chunk_size=16)
     outs = {r: y_p[i] for i, r in enumerate(rows1)}
     b = inp["cu_seqlens"].tolist()
