@@ -59,11 +59,7 @@ async def create_chat_completion(srv: ServerState, http: Request, body: dict, ar
     if req.stream:
         return StreamingResponse(guarded(run, _stream(srv, run, head, params.n, req.include_usage)), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
-    try:
-        async for _ in run.updates():
-            pass
-    finally:
-        run.close()
+    await run.finish()
     outs = run.outputs[0].outputs
     choices = [{
         "index": o.index, "message": {"role": "assistant", "content": o.text},

@@ -62,11 +62,7 @@ async def create_completion(srv: ServerState, http: Request, body: dict, arrival
     if req.stream:
         return StreamingResponse(guarded(run, _stream(srv, run, head, params.n, echo, req.include_usage)), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
-    try:
-        async for _ in run.updates():
-            pass
-    finally:
-        run.close()
+    await run.finish()
     choices = []
     for i in range(len(prompts)):
         for o in run.outputs[i].outputs:

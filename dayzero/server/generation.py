@@ -131,6 +131,14 @@ class Run:
                     self.done.add(tag)
             yield changed
 
+    async def finish(self) -> None:
+        """Wait for every prompt's output (non-streamed requests), then close the run."""
+        try:
+            async for _ in self.updates():
+                pass
+        finally:
+            self.close()
+
     async def _watch_disconnect(self) -> None:
         while True:
             message = await self.http.receive()
