@@ -1,7 +1,13 @@
 """What cache a layer needs, declared by the layer itself, and the pools that hold it.
 
 Paged caches hold rows per token in blocks shared by every paged layer of a sequence (one block table
-per sequence). State caches hold a constant-size state per running sequence, in slots.
+per sequence). State caches hold a constant-size state per running sequence, in slots. A layer may need
+both (DeepSeek-V4's compressed attention: paged keys plus the unfinished compression window), and then
+declares a tuple of specs.
+
+A paged row may also stand for ``stride`` tokens (a compressed entry per m tokens): a block then holds
+``ceil(block_size / stride)`` such rows, and the entry of tokens ``w·m .. w·m+m-1`` lives in the block of
+token ``w·m`` (see ``ForwardBatch.entry_slots``).
 
 A paged row is either key-like (``"key"``: quantised per channel, one scale per channel per block) or
 value-like (``"value"``: one scale per token row), as DESIGN.md prescribes for fp8/int8 KV caches.
@@ -30,13 +36,26 @@ class PagedSpec:
 
     rows: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
     roles: dict[str, str] = field(default_factory=dict)  # name -> "key" | "value" (default "value")
+    strides: dict[str, int] = field(default_factory=dict)  # name -> tokens per row (default 1)
+
+    def rows_per_block(self, name: str, block_size: int) -> int:
+        return -(-block_size // self.strides.get(name, 1))
+
+    def only(self, name: str) -> PagedSpec:
+        """The spec of one row kind, with its role and stride."""
+        keep = lambda d: {name: d[name]} if name in d else {}  # noqa: E731
+        return PagedSpec(keep(self.rows), keep(self.roles), keep(self.strides))
 
     def bytes_per_token(self, kv_cache_dtype: str = "auto", block_size: int = 16) -> int | float:
-        if kv_cache_dtype in PLAIN_KV_DTYPES:
-            plain = PLAIN_KV_DTYPES[kv_cache_dtype]
-            return sum(_nbytes(s, plain or d) for s, d in self.rows.values())
-        return sum(QuantPagedPool.bytes_per_token(s, self.roles.get(n, "value") == "key", block_size)
-                   for n, (s, _) in self.rows.items())
+        total = 0.0
+        for n, (shape, dtype) in self.rows.items():
+            per_block = self.rows_per_block(n, block_size)
+            if kv_cache_dtype in PLAIN_KV_DTYPES:
+                row = _nbytes(shape, PLAIN_KV_DTYPES[kv_cache_dtype] or dtype)
+            else:
+                row = QuantPagedPool.bytes_per_token(shape, self.roles.get(n, "value") == "key", per_block)
+            total += row * per_block / block_size
+        return int(total) if total == int(total) else total
 
 
 @dataclass(frozen=True)
@@ -49,16 +68,22 @@ class StateSpec:
         return sum(_nbytes(s, d) for s, d in self.tensors.values())
 
 
+def parts(spec) -> tuple[PagedSpec | StateSpec, ...]:
+    """A layer's cache declaration as a tuple of specs (it may declare one spec or several)."""
+    return spec if isinstance(spec, tuple) else (spec,)
+
+
 def allocate(spec: PagedSpec | StateSpec, count: int, block_size: int, device, kv_cache_dtype: str = "auto") -> dict:
-    """Cache storage for one layer: ``count`` blocks (paged) or slots (state). Paged rows are plain
-    zero-filled tensors [count, block_size, *row] (in the model dtype for "auto", else the named one), or
-    :class:`QuantPagedPool` for fp8/int8."""
+    """Cache storage for one spec: ``count`` blocks (paged) or slots (state). Paged rows are plain
+    zero-filled tensors [count, rows per block, *row] (in the model dtype for "auto", else the named one),
+    or :class:`QuantPagedPool` for fp8/int8."""
     if isinstance(spec, StateSpec):
         return {n: torch.zeros((count, *s), dtype=d, device=device) for n, (s, d) in spec.tensors.items()}
-    if kv_cache_dtype in PLAIN_KV_DTYPES:
-        plain = PLAIN_KV_DTYPES[kv_cache_dtype]
-        return {n: torch.zeros((count, block_size, *s), dtype=plain or d, device=device) for n, (s, d) in spec.rows.items()}
-    return {
-        n: QuantPagedPool(count, block_size, s, kv_cache_dtype, spec.roles.get(n, "value") == "key", device, d)
-        for n, (s, d) in spec.rows.items()
-    }
+    out = {}
+    for n, (s, d) in spec.rows.items():
+        per_block = spec.rows_per_block(n, block_size)
+        if kv_cache_dtype in PLAIN_KV_DTYPES:
+            out[n] = torch.zeros((count, per_block, *s), dtype=PLAIN_KV_DTYPES[kv_cache_dtype] or d, device=device)
+        else:
+            out[n] = QuantPagedPool(count, per_block, s, kv_cache_dtype, spec.roles.get(n, "value") == "key", device, d)
+    return out

@@ -33,6 +33,7 @@ class RopeSpec:
     theta: float = 10000.0
     scaling: RopeScaling | None = None
     interleaved: bool = False  # complex pairs (x0,x1),(x2,x3).. instead of NeoX halves
+    last: bool = False  # rotate the LAST ``dim`` channels of a head instead of the first (HY-V4 indexer, DeepSeek-V4)
 
 
 @dataclass(frozen=True)
@@ -56,12 +57,11 @@ class IndexerSpec:
     n_heads: int
     head_dim: int
     topk: int
-    rope: RopeSpec  # applied to the first ``rope.dim`` dims of q and k (NeoX, the fixed V3.2 layout)
+    rope: RopeSpec  # applied to the first ``rope.dim`` dims of q and k (NeoX, the fixed V3.2 layout), or the last
     q_from_latent: bool = True  # wq_b reads the normalised q latent (c_q), else x
     # IndexCache (GLM-MoE-DSA ``indexer_types: "shared"``): no indexer weights or key cache; the layer reuses
     # the top-k of the nearest earlier layer that runs its indexer in the same step
     shared: bool = False
-    rope_last: bool = False  # RoPE on the last ``rope.dim`` dims instead of the first (HY-V4)
     norm_eps: float = 1e-6  # k_norm (LayerNorm) eps
 
 
@@ -90,6 +90,31 @@ class MLASpec:
 
 
 @dataclass(frozen=True)
+class CompressedAttnSpec:
+    """DeepSeek-V4 attention: shared-KV multi-query attention (one K=V head) over a sliding window of recent
+    tokens plus, when ``compress_ratio`` is set, entries that each pool ``compress_ratio`` tokens (all causal
+    ones for HCA; the indexer's top-k for CSA). ``layers/attention/compressed.py`` has the math."""
+
+    num_heads: int
+    head_dim: int  # of q and of the shared K=V head
+    q_lora_rank: int
+    rope: RopeSpec  # q/kv RoPE (interleaved, on the last dims); compressed layers use the compress RoPE here too
+    sliding_window: int
+    o_groups: int  # grouped output projection: heads in g groups, each projected to o_lora_rank
+    o_lora_rank: int
+    compress_ratio: int = 0  # 0: sliding window only; m: one compressed entry per m tokens
+    overlap: bool = False  # CSA: entry w pools window w and window w-1 (width 2m, stride m)
+    compress_rope: RopeSpec | None = None  # RoPE of the compressed entries (and the indexer)
+    indexer: IndexerSpec | None = None  # CSA: attend to the top-k compressed entries only
+    norm_eps: float = 1e-6
+    kind: str = "compressed"
+
+    @property
+    def layer_kind(self) -> str:
+        return "swa" if not self.compress_ratio else ("csa" if self.indexer is not None else "hca")
+
+
+@dataclass(frozen=True)
 class KDASpec:
     num_heads: int
     head_dim: int
@@ -103,6 +128,7 @@ class MLPSpec:
     intermediate_size: int
     activation: str = "silu"  # "silu" (gated), "relu2" (not gated)
     bias: bool = False
+    swiglu_limit: float | None = None  # "silu": gate clamped to <= limit, up to [-limit, limit] (DeepSeek-V4)
 
 
 @dataclass(frozen=True)
@@ -110,7 +136,10 @@ class MoESpec:
     n_experts: int
     top_k: int
     intermediate_size: int
-    router: str = "sigmoid"  # "sigmoid" | "softmax" | "softmax_topk" (top-k on logits, softmax over the chosen)
+    # "sigmoid" | "sqrtsoftplus" (sqrt(softplus(logit)), DeepSeek-V4) | "softmax" | "softmax_topk" (top-k on logits,
+    # softmax over the chosen)
+    router: str = "sigmoid"
+    hash_routing: bool = False  # experts fixed per token id by the ``tid2eid`` table [vocab, top_k]; weights still scored
     correction_bias: bool = True
     router_bias: bool = False
     n_group: int = 1
@@ -125,20 +154,25 @@ class MoESpec:
     latent_size: int | None = None
     latent_norm: bool = False
     swiglu_limit: float | None = None  # routed experts: gate clamped to <= limit, up to [-limit, limit] (HY-V4)
+    shared_clamp: bool = False  # the shared experts clamp at ``swiglu_limit`` too (DeepSeek-V4)
     expert_format: str = "dense"  # "dense" | "mxfp4" (packed, converted per layer) | "fp8_block" (128×128 tiles)
 
 
 @dataclass(frozen=True)
 class HyperSpec:
-    """Hyper-connections (HY-V4): the residual stream is carried as ``streams`` parallel copies; around each
-    sublayer, input-dependent sigmoid weights mix them into the sublayer input and spread its output back."""
+    """Hyper-connections (HY-V4, DeepSeek-V4): the residual stream is carried as ``streams`` parallel copies;
+    around each sublayer, input-dependent sigmoid weights mix them into the sublayer input and spread its
+    output back. With ``sinkhorn_iters`` (DeepSeek-V4's manifold-constrained mHC) the copies are also mixed
+    with each other by a doubly-stochastic matrix instead of being carried over unchanged."""
 
     streams: int
-    eps: float = 1e-6  # added to every sigmoid mixing weight
+    eps: float = 1e-6  # added to the pre weights (and the comb matrix); to the post weights too with post_eps
     post_magnitude: float = 2.0  # scale of the sigmoid weights that spread a sublayer's output
+    post_eps: bool = True  # HY-V4 adds eps to the post weights, DeepSeek-V4 does not
+    sinkhorn_iters: int = 0  # > 0: a learned [n, n] stream mixing, projected by this many Sinkhorn-Knopp steps
 
 
-AttnSpec = GQASpec | MLASpec | KDASpec
+AttnSpec = GQASpec | MLASpec | KDASpec | CompressedAttnSpec
 MlpSpec = MLPSpec | MoESpec
 
 
@@ -152,7 +186,7 @@ class LayerSpec:
     def attn_kind(self) -> str | None:
         if self.attn is None:
             return None
-        return self.attn.layer_kind if isinstance(self.attn, MLASpec) else self.attn.kind
+        return getattr(self.attn, "layer_kind", self.attn.kind)
 
     @property
     def mlp_kind(self) -> str | None:

@@ -6,7 +6,7 @@ import torch
 
 from dayzero.cache.manager import CacheManager
 from dayzero.cache.planner import CachePlan
-from dayzero.cache.spec import PagedSpec, allocate
+from dayzero.cache.spec import PagedSpec, allocate, parts
 from dayzero.engine.batch import ForwardBatch
 from dayzero.engine.scheduler import ScheduledSeq
 
@@ -18,12 +18,16 @@ class ModelRunner:
         self.cache_dtype = cache_dtype
         self.kv_cache_dtype = kv_cache_dtype
         self.layers = model.cached_layers()
-        self.specs = [layer.cache_spec(cache_dtype) for _, layer in self.layers]
+        self.layer_specs = [parts(layer.cache_spec(cache_dtype)) for _, layer in self.layers]
+        self.specs = [s for specs in self.layer_specs for s in specs]  # every spec, for planning
 
     def allocate_cache(self, plan: CachePlan) -> None:
-        for (_, layer), spec in zip(self.layers, self.specs):
-            count = plan.num_blocks if isinstance(spec, PagedSpec) else plan.num_slots
-            layer.bind_cache(allocate(spec, count, plan.block_size, self.device, self.kv_cache_dtype))
+        for (_, layer), specs in zip(self.layers, self.layer_specs):
+            tensors = {}
+            for spec in specs:
+                count = plan.num_blocks if isinstance(spec, PagedSpec) else plan.num_slots
+                tensors.update(allocate(spec, count, plan.block_size, self.device, self.kv_cache_dtype))
+            layer.bind_cache(tensors)
 
     def build_batch(self, scheduled: list[ScheduledSeq], cache: CacheManager) -> ForwardBatch:
         bs = cache.block_size

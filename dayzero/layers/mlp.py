@@ -12,15 +12,18 @@ class MLP(nn.Module):
     def __init__(self, hidden: int, spec: MLPSpec):
         super().__init__()
         self.activation = spec.activation
+        self.clamp = {} if spec.swiglu_limit is None else {"limit": spec.swiglu_limit}
         I = spec.intermediate_size
         rows = I if spec.activation == "relu2" else 2 * I
         self.gate_up_proj = nn.Linear(hidden, rows, bias=spec.bias)  # [gate; up] rows, or [up] for relu2
         self.down_proj = nn.Linear(I, hidden, bias=spec.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
+        # ``batch`` is unused: every MLP kind takes the step's batch (hash-routed MoE reads its token ids)
         plain = type(self.gate_up_proj) is nn.Linear and type(self.down_proj) is nn.Linear
         if plain and self.gate_up_proj.bias is None:
-            return ops.call("mlp", x, self.gate_up_proj.weight, self.down_proj.weight, self.activation)
+            return ops.call("mlp", x, self.gate_up_proj.weight, self.down_proj.weight, self.activation, **self.clamp)
         # biases, or block-FP8 linears that dequantise their own weights
-        h = ops.call("silu_and_mul" if self.activation == "silu" else "relu2", self.gate_up_proj(x))
-        return self.down_proj(h)
+        if self.activation == "silu":
+            return self.down_proj(ops.call("silu_and_mul", self.gate_up_proj(x), **self.clamp))
+        return self.down_proj(ops.call("relu2", self.gate_up_proj(x)))

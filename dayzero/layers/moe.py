@@ -21,7 +21,7 @@ from dayzero.quant.fp8 import TileScaled
 
 
 class MoE(nn.Module):
-    def __init__(self, hidden: int, spec: MoESpec, eps: float = 1e-6):
+    def __init__(self, hidden: int, spec: MoESpec, eps: float = 1e-6, vocab_size: int = 0):
         super().__init__()
         D, I, E = hidden, spec.intermediate_size, spec.n_experts
         L = spec.latent_size or D
@@ -30,6 +30,12 @@ class MoE(nn.Module):
         # The router stays in fp32: selection is sensitive to rounding (ARCHITECTURE.md 3.1).
         self.gate = nn.Linear(D, E, bias=spec.router_bias, dtype=torch.float32)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32)) if spec.correction_bias else None
+        # hash routing (DeepSeek-V4): a frozen token id -> expert ids table [vocab, k] replaces the choice by score;
+        # until a checkpoint fills it, token t goes to experts (t·k + j) mod E, j < k
+        self.tid2eid = None
+        if spec.hash_routing:
+            table = (torch.arange(vocab_size)[:, None] * spec.top_k + torch.arange(spec.top_k)) % E
+            self.tid2eid = nn.Parameter(table, requires_grad=False)
         self.packed = spec.expert_format == "mxfp4"
         if self.packed:  # MXFP4: E2M1 codes [.., K/32, 16] + E8M0 scales [.., K/32], converted by the workspace
             for name, (n, k) in (("w1", (rows, L)), ("w2", (L, I))):
@@ -56,20 +62,27 @@ class MoE(nn.Module):
             self.fc1_latent_proj = nn.Linear(D, L, bias=False)
             self.fc2_latent_proj = nn.Linear(L, D, bias=False)
             self.latent_norm = RMSNorm(L, eps) if spec.latent_norm else None
+        shared_limit = spec.swiglu_limit if spec.shared_clamp else None
         self.shared_experts = (
-            MLP(D, MLPSpec(spec.shared_intermediate_size, "relu2" if spec.activation == "relu2" else "silu"))
+            MLP(D, MLPSpec(spec.shared_intermediate_size, "relu2" if spec.activation == "relu2" else "silu",
+                           swiglu_limit=shared_limit))
             if spec.n_shared else None
         )
         self.shared_expert_gate = nn.Linear(D, 1, bias=False) if spec.shared_gate else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, D]
+    def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
+        # x: [T, D]; ``batch`` gives hash routing its token ids
         s = self.spec
         bias = None if self.gate.bias is None else self.gate.bias.float()
         logits = torch.nn.functional.linear(x.float(), self.gate.weight.float(), bias)  # [T, E] fp32
+        fixed = None
+        if self.tid2eid is not None:
+            if batch is None:
+                raise ValueError("a hash-routed MoE layer needs the step's batch (its token ids)")
+            fixed = self.tid2eid[batch.input_ids]  # [T, k]
         weights, ids = ops.call(
             "moe_route", logits, s.top_k, s.router, self.e_score_correction_bias, s.n_group, s.topk_group,
-            s.norm_topk_prob, 1.0,
+            s.norm_topk_prob, 1.0, fixed,
         )
         h = self.fc1_latent_proj(x) if self.latent else x  # [T, L]
         if self.packed:

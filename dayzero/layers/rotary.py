@@ -44,7 +44,7 @@ def _yarn(dim: int, base: float, s: RopeScaling) -> tuple[torch.Tensor, float]:
 class RotaryEmbedding(nn.Module):
     def __init__(self, spec: RopeSpec):
         super().__init__()
-        self.dim, self.interleaved = spec.dim, spec.interleaved
+        self.dim, self.interleaved, self.last = spec.dim, spec.interleaved, spec.last
         if spec.scaling is None:
             inv = 1.0 / spec.theta ** (torch.arange(0, spec.dim, 2, dtype=torch.float32) / spec.dim)
             self.cos_scale = 1.0
@@ -58,8 +58,12 @@ class RotaryEmbedding(nn.Module):
         return freqs.cos() * self.cos_scale, freqs.sin() * self.cos_scale
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotates the first ``dim`` channels of each head of x: [T, H, D]; the rest pass through."""
+        """Rotates the first (or, with ``spec.last``, the last) ``dim`` channels of each head of x: [T, H, D];
+        the rest pass through. ``-sin`` rotates back (DeepSeek-V4 un-rotates its attention output)."""
         if x.shape[-1] == self.dim:
             return ops.call("rotary", x, cos, sin, self.interleaved)
+        if self.last:
+            rest, rot = x.split([x.shape[-1] - self.dim, self.dim], dim=-1)
+            return torch.cat((rest, ops.call("rotary", rot, cos, sin, self.interleaved)), dim=-1)
         rot, rest = x.split([self.dim, x.shape[-1] - self.dim], dim=-1)
         return torch.cat((ops.call("rotary", rot, cos, sin, self.interleaved), rest), dim=-1)

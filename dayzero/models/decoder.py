@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dayzero.config.spec import GQASpec, KDASpec, LayerSpec, MLASpec, MLPSpec, ModelSpec, MoESpec
+from dayzero.config.spec import CompressedAttnSpec, GQASpec, KDASpec, LayerSpec, MLASpec, MLPSpec, ModelSpec, MoESpec
+from dayzero.layers.attention.compressed import CompressedAttention
 from dayzero.layers.attention.dsa import MLAAttention
 from dayzero.layers.attention.gqa import GQAAttention
 from dayzero.layers.attention.kda import KDAAttention
@@ -22,10 +23,11 @@ MIXERS = {
     GQASpec: lambda D, s, m: GQAAttention(D, s, m.rms_norm_eps, m.norm_offset),
     MLASpec: lambda D, s, m: MLAAttention(D, s, m.rms_norm_eps),
     KDASpec: lambda D, s, m: KDAAttention(D, s, m.rms_norm_eps),
+    CompressedAttnSpec: lambda D, s, m: CompressedAttention(D, s),
 }
 MLPS = {
     MLPSpec: lambda D, s, m: MLP(D, s),
-    MoESpec: lambda D, s, m: MoE(D, s, m.rms_norm_eps),
+    MoESpec: lambda D, s, m: MoE(D, s, m.rms_norm_eps, m.vocab_size),
 }
 
 
@@ -47,7 +49,7 @@ class DecoderLayer(nn.Module):
             x = self.self_attn(x, batch)
         if self.spec.mlp is not None:
             x, residual = self._norm(self.post_attention_layernorm, x, residual)
-            x = self.mlp(x)
+            x = self.mlp(x, batch)
         return x, residual
 
     @staticmethod

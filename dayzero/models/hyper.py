@@ -1,11 +1,11 @@
-"""The decoder with hyper-connections (HY-V4): the residual stream is ``n`` parallel copies, mixed by
-learned, input-dependent weights around every sublayer (the math is in ``ops/hyper``).
+"""The decoder with hyper-connections (HY-V4, DeepSeek-V4's mHC): the residual stream is ``n`` parallel copies,
+mixed by learned, input-dependent weights around every sublayer (the math is in ``ops/hyper``).
 
 Each layer keeps the ordinary layer's sublayers and norms (it is a :class:`DecoderLayer`) and adds one
 :class:`HyperConnection` per sublayer (``attn_hc``, ``ffn_hc``)::
 
-    x, post = hc_pre(h)          # [T, D] mixed from the n copies h [T, n, D]
-    h = hc_post(h, post, f(norm(x)))
+    x, post, comb = hc_pre(h)    # [T, D] mixed from the n copies h [T, n, D]
+    h = hc_post(h, post, f(norm(x)), comb)   # comb: the mHC stream mixing, None for HY-V4
 
 The embedding starts every copy equal; a pre-only connection (``hc_head``) collapses the copies before the
 final norm. ``model.layers[i](h, None, batch)`` returns ``(h, None)``: the streams after layer i,
@@ -27,21 +27,24 @@ from dayzero.models.decoder import DecoderLayer
 
 class HyperConnection(nn.Module):
     """Mixing weights of one sublayer (``post=True``) or of the final collapse (``post=False``); fp32, as
-    the reference keeps them."""
+    the reference keeps them. With ``spec.sinkhorn_iters`` a sublayer's connection also mixes the streams."""
 
     def __init__(self, hidden: int, spec: HyperSpec, norm_eps: float, post: bool = True):
         super().__init__()
-        n, parts = spec.streams, 2 if post else 1
+        n = spec.streams
+        parts = (3 if spec.sinkhorn_iters else 2) if post else 1  # [pre ‖ post ‖ comb], one scale each
+        rows = (n, 2 * n, (2 + n) * n)[parts - 1]
         self.spec, self.norm_eps = spec, norm_eps
-        self.fn = nn.Parameter(torch.empty(parts * n, n * hidden, dtype=torch.float32))  # [pre ‖ post] rows
+        self.fn = nn.Parameter(torch.empty(rows, n * hidden, dtype=torch.float32))
         # untrained values give equal pre weights summing to ~1; a checkpoint overwrites them
-        self.base = nn.Parameter(torch.full((parts * n,), -math.log(max(n - 1, 1)), dtype=torch.float32))
+        self.base = nn.Parameter(torch.full((rows,), -math.log(max(n - 1, 1)), dtype=torch.float32))
         self.scale = nn.Parameter(torch.full((parts,), 0.01, dtype=torch.float32))
 
-    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # h: [T, n, D] -> x [T, D], post [T, n] (None for the final collapse)
+    def forward(self, h: torch.Tensor):
+        # h: [T, n, D] -> x [T, D], post [T, n] (None for the final collapse), comb [T, n, n] (None without mHC)
         s = self.spec
-        return ops.call("hc_pre", h, self.fn, self.base, self.scale, self.norm_eps, s.eps, s.post_magnitude)
+        return ops.call("hc_pre", h, self.fn, self.base, self.scale, self.norm_eps, s.eps, s.post_magnitude,
+                        None if s.post_eps else 0.0, s.sinkhorn_iters)
 
 
 class HyperLayer(DecoderLayer):
@@ -56,11 +59,11 @@ class HyperLayer(DecoderLayer):
     def forward(self, h: torch.Tensor, residual: None, batch):
         # h: [T, n, D]; ``residual`` is unused (the streams are the residual) and stays None
         if self.spec.attn is not None:
-            x, post = self.attn_hc(h)
-            h = ops.call("hc_post", h, post, self.self_attn(self.input_layernorm(x), batch))
+            x, post, comb = self.attn_hc(h)
+            h = ops.call("hc_post", h, post, self.self_attn(self.input_layernorm(x), batch), comb)
         if self.spec.mlp is not None:
-            x, post = self.ffn_hc(h)
-            h = ops.call("hc_post", h, post, self.mlp(self.post_attention_layernorm(x)))
+            x, post, comb = self.ffn_hc(h)
+            h = ops.call("hc_post", h, post, self.mlp(self.post_attention_layernorm(x), batch), comb)
         return h, None
 
 
@@ -78,5 +81,5 @@ class HyperBackbone(nn.Module):
         h = x[:, None, :].expand(-1, self.streams, -1).contiguous()  # [T, n, D]: every copy starts equal
         for layer in self.layers:
             h, _ = layer(h, None, batch)
-        x, _ = self.hc_head(h)
+        x, _, _ = self.hc_head(h)
         return self.norm(x)

@@ -152,9 +152,11 @@ def _asdict(x):
 def cache_report(info: ModelInfo, kv_cache_dtype: str = "auto", block_size: int = 16) -> dict:
     dtype = info.spec.dtype
     by_kind: dict[str, dict] = defaultdict(lambda: {"layers": 0, "bytes_per_token": 0.0, "state_bytes_per_seq": 0})
-    for _, kind, s in cache_specs(info, dtype):
+    seen = set()
+    for i, kind, s in cache_specs(info, dtype):  # a layer may declare paged rows and a state
         k = by_kind[kind]
-        k["layers"] += 1
+        k["layers"] += i not in seen
+        seen.add(i)
         if isinstance(s, PagedSpec):
             k["bytes_per_token"] += paged_bytes_per_token(s, kv_cache_dtype, block_size)
             k["rows"] = {n: list(shape) for n, (shape, _) in s.rows.items()}

@@ -137,7 +137,7 @@ def component_of(spec: ModelSpec, name: str) -> tuple[int | None, str]:
             return i, ROUTED
         if head.startswith("shared_expert"):
             return i, SHARED
-        if head in ("gate", "router", "e_score_correction_bias"):
+        if head in ("gate", "router", "e_score_correction_bias", "tid2eid"):
             return i, ROUTER
         return i, LATENT
     return i, NORMS if "norm" in rest else OTHER
@@ -230,15 +230,14 @@ def paged_bytes_per_token(spec, kv_cache_dtype: str = "auto", block_size: int = 
 
 def cache_specs(info: ModelInfo, dtype: torch.dtype | None = None):
     """(layer index, attention kind, cache spec) of every layer that keeps a cache."""
-    from dayzero.cache.spec import PagedSpec, StateSpec
+    from dayzero.cache.spec import PagedSpec, StateSpec, parts
 
     dtype = dtype or info.spec.dtype
     out = []
     for i, mod in info.model.cached_layers():  # the layers the engine allocates caches for
         try:
-            s = mod.cache_spec(dtype)
+            specs = parts(mod.cache_spec(dtype))
         except NotImplementedError:
             continue
-        if isinstance(s, (PagedSpec, StateSpec)):
-            out.append((i, info.spec.layers[i].attn_kind or "mixer", s))
+        out += [(i, info.spec.layers[i].attn_kind or "mixer", s) for s in specs if isinstance(s, (PagedSpec, StateSpec))]
     return out

@@ -217,7 +217,7 @@ def stage_time(costs: ModelCosts, cfg: PlanConfig, lay: Layout, layer_ids: range
             ep_comm += link
             n_coll += n
         for r in lc.rows:
-            keys = context if r.read == "all" else min(context, lc.topk if r.read == "topk" else lc.window)
+            keys = context if r.read == "all" else min(context, lc.topk * r.stride if r.read == "topk" else lc.window)
             nbytes += seqs * keys * r.bytes_per_token / _shard(r.max_shards, lay.tp)
             if prefill:
                 nbytes += tokens_rank * r.bytes_per_token / _shard(r.max_shards, lay.tp)  # rows written

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dayzero.cache.spec import PagedSpec, StateSpec
-from dayzero.config.spec import GQASpec, KDASpec, MLASpec, MoESpec
+from dayzero.config.spec import CompressedAttnSpec, GQASpec, KDASpec, MLASpec, MoESpec
 from dayzero.tools.model_info import (
     EMBEDDING, LM_HEAD, ROUTED, ROUTER, ModelInfo, Param, cache_specs, format_bytes, paged_bytes_per_token,
 )
@@ -29,6 +29,7 @@ class Row:
     bytes_per_token: float
     max_shards: int  # 1: replicated over tensor parallel ranks
     read: str = "all"  # "all" | "topk" | "window"
+    stride: int = 1  # tokens per row (compressed entries)
 
 
 @dataclass
@@ -143,6 +144,9 @@ def model_costs(info: ModelInfo, experts: str | None = None, workspace: str | No
             lc.indexer = None if getattr(a.indexer, "shared", False) else a.indexer
         if isinstance(a, GQASpec):
             lc.window = a.sliding_window
+        if isinstance(a, CompressedAttnSpec):
+            lc.window, lc.indexer = a.sliding_window, a.indexer
+            lc.topk = a.indexer.topk if a.indexer is not None else None
     for mod_index, layer in enumerate(info.model.model.layers):
         widths = [m.out_features for name, m in layer.named_modules()  # nn.Linear and its quantised stand-ins
                   if hasattr(m, "out_features") and ".experts" not in name and "gate" != name.rsplit(".", 1)[-1]]
@@ -151,15 +155,8 @@ def model_costs(info: ModelInfo, experts: str | None = None, workspace: str | No
         lc = layers[i]
         if isinstance(s, PagedSpec):
             for name, (shape, dt) in s.rows.items():
-                one = PagedSpec({name: (shape, dt)}, **({"roles": {name: s.roles[name]}}
-                                                         if name in getattr(s, "roles", {}) else {}))
-                read = "all"
-                if lc.topk is not None and "index" not in name:
-                    read = "topk"
-                elif lc.window:
-                    read = "window"
-                lc.rows.append(Row(name, paged_bytes_per_token(one, kv_cache_dtype, block_size),
-                                   shape[0] if len(shape) >= 2 else 1, read))
+                lc.rows.append(Row(name, paged_bytes_per_token(s.only(name), kv_cache_dtype, block_size),
+                                   shape[0] if len(shape) >= 2 else 1, _read(lc, name), s.strides.get(name, 1)))
         elif isinstance(s, StateSpec):
             for name, (shape, dt) in s.tensors.items():
                 lc.state.append((math.prod(shape) * dt.itemsize, shape[0] if len(shape) >= 2 else 1))
@@ -167,6 +164,15 @@ def model_costs(info: ModelInfo, experts: str | None = None, workspace: str | No
     return ModelCosts(layers, embed, head, head_params, other, spec.tie_word_embeddings, spec.hidden_size,
                       spec.vocab_size,
                       spec.max_position_embeddings, heads)
+
+
+def _read(lc: LayerCost, row: str) -> str:
+    """Which keys of a cache row a query reads: the indexer's top-k, a sliding window, or all of them."""
+    if isinstance(lc.attn, CompressedAttnSpec):  # K=V window rows; entries (top-k with an indexer); indexer keys
+        return {"kv": "window", "ckv": "topk" if lc.topk else "all"}.get(row, "all")
+    if lc.topk is not None and "index" not in row:
+        return "topk"
+    return "window" if lc.window else "all"
 
 
 def attn_flops(lc: LayerCost, context: float, prefill: bool) -> float:
@@ -184,6 +190,11 @@ def attn_flops(lc: LayerCost, context: float, prefill: bool) -> float:
         if lc.indexer is not None:
             f += 2 * lc.indexer.n_heads * lc.indexer.head_dim * context
         return f
+    if isinstance(a, CompressedAttnSpec):  # window keys + entries (q·k and p·v on the 1 shared head), indexer
+        entries = context / a.compress_ratio if a.compress_ratio else 0.0
+        keys = min(context, a.sliding_window) + (min(entries, a.indexer.topk) if a.indexer else entries)
+        f = 4 * a.num_heads * a.head_dim * keys
+        return f + (2 * a.indexer.n_heads * a.indexer.head_dim * entries if a.indexer else 0.0)
     if isinstance(a, KDASpec):  # decay, k·S, rank-1 update and S·q on a [K, V] state per head
         return 8 * a.num_heads * a.head_dim * a.head_dim
     # any other mixer: about 4 FLOPs per fp32 element of a recurrent state, read, updated and read out

@@ -87,7 +87,7 @@ def test_spec_and_layers(ckpt):
     assert all(l.mlp.swiglu_limit == 0.5 for l in spec.layers if l.mlp_kind == "moe")
     a = spec.layers[0].attn
     assert isinstance(a, MLASpec) and a.sinks and a.output_gate and not a.rope.interleaved
-    assert a.indexer.rope_last and a.indexer.norm_eps == hf.config.rms_norm_eps
+    assert a.indexer.rope.last and a.indexer.norm_eps == hf.config.rms_norm_eps
     model = build_model(spec, torch.float32, "meta")
     shared = [attn.indexer is None for _, attn in model.cached_layers()]
     assert shared == [k == "shared" for k in CONFIG["indexer_types"]]
@@ -188,7 +188,7 @@ def test_headwise_gate_equals_repeated_elementwise():
 
     rope = RopeSpec(8)
     spec = MLASpec(4, 32, 32, 16, 8, 12, rope, 24**-0.5, output_gate=True, output_gate_kind="headwise", sinks=True,
-                   indexer=IndexerSpec(16, 32, 4, rope, rope_last=True))
+                   indexer=IndexerSpec(16, 32, 4, replace(rope, last=True)))
     torch.manual_seed(0)
     head, elem = MLAAttention(64, spec), MLAAttention(64, replace(spec, output_gate_kind="elementwise"))
     for m in (head, elem):

@@ -39,21 +39,13 @@ class Indexer(nn.Module):
         # weights_proj stays in high precision (ARCHITECTURE.md 2.2)
         self.weights_proj = nn.Linear(hidden, self.H, bias=False, dtype=torch.float32)
         self.weight_scale = self.H**-0.5 * self.Dh**-0.5
-        self.rotary = RotaryEmbedding(spec.rope)  # rotates the first rope.dim dims, or the last with rope_last
-        self.rope_last = spec.rope_last
-
-    def _rope(self, t, cos, sin):
-        # t: [T, h, Di]
-        if not self.rope_last:
-            return self.rotary(t, cos, sin)
-        rest, rot = t.split([self.Dh - self.rotary.dim, self.rotary.dim], dim=-1)
-        return torch.cat((rest, self.rotary(rot, cos, sin)), dim=-1)
+        self.rotary = RotaryEmbedding(spec.rope)  # rotates the first rope.dim dims, or the last with rope.last
 
     def project(self, x, c_q, positions):
         T = x.shape[0]
         cos, sin = self.rotary.cos_sin(positions)
-        q = self._rope(self.wq_b(c_q).view(T, self.H, self.Dh), cos, sin)  # [T, Hi, Di]
-        k = self._rope(self.k_norm(self.wk(x)).view(T, 1, self.Dh), cos, sin)[:, 0]  # [T, Di]
+        q = self.rotary(self.wq_b(c_q).view(T, self.H, self.Dh), cos, sin)  # [T, Hi, Di]
+        k = self.rotary(self.k_norm(self.wk(x)).view(T, 1, self.Dh), cos, sin)[:, 0]  # [T, Di]
         w = torch.nn.functional.linear(x.float(), self.weights_proj.weight.float()) * self.weight_scale  # [T, Hi]
         return q, k, w
 

@@ -60,7 +60,8 @@ def hy_v4_spec(raw: dict) -> ModelSpec:
         raise ValueError(f"hy_v4: gating_type {raw['gating_type']!r} is not supported; supported: elementwise, headwise")
 
     def attn(kind: str):
-        ispec = replace(indexer_spec(raw, shared=kind == "shared"), rope_last=True, norm_eps=raw["rms_norm_eps"])
+        ispec = indexer_spec(raw, shared=kind == "shared")
+        ispec = replace(ispec, rope=replace(ispec.rope, last=True), norm_eps=raw["rms_norm_eps"])
         return replace(mla_spec(raw, ispec), output_gate=True, output_gate_kind=raw["gating_type"], sinks=True)
 
     attns = {k: attn(k) for k in set(index)}

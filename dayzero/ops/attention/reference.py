@@ -115,3 +115,4 @@ def indices_to_mask(indices: torch.Tensor, S: int) -> torch.Tensor:
 
 # Registers mla_naive / mla_absorbed; at the end because mla.py imports attention from here.
 from dayzero.ops.attention import mla as _mla  # noqa: F401,E402
+from dayzero.ops.attention import compressed as _compressed  # noqa: F401,E402

@@ -50,15 +50,17 @@ def _mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, act, b1=None, b2=N
 @register("moe_route")
 def route(logits: torch.Tensor, top_k: int, kind: str = "sigmoid",
           correction_bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1,
-          norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0,
+          norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0, fixed_ids: torch.Tensor | None = None,
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick ``top_k`` experts per token; returns ``(weights fp32 [T, k], ids int64 [T, k])``.
 
     ``kind="sigmoid"`` (DeepSeek-V3, Kimi-Linear, Nemotron-H): ``s = sigmoid(logits)``; selection
     uses ``s + correction_bias``, limited to the ``topk_group`` groups whose top-2 biased scores sum
-    highest; weights use the unbiased ``s``. ``kind="softmax"`` (Qwen3-MoE): top-k of the softmax
-    over all experts; no bias and no groups. Both renormalise over the chosen experts when
-    ``norm_topk_prob`` and then multiply by ``routed_scaling_factor``.
+    highest; weights use the unbiased ``s``. ``kind="sqrtsoftplus"`` (DeepSeek-V4) is the same with
+    ``s = sqrt(softplus(logits))``. ``fixed_ids`` [T, k] (hash routing) replaces the selection: the
+    weights are the scores of those experts (repeats count twice). ``kind="softmax"`` (Qwen3-MoE):
+    top-k of the softmax over all experts; no bias and no groups. All renormalise over the chosen
+    experts when ``norm_topk_prob`` and then multiply by ``routed_scaling_factor``.
     """
     # logits: [T, E] router output
     if logits.dim() != 2:
@@ -77,17 +79,25 @@ def route(logits: torch.Tensor, top_k: int, kind: str = "sigmoid",
     # The router's selection is sensitive to rounding, hence fp32 as in the DeepSeek reference.
     logits = logits.float()
 
-    if kind == "sigmoid":
-        scores = torch.sigmoid(logits)  # [T, E]
-        select = scores if correction_bias is None else scores + correction_bias.float()
-        if n_group > 1:
-            grouped = select.view(T, n_group, group_size)  # [T, G, E/G]
-            group_score = grouped.topk(min(2, group_size), dim=-1).values.sum(-1)  # [T, G]
-            kept = group_score.topk(topk_group, dim=-1).indices  # [T, topk_group]
-            keep = torch.zeros(T, n_group, dtype=torch.bool, device=logits.device)
-            keep.scatter_(1, kept, True)
-            select = grouped.masked_fill(~keep[:, :, None], float("-inf")).view(T, E)
-        ids = select.topk(top_k, dim=-1).indices  # [T, k]
+    if fixed_ids is not None and kind not in ("sigmoid", "sqrtsoftplus"):
+        raise ValueError(f"fixed expert ids (hash routing) need 'sigmoid' or 'sqrtsoftplus' scores, not {kind!r}")
+    if kind in ("sigmoid", "sqrtsoftplus"):
+        scores = torch.sigmoid(logits) if kind == "sigmoid" else torch.nn.functional.softplus(logits).sqrt()  # [T, E]
+        if fixed_ids is not None:
+            bad = fixed_ids.numel() and not 0 <= int(fixed_ids.min()) <= int(fixed_ids.max()) < E
+            if fixed_ids.shape != (T, top_k) or bad:
+                raise ValueError(f"fixed_ids must be [T={T}, k={top_k}] expert ids in [0, {E}), got {tuple(fixed_ids.shape)}")
+            ids = fixed_ids.long()
+        else:
+            select = scores if correction_bias is None else scores + correction_bias.float()
+            if n_group > 1:
+                grouped = select.view(T, n_group, group_size)  # [T, G, E/G]
+                group_score = grouped.topk(min(2, group_size), dim=-1).values.sum(-1)  # [T, G]
+                kept = group_score.topk(topk_group, dim=-1).indices  # [T, topk_group]
+                keep = torch.zeros(T, n_group, dtype=torch.bool, device=logits.device)
+                keep.scatter_(1, kept, True)
+                select = grouped.masked_fill(~keep[:, :, None], float("-inf")).view(T, E)
+            ids = select.topk(top_k, dim=-1).indices  # [T, k]
         weights = scores.gather(1, ids)  # unbiased: the bias only steers selection
         if norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -105,7 +115,7 @@ def route(logits: torch.Tensor, top_k: int, kind: str = "sigmoid",
         if norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
     else:
-        raise ValueError(f"unknown routing kind {kind!r}; expected 'sigmoid', 'softmax' or 'softmax_topk'")
+        raise ValueError(f"unknown routing kind {kind!r}; expected 'sigmoid', 'sqrtsoftplus', 'softmax' or 'softmax_topk'")
     return weights * routed_scaling_factor, ids
 
 
@@ -151,8 +161,9 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
 
 
 @register("mlp")
-def dense_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: str = "silu") -> torch.Tensor:
-    """Dense MLP with the same math as one expert: ``w2 · act(w1 · x)``."""
+def dense_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: str = "silu",
+              limit: float | None = None) -> torch.Tensor:
+    """Dense MLP with the same math as one expert: ``w2 · act(w1 · x)``; ``limit``: clamped SwiGLU."""
     # x: [..., D]; w1: [r*I, D]; w2: [D, I]
-    act = _activation(activation, w1, w2)
+    act = _activation(activation, w1, w2, limit)
     return _mlp(x.float(), w1, w2, act).to(x.dtype)

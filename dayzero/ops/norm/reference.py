@@ -15,9 +15,10 @@ def _rms(h: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @register("rms_norm")
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm with an optional fused residual add; returns ``(y, residual_out)``.
+    """RMSNorm with an optional fused residual add; returns ``(y, residual_out)``. ``weight=None``: no
+    scale (DeepSeek-V4's per-head query norm).
 
     With ``residual``: ``h = x + residual`` is summed in fp32 and rounded once to ``x.dtype``;
     that rounded ``h`` is both ``residual_out`` (what the next layer adds to) and what is
@@ -29,7 +30,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         residual_out = x
     else:
         residual_out = (x.float() + residual.float()).to(x.dtype)
-    y = _rms(residual_out.float(), eps) * weight.float()
+    y = _rms(residual_out.float(), eps)
+    if weight is not None:
+        y = y * weight.float()
     return y.to(x.dtype), residual_out
 
 
