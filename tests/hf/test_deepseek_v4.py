@@ -8,9 +8,17 @@ experts cross; and mHC with 3 streams whose mixing scales are moved off their un
 """
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
+from dayzero import LLM, SamplingParams
+from dayzero.cache.spec import parts
+from dayzero.loader.safetensors_loader import CheckpointError
+from dayzero.models.registry import build_model, load_config
 from tests.engine.test_incremental import run_chunks
 from tests.hf.harness import check_parity, make_hf_checkpoint, prompt_batch
 
@@ -48,3 +56,111 @@ def ckpt(tmp_path_factory):
 def test_parity_with_transformers(ckpt):
     path, hf = ckpt
     check_parity(path, hf, prompt_batch(CONFIG["vocab_size"]))
+
+
+def _llm(path, **kw):
+    args = dict(device="cpu", dtype="float32", block_size=4, num_cache_blocks=256, max_num_batched_tokens=64)
+    return LLM(str(path), **{**args, **kw})
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_chunked_prefill_matches_transformers(ckpt, block_size):
+    """Prefill in chunks that end inside compression windows and inside the sliding window: later chunks pool
+    entries from rows kept by earlier ones (the rings) and read entries written by them. Block size 16 puts
+    four CSA entries and two HCA entries in each block."""
+    path, hf = ckpt
+    ids = prompt_batch(CONFIG["vocab_size"], lengths=(70,), seed=3)[0]
+    ref = hf(torch.tensor([ids])).logits[0]
+    engine = _llm(path, block_size=block_size).engine
+    for chunks in ([70], [9, 14, 1, 3, 43], [1] * 10 + [60]):
+        assert _rel(run_chunks(engine, ids, chunks), ref) < 1e-4, chunks
+
+
+def test_preemption_and_batch_invariance(ckpt):
+    """A cache too small for the batch preempts and recomputes; outputs equal those of a roomy cache, and every
+    block and state slot comes back."""
+    path, _ = ckpt
+    prompts = [{"prompt_token_ids": p} for p in prompt_batch(CONFIG["vocab_size"], lengths=(5, 23, 12, 40, 31, 17))]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    roomy = [o.outputs[0].token_ids for o in _llm(path).generate(prompts, params)]
+    tight = _llm(path, num_cache_blocks=20, max_num_batched_tokens=16)
+    assert [o.outputs[0].token_ids for o in tight.generate(prompts, params)] == roomy
+    assert tight.engine.scheduler.num_preemptions > 0
+    usage = tight.engine.cache.usage()
+    assert usage["blocks_free"] == usage["blocks_total"] and usage["slots_free"] == usage["slots_total"]
+
+
+def _write_config(path, raw):
+    path.mkdir(exist_ok=True)
+    (path / "config.json").write_text(json.dumps(raw))
+    return load_config(path)
+
+
+def test_released_config_spelling(ckpt, tmp_path):
+    """DeepSeek's own config keys (compress_ratios, rope_scaling without attention_factor, compress_rope_theta,
+    qk_rope_head_dim, num_hash_layers) give the spec of transformers' spelling."""
+    path, _ = ckpt
+    raw = json.loads((path / "config.json").read_text())
+    ours = load_config(path)
+    released = {k: v for k, v in raw.items() if k not in (
+        "layer_types", "compress_rates", "mlp_layer_types", "rope_parameters", "partial_rotary_factor")}
+    released.update(compress_ratios=[0, 4, 8, 4, 8], num_hash_layers=2, qk_rope_head_dim=8, rope_theta=10000.0,
+                    compress_rope_theta=160000.0, rope_scaling=dict(YARN))
+    assert _write_config(tmp_path / "released", released) == ours
+    a = ours.layers[1].attn
+    assert a.layer_kind == "csa" and a.rope.last and a.rope.interleaved and a.rope.scaling.attention_factor == 1.0
+    assert ours.layers[0].attn.rope.scaling is None and ours.layers[0].attn.rope.theta == 10000.0
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"layer_types": [SWA, CSA]}, "layer_types must list 5"),
+    ({"layer_types": [SWA, "full_attention", HCA, CSA, HCA]}, "layer_types must list 5"),
+    ({"scoring_func": "softmax"}, "scoring_func 'softmax' is not supported"),
+    ({"compress_ratios": [0, 4, 8, 16, 8], "layer_types": None}, "several heavy ratios"),
+])
+def test_bad_configs_are_named(ckpt, tmp_path, change, message):
+    path, _ = ckpt
+    raw = {**json.loads((path / "config.json").read_text()), **change}
+    with pytest.raises(ValueError, match=message):
+        _write_config(tmp_path / "bad", raw)
+
+
+def test_config_that_disagrees_with_the_weights(ckpt, tmp_path):
+    """An HCA ratio the weights were not trained for stops the load, naming the tensor and its file."""
+    path, _ = ckpt
+    bad = tmp_path / "ratio"
+    shutil.copytree(path, bad)
+    raw = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**raw, "compress_rates": {CSA: 4, HCA: 16}}))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*layers\.2\.attn\.compressor\.ape.*\(8, 32\)"):
+        _llm(bad)
+
+
+@torch.no_grad()
+def test_in_memory_names_and_fused_experts(ckpt, tmp_path):
+    """transformers' in-memory names (self_attn.compressor.indexer.*, attn_hc.fn, mlp.gate.tid2eid, fused
+    gate_up_proj experts) load to the same model as the released names save_pretrained writes."""
+    path, hf = ckpt
+    save_file({n: t.contiguous() for n, t in hf.state_dict().items() if "rotary_emb" not in n}, str(tmp_path / "model.safetensors"))
+    shutil.copy(path / "config.json", tmp_path / "config.json")
+    assert any(n.endswith("self_attn.compressor.indexer.scorer.weights_proj.weight") for n in load_file(str(tmp_path / "model.safetensors")))
+    ids = prompt_batch(CONFIG["vocab_size"])[3]
+    assert torch.equal(run_chunks(_llm(path).engine, ids, [len(ids)]), run_chunks(_llm(tmp_path).engine, ids, [len(ids)]))
+
+
+def test_spec_and_cache(ckpt):
+    path, _ = ckpt
+    spec = load_config(path)
+    assert [l.attn_kind for l in spec.layers] == ["swa", "csa", "hca", "csa", "hca"]
+    assert [l.mlp.hash_routing for l in spec.layers] == [True, True, False, False, False]
+    assert spec.hyper.sinkhorn_iters == 6 and not spec.hyper.post_eps
+    model = build_model(spec, torch.float32, "meta")
+    specs = [parts(m.cache_spec(torch.float32)) for _, m in model.cached_layers()]
+    # the sliding-window layer keeps only its window ring; compressed layers add strided entry rows
+    assert [type(s).__name__ for s in specs[0]] == ["StateSpec"] and specs[0][0].tensors["kv"][0] == (8, 32)
+    assert specs[1][0].strides == {"ckv": 4, "index_k": 4} and specs[2][0].strides == {"ckv": 8}

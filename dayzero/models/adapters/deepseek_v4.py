@@ -5,7 +5,7 @@ a sqrt-softplus routed MoE whose first layers route by a token-id hash, and mHC 
 Read from transformers ``models/deepseek_v4`` (the parity reference):
 - ``layer_types``: ``sliding_attention`` (window only), ``compressed_sparse_attention`` (CSA: ratio 4,
   overlapping windows, lightning indexer top-k), ``heavily_compressed_attention`` (HCA: ratio 128, every
-  entry); older configs give ``compress_ratios`` per layer (0 / 4 / 128) and ``compress_rate_csa/hca``;
+  entry); released configs give ``compress_ratios`` per layer (0, 4: CSA, other: HCA) instead;
 - RoPE is interleaved on the LAST ``head_dim * partial_rotary_factor`` channels (``qk_rope_head_dim`` in
   older configs); sliding layers use ``rope_theta`` without scaling, compressed layers, their compressors
   and the indexer use ``compress_rope_theta`` with the config's YaRN, whose cos/sin are NOT scaled by the
@@ -30,7 +30,6 @@ from dayzero.models.adapters.deepseek import model_spec
 from dayzero.models.registry import Adapter, register
 
 SWA, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
-RATIO_KIND = {0: SWA, 4: CSA, 128: HCA}
 # DeepseekV4Config defaults for keys a config may leave out
 DEFAULTS = {"head_dim": 512, "q_lora_rank": 1024, "sliding_window": 128, "o_groups": 8, "o_lora_rank": 1024,
             "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512, "hc_mult": 4, "hc_sinkhorn_iters": 20,
@@ -46,7 +45,13 @@ def _schedule(raw: dict) -> tuple[list[str], dict[str, int], list[str]]:
     rates[CSA], rates[HCA] = raw.get("compress_rate_csa", rates[CSA]), raw.get("compress_rate_hca", rates[HCA])
     kinds = raw.get("layer_types")
     if kinds is None and raw.get("compress_ratios") is not None:
-        kinds = [RATIO_KIND.get(r, r) for r in raw["compress_ratios"]]
+        # DeepSeek's reference: ratio 4 layers overlap their windows and run the indexer, other ratios do not
+        ratios = list(raw["compress_ratios"])
+        kinds = [SWA if r == 0 else CSA if r == 4 else HCA for r in ratios]
+        heavy = {r for r in ratios if r not in (0, 4)}
+        if len(heavy) > 1:
+            raise ValueError(f"deepseek_v4: compress_ratios has several heavy ratios {sorted(heavy)}; one is supported")
+        rates[HCA] = heavy.pop() if heavy else rates[HCA]
     if kinds is None:  # transformers' default: two HCA layers, then HCA / CSA alternating
         kinds = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
     n_hash = raw["num_hash_layers"]
