@@ -1,5 +1,6 @@
-"""DeepSeek-V4 attention (ARCHITECTURE.md follows the DeepSeek-V4 paper, section 2.3): shared-KV multi-query
-attention over a sliding window, plus compressed entries (HCA: all of them; CSA: the indexer's top-k).
+"""DeepSeek-V4 attention (the DeepSeek-V4 paper, section 2.3; transformers' ``deepseek_v4`` is the parity
+reference): shared-KV multi-query attention over a sliding window, plus compressed entries (HCA: all of
+them; CSA: the indexer's top-k).
 
 Per token x (the layer's normalised input), with every RoPE interleaved on the LAST ``rope.dim`` channels:
 
