@@ -50,14 +50,17 @@ def expert(group: int = 2) -> View:
     return lambda p, m: p[int(m.group(group))]
 
 
-def rows(part: int, parts: int, expert_group: int | None = None) -> View:
-    """The ``part``-th of ``parts`` equal row blocks (e.g. gate = 0, up = 1 of a fused [gate; up])."""
+def rows(part: int, parts: int, expert_group: int | None = None, axis: int | None = None) -> View:
+    """The ``part``-th of ``parts`` equal row blocks (e.g. gate = 0, up = 1 of a fused [gate; up]); rows are the
+    second-to-last dim (the only one of a 1-D tensor) unless ``axis`` says otherwise (packed MXFP4 codes
+    [2I, K/32, 16] have theirs first)."""
 
     def view(p, m):
         if expert_group is not None:
             p = p[int(m.group(expert_group))]
-        n = p.shape[-2] // parts if p.dim() > 1 else p.shape[0] // parts
-        return p.narrow(p.dim() - 2 if p.dim() > 1 else 0, part * n, n)
+        dim = axis if axis is not None else (p.dim() - 2 if p.dim() > 1 else 0)
+        n = p.shape[dim] // parts
+        return p.narrow(dim, part * n, n)
 
     return view
 
@@ -85,6 +88,22 @@ def deinterleave_packed_rows(t: torch.Tensor) -> torch.Tensor:
 def deinterleave_last(t: torch.Tensor) -> torch.Tensor:
     """[.., 2I] alternating -> [gate; up] (biases)."""
     return torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1)
+
+
+def e8m0_to_float(t: torch.Tensor) -> torch.Tensor:
+    """UE8M0 scales (one exponent byte each, ``float8_e8m0fnu``) -> fp32 ``2^(byte - 127)``."""
+    return torch.exp2(t.view(torch.uint8).float() - 127)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes (E8M0 scales kept packed, as MXFP4 experts hold them)."""
+    return t.view(torch.uint8)
+
+
+def fp4_pairs_to_blocks(t: torch.Tensor) -> torch.Tensor:
+    """Packed FP4 [.., K/2] (two E2M1 codes per byte, the first in the low nibble: DeepSeek-V4's experts)
+    -> MXFP4 codes [.., K/32, 16], the same bytes grouped by 32-value block."""
+    return t.view(torch.uint8).unflatten(-1, (-1, 16))
 
 
 def as_out_in(out: int, inp: int) -> Transform:

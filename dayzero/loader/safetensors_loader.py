@@ -24,6 +24,7 @@ _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
     "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E8M0": torch.float8_e8m0fnu,  # UE8M0 block scales (DeepSeek-V4)
 }
 
 
@@ -102,13 +103,14 @@ def _plan(model: torch.nn.Module, path: Path, rules: list[Rule], ignore: list[st
                 continue
             param = params[target]
             view = rule.view(param, m)
-            got = tuple(rule.transform(torch.empty(shape, dtype=dtype, device="meta")).shape)
+            stored = rule.transform(torch.empty(shape, dtype=dtype, device="meta"))  # as the parameter receives it
+            got = tuple(stored.shape)
             if got != tuple(view.shape):
                 plan.problems.append(
                     f"{file}: tensor {name!r} has shape {shape}, the model built from config.json expects "
                     f"{tuple(view.shape)} for {target}")
                 continue
-            if dtype.is_floating_point != param.dtype.is_floating_point:
+            if stored.dtype.is_floating_point != param.dtype.is_floating_point:
                 plan.problems.append(f"{file}: tensor {name!r} has dtype {dtype}, {target} is {param.dtype}")
                 continue
             covered[target] += view.numel()

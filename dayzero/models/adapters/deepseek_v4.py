@@ -24,8 +24,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from dayzero.config.spec import CompressedAttnSpec, HyperSpec, IndexerSpec, LayerSpec, ModelSpec, MoESpec
-from dayzero.loader.rules import Rule, expert, rows
-from dayzero.models.adapters.common import L, attn_rules, base_rules, expert_rules, fused_gate_up, rope_spec
+from dayzero.loader.rules import Rule, as_bytes, e8m0_to_float, expert, fp4_pairs_to_blocks, rows, whole
+from dayzero.models.adapters.common import L, attn_rules, base_rules, expert_rules, fused_gate_up, rope_spec, weight_format
 from dayzero.models.adapters.deepseek import model_spec
 from dayzero.models.registry import Adapter, register
 
@@ -101,11 +101,25 @@ def deepseek_v4_spec(raw: dict) -> ModelSpec:
     limit = raw["swiglu_limit"]
     moe = MoESpec(E, raw["num_experts_per_tok"], I, router=raw["scoring_func"], correction_bias=True,
                   routed_scaling_factor=raw["routed_scaling_factor"], n_shared=shared, shared_intermediate_size=shared * I,
-                  swiglu_limit=limit, shared_clamp=True)
+                  swiglu_limit=limit, shared_clamp=True, expert_format=_expert_format(raw))
     mlp = {"moe": moe, "hash_moe": replace(moe, hash_routing=True, correction_bias=False)}
     layers = (LayerSpec(i, attns[kinds[i]], mlp[mlps[i]]) for i in range(raw["num_hidden_layers"]))
     hyper = HyperSpec(raw["hc_mult"], raw["hc_eps"], 2.0, post_eps=False, sinkhorn_iters=raw["hc_sinkhorn_iters"])
-    return replace(model_spec(raw, layers), hyper=hyper)
+    spec = model_spec(raw, layers)
+    # the release keeps the compressors' projections in BF16 (no scales), whatever modules_to_not_convert says
+    return replace(spec, hyper=hyper, linear_exclude=(*spec.linear_exclude, *KEEP_BF16))
+
+
+# linears the release stores in BF16 inside an FP8 checkpoint (the indexer's weights_proj is KEEP_HIGH anyway)
+KEEP_BF16 = ("compressor.kv_proj", "compressor.gate_proj")
+
+
+def _expert_format(raw: dict) -> str:
+    """Routed experts: packed FP4 with UE8M0 scales per 32 values (the release: ``expert_dtype: fp4``, kept as
+    MXFP4), block FP8 like the other linears, or dense."""
+    linears = weight_format(raw)[0]
+    fp4 = (raw.get("quantization_config") or {}).get("expert_dtype", raw.get("expert_dtype")) == "fp4"
+    return "mxfp4" if linears == "fp8_block" and fp4 else linears
 
 
 LP = r"(?:model\.)?layers\.(\d+)"  # released names have no ``model.`` prefix; transformers writes them with one
@@ -116,14 +130,39 @@ ATTN = {"wq_a": "q_a_proj", "q_norm": "q_a_norm", "wq_b": "q_b_proj", "wkv": "kv
 COMPRESSOR = {"wkv": "kv_proj", "wgate": "gate_proj", "norm": "kv_norm"}
 
 
+def _linear(src: str, dst: str, view=whole) -> list[Rule]:
+    """A linear's weight and, where the release stores it in FP8, its UE8M0 128×128 tile scales (``.scale``)."""
+    return [Rule(rf"{src}\.weight", f"{dst}.weight", view),
+            Rule(rf"{src}\.scale", f"{dst}.weight_scale_inv", view, e8m0_to_float)]
+
+
 def _renamed(src: str, dst: str, names: dict[str, str]) -> list[Rule]:
-    return [Rule(rf"{LP}\.{src}\.{a}\.weight", f"{DST}.{dst}.{b}.weight") for a, b in names.items()]
+    return [r for a, b in names.items() for r in _linear(rf"{LP}\.{src}\.{a}", f"{DST}.{dst}.{b}")]
+
+
+def _expert_rules(ffn: str, fmt: str) -> list[Rule]:
+    """Released experts ``experts.{e}.w1`` (gate), ``w3`` (up), ``w2`` (down), each ``.weight`` and, quantised,
+    ``.scale``: packed FP4 + per-32 UE8M0 scales kept as MXFP4 codes, or FP8 + 128×128 UE8M0 tile scales."""
+    packed = fmt == "mxfp4"
+    weight, scale = ("_blocks", "_scales") if packed else ("", "_scale_inv")
+    w_tf, s_tf = (fp4_pairs_to_blocks, as_bytes) if packed else (None, e8m0_to_float)
+    axis = 0 if packed else None  # packed codes [2I, K/32, 16] have their rows first
+    out = []
+    for suffix, target, tf in (("weight", weight, w_tf), ("scale", scale, s_tf)):
+        extra = {} if tf is None else {"transform": tf}
+        for w, part in (("w1", 0), ("w3", 1)):
+            out.append(Rule(rf"{ffn}\.experts\.(\d+)\.{w}\.{suffix}", f"{DST}.mlp.w1{target}",
+                            rows(part, 2, expert_group=2, axis=axis), **extra))
+        out.append(Rule(rf"{ffn}\.experts\.(\d+)\.w2\.{suffix}", f"{DST}.mlp.w2{target}", expert(2), **extra))
+    return out
 
 
 def deepseek_v4_rules(spec: ModelSpec) -> list[Rule]:
     """Released names (``layers.0.attn.wq_a.weight``, ``ffn.experts.0.w1``, ``hc_attn_fn``...), as the release
     and transformers' save_pretrained write them, and transformers' in-memory names."""
     ffn = rf"{LP}\.ffn"
+    fmt = next((l.mlp.expert_format for l in spec.layers if isinstance(l.mlp, MoESpec)), "dense")
+    shared = rf"{ffn}\.shared_experts", f"{DST}.mlp.shared_experts"
     released = [
         Rule(r"(?:model\.)?embed\.weight", "model.embed_tokens.weight"),
         Rule(r"head\.weight", "lm_head.weight"),
@@ -142,12 +181,10 @@ def deepseek_v4_rules(spec: ModelSpec) -> list[Rule]:
         Rule(rf"{ffn}\.gate\.weight", f"{DST}.mlp.gate.weight"),
         Rule(rf"{ffn}\.gate\.bias", f"{DST}.mlp.e_score_correction_bias"),
         Rule(rf"{ffn}\.gate\.tid2eid", f"{DST}.mlp.tid2eid"),
-        Rule(rf"{ffn}\.experts\.(\d+)\.w1\.weight", f"{DST}.mlp.w1", rows(0, 2, expert_group=2)),
-        Rule(rf"{ffn}\.experts\.(\d+)\.w3\.weight", f"{DST}.mlp.w1", rows(1, 2, expert_group=2)),
-        Rule(rf"{ffn}\.experts\.(\d+)\.w2\.weight", f"{DST}.mlp.w2", expert(2)),
-        Rule(rf"{ffn}\.shared_experts\.w1\.weight", f"{DST}.mlp.shared_experts.gate_up_proj.weight", rows(0, 2)),
-        Rule(rf"{ffn}\.shared_experts\.w3\.weight", f"{DST}.mlp.shared_experts.gate_up_proj.weight", rows(1, 2)),
-        Rule(rf"{ffn}\.shared_experts\.w2\.weight", f"{DST}.mlp.shared_experts.down_proj.weight"),
+        *_expert_rules(ffn, fmt),
+        *_linear(rf"{shared[0]}\.w1", f"{shared[1]}.gate_up_proj", rows(0, 2)),
+        *_linear(rf"{shared[0]}\.w3", f"{shared[1]}.gate_up_proj", rows(1, 2)),
+        *_linear(rf"{shared[0]}\.w2", f"{shared[1]}.down_proj"),
     ]
     attn = rf"{L}\.self_attn"
     in_memory = base_rules() + expert_rules() + [
