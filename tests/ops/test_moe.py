@@ -125,20 +125,22 @@ def test_dense_mlp_leading_dims_and_bf16():
 
 # ---------------------------------------------------------------- routing
 
-def brute_force_sigmoid(logits, k, bias, n_group, topk_group):
-    """ARCHITECTURE 3.1 steps 1-4 for one token, by enumeration: returns the chosen expert set."""
-    s = torch.sigmoid(logits.double())
-    s_sel = s + (bias.double() if bias is not None else 0.0)
-    E = s.numel()
-    size = E // n_group
+def brute_force_choice(scores, k, bias, n_group, topk_group):
+    """ARCHITECTURE 3.1 steps 1-4 for one token, by enumeration, on any scores: keep the topk_group groups
+    whose top-2 sums of s + bias are highest, then the k experts of those groups with the highest s + bias."""
+    sel = [float(v) + (0.0 if bias is None else float(bias[e])) for e, v in enumerate(scores)]
+    size = len(sel) // n_group
     groups = [list(range(j * size, (j + 1) * size)) for j in range(n_group)]
-    allowed = list(range(E))
+    allowed = list(range(len(sel)))
     if n_group > 1:
-        group_score = [sum(sorted((float(s_sel[e]) for e in grp), reverse=True)[:2]) for grp in groups]
+        group_score = [sum(sorted((sel[e] for e in grp), reverse=True)[:2]) for grp in groups]
         best = max(combinations(range(n_group), topk_group), key=lambda c: sum(group_score[j] for j in c))
         allowed = [e for j in best for e in groups[j]]
-    chosen = max(combinations(allowed, k), key=lambda c: sum(float(s_sel[e]) for e in c))
-    return set(chosen)
+    return set(max(combinations(allowed, k), key=lambda c: sum(sel[e] for e in c)))
+
+
+def brute_force_sigmoid(logits, k, bias, n_group, topk_group):
+    return brute_force_choice(torch.sigmoid(logits.double()).tolist(), k, bias, n_group, topk_group)
 
 
 def sigmoid_weights(logits, ids, norm, scale):

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-from itertools import combinations
 
 import pytest
 import torch
 
 import dayzero.ops  # noqa: F401  (registers the ops)
 from dayzero.ops import call
+from tests.ops.test_moe import brute_force_choice
 
 RTOL, ATOL = 1e-5, 1e-6  # fp32 math compared with float64 loops
 
@@ -19,19 +19,6 @@ def sqrt_softplus(v: float) -> float:
 
 
 # ---------------------------------------------------------------- sqrt-softplus routing
-
-def brute_force_choice(scores, k, bias, n_group, topk_group):
-    """One token: keep the topk_group groups with the highest top-2 sums of s + bias, then the k experts
-    of those groups with the highest s + bias, by enumeration."""
-    E = len(scores)
-    sel = [scores[e] + (0.0 if bias is None else float(bias[e])) for e in range(E)]
-    size = E // n_group
-    groups = [range(j * size, (j + 1) * size) for j in range(n_group)]
-    top2 = [sum(sorted((sel[e] for e in grp), reverse=True)[:2]) for grp in groups]
-    best = max(combinations(range(n_group), topk_group), key=lambda c: sum(top2[j] for j in c))
-    allowed = [e for j in best for e in groups[j]]
-    return set(max(combinations(allowed, k), key=lambda c: sum(sel[e] for e in c)))
-
 
 def loop_weights(scores, ids, norm, factor):
     """w_j = s[id_j] / Σ_i s[id_i] · factor (a repeated id is two terms of the sum)."""
