@@ -196,7 +196,8 @@ class _Acc:
         self.tokens = 0
 
     def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
-        a, b = a.double(), b.double()
+        # [T, ...] -> [T, features]: a token's hyper-connection streams [n, D] count as one vector
+        a, b = a.double().reshape(a.shape[0], -1), b.double().reshape(b.shape[0], -1)
         d = a - b
         self.diff2 += float((d * d).sum())
         self.ref2 += float((b * b).sum())

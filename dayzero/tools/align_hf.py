@@ -3,8 +3,9 @@
 
 ``hidden_states[i + 1]`` of ``output_hidden_states=True`` is the residual stream after layer ``i``, except the
 last entry: transformers replaces it with the final norm's output. The residual stream after the last layer is
-taken from the input of the final norm instead (a pre-hook); a model whose norm cannot be found compares
-the last layer after the final norm on both sides, and says so in the row.
+taken from the input of the final norm instead (a pre-hook), or, in models with hyper-connections, from the
+input of the head that collapses the streams (``hc_head``) before that norm; a model whose norm cannot be
+found compares the last layer after the final norm on both sides, and says so in the row.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from dayzero.tools.align import Capture, release_memory
 # transformers takes these kernels whenever they import, without a device check: the reference must run
 # its pure-PyTorch path
 KERNEL_MODULES = ("fla", "fla.ops", "fla.modules", "causal_conv1d", "mamba_ssm", "flash_attn", "kernels")
-NORM_NAMES = ("norm", "final_layernorm", "ln_f", "norm_f")
+NORM_NAMES = ("hc_head", "norm", "final_layernorm", "ln_f", "norm_f")  # hc_head: the streams' collapse
 
 
 def hf_knows(path: str | Path) -> bool:
@@ -39,6 +40,7 @@ def block_kernels() -> None:
 
 
 def final_norm(model) -> torch.nn.Module | None:
+    """The module whose input is the residual stream after the last layer (the final norm, or hc_head)."""
     base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
     for name in NORM_NAMES:
         norm = getattr(base, name, None)

@@ -154,3 +154,19 @@ def test_small_jumps_and_nan_layers():
     o.layers[1][0, 0] = float("nan")
     rows, first, jump, suggestions, _ = compare([o], [r], ["gqa+dense"] * 3, threshold=1e-3, jump_factor=4.0)
     assert first == 1 and not rows[1].passed and 1 in suggestions
+
+
+def test_fp32_matches_transformers_deepseek_v4_streams(tmp_path, capsys):
+    """Hyper-connection models: every layer, the last included, is compared as its n streams (the last from
+    the input of transformers' hc_head), and a token's streams count as one vector in the cosine."""
+    from tests.hf.test_deepseek_v4 import CONFIG, _init
+
+    make_hf_checkpoint(tmp_path, "deepseek_v4", init=_init, **CONFIG)
+    rc, out, err = run_cli(capsys, tmp_path, "--reference", "hf", "--dtype", "float32", "--lengths", "7,70",
+                           "--device", "cpu", "--json")
+    assert rc == 0, err
+    r = json.loads(out)
+    assert [row["kind"] for row in r["rows"]] == ["swa+moe", "csa+moe", "hca+moe", "csa+moe", "hca+moe"]
+    assert all(row["rel_err"] <= 1e-5 and row["note"] == "" for row in r["rows"]), r["rows"]
+    assert all(abs(row["cosine"] - 1) <= 1e-6 for row in r["rows"])
+    assert r["top1"] == 1.0 and r["logits_rel_err"] <= 1e-5
