@@ -62,10 +62,11 @@ class Compressor(nn.Module):
         self.kv_norm = RMSNorm(dim, eps)
         self.rotary = RotaryEmbedding(rope)
 
-    def cache_spec(self, dtype) -> tuple[PagedSpec, StateSpec]:
-        row = ((self.ring, self.kv_proj.out_features), dtype)
-        return (PagedSpec({self.name: ((self.dim,), dtype)}, strides={self.name: self.ratio}),
-                StateSpec({f"{self.name}_raw": row, f"{self.name}_gate": row}))
+    def add_cache(self, rows: dict, strides: dict, state: dict, dtype) -> None:
+        """Declare this series' cache: its entries (one row per ``ratio`` tokens) and its rings of raw rows."""
+        rows[self.name], strides[self.name] = ((self.dim,), dtype), self.ratio
+        ring = ((self.ring, self.kv_proj.out_features), dtype)
+        state[f"{self.name}_raw"] = state[f"{self.name}_gate"] = ring
 
     def forward(self, layer: CachedLayer, x: torch.Tensor, batch) -> None:
         """Pool every window completed in this step and write its entry (reads and refreshes the ring)."""
@@ -142,16 +143,13 @@ class CompressedAttention(CachedLayer):
         self.scale = D**-0.5
 
     def cache_spec(self, dtype):
-        window = StateSpec({"kv": ((self.spec.sliding_window, self.D), dtype)})
+        state = {"kv": ((self.spec.sliding_window, self.D), dtype)}  # the window's K=V ring
         if self.compressor is None:
-            return window
-        specs = [window, *self.compressor.cache_spec(dtype)]
-        if self.indexer is not None:
-            specs += self.indexer.compressor.cache_spec(dtype)
-        paged = [s for s in specs if isinstance(s, PagedSpec)]
-        state = [s for s in specs if isinstance(s, StateSpec)]
-        merge = lambda attr, ss: {k: v for s in ss for k, v in getattr(s, attr).items()}  # noqa: E731
-        return (PagedSpec(merge("rows", paged), strides=merge("strides", paged)), StateSpec(merge("tensors", state)))
+            return StateSpec(state)
+        rows, strides = {}, {}
+        for c in (self.compressor, *([self.indexer.compressor] if self.indexer is not None else [])):
+            c.add_cache(rows, strides, state, dtype)
+        return PagedSpec(rows, strides=strides), StateSpec(state)
 
     def forward(self, x: torch.Tensor, batch) -> torch.Tensor:
         T, H, D = x.shape[0], self.H, self.D
