@@ -2,7 +2,7 @@
 
 Paged caches hold rows per token in blocks shared by every paged layer of a sequence (one block table
 per sequence). State caches hold a constant-size state per running sequence, in slots. A layer may need
-both (DeepSeek-V4's compressed attention: paged keys plus the unfinished compression window), and then
+both (DeepSeek-V4's compressed attention: paged compressed entries plus per-sequence rings), and then
 declares a tuple of specs.
 
 A paged row may also stand for ``stride`` tokens (a compressed entry per m tokens): a block then holds
