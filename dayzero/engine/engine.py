@@ -13,6 +13,7 @@ from dayzero.cache.planner import available_memory, plan_cache
 from dayzero.cache.quant import KV_CACHE_DTYPES
 from dayzero.cache.spec import PagedSpec, StateSpec
 from dayzero.config.model_config import DTYPES
+from dayzero.engine.detokenizer import IncrementalText
 from dayzero.engine.model_runner import ModelRunner
 from dayzero.engine.request import CompletionOutput, RequestOutput, Sequence, SeqStatus
 from dayzero.engine.sampler import Sampler, make_generator
@@ -215,13 +216,18 @@ class LLMEngine:
         reason = None
         if n_out >= p.min_tokens and ((tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids):
             reason, seq.stop_reason = "stop", (tok if tok in p.stop_token_ids else None)
-        elif p.stop and self.tokenizer is not None and n_out >= p.min_tokens:
-            text = self._decode(seq.output_ids)
-            hits = [(text.find(s), s) for s in p.stop if s in text]
-            if hits:
-                at, s = min(hits)
-                seq.text = text[: at + (len(s) if p.include_stop_str_in_output else 0)]
-                reason, seq.stop_reason = "stop", s
+        elif self.tokenizer is not None:
+            if seq.detok is None:
+                seq.detok = IncrementalText(self._decode)
+            before = len(seq.detok.text)
+            if seq.detok.update(seq.output_ids) and p.stop and n_out >= p.min_tokens:
+                # a stop string the new text completes starts at most (longest stop - 1) characters back
+                text, start = seq.detok.text, max(0, before - max(map(len, p.stop)) + 1)
+                hits = [(at, s) for s in p.stop if (at := text.find(s, start)) >= 0]
+                if hits:
+                    at, s = min(hits)
+                    seq.text = text[: at + (len(s) if p.include_stop_str_in_output else 0)]
+                    reason, seq.stop_reason = "stop", s
         if reason is None and (n_out >= seq.max_tokens or seq.num_tokens >= self.max_model_len):
             reason = "length"
         if reason is not None:
@@ -238,9 +244,13 @@ class LLMEngine:
         outs = []
         for q in seqs:
             ids = q.output_ids
-            if not isinstance(q.stop_reason, str):  # a stop string already cut q.text
-                ends_on_stop_id = q.finish_reason == "stop" and ids and (ids[-1] in self.eos_ids or ids[-1] in q.params.stop_token_ids)
-                q.text = self._decode(ids[:-1] if ends_on_stop_id else ids)
+            if not q.finished:
+                q.text = q.detok.text if q.detok is not None else ""
+            elif q.detok is not None:  # first report since it finished: one whole decode gives the exact text
+                if not isinstance(q.stop_reason, str):  # a stop string already cut q.text
+                    ends_on_stop_id = q.finish_reason == "stop" and ids and (ids[-1] in self.eos_ids or ids[-1] in q.params.stop_token_ids)
+                    q.text = self._decode(ids[:-1] if ends_on_stop_id else ids)
+                q.detok = None
             want = q.params.logprobs is not None
             outs.append(CompletionOutput(
                 q.index, q.text, list(ids), q.finish_reason, list(q.logprobs) if want else None, q.stop_reason,

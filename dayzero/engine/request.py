@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dayzero.engine.detokenizer import IncrementalText
 from dayzero.engine.sampling_params import SamplingParams
 
 _seq_ids = itertools.count()
@@ -39,6 +40,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     text: str = ""
+    detok: IncrementalText | None = None  # the running text, until the finished output's whole decode
     arrival: float = field(default_factory=time.monotonic)
     num_preemptions: int = 0
 
