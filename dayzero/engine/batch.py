@@ -49,12 +49,15 @@ class ForwardBatch:
     def rows(self, b: int) -> slice:
         return slice(self.query_start[b], self.query_start[b + 1])
 
-    def entry_slots(self, b: int, stride: int, entries: torch.Tensor) -> torch.Tensor:
+    def entry_slots(self, b: int | slice, stride: int, entries: torch.Tensor) -> torch.Tensor:
         """Slots of sequence b's compressed entries ``entries`` in a pool of one row per ``stride`` tokens:
-        entry w (tokens w·stride ..) is row ``(w·stride mod block_size) // stride`` of the block of token w·stride."""
+        entry w (tokens w·stride ..) is row ``(w·stride mod block_size) // stride`` of the block of token w·stride.
+        ``b=slice(None)`` gives every sequence's [B, len(entries)]; entries past a sequence's blocks read the
+        last column of its table (padding for the caller to mask)."""
         per_block = -(-self.block_size // stride)
         pos = entries * stride
-        return self.block_tables[b, pos // self.block_size] * per_block + (pos % self.block_size) // stride
+        col = (pos // self.block_size).clamp(max=self.block_tables.shape[1] - 1)
+        return self.block_tables[b, col] * per_block + (pos % self.block_size) // stride
 
     def key_slots(self, b: int) -> torch.Tensor:
         """Cache slots of tokens 0..seq_lens[b]-1 of sequence b (computed once per step, shared by layers)."""

@@ -217,3 +217,43 @@ def test_sink_only_in_denominator():
         lg = 0.5 * float(q[0, h] @ kv[0])
         share = 1.0 / (1.0 + math.exp(float(sinks[h]) - lg))
         torch.testing.assert_close(out[0, h], kv[0] * share, rtol=RTOL, atol=ATOL)
+
+
+# ---------------------------------------------------------------- decode: every sequence at once
+
+def test_rows_form_equals_one_sequence_at_a_time():
+    """``compressed_attention_rows`` (decode, padded) per row equals ``compressed_attention`` of that sequence."""
+    g = torch.Generator().manual_seed(11)
+    B, H, D, L = 5, 4, 16, 12
+    q = torch.randn(B, H, D, generator=g)
+    keys = torch.randn(B, L, D, generator=g)
+    sinks = torch.randn(H, generator=g)
+    n_window = [1, 4, 7, 3, 0]  # window rows of each sequence, then its entries; the rest is padding
+    n_entries = [0, 3, 5, 0, 2]
+    mask = torch.zeros(B, L, dtype=torch.bool)
+    for b in range(B):
+        mask[b, : n_window[b] + n_entries[b]] = True
+    mask[2, n_window[2] + 1] = False  # an entry the indexer did not choose
+    out = call("compressed_attention_rows", q, keys, mask, 0.3, sinks)
+    for b in range(B):
+        w, c = n_window[b], n_entries[b]
+        pos = torch.tensor([20])
+        entry_mask = mask[b, w:w + c][None]
+        ref = call("compressed_attention", q[b:b + 1], keys[b, :w], 20 - w + 1, keys[b, w:w + c], entry_mask, pos,
+                   0.3, sinks, 128)
+        assert_close(out[b:b + 1], ref.double())
+
+
+def test_indexer_rows_form_equals_one_sequence_at_a_time():
+    g = torch.Generator().manual_seed(12)
+    B, Hi, Di, S, topk = 4, 16, 8, 10, 3
+    q, w = torch.randn(B, Hi, Di, generator=g), torch.randn(B, Hi, generator=g)
+    k = torch.randn(B, S, Di, generator=g)
+    counts = [0, 2, 3, 10]
+    valid = torch.arange(S)[None] < torch.tensor(counts)[:, None]
+    idx = call("indexer_topk_rows", q, w, k, valid, topk)
+    assert idx.shape == (B, topk)
+    for b, n in enumerate(counts):
+        ref = call("indexer_topk", q[b:b + 1], w[b:b + 1], k[b, :max(n, 1)], torch.tensor([n - 1]), topk)
+        assert set(idx[b].tolist()) == set(ref[0].tolist()), b
+        assert sorted(i for i in idx[b].tolist() if i >= 0) == sorted(range(n)) or n > topk

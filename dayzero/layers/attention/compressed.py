@@ -73,6 +73,11 @@ class Compressor(nn.Module):
         m = self.ratio
         raw, gate = self.kv_proj(x), self.gate_proj(x)  # [T, width]
         raw_ring, gate_ring = layer.cache[f"{self.name}_raw"], layer.cache[f"{self.name}_gate"]
+        decode = batch.max_query_len == 1
+        if decode:  # one token per sequence: every ring takes its row at once; only completed windows loop below
+            at = batch.positions % self.ring
+            raw_ring[batch.state_slots, at] = raw.to(raw_ring.dtype)
+            gate_ring[batch.state_slots, at] = gate.to(gate_ring.dtype)
         for b in range(batch.num_seqs):
             rows, slot = batch.rows(b), batch.state_slots[b]
             s, e = batch.seq_start[b], batch.seq_lens[b]
@@ -88,13 +93,23 @@ class Compressor(nn.Module):
                 cos, sin = self.rotary.cos_sin(entries * m)
                 pooled = self.rotary(self.kv_norm(pooled)[:, None], cos, sin)[:, 0]
                 layer.write_rows(self.name, batch.entry_slots(b, m, entries), pooled)
-            ring_write(raw_ring, slot, s, raw[rows])
-            ring_write(gate_ring, slot, s, gate[rows])
+            if not decode:
+                ring_write(raw_ring, slot, s, raw[rows])
+                ring_write(gate_ring, slot, s, gate[rows])
 
     def read(self, layer: CachedLayer, batch, b: int) -> torch.Tensor:
         """Every complete entry of sequence b, [C, dim]."""
         count = batch.seq_lens[b] // self.ratio
         return layer.read_rows(self.name, batch.entry_slots(b, self.ratio, torch.arange(count, device=batch.block_tables.device)))
+
+    def read_all(self, layer: CachedLayer, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every sequence's complete entries, padded: ([B, C, dim], valid [B, C]) with C the most any sequence has."""
+        counts = [e // self.ratio for e in batch.seq_lens]
+        dev = batch.block_tables.device
+        w = torch.arange(max(counts, default=0), device=dev)
+        slots = batch.entry_slots(slice(None), self.ratio, w)  # [B, C]
+        rows = layer.read_rows(self.name, slots.reshape(-1)).view(*slots.shape, self.dim)
+        return rows, w < torch.tensor(counts, device=dev)[:, None]
 
 
 class CompressedIndexer(nn.Module):
@@ -160,32 +175,56 @@ class CompressedAttention(CachedLayer):
         kv = self.rotary(self.kv_norm(self.kv_proj(x))[:, None], cos, sin)[:, 0]  # [T, D]
         if self.compressor is not None:
             self.compressor(self, x, batch)
+        iq = iw = None
         if self.indexer is not None:
             self.indexer.compressor(self, x, batch)
             iq, iw = self.indexer.project(x, c_q, batch.positions)
 
+        attend = self._decode if batch.max_query_len == 1 else self._prefill
+        out = attend(q, kv, batch, iq, iw)
+        out = self.rotary(out, cos, -sin)  # the values carried RoPE: rotate the output back to the query's frame
+        g = self.spec.o_groups
+        w_a = dense_weight(self.o_a_proj, out.dtype).view(g, self.spec.o_lora_rank, -1)  # [g, r, H*D/g]
+        low = torch.einsum("tgi,gri->tgr", out.reshape(T, g, -1), w_a)  # [T, g, r]
+        return self.o_b_proj(low.reshape(T, -1))
+
+    def _decode(self, q, kv, batch, iq, iw) -> torch.Tensor:
+        """One token per sequence: every sequence at once over its window ring and its padded entries."""
+        W, ring = self.spec.sliding_window, self.cache["kv"]
+        pos, slots = batch.positions, batch.state_slots
+        ring[slots, pos % W] = kv.to(ring.dtype)
+        keys = ring[slots]  # [B, W, D]: positions pos - ((pos - r) mod W), those < 0 never written
+        r = torch.arange(W, device=kv.device)
+        mask = pos[:, None] - (pos[:, None] - r) % W >= 0
+        if self.compressor is not None:
+            entries, valid = self.compressor.read_all(self, batch)  # [B, C, D]: all complete entries may be read
+            if self.indexer is not None:
+                index_keys, _ = self.indexer.compressor.read_all(self, batch)
+                idx = ops.call("indexer_topk_rows", iq, iw, index_keys, valid, self.indexer.topk)
+                valid = indices_to_mask(idx, entries.shape[1])
+            keys, mask = torch.cat((keys, entries.to(keys.dtype)), dim=1), torch.cat((mask, valid), dim=1)
+        return ops.call("compressed_attention_rows", q, keys, mask, self.scale, self.sinks)
+
+    def _prefill(self, q, kv, batch, iq, iw) -> torch.Tensor:
+        """Chunks of queries, a sequence at a time, over the window ring + this chunk's rows and the entries."""
         out = torch.empty_like(q)
-        window, m = self.spec.sliding_window, self.spec.compress_ratio
+        window, m, D = self.spec.sliding_window, self.spec.compress_ratio, self.D
         for b in range(batch.num_seqs):
             rows, slot, start = batch.rows(b), batch.state_slots[b], batch.seq_start[b]
             q_pos = batch.positions[rows]
             lo = max(0, start - window + 1)  # the first key any query of this step can see
             keys = torch.cat((ring_read(self.cache["kv"], slot, lo, start), kv[rows]))  # positions lo .. seq_lens[b]-1
             ring_write(self.cache["kv"], slot, start, kv[rows])
-            entries, mask = x.new_zeros(0, D), torch.zeros(rows.stop - rows.start, 0, dtype=torch.bool, device=x.device)
+            entries, mask = kv.new_zeros(0, D), torch.zeros(rows.stop - rows.start, 0, dtype=torch.bool, device=kv.device)
             if self.compressor is not None:
                 entries = self.compressor.read(self, batch, b)  # [C, D]
                 ready = (q_pos + 1) // m  # entries each query may read
                 if self.indexer is None:
-                    mask = torch.arange(entries.shape[0], device=x.device) < ready[:, None]
+                    mask = torch.arange(entries.shape[0], device=kv.device) < ready[:, None]
                 else:
                     index_keys = self.indexer.compressor.read(self, batch, b)
                     idx = ops.call("indexer_topk", iq[rows], iw[rows], index_keys, ready - 1, self.indexer.topk)
                     mask = indices_to_mask(idx, entries.shape[0])
             out[rows] = ops.call("compressed_attention", q[rows], keys, lo, entries, mask, q_pos, self.scale, self.sinks,
                                  window)
-        out = self.rotary(out, cos, -sin)  # the values carried RoPE: rotate the output back to the query's frame
-        g = self.spec.o_groups
-        w_a = dense_weight(self.o_a_proj, out.dtype).view(g, self.spec.o_lora_rank, -1)  # [g, r, H*D/g]
-        low = torch.einsum("tgi,gri->tgr", out.reshape(T, g, -1), w_a)  # [T, g, r]
-        return self.o_b_proj(low.reshape(T, -1))
+        return out

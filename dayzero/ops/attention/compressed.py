@@ -63,3 +63,25 @@ def compressed_attention(q: torch.Tensor, kv: torch.Tensor, kv_start: int, entri
     # every key is admitted by the mask, none by position: all queries sit "after" the last key
     last = torch.full_like(q_pos, L + C - 1)
     return attention(q, keys, keys, last, scale, mask, sinks)
+
+
+@register("compressed_attention_rows")
+def compressed_attention_rows(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scale: float,
+                              sinks: torch.Tensor | None) -> torch.Tensor:
+    """One query per sequence, all sequences at once (decode): q [B, H, D]; keys [B, L, D] (K=V: each sequence's
+    window rows and entries, padded); mask [B, L] bool, the keys each query reads; returns [B, H, D] in q's dtype.
+    Per row it is ``compressed_attention`` of that sequence's one query."""
+    kf = keys.float()
+    s = torch.einsum("bhd,bld->bhl", q.float(), kf) * scale
+    s = s.masked_fill(~mask[:, None, :], float("-inf"))
+    m = s.amax(dim=-1, keepdim=True)  # [B, H, 1]
+    sink = None if sinks is None else sinks.float().view(1, -1, 1)
+    if sink is not None:
+        m = torch.maximum(m, sink.expand_as(m))
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # a row with no key and no sink gives 0
+    p = torch.exp(s - m)
+    denom = p.sum(dim=-1, keepdim=True)
+    if sink is not None:
+        denom = denom + torch.exp(sink - m)
+    out = torch.einsum("bhl,bld->bhd", p, kf) / denom.clamp_min(torch.finfo(torch.float32).tiny)
+    return out.to(q.dtype)

@@ -72,3 +72,22 @@ def indexer_topk(
         slot = torch.arange(kk, device=q.device)
         out[t0:t1, :kk] = torch.where(slot < n_valid, idx, torch.full_like(idx, -1))
     return out
+
+
+@register("indexer_topk_rows")
+def indexer_topk_rows(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, valid: torch.Tensor,
+                      topk: int) -> torch.Tensor:
+    """One query per sequence, all sequences at once (decode): q [B, Hi, Di]; weights [B, Hi]; k [B, S, Di]
+    (each sequence's keys, padded); valid [B, S] bool. Returns [B, topk] int64: the top min(topk, valid keys)
+    keys of each row (any order), -1 padded; per row it is ``indexer_topk`` over that row's valid keys."""
+    B, S = valid.shape
+    out = torch.full((B, topk), -1, dtype=torch.int64, device=q.device)
+    if B == 0 or S == 0 or topk == 0:
+        return out
+    logits = torch.einsum("bhd,bsd->bhs", q.float(), k.float()).relu_()
+    scores = torch.einsum("bhs,bh->bs", logits, weights.float()).masked_fill_(~valid, float("-inf"))
+    kk = min(topk, S)
+    _, idx = torch.topk(scores, kk, dim=-1, sorted=True)  # valid keys first
+    n_valid = valid.sum(-1, keepdim=True)
+    out[:, :kk] = torch.where(torch.arange(kk, device=q.device) < n_valid, idx, torch.full_like(idx, -1))
+    return out
