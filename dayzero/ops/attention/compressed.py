@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from dayzero.ops.attention.reference import attention
+from dayzero.ops.attention.reference import attention, sink_softmax
 from dayzero.ops.registry import register
 
 
@@ -74,14 +74,5 @@ def compressed_attention_rows(q: torch.Tensor, keys: torch.Tensor, mask: torch.T
     kf = keys.float()
     s = torch.einsum("bhd,bld->bhl", q.float(), kf) * scale
     s = s.masked_fill(~mask[:, None, :], float("-inf"))
-    m = s.amax(dim=-1, keepdim=True)  # [B, H, 1]
-    sink = None if sinks is None else sinks.float().view(1, -1, 1)
-    if sink is not None:
-        m = torch.maximum(m, sink.expand_as(m))
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # a row with no key and no sink gives 0
-    p = torch.exp(s - m)
-    denom = p.sum(dim=-1, keepdim=True)
-    if sink is not None:
-        denom = denom + torch.exp(sink - m)
-    out = torch.einsum("bhl,bld->bhd", p, kf) / denom.clamp_min(torch.finfo(torch.float32).tiny)
-    return out.to(q.dtype)
+    p, denom = sink_softmax(s, None if sinks is None else sinks.float().view(1, -1, 1))
+    return (torch.einsum("bhl,bld->bhd", p, kf) / denom).to(q.dtype)

@@ -35,6 +35,21 @@ def key_range(pos: torch.Tensor, num_keys: int, window: int | None) -> tuple[int
     return lo, max(lo, hi)
 
 
+def sink_softmax(scores: torch.Tensor, sink: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unnormalised softmax weights over the last dim and their denominator, ``(p, denom)``: fp32 ``scores``
+    with -inf at keys not read; ``sink`` (broadcasting to ``scores[..., :1]``) adds e^sink to the denominator
+    only. A row with no key and no sink gets p = 0 and a denominator of tiny (so p / denom = 0)."""
+    m = scores.amax(dim=-1, keepdim=True)
+    if sink is not None:
+        m = torch.maximum(m, sink.expand_as(m))
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # no key (and no sink): any finite m gives p = 0
+    p = torch.exp(scores - m)
+    denom = p.sum(dim=-1, keepdim=True)
+    if sink is not None:
+        denom = denom + torch.exp(sink - m)
+    return p, denom.clamp_min(torch.finfo(torch.float32).tiny)
+
+
 @register("attention")
 def attention(
     q: torch.Tensor,
@@ -87,18 +102,9 @@ def attention(
         scores = torch.matmul(qb, kf[:, lo:hi].transpose(1, 2)).mul_(scale)  # [Hkv, G*B, Sb]
         scores = scores.view(H, B, hi - lo).masked_fill_(~allowed, float("-inf"))
 
-        m = scores.amax(dim=-1, keepdim=True)  # [H, B, 1]
-        if sink is not None:
-            m = torch.maximum(m, sink[:, :, None].expand_as(m))
-        # A row with no allowed key (and no sink) has m = -inf; any finite m gives p = 0 there.
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-        p = torch.exp(scores - m)
-        denom = p.sum(dim=-1, keepdim=True)
-        if sink is not None:
-            denom = denom + torch.exp(sink[:, :, None] - m)  # the sink adds to the denominator only
-
+        p, denom = sink_softmax(scores, None if sink is None else sink[:, :, None])  # [H, B, Sb], [H, B, 1]
         o = torch.matmul(p.view(Hkv, G * B, hi - lo), vf[:, lo:hi])  # [Hkv, G*B, Dv]
-        o = o.view(H, B, Dv) / denom.clamp_min(torch.finfo(torch.float32).tiny)  # numerator 0 where denom 0
+        o = o.view(H, B, Dv) / denom
         out[t0:t1] = o.permute(1, 0, 2).to(q.dtype)
     return out
 
