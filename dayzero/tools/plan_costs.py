@@ -168,8 +168,8 @@ def model_costs(info: ModelInfo, experts: str | None = None, workspace: str | No
 
 def _read(lc: LayerCost, row: str) -> str:
     """Which keys of a cache row a query reads: the indexer's top-k, a sliding window, or all of them."""
-    if isinstance(lc.attn, CompressedAttnSpec):  # K=V window rows; entries (top-k with an indexer); indexer keys
-        return {"kv": "window", "ckv": "topk" if lc.topk else "all"}.get(row, "all")
+    if isinstance(lc.attn, CompressedAttnSpec):  # paged: the entries (top-k of them with an indexer), indexer keys
+        return "topk" if row == "ckv" and lc.topk else "all"
     if lc.topk is not None and "index" not in row:
         return "topk"
     return "window" if lc.window else "all"
