@@ -81,6 +81,19 @@ def test_prediction_matches_the_engine_allocation_of_the_small_model():
     assert pred["cache"] == pytest.approx(cache, rel=0.10)
 
 
+def test_prediction_matches_the_engine_allocation_of_deepseek_v4():
+    """DeepSeek-V4's caches: strided entry pools (one row per 4 or 128 tokens) plus per-sequence rings."""
+    L, B = 4096, 4
+    path = CONFIGS / "deepseek-v4-small.json"
+    model = build_uninitialised(load_config(path), torch.bfloat16, "meta")
+    runner = ModelRunner(model, torch.device("meta"), torch.bfloat16)
+    runner.allocate_cache(plan_cache(runner.specs, 16, L, B, 1 << 50))
+    cache = sum(_nbytes(t) for _, layer in runner.layers for t in layer.cache.values())
+    pred = predict_allocation(str(path), "bf16", L, B)
+    assert pred["cache"] == pytest.approx(cache, rel=0.10)
+    assert pred["weights"] == pytest.approx(sum(_nbytes(p) for p in model.parameters()), rel=0.10)
+
+
 def test_2p8t_on_h200s_with_mxfp4_experts():
     cfg = PlanConfig(devices=64, device=DEVICES["h200"], context=131072, batch=16, experts="mxfp4")
     p = plan(str(CONFIGS / "dayzero-2.8t.json"), cfg)
