@@ -7,6 +7,7 @@ from dayzero.ops.attention import reference as _attention  # noqa: F401,E402
 from dayzero.ops.indexer import reference as _indexer  # noqa: F401,E402
 from dayzero.ops.kda import reference as _kda  # noqa: F401,E402
 from dayzero.ops.moe import reference as _moe  # noqa: F401,E402
+from dayzero.ops.moe import cuda as _moe_cuda  # noqa: F401,E402
 from dayzero.ops.norm import reference as _norm  # noqa: F401,E402
 from dayzero.ops.rotary import reference as _rotary  # noqa: F401,E402
 from dayzero.ops.ssd import reference as _ssd  # noqa: F401,E402
