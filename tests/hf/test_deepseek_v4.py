@@ -164,3 +164,21 @@ def test_spec_and_cache(ckpt):
     # the sliding-window layer keeps only its window ring; compressed layers add strided entry rows
     assert [type(s).__name__ for s in specs[0]] == ["StateSpec"] and specs[0][0].tensors["kv"][0] == (8, 32)
     assert specs[1][0].strides == {"ckv": 4, "index_k": 4} and specs[2][0].strides == {"ckv": 8}
+
+
+@torch.no_grad()
+def test_quantised_kv_cache_holds_the_entries(ckpt):
+    """kv_cache_dtype applies to the paged entry rows (quantised per token), not to the per-sequence rings; a
+    float32 cache of a float32 model changes nothing, fp8 moves the logits by the rounding of the entries."""
+    from dayzero.cache.quant import QuantPagedPool
+
+    path, _ = ckpt
+    ids = prompt_batch(CONFIG["vocab_size"], lengths=(70,), seed=3)[0]
+    base = run_chunks(_llm(path).engine, ids, [9, 14, 47])
+    assert torch.equal(run_chunks(_llm(path, kv_cache_dtype="float32").engine, ids, [9, 14, 47]), base)
+    engine = _llm(path, kv_cache_dtype="fp8").engine
+    caches = {name: t for _, layer in engine.runner.layers for name, t in layer.cache.items()}
+    assert isinstance(caches["ckv"], QuantPagedPool) and isinstance(caches["index_k"], QuantPagedPool)
+    assert caches["kv"].dtype == torch.float32 and caches["ckv_raw"].dtype == torch.float32  # rings stay
+    rel = _rel(run_chunks(engine, ids, [9, 14, 47]), base)
+    assert 1e-4 < rel < 0.15, rel  # the random tiny model amplifies rounding: bf16 compute alone gives 2.6e-2
