@@ -8,7 +8,8 @@ from dayzero import ops
 from dayzero.ops.moe.reference import grouped_experts as reference
 from dayzero.ops.registry import choose
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+              pytest.mark.skipif(not hasattr(torch.nn.functional, "grouped_mm"), reason="needs torch's grouped_mm")]
 
 
 def case(T, E, k, D, inter, activation, bias=False, seed=0, dtype=torch.bfloat16):
