@@ -27,14 +27,17 @@ class IncrementalText:
         self.prefix = 0  # ids[prefix:read] are the left context of the next decode
         self.read = 0  # ids[:read] are in ``text``
 
-    def update(self, ids: list[int]) -> str:
-        """Extend ``text`` with what ``ids[read:]`` (the tokens since the last call) add; returns the text added."""
-        window = ids[self.prefix:]
+    def update(self, ids: list[int], start: int = 0) -> str:
+        """Extend ``text`` with what the tokens since the last call add; the output is ``ids[start:]`` (a
+        sequence's whole token list and its prompt length, so no step copies the whole output). Returns the
+        text added."""
+        n = len(ids) - start  # output tokens so far
+        window = ids[start + self.prefix:]
         new = self.decode(window)
-        if new.endswith(REPLACEMENT) and len(ids) - self.read < MAX_PENDING:
+        if new.endswith(REPLACEMENT) and n - self.read < MAX_PENDING:
             return ""
         old = self.decode(window[: self.read - self.prefix])
         added = new[len(old):]  # the context decodes to a prefix of the longer window for the tokenizers in use
         self.text += added
-        self.prefix, self.read = self.read, len(ids)
+        self.prefix, self.read = self.read, n
         return added

@@ -220,7 +220,7 @@ class LLMEngine:
             if seq.detok is None:
                 seq.detok = IncrementalText(self._decode)
             before = len(seq.detok.text)
-            if seq.detok.update(seq.output_ids) and p.stop and n_out >= p.min_tokens:
+            if seq.detok.update(seq.token_ids, seq.num_prompt_tokens) and p.stop and n_out >= p.min_tokens:
                 # a stop string the new text completes starts at most (longest stop - 1) characters back
                 text, start = seq.detok.text, max(0, before - max(map(len, p.stop)) + 1)
                 hits = [(at, s) for s in p.stop if (at := text.find(s, start)) >= 0]

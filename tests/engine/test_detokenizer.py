@@ -111,3 +111,13 @@ def test_work_per_token_is_bounded(name):
     texts, decoded = stream(tok, ids)
     assert decoded <= 2 * (MAX_PENDING + 1) * len(ids), decoded
     assert len(texts[-1]) >= len(TEXT)  # it kept up (2000 tokens of a text that takes fewer to write)
+
+
+def test_offset_into_the_whole_token_list():
+    """``update(token_ids, prompt_len)`` equals ``update(output_ids)``: the engine passes the sequence's list."""
+    tok = byte_tokenizer()
+    prompt, out = tok.encode("prompt: ", add_special_tokens=False), tok.encode(TEXT, add_special_tokens=False)
+    a, b = IncrementalText(tok.decode), IncrementalText(tok.decode)
+    for n in range(1, len(out) + 1):
+        assert a.update(prompt + out[:n], len(prompt)) == b.update(out[:n])
+    assert a.text == b.text == TEXT
