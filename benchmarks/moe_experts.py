@@ -1,5 +1,5 @@
-"""Routed experts, one layer: the reference (a GEMM pair per expert hit) against the CUDA grouped GEMM, side by
-side in one run, with the roofline.
+"""Routed experts, one layer: the reference (a GEMM pair per expert hit) against the CUDA ops (``moe_permute``, the
+grouped GEMM of ``moe_experts_grouped``, ``moe_unpermute``), side by side in one run, with the roofline.
 
     python benchmarks/moe_experts.py --experts 64 --top-k 6 --hidden 4096 --inter 2048 --tokens 1 16 64 512 4096
 

@@ -159,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--block-size", type=int, default=16)
     s.add_argument("--num-cache-blocks", type=int, default=None, help="default: sized from free memory")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly")
+    s.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
+                   help="decode batch sizes captured as CUDA graphs (default 1 2 4 8 16 24 .. --max-num-seqs)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM")
     lim = s.add_argument_group("limits (each refused with a clear error)")
     lim.add_argument("--max-body-bytes", type=int, default=4 << 20)

@@ -44,11 +44,15 @@ class BlockPool:
 
 
 class SlotPool:
-    """Constant-size state slots for linear-attention layers, one per running sequence."""
+    """Constant-size state slots for linear-attention layers, one per running sequence. Slot 0 is the null
+    slot, never handed out (padding rows of a captured decode step read and write it): the state tensors
+    hold ``num_slots + 1`` rows and sequences get slots 1 .. num_slots."""
+
+    NULL = 0
 
     def __init__(self, num_slots: int):
         self.num_slots = num_slots
-        self.free = deque(range(num_slots))
+        self.free = deque(range(1, num_slots + 1))
 
     @property
     def num_free(self) -> int:

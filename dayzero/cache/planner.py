@@ -1,7 +1,8 @@
 """Sizing the cache pools from a memory budget.
 
 Paged layers share one block table per sequence, so one block costs ``block_size`` tokens of every paged
-layer; each running sequence also holds one state slot covering every linear-attention layer. Slots are
+layer; each running sequence also holds one state slot covering every linear-attention layer (plus the
+reserved null slot that padding rows of a captured decode step use). Slots are
 sized for ``max_num_seqs``; blocks take the rest of the budget, capped at what ``max_num_seqs`` sequences
 of ``max_model_len`` tokens could ever use. When not even one maximum-length sequence fits, loading
 stops with the bytes needed, the bytes available and the settings that change either.
@@ -28,10 +29,12 @@ class CachePlan:
     num_slots: int
     bytes_per_block: int
     bytes_per_slot: int
+    graph_bytes: int = 0  # what the decode CUDA graphs hold beside the cache (taken from the budget)
 
     @property
     def total_bytes(self) -> int:
-        return self.num_blocks * self.bytes_per_block + self.num_slots * self.bytes_per_slot
+        # the state tensors hold one more row than there are slots: the reserved null slot
+        return self.num_blocks * self.bytes_per_block + (self.num_slots + 1) * self.bytes_per_slot
 
     @property
     def capacity_tokens(self) -> int:
@@ -68,7 +71,7 @@ def plan_cache(
     blocks_per_seq = -(-max_model_len // block_size) if per_block else 0
     if num_cache_blocks is not None:
         return CachePlan(block_size, num_cache_blocks, max_num_seqs, per_block, per_slot)
-    need_one = (1 + blocks_per_seq) * per_block + per_slot
+    need_one = (1 + blocks_per_seq) * per_block + 2 * per_slot  # a slot, and the null slot
     if budget_bytes is None or budget_bytes < need_one:
         raise CacheMemoryError(
             f"not enough memory for one sequence of max_model_len={max_model_len} tokens: the cache needs "
@@ -78,10 +81,10 @@ def plan_cache(
             f"or use a smaller kv_cache_dtype (fp8 or int8)"
         )
     slots = max_num_seqs
-    spare = budget_bytes - slots * per_slot
+    spare = budget_bytes - (slots + 1) * per_slot
     if spare < (1 + blocks_per_seq) * per_block:  # fewer slots, so that one full sequence still fits
-        slots = max(1, (budget_bytes - (1 + blocks_per_seq) * per_block) // max(per_slot, 1))
-        spare = budget_bytes - slots * per_slot
+        slots = max(1, (budget_bytes - (1 + blocks_per_seq) * per_block) // max(per_slot, 1) - 1)
+        spare = budget_bytes - (slots + 1) * per_slot
     cap = 1 + max_num_seqs * blocks_per_seq
     num_blocks = min(cap, spare // per_block) if per_block else 1
     return CachePlan(block_size, max(int(num_blocks), 2), int(min(slots, max_num_seqs)), per_block, per_slot)

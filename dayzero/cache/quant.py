@@ -51,24 +51,40 @@ class QuantPagedPool:
         # round the scale to its stored precision first, so quantising and dequantising use the same value
         return (amax / self.qmax).clamp(min=1e-8).to(SCALE_DTYPE).float()
 
+    def _owners(self, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Per written row n: its block, its offset, the representative of its block (the least n writing
+        that block), its slot in the representatives' [N, block_size] scratch, and the row its slot takes
+        (the least n writing that slot: only padding rows share a slot, and the choice must not depend on
+        the order a device applies duplicate writes in). Fixed-shape scatters only, so no host sync."""
+        n, bs, dev = slots.numel(), self.block_size, slots.device
+        blocks, offs = slots // bs, slots % bs  # [N]
+        idx = torch.arange(n, device=dev)
+        rep = torch.full((self.data.shape[0],), n, device=dev).scatter_reduce_(0, blocks, idx, "amin")[blocks]  # [N]
+        key = rep * bs + offs  # [N], in [0, N * bs)
+        win = torch.full((n * bs,), n, device=dev).scatter_reduce_(0, key, idx, "amin")[key]  # [N]
+        return blocks, offs, rep, key, win
+
     def write(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        rows = rows.float()
+        """Store rows [N, *row] at slots [N] without a host sync, so a step that writes can be captured in
+        a CUDA graph. Rows that share a slot (padding into the null block) store the first of them."""
+        slots, rows = slots.long(), rows.float()
+        blocks, offs, rep, key, win = self._owners(slots)
         if not self.per_channel:
             s = self._scale_of(rows.abs().amax(-1))  # [N, *row[:-1]]
-            self.data.view(-1, *self.row)[slots] = self._quant(rows, s[..., None])
-            self.scale.view(-1, *self.row[:-1])[slots] = s.to(SCALE_DTYPE)
+            self.data.view(-1, *self.row)[slots] = self._quant(rows, s[..., None])[win]
+            self.scale.view(-1, *self.row[:-1])[slots] = s.to(SCALE_DTYPE)[win]
             return
-        bs = self.block_size
-        blocks, offs = slots // bs, slots % bs
-        ub, inv = torch.unique(blocks, return_inverse=True)  # [U], [N]
-        first = torch.full((ub.numel(),), bs, dtype=offs.dtype, device=offs.device).scatter_reduce(0, inv, offs, "amin")
-        old = self.data[ub].float() * self.scale[ub].float()[:, None]  # [U, bs, *row] dequantised
-        keep = torch.arange(bs, device=offs.device)[None, :] < first[:, None]  # rows written before this step
-        old = old * keep.view(*keep.shape, *([1] * len(self.row)))
-        old[inv, offs] = rows
-        s = self._scale_of(old.abs().amax(1))  # [U, *row]
-        self.data[ub] = self._quant(old, s[:, None])
-        self.scale[ub] = s.to(SCALE_DTYPE)
+        bs, dev = self.block_size, slots.device
+        # each written row gets a copy of its block; only the representatives' copies get the new rows
+        first = torch.full((self.data.shape[0],), bs, device=dev).scatter_reduce_(0, blocks, offs, "amin")
+        keep = torch.arange(bs, device=dev)[None, :] < first[blocks][:, None]  # [N, bs]: rows of earlier steps
+        old = self.data[blocks].float() * self.scale[blocks].float()[:, None]  # [N, bs, *row] dequantised
+        old = old * keep.view(*keep.shape, *([1] * len(self.row)))  # stale rows to zero (a product: -0 stays -0)
+        old.view(-1, *self.row)[key] = rows[win]
+        s = self._scale_of(old.abs().amax(1))  # [N, *row]
+        # every row of a block writes its representative's values, so duplicate writes agree
+        self.data[blocks] = self._quant(old, s[:, None])[rep]
+        self.scale[blocks] = s.to(SCALE_DTYPE)[rep]
 
     def read(self, slots: torch.Tensor) -> torch.Tensor:
         q = self.data.view(-1, *self.row)[slots].float()

@@ -124,6 +124,38 @@ class KDASpec:
 
 
 @dataclass(frozen=True)
+class GDNSpec:
+    """Gated DeltaNet (Qwen3-Next): KDA with one scalar decay per head; ``layers/attention/gdn.py``."""
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_size: int = 4
+    kind: str = "gdn"
+
+    @property
+    def conv_dim(self) -> int:  # channels of the short conv: [q | k | v]
+        return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
+
+
+@dataclass(frozen=True)
+class Mamba2Spec:
+    """Mamba-2 mixer (Nemotron-H); ``layers/attention/mamba2.py``."""
+
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int = 1
+    conv_size: int = 4
+    chunk_size: int = 128
+    dt_limit: tuple[float, float] = (0.0, math.inf)  # clamp of the time step after softplus
+    conv_bias: bool = True
+    bias: bool = False  # in_proj / out_proj biases
+    kind: str = "mamba2"
+
+
+@dataclass(frozen=True)
 class MLPSpec:
     intermediate_size: int
     activation: str = "silu"  # "silu" (gated), "relu2" (not gated)
@@ -172,7 +204,7 @@ class HyperSpec:
     sinkhorn_iters: int = 0  # > 0: a learned [n, n] stream mixing, projected by this many Sinkhorn-Knopp steps
 
 
-AttnSpec = GQASpec | MLASpec | KDASpec | CompressedAttnSpec
+AttnSpec = GQASpec | MLASpec | KDASpec | GDNSpec | Mamba2Spec | CompressedAttnSpec
 MlpSpec = MLPSpec | MoESpec
 
 

@@ -8,13 +8,10 @@ from pathlib import Path
 
 import torch
 
-from dayzero.cache.manager import CacheManager
-from dayzero.cache.planner import available_memory, plan_cache
 from dayzero.cache.quant import KV_CACHE_DTYPES
-from dayzero.cache.spec import PagedSpec, StateSpec
 from dayzero.config.model_config import DTYPES
+from dayzero.engine.builder import assemble, prepare_weights
 from dayzero.engine.detokenizer import IncrementalText
-from dayzero.engine.model_runner import ModelRunner
 from dayzero.engine.request import CompletionOutput, RequestOutput, Sequence, SeqStatus
 from dayzero.engine.sampler import Sampler, make_generator
 from dayzero.engine.sampling_params import SamplingParams
@@ -48,6 +45,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "bfloat16" | "float16" | "float32" | "fp8" | "int8"
     expert_compute: str = "bf16"  # workspace format packed MXFP4 experts are converted into: "bf16" | "fp8"
     high_precision_layers: tuple[int, ...] = ()  # layers whose packed experts are dequantised once at load
+    enforce_eager: bool = False  # True: no CUDA graphs, every step runs eagerly
+    cuda_graph_sizes: tuple[int, ...] | None = None  # decode batch sizes captured (default 1, 2, 4, 8, 16, .. max_num_seqs)
+    cuda_graph_max_len: int = 8192  # decode steps whose longest sequence is longer run eagerly
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -67,6 +67,12 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {list(DTYPES)}, got {self.dtype!r}")
+        if self.cuda_graph_sizes is not None:
+            self.cuda_graph_sizes = tuple(self.cuda_graph_sizes)
+            if not self.cuda_graph_sizes or any(not isinstance(v, int) or v < 1 for v in self.cuda_graph_sizes):
+                raise ValueError(f"cuda_graph_sizes must be positive ints, got {self.cuda_graph_sizes!r}")
+        if not isinstance(self.cuda_graph_max_len, int) or self.cuda_graph_max_len < 1:
+            raise ValueError(f"cuda_graph_max_len must be a positive int, got {self.cuda_graph_max_len!r}")
 
 
 class LLMEngine:
@@ -94,20 +100,16 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         torch.manual_seed(config.seed)
 
-        self.runner = ModelRunner(self.model, self.device, self.dtype, config.kv_cache_dtype)
-        budget = config.cache_memory_bytes
-        if budget is None and config.num_cache_blocks is None:
-            budget = int(available_memory(self.device) * config.cache_memory_fraction)
-        self.cache_plan = plan_cache(
-            self.runner.specs, config.block_size, self.max_model_len, config.max_num_seqs, budget, config.num_cache_blocks,
-            config.kv_cache_dtype,
+        prepare_weights(self.model)
+        built = assemble(
+            self.model, self.device, self.dtype, block_size=config.block_size, max_model_len=self.max_model_len,
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            budget_bytes=config.cache_memory_bytes, memory_fraction=config.cache_memory_fraction,
+            num_cache_blocks=config.num_cache_blocks, kv_cache_dtype=config.kv_cache_dtype,
+            cuda_graphs=not config.enforce_eager, cuda_graph_sizes=config.cuda_graph_sizes,
+            cuda_graph_max_len=config.cuda_graph_max_len,
         )
-        self.runner.allocate_cache(self.cache_plan)
-        self.cache = CacheManager(
-            config.block_size, self.cache_plan.num_blocks, self.cache_plan.num_slots,
-            uses_blocks=any(isinstance(s, PagedSpec) for s in self.runner.specs),
-            uses_slots=any(isinstance(s, StateSpec) for s in self.runner.specs),
-        )
+        self.runner, self.cache, self.cache_plan, self.decode_mode = built.runner, built.cache, built.plan, built.graph_note
         self.scheduler = Scheduler(self.cache, min(config.max_num_seqs, self.cache_plan.num_slots), config.max_num_batched_tokens)
         self.sampler = Sampler()
         self.requests: dict[str, list[Sequence]] = {}
@@ -194,11 +196,9 @@ class LLMEngine:
             logits, [q.params for q in to_sample], [q.generator for q in to_sample], [q.output_ids for q in to_sample]
         )
         touched: dict[str, None] = {}
-        tops = [[]] * len(to_sample)
-        if out.top_ids is not None:
-            ids, lps = out.top_ids.tolist(), out.top_logprobs.tolist()
-            tops = [list(zip(i[: q.params.logprobs or 0], l[: q.params.logprobs or 0])) for q, i, l in zip(to_sample, ids, lps)]
-        for seq, tok, lp, top in zip(to_sample, out.token_ids.tolist(), out.logprobs.tolist(), tops):
+        host = out.to_host([q.params.logprobs or 0 for q in to_sample])  # the step's one device -> host copy
+        tops = host.top or [[]] * len(to_sample)
+        for seq, tok, lp, top in zip(to_sample, host.token_ids, host.logprobs, tops):
             self._append(seq, tok, lp, top)
             touched[seq.request_id] = None
         return [self._output(r) for r in touched if r in self.requests]

@@ -23,6 +23,9 @@ class LLM:
     Packed MXFP4 experts are converted per layer into one shared workspace in ``expert_compute`` ("bf16" or
     "fp8"); ``high_precision_layers`` lists layers whose experts are instead dequantised once at load.
     ``load_format="dummy"`` gives random weights from the config alone (``model`` may then be a config file).
+    On CUDA, decode steps run as CUDA graphs captured at load for the batch sizes ``cuda_graph_sizes`` (default
+    1, 2, 4, 8, 16, 24, .. ``max_num_seqs``) and contexts up to ``cuda_graph_max_len`` tokens; ``enforce_eager``
+    turns them off.
     """
 
     def __init__(
@@ -42,12 +45,16 @@ class LLM:
         expert_compute: str = "bf16",
         high_precision_layers: tuple[int, ...] | list[int] = (),
         load_format: str = "auto",
+        enforce_eager: bool = False,
+        cuda_graph_sizes: Seq[int] | None = None,
+        cuda_graph_max_len: int = 8192,
     ):
         self.engine = LLMEngine(EngineConfig(
             model=model, device=device, dtype=dtype, block_size=block_size, num_cache_blocks=num_cache_blocks,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             seed=seed, cache_memory_bytes=cache_memory_bytes, kv_cache_dtype=kv_cache_dtype,
             expert_compute=expert_compute, high_precision_layers=tuple(high_precision_layers), load_format=load_format,
+            enforce_eager=enforce_eager, cuda_graph_sizes=cuda_graph_sizes, cuda_graph_max_len=cuda_graph_max_len,
         ))
         self._ids = itertools.count()
 

@@ -1,6 +1,9 @@
-"""The model runner: owns the model and its cache tensors, turns a schedule into a flat batch, runs the
-forward pass and returns the logits of the sequences to sample."""
+"""The model runner: owns the model, its cache tensors and the step's persistent device buffers, turns a
+schedule into a flat batch, runs the forward pass (eagerly, or by replaying a captured decode graph) and
+returns the logits of the sequences to sample."""
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -9,6 +12,11 @@ from dayzero.cache.planner import CachePlan
 from dayzero.cache.spec import PagedSpec, allocate, parts
 from dayzero.engine.batch import ForwardBatch
 from dayzero.engine.scheduler import ScheduledSeq
+from dayzero.engine.step_buffers import StepBuffers
+
+log = logging.getLogger("dayzero")
+
+NULL_BLOCK = NULL_SLOT = 0  # what padding rows read and write (never handed to a sequence)
 
 
 class ModelRunner:
@@ -20,50 +28,105 @@ class ModelRunner:
         self.layers = model.cached_layers()
         self.layer_specs = [parts(layer.cache_spec(cache_dtype)) for _, layer in self.layers]
         self.specs = [s for specs in self.layer_specs for s in specs]  # every spec, for planning
+        self.buffers: StepBuffers | None = None
+        self.graphs = None  # DecodeGraphs once captured
+        self._workspaces: list | None = None
+        # the largest DSA top-k: the width of the step's selection buffer
+        self.topk = max((l.indexer.topk for _, l in self.layers if getattr(l, "indexer", None) is not None
+                         and hasattr(l.indexer, "wk")), default=0)
 
     def allocate_cache(self, plan: CachePlan) -> None:
         for (_, layer), specs in zip(self.layers, self.layer_specs):
             tensors = {}
             for spec in specs:
-                count = plan.num_blocks if isinstance(spec, PagedSpec) else plan.num_slots
+                # state tensors hold the reserved null slot 0 besides the plan's slots
+                count = plan.num_blocks if isinstance(spec, PagedSpec) else plan.num_slots + 1
                 tensors.update(allocate(spec, count, plan.block_size, self.device, self.kv_cache_dtype))
             layer.bind_cache(tensors)
 
+    def reserve_buffers(self, max_tokens: int, max_seqs: int, max_blocks: int) -> None:
+        """Allocate the persistent step buffers for steps of up to these sizes."""
+        self.buffers = StepBuffers(self.device, max_tokens, max_seqs, max_blocks, self.topk)
+
+    def _buffers_for(self, tokens: int, seqs: int, blocks: int) -> StepBuffers:
+        buf = self.buffers
+        if buf is None or not buf.fits(tokens, seqs, blocks):
+            if self.graphs is not None:
+                raise RuntimeError(f"a step of {tokens} tokens, {seqs} sequences and {blocks} blocks exceeds the buffers "
+                                   "the decode graphs were captured with")
+            grow = (lambda have, need: max(have, need)) if buf is not None else (lambda have, need: need)
+            self.reserve_buffers(grow(buf.max_tokens if buf else 0, tokens), grow(buf.max_seqs if buf else 0, seqs),
+                                 grow(buf.max_blocks if buf else 0, blocks))
+        return self.buffers
+
     def build_batch(self, scheduled: list[ScheduledSeq], cache: CacheManager) -> ForwardBatch:
         bs = cache.block_size
-        ids, pos, slots, starts, lens, tables, state_slots, sample_rows = [], [], [], [], [], [], [], []
+        handles = [cache.handle(s.seq.seq_id) for s in scheduled]
+        width = max((len(h.blocks) for h in handles), default=0) or 1
+        rows = len(scheduled)
+        graph = None
+        if self.graphs is not None and all(s.num_tokens == 1 for s in scheduled):
+            graph = self.graphs.lookup(rows, width)
+            if graph is not None:
+                rows, width = graph  # padded to the captured size and block-table width
+        ids, pos, slots, starts, lens, tables, state_slots, fresh, sample_rows = [], [], [], [], [], [], [], [], []
         query_start = [0]
-        for s in scheduled:
+        for s, h in zip(scheduled, handles):
             seq, n = s.seq, s.num_tokens
             a, b = seq.num_computed, seq.num_computed + n
-            h = cache.handle(seq.seq_id)
             ids += seq.token_ids[a:b]
             pos += range(a, b)
-            if h.blocks:
-                slots += [h.blocks[p // bs] * bs + p % bs for p in range(a, b)]
-            else:
-                slots += [0] * n
+            slots += [h.blocks[p // bs] * bs + p % bs for p in range(a, b)] if h.blocks else [NULL_BLOCK] * n
             starts.append(a)
             lens.append(b)
             tables.append(h.blocks)
-            state_slots.append(h.slot if h.slot is not None else 0)
+            state_slots.append(h.slot if h.slot is not None else NULL_SLOT)
+            fresh.append(a == 0)
             query_start.append(query_start[-1] + n)
             if s.samples:
                 sample_rows.append(query_start[-1] - 1)
-        width = max((len(t) for t in tables), default=0) or 1
-        table = torch.zeros((len(tables), width), dtype=torch.int64)
-        for i, t in enumerate(tables):
-            table[i, : len(t)] = torch.tensor(t, dtype=torch.int64)
-        dev = self.device
-        as_t = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
-        return ForwardBatch(
-            input_ids=as_t(ids), positions=as_t(pos), query_start=query_start, seq_start=starts, seq_lens=lens,
-            slot_mapping=as_t(slots), block_tables=table.to(dev), state_slots=as_t(state_slots),
-            logits_indices=as_t(sample_rows), block_size=bs,
+        for _ in range(rows - len(scheduled)):  # padding rows: one fresh token at position 0 in the null block/slot
+            ids.append(0), pos.append(0), slots.append(NULL_BLOCK * bs), starts.append(0), lens.append(1)
+            state_slots.append(NULL_SLOT), fresh.append(True), query_start.append(query_start[-1] + 1)
+        buf = self._buffers_for(len(ids), rows, width)
+        buf.begin()
+        batch = ForwardBatch(
+            buf.put("input_ids", ids), buf.put("positions", pos), query_start, starts, lens, buf.put("slot_mapping", slots),
+            buf.put_table(tables, rows, width), buf.put("state_slots", state_slots), buf.put("logits_indices", sample_rows),
+            bs, cu_seqlens=buf.put("cu_seqlens", query_start), fresh=buf.put("fresh", fresh),
+            topk_buffer=buf.topk[: len(ids)], num_real=len(scheduled),
         )
+        buf.end()
+        batch.graph = graph
+        return batch
+
+    def padding_batch(self, rows: int, width: int, block_size: int) -> ForwardBatch:
+        """A decode step of ``rows`` padding rows over ``width`` table columns, written into the step buffers:
+        what a graph is captured with. Its plan has no host lengths (a captured step must not read them)."""
+        buf = self._buffers_for(rows, rows, width)
+        buf.begin()
+        batch = ForwardBatch(
+            buf.put("input_ids", [0] * rows), buf.put("positions", [0] * rows), list(range(rows + 1)), None, None,
+            buf.put("slot_mapping", [NULL_BLOCK] * rows), buf.put_table([], rows, width),
+            buf.put("state_slots", [NULL_SLOT] * rows), buf.put("logits_indices", list(range(rows))), block_size,
+            cu_seqlens=buf.put("cu_seqlens", list(range(rows + 1))), fresh=buf.put("fresh", [True] * rows),
+            topk_buffer=buf.topk[:rows],
+        )
+        buf.end()
+        return batch
+
+    def before_step(self) -> None:
+        """Packed-expert workspaces forget what they hold: a replayed graph may have overwritten them."""
+        if self._workspaces is None:
+            found = {id(m.workspace): m.workspace for m in self.model.modules() if getattr(m, "workspace", None) is not None}
+            self._workspaces = [ws for ws in found.values() if hasattr(ws, "invalidate")]
+        for ws in self._workspaces:
+            ws.invalidate()
 
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [S, vocab] fp32 for the rows in ``batch.logits_indices``."""
-        hidden = self.model(batch)
+        self.before_step()
+        graph = getattr(batch, "graph", None)
+        hidden = self.graphs.replay(graph) if graph is not None else self.model(batch)
         return self.model.compute_logits(hidden[batch.logits_indices])

@@ -23,15 +23,27 @@ model's raw logits are always finite unless something overflowed.
 
 The returned logprob is that of the chosen token under the model's raw distribution
 (``log_softmax`` of the unprocessed logits), whatever the penalties and filters did.
+
+Nothing here makes the host wait for the device: every branch is decided on the host values in
+``params``, every per-row value goes up through pinned memory (``host_copy.to_device``), and no
+shape depends on device data. ``SamplerOutput.to_host`` then brings the whole step's result back
+in one device→host copy.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
+from dayzero.engine.host_copy import to_device
 from dayzero.engine.sampling_params import SamplingParams
+
+
+class HostSample(NamedTuple):
+    token_ids: list[int]   # [B]; -1 where the row's logits were not finite
+    logprobs: list[float]  # [B]; NaN where the id is -1
+    top: list[list[tuple[int, float]]] | None  # per row, (id, logprob) of the most likely tokens
 
 
 @dataclass
@@ -40,6 +52,27 @@ class SamplerOutput:
     logprobs: torch.Tensor   # [B] fp32; raw log-probability of token_ids, NaN where -1
     top_ids: torch.Tensor | None = None       # [B, K] the K most likely tokens of the raw distribution
     top_logprobs: torch.Tensor | None = None  # [B, K] their log-probabilities (K = the largest params.logprobs)
+
+    def to_host(self, num_top: Sequence[int] | None = None) -> HostSample:
+        """The step's results as Python lists, in a single device→host copy.
+
+        ``num_top[i]`` trims row ``i``'s alternatives to its own count (default: all ``K``);
+        ``top`` is None when the sampler computed no alternatives.
+        """
+        K = 0 if self.top_ids is None else self.top_ids.shape[1]
+        cols = [self.token_ids[:, None], self.logprobs[:, None]]
+        if K:
+            cols += [self.top_ids, self.top_logprobs]
+        # one fp64 buffer: fp64 holds every fp32 value (NaN and inf included) and every integer
+        # below 2**53 exactly, so ids come back unrounded (fp32 would round ids above 2**24)
+        rows = torch.cat([c.to(torch.float64) for c in cols], dim=1).tolist()  # [B, 2 + 2K]
+        token_ids = [int(r[0]) for r in rows]
+        logprobs = [r[1] for r in rows]
+        if not K:
+            return HostSample(token_ids, logprobs, None)
+        n = [K] * len(rows) if num_top is None else num_top
+        top = [[(int(r[2 + j]), r[2 + K + j]) for j in range(min(k, K))] for r, k in zip(rows, n)]
+        return HostSample(token_ids, logprobs, top)
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -67,27 +100,24 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
     dev = logits.device
     width = max(len(output_token_ids[i]) for i in rows)
     # ids: [R, L], padded (and out-of-range ids redirected) to a spare column V that is dropped
-    ids = torch.full((len(rows), width), V, dtype=torch.long)
-    for r, i in enumerate(rows):
-        seen = torch.as_tensor(list(output_token_ids[i]), dtype=torch.long)
-        ids[r, : len(seen)] = torch.where((seen >= 0) & (seen < V), seen, V)
-    ids = ids.to(dev)
+    ids = to_device([list(output_token_ids[i]) + [V] * (width - len(output_token_ids[i]))
+                     for i in rows], torch.long, dev)
+    ids = torch.where((ids >= 0) & (ids < V), ids, V)
     counts = torch.zeros(len(rows), V + 1, device=dev).scatter_add_(
         1, ids, torch.ones_like(ids, dtype=torch.float32))[:, :V]  # counts: [R, V]
     seen = counts > 0
+    pen = to_device([[params[i].repetition_penalty, params[i].presence_penalty,
+                      params[i].frequency_penalty] for i in rows], torch.float32, dev)  # [R, 3]
+    rep, presence, frequency = pen[:, 0:1], pen[:, 1:2], pen[:, 2:3]  # each [R, 1]
 
-    def col(name: str) -> torch.Tensor:  # per-row parameter as [R, 1]
-        return torch.tensor([getattr(params[i], name) for i in rows], device=dev)[:, None]
-
-    idx = torch.tensor(rows, device=dev)
-    x = logits[idx]  # x: [R, V]
-    rep = col("repetition_penalty")
+    idx = to_device(rows, torch.long, dev)
+    x = logits.index_select(0, idx)  # x: [R, V]
     x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-    x = x - col("presence_penalty") * seen - col("frequency_penalty") * counts
+    x = x - presence * seen - frequency * counts
     # a tiny repetition penalty can overflow fp32; keep every value finite so that the later
     # shift by the row max never computes inf - inf
     fmax = torch.finfo(torch.float32).max
-    logits[idx] = x.clamp(-fmax, fmax)
+    logits.index_copy_(0, idx, x.clamp(-fmax, fmax))
     return logits
 
 
@@ -107,20 +137,20 @@ def _filter(z: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
         # deterministic and does not depend on the batch
         sorted_z, order = z.sort(dim=-1, descending=True, stable=True)
         rank = torch.arange(V, device=dev)[None, :]
-        drop = rank >= torch.tensor(top_k, device=dev)[:, None]  # drop: [S, V] in sorted order
+        drop = rank >= to_device(top_k, torch.long, dev)[:, None]  # drop: [S, V] in sorted order
         if any(p < 1.0 for p in top_p):
             probs = sorted_z.masked_fill(drop, float("-inf")).softmax(dim=-1)
             mass_before = probs.cumsum(dim=-1) - probs
             # keep a token while the tokens ranked above it hold less than top_p; rank 0 has
             # mass_before == 0 < top_p and is always kept. Rows with top_p == 1 skip this:
             # rounding in the cumsum could otherwise cut a tail of tiny but nonzero tokens.
-            p = torch.tensor(top_p, device=dev)[:, None]
+            p = to_device(top_p, torch.float32, dev)[:, None]
             drop |= (mass_before >= p) & (p < 1.0)
         z.masked_fill_(torch.empty_like(drop).scatter_(1, order, drop), float("-inf"))
 
     if any(p > 0.0 for p in min_p):
         # p < min_p * p_max  <=>  z < log(min_p), with z = log(p / p_max); min_p = 0 -> -inf
-        threshold = torch.tensor(min_p, device=dev).log()[:, None]
+        threshold = to_device(min_p, torch.float32, dev).log()[:, None]
         z.masked_fill_(z < threshold, float("-inf"))
     return z
 
@@ -128,14 +158,20 @@ def _filter(z: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
 def _race(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     """Sample one id per row of ``probs: [S, V]``: ``argmax(p / E)``, ``E ~ Exp(1)``."""
     S, V = probs.shape
+    dev = probs.device
     noise = torch.empty_like(probs)
     unseeded = [r for r, g in enumerate(generators) if g is None]
-    if unseeded:
-        noise[unseeded] = torch.empty(len(unseeded), V, device=probs.device).exponential_()
+    if len(unseeded) == S:
+        noise.exponential_()
+    elif unseeded:
+        noise.index_copy_(0, to_device(unseeded, torch.long, dev),
+                          torch.empty(len(unseeded), V, device=dev).exponential_())
     for r, g in enumerate(generators):
-        if g is not None:
-            # drawn on the generator's own device, so a CPU generator also serves CUDA logits
-            noise[r] = torch.empty(V, device=g.device).exponential_(generator=g).to(probs.device)
+        if g is None:
+            continue
+        # drawn on the generator's own device, so a CPU generator also serves CUDA logits
+        noise[r] = to_device(torch.empty(V, device=g.device).exponential_(generator=g),
+                             torch.float32, dev)
     # Exp(1) can return 0; 0/0 would be NaN and argmax picks NaN, so keep E > 0
     noise.clamp_(min=torch.finfo(torch.float32).tiny)
     return (probs / noise).argmax(dim=-1)
@@ -167,14 +203,14 @@ class Sampler:
 
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
-            idx = torch.tensor(rows, device=dev)
+            idx = to_device(rows, torch.long, dev)
             sub = [params[i] for i in rows]
-            z = x[idx]  # z: [S, V]
+            z = x.index_select(0, idx)  # z: [S, V]
             # shift before dividing: (z - max) / T is <= 0, so a tiny T gives -inf, never inf
-            z = (z - z.amax(dim=-1, keepdim=True)) / torch.tensor(
-                [p.temperature for p in sub], device=dev)[:, None]
+            z = (z - z.amax(dim=-1, keepdim=True)) / to_device(
+                [p.temperature for p in sub], torch.float32, dev)[:, None]
             z = _filter(z, sub)
-            token_ids[idx] = _race(z.softmax(dim=-1), [generators[i] for i in rows])
+            token_ids.index_copy_(0, idx, _race(z.softmax(dim=-1), [generators[i] for i in rows]))
 
         chosen = logits.gather(1, token_ids[:, None]).squeeze(1).float()
         logprobs = torch.where(ok, chosen - log_z, float("nan"))

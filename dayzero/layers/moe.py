@@ -2,11 +2,14 @@
 
 Experts are stored stacked (``w1`` [E, 2I, L] with gate rows then up rows, ``w2`` [E, L, I]) so the
 expert computation is one GEMM per expert over the tokens routed to it, and so expert parallelism and
-quantised (MXFP4) storage can later replace the tensors without touching the model. With ``latent_size``
-set (LatentMoE, ARCHITECTURE.md 3.3) routing still reads the full-width x, but the routed experts run at
-width L between a shared down-projection ``fc1_latent_proj`` [L, D] and up-projection ``fc2_latent_proj``
-[D, L]; an optional RMSNorm on the experts' latent output (the Kimi K3 variant) sits before the
-up-projection.
+quantised (MXFP4) storage can later replace the tensors without touching the model. The routed experts
+run as separate ops, route -> permute -> grouped expert MLP -> unpermute: none waits on the host on CUDA
+(the block can be captured in a CUDA graph), and expert parallelism can put its all-to-all between them.
+
+With ``latent_size`` set (LatentMoE, ARCHITECTURE.md 3.3) routing still reads the full-width x, but the
+routed experts run at width L between a shared down-projection ``fc1_latent_proj`` [L, D] and
+up-projection ``fc2_latent_proj`` [D, L]; an optional RMSNorm on the experts' latent output (the Kimi K3
+variant) sits before the up-projection.
 """
 from __future__ import annotations
 
@@ -70,6 +73,19 @@ class MoE(nn.Module):
         )
         self.shared_expert_gate = nn.Linear(D, 1, bias=False) if spec.shared_gate else None
 
+    def process_weights_after_loading(self) -> None:
+        """Check the hash-routing table once, after loading, so that routing never reads ids back to the host."""
+        if self.tid2eid is None:
+            return
+        E, k = self.spec.n_experts, self.spec.top_k
+        table = self.tid2eid
+        if table.dim() != 2 or table.shape[1] != k:
+            raise ValueError(f"tid2eid must be [vocab, top_k={k}], got {tuple(table.shape)}")
+        if table.numel():
+            lo, hi = int(table.min()), int(table.max())
+            if lo < 0 or hi >= E:
+                raise ValueError(f"tid2eid holds expert ids in [{lo}, {hi}], outside [0, {E})")
+
     def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
         # x: [T, D]; ``batch`` gives hash routing its token ids
         s = self.spec
@@ -95,7 +111,10 @@ class MoE(nn.Module):
         else:
             w1, w2 = self.w1, self.w2
         clamp = {} if s.swiglu_limit is None else {"limit": s.swiglu_limit}
-        y = ops.call("moe_experts", h, ids, weights, w1, w2, s.activation, self.b1, self.b2, **clamp)
+        order, offsets = ops.call("moe_permute", ids, s.n_experts)  # [T*k] pairs by expert, [E] row ends
+        hs = h[order // s.top_k]  # [T*k, L] rows in expert order
+        ys = ops.call("moe_experts_grouped", hs, offsets, w1, w2, s.activation, self.b1, self.b2, **clamp)
+        y = ops.call("moe_unpermute", ys, order, weights, x.shape[0])  # [T, L]
         if self.packed:
             self.workspace.release(self)
         if self.latent:

@@ -9,20 +9,25 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dayzero.config.spec import CompressedAttnSpec, GQASpec, KDASpec, LayerSpec, MLASpec, MLPSpec, ModelSpec, MoESpec
+from dayzero.config.spec import (CompressedAttnSpec, GDNSpec, GQASpec, KDASpec, LayerSpec, Mamba2Spec, MLASpec, MLPSpec,
+                                 ModelSpec, MoESpec)
 from dayzero.layers.attention.compressed import CompressedAttention
 from dayzero.layers.attention.dsa import MLAAttention
+from dayzero.layers.attention.gdn import GatedDeltaNet
 from dayzero.layers.attention.gqa import GQAAttention
 from dayzero.layers.attention.kda import KDAAttention
+from dayzero.layers.attention.mamba2 import Mamba2Mixer
 from dayzero.layers.mlp import MLP
 from dayzero.layers.moe import MoE
 from dayzero.layers.norm import RMSNorm
 
-# spec type -> builder(hidden, spec, model spec); adapters register new mixer kinds here
+# spec type -> builder(hidden, spec, model spec): every mixer kind, listed here and nowhere else
 MIXERS = {
     GQASpec: lambda D, s, m: GQAAttention(D, s, m.rms_norm_eps, m.norm_offset),
     MLASpec: lambda D, s, m: MLAAttention(D, s, m.rms_norm_eps),
     KDASpec: lambda D, s, m: KDAAttention(D, s, m.rms_norm_eps),
+    GDNSpec: lambda D, s, m: GatedDeltaNet(D, s, m.rms_norm_eps),
+    Mamba2Spec: lambda D, s, m: Mamba2Mixer(D, s, m.rms_norm_eps),
     CompressedAttnSpec: lambda D, s, m: CompressedAttention(D, s),
 }
 MLPS = {

@@ -18,7 +18,6 @@ import math
 import torch
 from torch import nn
 
-import dayzero.ops.hyper.reference  # noqa: F401  (registers hc_pre / hc_post)
 from dayzero import ops
 from dayzero.config.spec import HyperSpec, LayerSpec, ModelSpec
 from dayzero.layers.norm import RMSNorm

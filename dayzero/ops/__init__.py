@@ -4,6 +4,7 @@ from dayzero.ops.registry import call, register, registered, table  # noqa: F401
 # Importing the reference modules registers them.
 from dayzero.ops.activation import reference as _activation  # noqa: F401,E402
 from dayzero.ops.attention import reference as _attention  # noqa: F401,E402
+from dayzero.ops.hyper import reference as _hyper  # noqa: F401,E402
 from dayzero.ops.indexer import reference as _indexer  # noqa: F401,E402
 from dayzero.ops.kda import reference as _kda  # noqa: F401,E402
 from dayzero.ops.moe import reference as _moe  # noqa: F401,E402
@@ -11,3 +12,11 @@ from dayzero.ops.moe import cuda as _moe_cuda  # noqa: F401,E402
 from dayzero.ops.norm import reference as _norm  # noqa: F401,E402
 from dayzero.ops.rotary import reference as _rotary  # noqa: F401,E402
 from dayzero.ops.ssd import reference as _ssd  # noqa: F401,E402
+
+# Batch-wide ops (one call per layer over the whole step) and their device implementations.
+from dayzero.ops.attention import paged as _paged  # noqa: F401,E402
+from dayzero.ops.attention import cuda as _attention_cuda  # noqa: F401,E402
+from dayzero.ops.attention import compressed_cuda as _compressed_cuda  # noqa: F401,E402
+from dayzero.ops.indexer import cuda as _indexer_cuda  # noqa: F401,E402
+from dayzero.ops.kda import cuda as _kda_cuda  # noqa: F401,E402
+from dayzero.ops.ssd import cuda as _ssd_cuda  # noqa: F401,E402

@@ -13,6 +13,19 @@ E8M0_NAN = 0xFF
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 _MAGNITUDES = torch.tensor(FP4_VALUES[:8])
 _EMAX_ELEM = 2  # exponent of the largest E2M1 value (6 = 1.5 * 2^2)
+_LUTS: dict[torch.device, torch.Tensor] = {}  # device -> FP4_VALUES there (see fp4_lut)
+
+
+def fp4_lut(device: torch.device | str) -> torch.Tensor:
+    """E2M1 code -> value, fp32 [16] on ``device``, built once per device: building it from host data on
+    every call would be a synchronising host-to-device copy, and one that CUDA-graph capture forbids."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    lut = _LUTS.get(device)
+    if lut is None:
+        lut = _LUTS[device] = torch.tensor(FP4_VALUES, dtype=torch.float32, device=device)
+    return lut
 
 
 def _round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
@@ -46,7 +59,7 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """(blocks [..., G, 16], scales [..., G]) -> [..., G*32] in ``dtype``. A 0xFF scale gives NaN (OCP)."""
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
+    lut = fp4_lut(blocks.device)
     lo, hi = lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]  # [..., G, 16] each
     vals = torch.stack((lo, hi), dim=-1).flatten(-2)  # [..., G, 32]: element 2j low nibble, 2j+1 high
     e = scales.to(torch.int32) - 127

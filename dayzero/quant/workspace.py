@@ -6,12 +6,17 @@ that every MoE layer reuses, in BF16 or in FP8 (E4M3 codes with one power-of-two
 block: every E2M1 value times its E8M0 scale is exactly an E4M3 value times that scale, so the FP8
 workspace is lossless and half the size of the BF16 one). On CUDA the workspace keeps two slots and a
 side stream: while layer i computes from one slot, :meth:`prefetch` converts layer i+1 into the other.
+
+Inside CUDA-graph capture nothing is cached: a replay runs later, when the slots hold whatever ran last,
+so every :meth:`acquire` converts in the graph, on the capturing stream, and :meth:`prefetch` does nothing
+(work on the side stream would not be joined into the graph). Whoever runs steps calls
+:meth:`invalidate` before each one, so that eager steps do not trust what a replay may have overwritten.
 """
 from __future__ import annotations
 
 import torch
 
-from dayzero.quant.mxfp4 import BLOCK, FP4_VALUES
+from dayzero.quant.mxfp4 import BLOCK, fp4_lut
 
 COMPUTE = ("bf16", "fp8")
 
@@ -33,7 +38,7 @@ class BlockScaled:
 
 def _convert(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor | None) -> None:
     """Unpack [E, N, K/32, 16] codes into ``out`` [E, N, K] (bf16 values, or fp8 codes with ``scale_out``)."""
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
+    lut = fp4_lut(blocks.device)  # [16], cached per device
     vals = torch.stack((lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]), dim=-1).flatten(-3)  # [E, N, K]
     s = torch.ldexp(torch.ones_like(scales, dtype=torch.float32), scales.to(torch.int32) - 127)  # [E, N, K/32]
     s = torch.where(scales == 0xFF, torch.full_like(s, float("nan")), s)
@@ -56,6 +61,7 @@ class ExpertWorkspace:
         self._freed: list[torch.cuda.Event | None] = [None] * self.num_slots
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" and self.num_slots > 1 else None
         self.conversions = 0
+        fp4_lut(self.device)  # built now, before any capture
 
     # --- sizing --------------------------------------------------------------------------------------
     def reserve(self, layers) -> None:
@@ -105,6 +111,11 @@ class ExpertWorkspace:
 
     def acquire(self, layer):
         """(w1, w2) of ``layer`` in the workspace: converted now, or by an earlier :meth:`prefetch`."""
+        if _capturing(self.device):  # converted in the graph every time: a replay cannot trust any slot
+            i = self.conversions % self.num_slots
+            self._fill(i, layer)
+            self._owner[i] = self._ready[i] = None
+            return self._view(i, layer)
         for i, owner in enumerate(self._owner):
             if owner is layer:
                 if self._ready[i] is not None:
@@ -117,7 +128,7 @@ class ExpertWorkspace:
 
     def release(self, layer) -> None:
         """The caller has queued its last use of ``layer``'s weights (lets a prefetch reuse the slot)."""
-        if self._stream is None:
+        if self._stream is None or _capturing(self.device):
             return
         for i, owner in enumerate(self._owner):
             if owner is layer:
@@ -126,8 +137,8 @@ class ExpertWorkspace:
                 self._freed[i] = ev
 
     def prefetch(self, layer) -> None:
-        """Start converting ``layer`` into the slot not in use (CUDA only; a no-op elsewhere)."""
-        if self._stream is None or layer is None or layer in self._owner:
+        """Start converting ``layer`` into the slot not in use (CUDA only, not while capturing; else a no-op)."""
+        if self._stream is None or layer is None or layer in self._owner or _capturing(self.device):
             return
         i = self.conversions % self.num_slots
         with torch.cuda.stream(self._stream):
@@ -137,3 +148,21 @@ class ExpertWorkspace:
             ev = torch.cuda.Event()
             ev.record(self._stream)
             self._ready[i] = ev
+
+    def invalidate(self) -> None:
+        """Forget which layer is in which slot (before every step: a graph replay may have rewritten them).
+
+        On CUDA the current stream first joins any conversion still running on the side stream, and later
+        ones wait for all work queued so far (a replay may still be reading the slots)."""
+        self._owner = [None] * self.num_slots
+        self._ready = [None] * self.num_slots
+        self._freed = [None] * self.num_slots
+        if self._stream is not None and not _capturing(self.device):
+            current = torch.cuda.current_stream(self.device)
+            current.wait_stream(self._stream)
+            self._stream.wait_stream(current)
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether the current CUDA stream is being captured into a graph (never on other devices)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()

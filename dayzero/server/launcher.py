@@ -68,6 +68,7 @@ def serve(args) -> int:
             model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
             num_cache_blocks=args.num_cache_blocks, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len, seed=args.seed,
+            enforce_eager=getattr(args, "enforce_eager", False), cuda_graph_sizes=getattr(args, "cuda_graph_sizes", None),
         )
         if args.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {args.shutdown_timeout}")
@@ -85,6 +86,7 @@ def serve(args) -> int:
     log.info("dtype %s; cache %d tokens (%d blocks of %d) and %d state slots; context %d tokens; up to %d sequences "
              "at once; platform %s", str(engine.dtype).removeprefix("torch."), plan.capacity_tokens, plan.num_blocks - 1,
              plan.block_size, plan.num_slots, engine.max_model_len, engine.scheduler.max_num_seqs, _platform(engine))
+    log.info("decode steps: %s", engine.decode_mode)
 
     api_key = args.api_key or os.environ.get("DAYZERO_API_KEY") or None
     if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):

@@ -41,13 +41,15 @@ def op_table(model: str | None = None, platform: str = "cpu") -> dict:
     def hook(op, chosen, reason, fn, args, kwargs):
         row = seen.get(op)
         if row is None:
-            row = seen[op] = {"op": op, "layers": set(), "phases": set(), "calls": 0, "choices": defaultdict(set)}
+            row = seen[op] = {"op": op, "layers": set(), "phases": set(), "calls": 0, "choices": defaultdict(set),
+                              "by_phase": defaultdict(set)}
         row["calls"] += 1
         row["phases"].add(state["phase"])
         if state["layer"] is not None:
             row["layers"].add(state["layer"])
         impl, why = _reason(op, platform, args, kwargs)
         row["choices"][impl].add(why or "")
+        row["by_phase"][state["phase"]].add(impl)
         return fn(*args, **kwargs)
 
     def on_phase(name):
@@ -75,6 +77,7 @@ def op_table(model: str | None = None, platform: str = "cpu") -> dict:
         rows.append({
             "op": op, "used_by": used_by, "layers": len(layers), "phases": sorted(r["phases"]), "calls": r["calls"],
             "implementation": chosen[0] if len(chosen) == 1 else "/".join(chosen), "available": sorted(entry.impls),
+            "by_phase": {p: "/".join(sorted(v)) for p, v in sorted(r["by_phase"].items())},
             "fallback": registry.REFERENCE in chosen and platform != registry.REFERENCE, "reasons": reasons,
         })
     unused = sorted(set(ops.registered()) - set(seen))
@@ -83,10 +86,17 @@ def op_table(model: str | None = None, platform: str = "cpu") -> dict:
             "ops": rows, "fallbacks": sum(r["fallback"] for r in rows), "registered_unused": unused}
 
 
+def _chosen(r: dict) -> str:
+    """The implementation, or per step kind when it differs (a device decode path, the reference for prefill)."""
+    if len(set(r["by_phase"].values())) <= 1:
+        return r["implementation"]
+    return ", ".join(f"{impl} ({phase})" for phase, impl in r["by_phase"].items())
+
+
 def render(t: dict) -> str:
     out = [f"ops of {t['model']} on {t['platform']} (found by running a probe of the model on {t['probe_device']}, "
            f"{t['probe_dtype']}):"]
-    rows = [[r["op"], ",".join(r["used_by"]), " + ".join(r["phases"]), r["implementation"],
+    rows = [[r["op"], ",".join(r["used_by"]), " + ".join(r["phases"]), _chosen(r),
              ",".join(r["available"]), "yes" if r["fallback"] else "no", "; ".join(r["reasons"]) or "-"]
             for r in t["ops"]]
     out.append(fmt.table(rows, ["op", "used by", "steps", "chosen", "available", "fallback", "why"]))

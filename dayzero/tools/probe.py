@@ -15,11 +15,8 @@ import math
 
 import torch
 
-from dayzero.cache.manager import CacheManager
-from dayzero.cache.planner import plan_cache
-from dayzero.cache.spec import PagedSpec, StateSpec
 from dayzero.config.spec import GQASpec, LayerSpec, MLASpec, MLPSpec, ModelSpec, MoESpec
-from dayzero.engine.model_runner import ModelRunner
+from dayzero.engine.builder import assemble, prepare_weights
 from dayzero.engine.request import Sequence
 from dayzero.engine.sampling_params import SamplingParams
 from dayzero.engine.scheduler import ScheduledSeq
@@ -113,6 +110,7 @@ def build_probe(spec: ModelSpec, dtype: torch.dtype, device) -> CausalLM:
     model = build_uninitialised(spec, dtype, device)
     for p in model.parameters():
         fill_(p)
+    prepare_weights(model)
     return model
 
 
@@ -129,14 +127,10 @@ def run_probe(spec: ModelSpec, dtype: torch.dtype, device, on_phase=None, on_mod
     model = build_probe(pspec, dtype, device)
     if on_model is not None:
         on_model(model)
-    runner = ModelRunner(model, torch.device(device), dtype)
     bs, n_long = 16, long_context(pspec)
-    blocks = 4 + math.ceil((n_long + 1) / bs)
-    plan = plan_cache(runner.specs, bs, n_long + 1, 2, None, blocks)
-    runner.allocate_cache(plan)
-    cache = CacheManager(bs, plan.num_blocks, plan.num_slots,
-                         uses_blocks=any(isinstance(s, PagedSpec) for s in runner.specs),
-                         uses_slots=any(isinstance(s, StateSpec) for s in runner.specs))
+    built = assemble(model, torch.device(device), dtype, block_size=bs, max_model_len=n_long + 1, max_num_seqs=2,
+                     max_num_batched_tokens=n_long + 1, num_cache_blocks=4 + math.ceil((n_long + 1) / bs))
+    runner, cache = built.runner, built.cache
     short, long = _seq(9, 0), _seq(n_long + 1, n_long)
     cache.grow(short.seq_id, 9)
     cache.grow(long.seq_id, n_long + 1)

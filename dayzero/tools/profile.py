@@ -26,10 +26,10 @@ from dayzero.ops import registry
 # op name fragment -> the part of a layer it belongs to (first match wins; unknown ops keep their name)
 PARTS = (
     ("indexer", "indexer score + top-k"),
-    ("kda_chunk", "state update"), ("kda_recurrent", "state update"), ("ssd_chunk", "state update"),
+    ("kda_gate", "gates"), ("kda_", "state update"), ("ssd_pooled", "state update"), ("ssd_chunk", "state update"),
     ("ssd_recurrent", "state update"), ("conv", "short conv"), ("gate", "gates"), ("ssd_dt", "gates"),
-    ("mla_", "attention"), ("attention", "attention"),
-    ("moe_route", "MoE routing"), ("moe_experts", "MoE expert compute"),
+    ("mla", "attention"), ("attention", "attention"), ("compress_", "compression"),
+    ("moe_route", "MoE routing"), ("moe_experts", "MoE expert compute"), ("permute", "MoE dispatch"),
     ("mxfp4", "MoE weight conversion"), ("dequant", "MoE weight conversion"), ("convert", "MoE weight conversion"),
     ("dispatch", "MoE dispatch"), ("combine", "MoE dispatch"), ("all_to_all", "MoE dispatch"),
     ("norm", "norms"), ("rotary", "rotary"), ("mlp", "dense MLP / shared experts"), ("silu", "activation"),
@@ -100,12 +100,9 @@ def random_init_(model: torch.nn.Module, seed: int = 0, std: float = 0.02) -> No
 
 def _setup(model: str | None, device: str, dtype: str, batch: int, tokens: int, block_size: int = 16):
     """(model, runner, cache manager, spec) with caches for ``batch`` sequences of ``tokens`` tokens."""
-    from dayzero.cache.manager import CacheManager
-    from dayzero.cache.planner import plan_cache
-    from dayzero.cache.spec import PagedSpec, StateSpec
     from dayzero.config.model_config import DTYPES
+    from dayzero.engine.builder import assemble, prepare_weights
     from dayzero.engine.engine import EngineConfig, LLMEngine
-    from dayzero.engine.model_runner import ModelRunner
     from dayzero.tools.model_info import load
     from dayzero.tools.probe import build_uninitialised
 
@@ -114,7 +111,7 @@ def _setup(model: str | None, device: str, dtype: str, batch: int, tokens: int, 
     if info.checkpoint is not None:
         eng = LLMEngine(EngineConfig(model=str(info.source), device=device, dtype=dtype, block_size=block_size,
                                      num_cache_blocks=blocks, max_num_seqs=batch, max_model_len=tokens,
-                                     max_num_batched_tokens=max(2048, tokens * batch)))
+                                     max_num_batched_tokens=max(2048, tokens * batch), enforce_eager=True))
         return eng.model, eng.runner, eng.cache, eng.model_config
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -122,13 +119,11 @@ def _setup(model: str | None, device: str, dtype: str, batch: int, tokens: int, 
     dt = DTYPES[dtype] if dtype != "auto" else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     net = build_uninitialised(info.spec, dt, dev)
     random_init_(net)
-    runner = ModelRunner(net, dev, dt)
-    plan = plan_cache(runner.specs, block_size, tokens, batch, None, blocks)
-    runner.allocate_cache(plan)
-    cache = CacheManager(block_size, plan.num_blocks, plan.num_slots,
-                         uses_blocks=any(isinstance(s, PagedSpec) for s in runner.specs),
-                         uses_slots=any(isinstance(s, StateSpec) for s in runner.specs))
-    return net, runner, cache, info.spec
+    prepare_weights(net)
+    # eager: the profiler's hooks time each layer and op, which a replayed graph would skip
+    built = assemble(net, dev, dt, block_size=block_size, max_model_len=tokens, max_num_seqs=batch,
+                     max_num_batched_tokens=max(2048, tokens * batch), num_cache_blocks=blocks)
+    return net, built.runner, built.cache, info.spec
 
 
 class Profiler:

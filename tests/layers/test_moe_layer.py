@@ -1,12 +1,17 @@
-"""LatentMoE equals its definition (ARCHITECTURE.md 3.3), written out per token in the test."""
+"""LatentMoE equals its definition (ARCHITECTURE.md 3.3), written out per token in the test; hash routing
+follows its table, which is checked once after loading."""
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from dayzero.config.model_config import HybridConfig
+from dayzero.config.spec import MoESpec
 from dayzero.layers.moe import MoE
 from dayzero.models.init import init_random_weights
+from dayzero.ops.moe.reference import grouped_experts, route
 from tests.conftest import tiny_config
 
 
@@ -61,3 +66,39 @@ def test_plain_moe_without_latent_runs_at_full_width():
     assert moe.e_score_correction_bias is None and not hasattr(moe, "fc1_latent_proj")
     x = torch.randn(5, m.hidden_size)
     assert moe(x).shape == x.shape
+
+
+def _hash_moe(vocab: int = 20) -> MoE:
+    spec = MoESpec(n_experts=6, top_k=2, intermediate_size=8, router="sqrtsoftplus", hash_routing=True,
+                   correction_bias=False)
+    return init_random_weights(MoE(16, spec, vocab_size=vocab).float(), seed=5, std=0.3)
+
+
+def test_hash_routing_follows_the_table():
+    moe = _hash_moe()
+    moe.process_weights_after_loading()  # the default table is valid
+    with torch.no_grad():
+        moe.tid2eid[3] = torch.tensor([5, 5])  # one expert in both slots of token 3
+    tokens = torch.tensor([3, 0, 7, 19, 3])
+    x = torch.randn(5, 16, generator=torch.Generator().manual_seed(1))
+    got = moe(x, SimpleNamespace(input_ids=tokens))
+    logits = x @ moe.gate.weight.t()
+    weights, ids = route(logits, 2, "sqrtsoftplus", fixed_ids=moe.tid2eid[tokens])
+    assert ids[0].tolist() == [5, 5]
+    torch.testing.assert_close(got, grouped_experts(x, ids, weights, moe.w1, moe.w2))
+
+
+@pytest.mark.parametrize("bad", [6, -1])
+def test_process_weights_after_loading_rejects_bad_hash_table(bad):
+    moe = _hash_moe()
+    with torch.no_grad():
+        moe.tid2eid[7, 1] = bad
+    with pytest.raises(ValueError, match=rf"tid2eid holds expert ids in \[{min(bad, 0)}, {max(bad, 5)}\], outside \[0, 6\)"):
+        moe.process_weights_after_loading()
+
+
+def test_process_weights_after_loading_rejects_a_table_of_the_wrong_width():
+    moe = _hash_moe()
+    moe.tid2eid = torch.nn.Parameter(torch.zeros(20, 3, dtype=torch.long), requires_grad=False)
+    with pytest.raises(ValueError, match="top_k=2"):
+        moe.process_weights_after_loading()

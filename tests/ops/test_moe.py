@@ -25,7 +25,7 @@ def assert_close_rel(out, ref, dtype):
 
 
 def test_registered():
-    for op in ("moe_route", "moe_experts", "mlp"):
+    for op in ("moe_route", "moe_permute", "moe_experts_grouped", "moe_unpermute", "moe_experts", "mlp"):
         assert op in registered()
 
 

@@ -10,8 +10,8 @@ from dayzero.ops import registry
 
 def test_every_model_op_has_a_reference():
     need = {"rms_norm", "rms_norm_gated", "layer_norm", "rotary", "attention", "mla_naive", "mla_absorbed",
-            "indexer_topk", "kda_gate", "causal_conv1d", "kda_chunk", "kda_recurrent", "moe_route", "moe_experts",
-            "mlp", "silu_and_mul"}
+            "indexer_topk", "kda_gate", "causal_conv1d", "kda_chunk", "kda_recurrent", "moe_route", "moe_permute",
+            "moe_experts_grouped", "moe_unpermute", "moe_experts", "mlp", "silu_and_mul"}
     have = ops.registered()
     assert need <= set(have), need - set(have)
     assert all(registry.REFERENCE in have[n].impls for n in need)

@@ -168,3 +168,92 @@ def test_cuda_double_buffered_workspace_equals_cpu(mx_ckpts, compute):
     p = [{"prompt_token_ids": toks[:n]} for n in (5, 17, 40)]
     outs = [o.outputs[0].token_ids for o in gpu.generate(p, sp)]
     assert all(len(o) == 12 for o in outs)
+
+
+# ---------------------------------------------------------------- steps, CUDA graphs
+
+def test_invalidate_forgets_the_slots():
+    moe = _packed_layer()
+    ws = ExpertWorkspace("bf16")
+    first = ws.acquire(moe)[0].clone()
+    ws.acquire(moe)
+    assert ws.conversions == 1  # the slot still holds this layer
+    ws._slots[0]["w1"].fill_(float("nan"))  # what a replay or another step may have left there
+    ws.invalidate()
+    torch.testing.assert_close(ws.acquire(moe)[0], first)
+    assert ws.conversions == 2
+
+
+def test_while_capturing_every_acquire_converts_and_prefetch_does_nothing(monkeypatch):
+    import dayzero.quant.workspace as workspace
+
+    a, b = _packed_layer(0), _packed_layer(1)
+    ws = ExpertWorkspace("fp8")
+    monkeypatch.setattr(workspace, "_capturing", lambda device: True)
+    for _ in range(3):
+        ws.acquire(a)
+        ws.prefetch(b)
+        ws.release(a)
+    assert ws.conversions == 3 and ws._owner == [None]  # nothing cached for a replay to trust
+
+
+def test_conversion_builds_no_tensor_from_host_data():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    moe = _packed_layer()
+    ws = ExpertWorkspace("bf16")  # the FP4 lookup table is built here, once per device
+    with Ops() as mode:
+        ws.acquire(moe)
+        ws.invalidate()
+        ws.acquire(moe)
+    assert ws.conversions == 2 and mode.names
+    # lift_fresh: a tensor made from host values (a synchronising copy on CUDA); _local_scalar_dense: a read back
+    assert not [n for n in mode.names if "lift_fresh" in n or "_local_scalar_dense" in n]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("compute", ["bf16", "fp8"])
+def test_workspace_in_a_cuda_graph_replays_like_eager(compute):
+    from dayzero.layers.moe import attach_workspace
+
+    layers = torch.nn.ModuleList([_packed_layer(seed) for seed in (0, 1, 2)]).cuda()
+    ws = ExpertWorkspace(compute, "cuda")
+    attach_workspace(layers, ws)
+    x = torch.randn(9, layers[0].gate.in_features, device="cuda")
+
+    def step():
+        ws.invalidate()
+        h = x
+        for m in layers:
+            h = h + m(h)
+        return h
+
+    with torch.no_grad():
+        eager = step()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the default stream, as capture wants
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = step()
+        for slot in ws._slots:  # poison: a graph that trusted an earlier conversion reads NaN (0x7F in E4M3)
+            for t in slot.values():
+                t.view(torch.uint8).fill_(0x7F) if t.element_size() == 1 else t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        tol = dict(rtol=1e-5, atol=1e-5 * eager.abs().max().item())  # fp32 atomics: summation order only
+        torch.testing.assert_close(captured, eager, **tol)
+        step()  # eager steps after a replay convert again
+        graph.replay()
+        torch.testing.assert_close(captured, eager, **tol)

@@ -31,15 +31,15 @@ def test_ops_lists_every_op_the_model_runs(tiny_ckpt):
     listed = {r["op"] for r in t["ops"]}
     assert called and called <= listed, called - listed
     by_op = {r["op"]: r for r in t["ops"]}
-    assert by_op["kda_chunk"]["used_by"] == ["kda"] and by_op["indexer_topk"]["used_by"] == ["dsa"]
-    assert "decode" in by_op["mla_absorbed"]["phases"]
+    assert by_op["kda_pooled"]["used_by"] == ["kda"] and by_op["paged_indexer_topk"]["used_by"] == ["dsa"]
+    assert {"prefill", "decode"} <= set(by_op["paged_mla"]["phases"])
 
 
 def test_ops_cli_on_another_platform_names_the_fallbacks(capsys):
     assert cli(["ops", str(CONFIGS / "dayzero-tiny.json"), "--platform", "cuda", "--json"]) == 0
     t = json.loads(capsys.readouterr().out)
     for r in t["ops"]:
-        assert r["implementation"] in r["available"]
+        assert set(r["implementation"].split("/")) <= set(r["available"])
         if r["fallback"]:
             assert r["reasons"], r  # why it runs the reference: no implementation, or the verifier's reason
     assert t["fallbacks"] == sum(r["fallback"] for r in t["ops"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dayzero.cache.rows import read_rows, write_rows
 from dayzero.cache.spec import PagedSpec, StateSpec
 
 
@@ -18,14 +19,10 @@ class CachedLayer(nn.Module):
         self.cache = tensors
 
     def write_rows(self, name: str, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
-        pool = self.cache[name]  # [num_blocks, block_size, *row], or a quantised pool
-        if isinstance(pool, torch.Tensor):
-            pool.view(-1, *pool.shape[2:])[slot_mapping] = rows.to(pool.dtype)
-        else:
-            pool.write(slot_mapping, rows)
+        write_rows(self.cache[name], slot_mapping, rows)
 
     def read_rows(self, name: str, slots: torch.Tensor) -> torch.Tensor:
-        pool = self.cache[name]
-        if isinstance(pool, torch.Tensor):
-            return pool.view(-1, *pool.shape[2:])[slots]
-        return pool.read(slots)
+        return read_rows(self.cache[name], slots)
+
+    def process_weights_after_loading(self) -> None:
+        """Derive, once after the weights load, what the forward pass would otherwise re-derive every step."""

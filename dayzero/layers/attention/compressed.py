@@ -32,20 +32,7 @@ from dayzero.config.spec import CompressedAttnSpec, RopeSpec
 from dayzero.layers.attention.base import CachedLayer
 from dayzero.layers.norm import RMSNorm
 from dayzero.layers.rotary import RotaryEmbedding
-from dayzero.ops.attention.reference import indices_to_mask
-from dayzero.quant.fp8 import dense_weight
-
-
-def ring_read(ring: torch.Tensor, slot, lo: int, hi: int) -> torch.Tensor:
-    """Rows of positions lo .. hi-1 from a sequence's ring [slots, R, ...] (all within its last R positions)."""
-    return ring[slot, torch.arange(lo, hi, device=ring.device) % ring.shape[1]]
-
-
-def ring_write(ring: torch.Tensor, slot, start: int, rows: torch.Tensor) -> None:
-    """Keep the newest R of ``rows`` (positions start, start+1, ..) in the sequence's ring."""
-    R, n = ring.shape[1], rows.shape[0]
-    keep = torch.arange(max(start, start + n - R), start + n, device=ring.device)
-    ring[slot, keep % R] = rows[keep - start].to(ring.dtype)
+from dayzero.quant.fp8 import BlockFp8Linear, dense_weight
 
 
 class Compressor(nn.Module):
@@ -69,47 +56,13 @@ class Compressor(nn.Module):
         state[f"{self.name}_raw"] = state[f"{self.name}_gate"] = ring
 
     def forward(self, layer: CachedLayer, x: torch.Tensor, batch) -> None:
-        """Pool every window completed in this step and write its entry (reads and refreshes the ring)."""
-        m = self.ratio
+        """Pool every window completed in this step and write its entry (``compress_windows`` reads and refreshes
+        the rings in place)."""
         raw, gate = self.kv_proj(x), self.gate_proj(x)  # [T, width]
-        raw_ring, gate_ring = layer.cache[f"{self.name}_raw"], layer.cache[f"{self.name}_gate"]
-        decode = batch.max_query_len == 1
-        if decode:  # one token per sequence: every ring takes its row at once; only completed windows loop below
-            at = batch.positions % self.ring
-            raw_ring[batch.state_slots, at] = raw.to(raw_ring.dtype)
-            gate_ring[batch.state_slots, at] = gate.to(gate_ring.dtype)
-        for b in range(batch.num_seqs):
-            rows, slot = batch.rows(b), batch.state_slots[b]
-            s, e = batch.seq_start[b], batch.seq_lens[b]
-            w0, w1 = s // m, e // m  # entries w0 .. w1-1 complete in this step
-            if w1 > w0:
-                lo = max(0, (w0 - int(self.overlap)) * m)  # first position pooled (the previous window, with overlap)
-                kv = torch.cat((ring_read(raw_ring, slot, lo, s), raw[rows][: w1 * m - s]))  # positions lo .. w1*m-1
-                gt = torch.cat((ring_read(gate_ring, slot, lo, s), gate[rows][: w1 * m - s]))
-                prev = w0 * m - lo  # rows of window w0-1 (m, or 0 for the first window)
-                pooled = ops.call("compress_pool", kv[prev:], gt[prev:], self.position_bias, self.overlap,
-                                  kv[:prev] if prev else None, gt[:prev] if prev else None)
-                entries = torch.arange(w0, w1, device=x.device)
-                cos, sin = self.rotary.cos_sin(entries * m)
-                pooled = self.rotary(self.kv_norm(pooled)[:, None], cos, sin)[:, 0]
-                layer.write_rows(self.name, batch.entry_slots(b, m, entries), pooled)
-            if not decode:
-                ring_write(raw_ring, slot, s, raw[rows])
-                ring_write(gate_ring, slot, s, gate[rows])
-
-    def read(self, layer: CachedLayer, batch, b: int) -> torch.Tensor:
-        """Every complete entry of sequence b, [C, dim]."""
-        count = batch.seq_lens[b] // self.ratio
-        return layer.read_rows(self.name, batch.entry_slots(b, self.ratio, torch.arange(count, device=batch.block_tables.device)))
-
-    def read_all(self, layer: CachedLayer, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every sequence's complete entries, padded: ([B, C, dim], valid [B, C]) with C the most any sequence has."""
-        counts = [e // self.ratio for e in batch.seq_lens]
-        dev = batch.block_tables.device
-        w = torch.arange(max(counts, default=0), device=dev)
-        slots = batch.entry_slots(slice(None), self.ratio, w)  # [B, C]
-        rows = layer.read_rows(self.name, slots.reshape(-1)).view(*slots.shape, self.dim)
-        return rows, w < torch.tensor(counts, device=dev)[:, None]
+        pooled, w, slots = ops.call("compress_windows", raw, gate, layer.cache[f"{self.name}_raw"],
+                                    layer.cache[f"{self.name}_gate"], self.position_bias, self.overlap, batch)
+        cos, sin = self.rotary.cos_sin(w * self.ratio)  # each entry rotated at its window's first position
+        layer.write_rows(self.name, slots, self.rotary(self.kv_norm(pooled)[:, None], cos, sin)[:, 0])
 
 
 class CompressedIndexer(nn.Module):
@@ -157,6 +110,18 @@ class CompressedAttention(CachedLayer):
                 self.indexer = CompressedIndexer(hidden, spec)
         self.scale = D**-0.5
 
+    def process_weights_after_loading(self) -> None:
+        # a block-FP8 o_a_proj is dequantised once (the grouped output einsum reads it dense)
+        fp8 = isinstance(self.o_a_proj, BlockFp8Linear)
+        self._o_a = dense_weight(self.o_a_proj, self.kv_norm.weight.dtype) if fp8 else None
+
+    def o_a_weight(self) -> torch.Tensor:
+        if not isinstance(self.o_a_proj, BlockFp8Linear):
+            return self.o_a_proj.weight
+        if getattr(self, "_o_a", None) is None:
+            self.process_weights_after_loading()
+        return self._o_a
+
     def cache_spec(self, dtype):
         state = {"kv": ((self.spec.sliding_window, self.D), dtype)}  # the window's K=V ring
         if self.compressor is None:
@@ -180,51 +145,16 @@ class CompressedAttention(CachedLayer):
             self.indexer.compressor(self, x, batch)
             iq, iw = self.indexer.project(x, c_q, batch.positions)
 
-        attend = self._decode if batch.max_query_len == 1 else self._prefill
-        out = attend(q, kv, batch, iq, iw)
+        entries = selection = None
+        if self.compressor is not None:
+            entries = self.cache[self.compressor.name]
+            if self.indexer is not None:
+                selection = ops.call("compressed_indexer_topk", iq, iw, self.cache[self.indexer.compressor.name],
+                                     self.spec.compress_ratio, batch, self.indexer.topk)  # [T, topk] entry indices
+        out = ops.call("compressed_paged_attention", q, kv, self.cache["kv"], entries, selection, self.spec.compress_ratio,
+                       batch, self.scale, self.sinks, self.spec.sliding_window)  # [T, H, D]
         out = self.rotary(out, cos, -sin)  # the values carried RoPE: rotate the output back to the query's frame
         g = self.spec.o_groups
-        w_a = dense_weight(self.o_a_proj, out.dtype).view(g, self.spec.o_lora_rank, -1)  # [g, r, H*D/g]
+        w_a = self.o_a_weight().view(g, self.spec.o_lora_rank, -1)  # [g, r, H*D/g]
         low = torch.einsum("tgi,gri->tgr", out.reshape(T, g, -1), w_a)  # [T, g, r]
         return self.o_b_proj(low.reshape(T, -1))
-
-    def _decode(self, q, kv, batch, iq, iw) -> torch.Tensor:
-        """One token per sequence: every sequence at once over its window ring and its padded entries."""
-        W, ring = self.spec.sliding_window, self.cache["kv"]
-        pos, slots = batch.positions, batch.state_slots
-        ring[slots, pos % W] = kv.to(ring.dtype)
-        keys = ring[slots]  # [B, W, D]: positions pos - ((pos - r) mod W), those < 0 never written
-        r = torch.arange(W, device=kv.device)
-        mask = pos[:, None] - (pos[:, None] - r) % W >= 0
-        if self.compressor is not None:
-            entries, valid = self.compressor.read_all(self, batch)  # [B, C, D]: all complete entries may be read
-            if self.indexer is not None:
-                index_keys, _ = self.indexer.compressor.read_all(self, batch)
-                idx = ops.call("indexer_topk_rows", iq, iw, index_keys, valid, self.indexer.topk)
-                valid = indices_to_mask(idx, entries.shape[1])
-            keys, mask = torch.cat((keys, entries.to(keys.dtype)), dim=1), torch.cat((mask, valid), dim=1)
-        return ops.call("compressed_attention_rows", q, keys, mask, self.scale, self.sinks)
-
-    def _prefill(self, q, kv, batch, iq, iw) -> torch.Tensor:
-        """Chunks of queries, a sequence at a time, over the window ring + this chunk's rows and the entries."""
-        out = torch.empty_like(q)
-        window, m, D = self.spec.sliding_window, self.spec.compress_ratio, self.D
-        for b in range(batch.num_seqs):
-            rows, slot, start = batch.rows(b), batch.state_slots[b], batch.seq_start[b]
-            q_pos = batch.positions[rows]
-            lo = max(0, start - window + 1)  # the first key any query of this step can see
-            keys = torch.cat((ring_read(self.cache["kv"], slot, lo, start), kv[rows]))  # positions lo .. seq_lens[b]-1
-            ring_write(self.cache["kv"], slot, start, kv[rows])
-            entries, mask = kv.new_zeros(0, D), torch.zeros(rows.stop - rows.start, 0, dtype=torch.bool, device=kv.device)
-            if self.compressor is not None:
-                entries = self.compressor.read(self, batch, b)  # [C, D]
-                ready = (q_pos + 1) // m  # entries each query may read
-                if self.indexer is None:
-                    mask = torch.arange(entries.shape[0], device=kv.device) < ready[:, None]
-                else:
-                    index_keys = self.indexer.compressor.read(self, batch, b)
-                    idx = ops.call("indexer_topk", iq[rows], iw[rows], index_keys, ready - 1, self.indexer.topk)
-                    mask = indices_to_mask(idx, entries.shape[0])
-            out[rows] = ops.call("compressed_attention", q[rows], keys, lo, entries, mask, q_pos, self.scale, self.sinks,
-                                 window)
-        return out

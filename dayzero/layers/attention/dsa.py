@@ -1,13 +1,17 @@
 """MLA (ARCHITECTURE.md 2.1), and gated DSA: MLA + lightning indexer top-k (2.2) + sigmoid output gate (2.3).
 
 Cache per token: the latent row ``[c (kv_lora_rank) ‖ k_pe (rope dim)]`` and, with an indexer, the indexer
-key, both paged under the sequence's one block table. Prefill chunks attend in the naive (MHA) form;
-single-token decode in the absorbed (MQA) form, which reads only the latent rows. When the sequence is no
-longer than ``topk`` the indexer selects every causal key, so it is skipped (the result is dense MLA).
+key, both paged under the sequence's one block table. One ``paged_mla`` call attends for the whole step:
+prefill chunks in the naive (MHA) form, single-token decode rows in the absorbed (MQA) form, which reads only
+the latent rows. The indexer (``paged_indexer_topk``) writes every query row's top-k key positions into the
+step's selection buffer. When the block tables address no more than ``topk`` keys (``batch.key_width``: a
+shape of the step, fixed for a captured graph, never a sequence length) every sequence is that short, every
+causal key would be selected, and the indexer is skipped (dense MLA). A graph captured at a small width is
+only replayed for steps of that width, so the shortcut is never replayed at a longer context.
 
 IndexCache (GLM-MoE-DSA ``indexer_types``, HY-V4): a layer whose indexer spec is ``shared`` has no indexer
 and no indexer key cache; it attends over the keys chosen by the nearest earlier layer that ran its indexer
-in the same step. That choice travels on the step's batch (``SELECTION``), so nothing outlives the step.
+in the same step. That choice is the step's declared ``batch.selection``, so nothing outlives the step.
 
 Options HY-V4 uses: a per-head learned sink logit in the softmax denominator (``sinks``), a head-wise output
 gate (one sigmoid per head, ``g_proj`` [H, D]), and an indexer whose RoPE covers its LAST dims.
@@ -23,10 +27,7 @@ from dayzero.config.spec import IndexerSpec, MLASpec
 from dayzero.layers.attention.base import CachedLayer
 from dayzero.layers.norm import LayerNorm, RMSNorm
 from dayzero.layers.rotary import RotaryEmbedding
-from dayzero.ops.attention.reference import indices_to_mask
-from dayzero.quant.fp8 import dense_weight
-
-SELECTION = "dsa_selection"  # batch attribute: per sequence, the [Tq, S] key mask of the last indexer (None: dense)
+from dayzero.quant.fp8 import BlockFp8Linear, dense_weight
 
 
 class Indexer(nn.Module):
@@ -78,6 +79,20 @@ class MLAAttention(CachedLayer):
         self.rotary = RotaryEmbedding(spec.rope) if spec.rope is not None else None
         self.scale = spec.scale
 
+    def process_weights_after_loading(self) -> None:
+        # block-FP8 kv_b tiles dequantised once, not every step (a plain weight is used as it is)
+        # (in the model dtype, that of the latent norm's weight)
+        fp8 = isinstance(self.kv_b_proj, BlockFp8Linear)
+        self._kv_b = dense_weight(self.kv_b_proj, self.kv_a_layernorm.weight.dtype) if fp8 else None
+
+    def kv_b_weight(self) -> torch.Tensor:
+        """kv_b_proj's weight [H*(N+V), R] as a dense tensor (dequantised once for block-FP8 checkpoints)."""
+        if not isinstance(self.kv_b_proj, BlockFp8Linear):
+            return self.kv_b_proj.weight
+        if getattr(self, "_kv_b", None) is None:
+            self.process_weights_after_loading()
+        return self._kv_b
+
     def cache_spec(self, dtype):
         rows = {"latent": ((self.R + self.P,), dtype)}
         if self.indexer is not None:
@@ -99,26 +114,19 @@ class MLAAttention(CachedLayer):
             iq, ik, iw = self.indexer.project(x, c_q, batch.positions)
             self.write_rows("index_k", batch.slot_mapping, ik)
 
-        selection = [None] * batch.num_seqs
-        if self.shares_selection:
-            selection = getattr(batch, SELECTION, None)
-            assert selection is not None, "a shared-index DSA layer needs an earlier layer that runs its indexer"
-        kv_b = dense_weight(self.kv_b_proj, torch.float32)  # [H*(N+V), R]; block-FP8 tiles dequantised once a step
-        out = q_nope.new_empty(T, self.H, self.V)
-        for b in range(batch.num_seqs):
-            rows, slots, S = batch.rows(b), batch.key_slots(b), batch.seq_lens[b]
-            q_pos = batch.positions[rows]
-            if self.indexer is not None and S > self.indexer.topk:
-                idx = ops.call("indexer_topk", iq[rows], iw[rows], self.read_rows("index_k", slots), q_pos, self.indexer.topk)
-                selection[b] = indices_to_mask(idx, S)  # [Tq, S]
-            key_mask = selection[b]
-            form = "mla_absorbed" if rows.stop - rows.start == 1 else "mla_naive"
-            out[rows] = ops.call(
-                form, q_nope[rows], q_pe[rows], self.read_rows("latent", slots), kv_b,
-                self.V, q_pos, self.scale, key_mask, self.sinks,
-            )
         if self.indexer is not None:
-            setattr(batch, SELECTION, selection)
+            selection = None
+            if batch.key_width > self.indexer.topk:
+                selection = ops.call("paged_indexer_topk", iq, iw, self.cache["index_k"], batch, self.indexer.topk,
+                                     batch.topk_buffer(self.indexer.topk))  # [T, topk] key positions, -1 padded
+            batch.selection, batch.selection_set = selection, True
+        elif self.shares_selection:
+            assert batch.selection_set, "a shared-index DSA layer needs an earlier layer that runs its indexer"
+            selection = batch.selection
+        else:
+            selection = None
+        out = ops.call("paged_mla", q_nope, q_pe, self.cache["latent"], self.kv_b_weight(), self.V, batch,
+                       self.scale, self.sinks, selection)  # [T, H, V]
         if self.g_proj is not None:
             gate = self.g_proj(x).float().view(T, self.H, self.gate_width)  # per channel, or per head (width 1)
             out = (out.float() * torch.sigmoid(gate)).to(out.dtype)

@@ -16,31 +16,15 @@ them per key head and :func:`ungroup_qkvz` / :func:`ungroup_ba` reorder them at 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dayzero import ops
 from dayzero.cache.spec import StateSpec
+from dayzero.config.spec import GDNSpec  # noqa: F401  (re-exported for adapters)
 from dayzero.layers.attention.kda import DeltaRuleLayer
 from dayzero.layers.norm import RMSNorm
-from dayzero.models import decoder
-
-
-@dataclass(frozen=True)
-class GDNSpec:
-    num_k_heads: int
-    num_v_heads: int
-    head_k_dim: int
-    head_v_dim: int
-    conv_size: int = 4
-    kind: str = "gdn"
-
-    @property
-    def conv_dim(self) -> int:  # channels of the short conv: [q | k | v]
-        return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
 
 
 def ungroup_qkvz(spec: GDNSpec):
@@ -104,5 +88,3 @@ class GatedDeltaNet(DeltaRuleLayer):
         o = self.norm(o).float() * F.silu(z.reshape(T, Hv, V).float())  # gated norm, gate after the norm
         return self.out_proj(o.to(x.dtype).reshape(T, Hv * V))
 
-
-decoder.MIXERS[GDNSpec] = lambda D, s, m: GatedDeltaNet(D, s, m.rms_norm_eps)

@@ -54,13 +54,8 @@ class GQAAttention(CachedLayer):
             q, k = self.rotary(q, cos, sin), self.rotary(k, cos, sin)
         self.write_rows("k", batch.slot_mapping, k)
         self.write_rows("v", batch.slot_mapping, v)
-        out = torch.empty_like(q)
-        for b in range(batch.num_seqs):
-            rows, slots = batch.rows(b), batch.key_slots(b)
-            out[rows] = ops.call(
-                "attention", q[rows], self.read_rows("k", slots), self.read_rows("v", slots),
-                batch.positions[rows], self.scale, None, self.sinks, self.spec.sliding_window,
-            )
+        out = ops.call("paged_attention", q, self.cache["k"], self.cache["v"], batch, self.scale, self.sinks,
+                       self.spec.sliding_window)  # [T, H, Dh]
         if gate is not None:
             out = (out.float() * torch.sigmoid(gate.float())).to(out.dtype)
         return self.o_proj(out.reshape(T, H * Dh))

@@ -2,8 +2,9 @@
 
 State per sequence (one slot): the fp32 recurrent state [H, K, V] and the short-conv windows (the last
 ``conv_size - 1`` pre-activation inputs). A sequence that starts this step (position 0) starts from zero
-state, so slots need no clearing when they are reused. Steps where every sequence brings one token use
-the recurrent form; any longer chunk uses the chunk form.
+state, so slots need no clearing when they are reused. The ops (``kda_pooled``, ``causal_conv1d_pooled``)
+read and write the pool in place by the batch's state slots: the recurrent form when every sequence brings
+one token, the chunk form otherwise.
 
 Checkpoint layouts (Kimi-Linear, as vLLM and transformers store it): ``A_log`` may be [1, 1, H, 1] and
 loads into our [H] through the name table; the three convs are separate [P, 1, W] weights.
@@ -25,24 +26,13 @@ class DeltaRuleLayer(CachedLayer):
     (KDA, Gated DeltaNet). Subclasses name their cache tensors; the recurrent state is ``"state"``."""
 
     def conv(self, name: str, u: torch.Tensor, weight: torch.Tensor, batch) -> torch.Tensor:
-        """SiLU(causal depthwise conv) of ``u`` [T, C], continuing each sequence's window ``name``."""
-        slots = batch.state_slots
-        window = self.cache[name][slots]  # [B, C, W-1]
-        window = torch.where(batch.fresh[:, None, None], torch.zeros_like(window), window)
-        y, new_window = ops.call("causal_conv1d", u, weight, window, batch.cu_seqlens, "silu")
-        self.cache[name][slots] = new_window.to(self.cache[name].dtype)
-        return y
+        """SiLU(causal depthwise conv) of ``u`` [T, C], continuing each sequence's window ``name`` (in place)."""
+        return ops.call("causal_conv1d_pooled", u, weight, self.cache[name], batch, "silu")
 
     def delta_rule(self, q, k, v, g, beta, scale: float, batch) -> torch.Tensor:
         """The gated delta rule from each sequence's state; q, k, g: [T, H, K], v: [T, H, V], beta: [T, H].
-        Returns o [T, H, V] and stores the new states."""
-        slots = batch.state_slots
-        state = self.cache["state"][slots]  # [B, H, K, V] fp32
-        state = torch.where(batch.fresh[:, None, None, None], torch.zeros_like(state), state)
-        form = "kda_recurrent" if batch.max_query_len == 1 else "kda_chunk"
-        o, state = ops.call(form, q, k, v, g, beta, scale, state, batch.cu_seqlens, True)
-        self.cache["state"][slots] = state
-        return o
+        Returns o [T, H, V]; the new states are written to the state pool in place."""
+        return ops.call("kda_pooled", q, k, v, g, beta, scale, self.cache["state"], batch, True)
 
 
 class KDAAttention(DeltaRuleLayer):

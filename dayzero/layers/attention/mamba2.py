@@ -7,13 +7,10 @@ and its output goes through RMSNorm(y · silu(z)) per group of I/G channels, the
 
 State per sequence (one slot): the fp32 SSM state [H, P, N] and the conv window (the last
 ``conv_size - 1`` pre-activation xBC inputs). A sequence that starts this step (position 0) starts from
-zero state, so slots need no clearing when they are reused. Steps where every sequence brings one token
-use the recurrent form; any longer chunk uses the chunk form.
+zero state, so slots need no clearing when they are reused. The pooled ops read and write the slots in place:
+the recurrent form when every sequence brings one token, the chunk form otherwise.
 """
 from __future__ import annotations
-
-import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -21,23 +18,9 @@ from torch import nn
 
 from dayzero import ops
 from dayzero.cache.spec import StateSpec
+from dayzero.config.spec import Mamba2Spec  # noqa: F401  (re-exported for adapters)
 from dayzero.layers.attention.base import CachedLayer
 from dayzero.layers.norm import RMSNorm
-from dayzero.models import decoder
-
-
-@dataclass(frozen=True)
-class Mamba2Spec:
-    num_heads: int
-    head_dim: int
-    state_size: int
-    n_groups: int = 1
-    conv_size: int = 4
-    chunk_size: int = 128
-    dt_limit: tuple[float, float] = (0.0, math.inf)  # clamp of the time step after softplus
-    conv_bias: bool = True
-    bias: bool = False  # in_proj / out_proj biases
-    kind: str = "mamba2"
 
 
 class Mamba2Mixer(CachedLayer):
@@ -62,33 +45,20 @@ class Mamba2Mixer(CachedLayer):
         return StateSpec({"ssm": ((s.num_heads, s.head_dim, s.state_size), torch.float32),
                           "conv": ((self.conv_dim, s.conv_size - 1), dtype)})
 
-    def _state(self, name: str, batch) -> torch.Tensor:
-        """The batch's rows of one state tensor, zero for sequences that start this step."""
-        t = self.cache[name][batch.state_slots]
-        fresh = batch.fresh.view(-1, *([1] * (t.dim() - 1)))
-        return torch.where(fresh, torch.zeros_like(t), t)
-
     def forward(self, x: torch.Tensor, batch) -> torch.Tensor:
         s, T = self.spec, x.shape[0]
         H, P, N, G = s.num_heads, s.head_dim, s.state_size, s.n_groups
         z, xbc, dt = self.in_proj(x).split([self.I, self.conv_dim, H], dim=-1)  # [T, I], [T, I + 2GN], [T, H]
 
-        xbc, window = ops.call("causal_conv1d", xbc, self.conv1d.weight, self._state("conv", batch), batch.cu_seqlens, None)
-        self.cache["conv"][batch.state_slots] = window
+        xbc = ops.call("causal_conv1d_pooled", xbc, self.conv1d.weight, self.cache["conv"], batch, None)
         h = xbc.float() if self.conv1d.bias is None else xbc.float() + self.conv1d.bias.float()
         xs, B, C = F.silu(h).to(x.dtype).split([self.I, G * N, G * N], dim=-1)
 
         dt = ops.call("ssd_dt", dt, self.dt_bias, s.dt_limit)  # [T, H] fp32
         A = -self.A_log.float().exp()  # [H], < 0
-        args = (xs.view(T, H, P), dt, A, B.view(T, G, N), C.view(T, G, N), self.D, self._state("ssm", batch), batch.cu_seqlens)
-        if batch.max_query_len == 1:
-            y, state = ops.call("ssd_recurrent", *args)
-        else:
-            y, state = ops.call("ssd_chunk", *args, chunk_size=s.chunk_size)
-        self.cache["ssm"][batch.state_slots] = state
+        y = ops.call("ssd_pooled", xs.view(T, H, P), dt, A, B.view(T, G, N), C.view(T, G, N), self.D, self.cache["ssm"],
+                     batch, s.chunk_size)  # states updated in the pool
 
         y = ops.call("ssd_gated_norm", y.reshape(T, self.I), self.norm.weight, z, self.I // G, self.eps)
         return self.out_proj(y)
 
-
-decoder.MIXERS[Mamba2Spec] = lambda D, s, m: Mamba2Mixer(D, s, m.rms_norm_eps)

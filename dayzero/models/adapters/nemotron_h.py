@@ -16,7 +16,7 @@ import math
 from dataclasses import replace
 
 from dayzero.config.spec import GQASpec, LayerSpec, MLPSpec, ModelSpec, MoESpec
-from dayzero.layers.attention.mamba2 import Mamba2Spec
+from dayzero.config.spec import Mamba2Spec
 from dayzero.loader.rules import Rule, expert
 from dayzero.models.adapters.common import dtype_of, eos_of, get
 from dayzero.models.adapters.deepseek import moe_spec

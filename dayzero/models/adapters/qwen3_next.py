@@ -9,7 +9,8 @@ name the mixer ``linear_attn`` in linear layers and the shared expert ``shared_e
 from __future__ import annotations
 
 from dayzero.config.spec import GQASpec, LayerSpec, MLPSpec, ModelSpec, MoESpec
-from dayzero.layers.attention.gdn import GDNSpec, ungroup_ba, ungroup_qkvz
+from dayzero.config.spec import GDNSpec
+from dayzero.layers.attention.gdn import ungroup_ba, ungroup_qkvz
 from dayzero.loader.rules import Rule
 from dayzero.models.adapters.common import (
     L, attn_rules, base_rules, dense_mlp_spec, dtype_of, eos_of, get, moe_layer_rules, rope_spec,

@@ -71,8 +71,116 @@ def compressed_attention_rows(q: torch.Tensor, keys: torch.Tensor, mask: torch.T
     """One query per sequence, all sequences at once (decode): q [B, H, D]; keys [B, L, D] (K=V: each sequence's
     window rows and entries, padded); mask [B, L] bool, the keys each query reads; returns [B, H, D] in q's dtype.
     Per row it is ``compressed_attention`` of that sequence's one query."""
-    kf = keys.float()
+    kf = keys.float().masked_fill(~mask[:, :, None], 0.0)  # keys not read may be stale rows (inf/NaN)
     s = torch.einsum("bhd,bld->bhl", q.float(), kf) * scale
     s = s.masked_fill(~mask[:, None, :], float("-inf"))
     p, denom = sink_softmax(s, None if sinks is None else sinks.float().view(1, -1, 1))
     return (torch.einsum("bhl,bld->bhd", p, kf) / denom).to(q.dtype)
+
+
+@register("compress_rows")
+def compress_rows(kv: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, overlap: bool = False,
+                  prev_kv: torch.Tensor | None = None, prev_gate: torch.Tensor | None = None,
+                  has_prev: torch.Tensor | None = None) -> torch.Tensor:
+    """One window per row (decode: each sequence's newest window), the same pooling as :func:`compress_pool`.
+    kv, gate: [B, m, W]; bias: [m, W]; with ``overlap``, prev_kv / prev_gate [B, m, W] are each row's previous
+    window and ``has_prev`` [B] says whether it exists (window 0 has none). Returns [B, d] in kv's dtype."""
+    c = kv.float()
+    z = gate.float() + bias.float()
+    if overlap:
+        d = kv.shape[-1] // 2
+        pz = prev_gate.float() + bias.float()
+        pz = pz.masked_fill(~has_prev[:, None, None], float("-inf"))  # no window -1: zero weight
+        c = torch.cat((prev_kv.float()[..., :d], c[..., d:]), dim=1)  # [B, 2m, d]
+        z = torch.cat((pz[..., :d], z[..., d:]), dim=1)
+    return (z.softmax(dim=1) * c).sum(dim=1).to(kv.dtype)
+
+
+def ring_read(ring: torch.Tensor, slot, lo: int, hi: int) -> torch.Tensor:
+    """Rows of positions lo .. hi-1 from a sequence's ring [slots, R, ...] (all within its last R positions)."""
+    return ring[slot, torch.arange(lo, hi, device=ring.device) % ring.shape[1]]
+
+
+def ring_write(ring: torch.Tensor, slot, start: int, rows: torch.Tensor) -> None:
+    """Keep the newest R of ``rows`` (positions start, start+1, ..) in the sequence's ring."""
+    R, n = ring.shape[1], rows.shape[0]
+    keep = torch.arange(max(start, start + n - R), start + n, device=ring.device)
+    ring[slot, keep % R] = rows[keep - start].to(ring.dtype)
+
+
+# --- batch-wide forms: one call per layer over the step ------------------------------------------------------
+@register("compress_windows")
+def compress_windows(raw: torch.Tensor, gate: torch.Tensor, raw_ring: torch.Tensor, gate_ring: torch.Tensor,
+                     bias: torch.Tensor, overlap: bool, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pool every window the step completes, for every sequence. raw, gate: [T, W] this step's rows; the rings
+    [slots, R, W] (R = m, or 2m with overlap) hold each sequence's last R rows and are refreshed in place.
+    Returns (pooled [N, d], window index w [N], entry slot [N]) of the N completed windows; the caller
+    normalises and rotates them (at position w·m) and writes them at the slots."""
+    m = bias.shape[0]
+    pooled, entries, slots = [], [], []
+    for b in range(batch.num_seqs):
+        rows, slot = batch.rows(b), batch.state_slots[b]
+        s, e = batch.seq_start[b], batch.seq_lens[b]
+        w0, w1 = s // m, e // m  # entries w0 .. w1-1 complete in this step
+        if w1 > w0:
+            lo = max(0, (w0 - int(overlap)) * m)  # first position pooled (the previous window, with overlap)
+            kv = torch.cat((ring_read(raw_ring, slot, lo, s), raw[rows][: w1 * m - s]))  # positions lo .. w1*m-1
+            gt = torch.cat((ring_read(gate_ring, slot, lo, s), gate[rows][: w1 * m - s]))
+            prev = w0 * m - lo  # rows of window w0-1 (m, or 0 for the first window)
+            pooled.append(compress_pool(kv[prev:], gt[prev:], bias, overlap, kv[:prev] if prev else None,
+                                        gt[:prev] if prev else None))
+            w = torch.arange(w0, w1, device=raw.device)
+            entries.append(w)
+            slots.append(batch.entry_slots(b, m, w))
+        ring_write(raw_ring, slot, s, raw[rows])
+        ring_write(gate_ring, slot, s, gate[rows])
+    if not pooled:
+        empty = torch.zeros(0, dtype=torch.int64, device=raw.device)
+        return raw.new_zeros(0, raw.shape[1] // (2 if overlap else 1)), empty, empty
+    return torch.cat(pooled), torch.cat(entries), torch.cat(slots)
+
+
+@register("compressed_indexer_topk")
+def compressed_indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_cache, ratio: int, batch,
+                            topk: int) -> torch.Tensor:
+    """CSA's selection for the whole step: per query row, the top-k of its sequence's complete compressed index
+    keys it may read (entry w once (position + 1) // ratio > w). Returns [T, topk] entry indices, -1 padded."""
+    from dayzero.cache.rows import read_rows
+    from dayzero.ops.indexer.reference import indexer_topk
+
+    out = torch.full((q.shape[0], topk), -1, dtype=torch.int64, device=q.device)
+    for b in range(batch.num_seqs):
+        rows, count = batch.rows(b), batch.seq_lens[b] // ratio
+        keys = read_rows(index_cache, batch.entry_slots(b, ratio, torch.arange(count, device=q.device)))
+        ready = (batch.positions[rows] + 1) // ratio
+        out[rows] = indexer_topk(q[rows], weights[rows], keys, ready - 1, topk)
+    return out
+
+
+@register("compressed_paged_attention")
+def compressed_paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_ring: torch.Tensor, entry_cache, selection,
+                               ratio: int, batch, scale: float, sinks: torch.Tensor | None, window: int) -> torch.Tensor:
+    """DeepSeek-V4 attention for the whole step: each sequence's queries over its window ring and this step's
+    K=V rows (which join the ring, in place), plus its compressed entries (``entry_cache``, one row per
+    ``ratio`` tokens; None for sliding-window layers): all causal ones, or the CSA ``selection`` [T, topk].
+    q: [T, H, D]; kv: [T, D]; kv_ring: [slots, window, D]. Returns [T, H, D]."""
+    from dayzero.cache.rows import read_rows
+    from dayzero.ops.attention.reference import indices_to_mask
+
+    out = torch.empty_like(q)
+    for b in range(batch.num_seqs):
+        rows, slot, start = batch.rows(b), batch.state_slots[b], batch.seq_start[b]
+        q_pos = batch.positions[rows]
+        lo = max(0, start - window + 1)  # the first key any query of this step can see
+        keys = torch.cat((ring_read(kv_ring, slot, lo, start), kv[rows]))  # positions lo .. seq_lens[b]-1
+        ring_write(kv_ring, slot, start, kv[rows])
+        entries, mask = kv.new_zeros(0, kv.shape[1]), torch.zeros(q_pos.shape[0], 0, dtype=torch.bool, device=kv.device)
+        if entry_cache is not None:
+            count = batch.seq_lens[b] // ratio
+            entries = read_rows(entry_cache, batch.entry_slots(b, ratio, torch.arange(count, device=kv.device)))
+            if selection is None:
+                mask = torch.arange(count, device=kv.device) < ((q_pos + 1) // ratio)[:, None]
+            else:
+                mask = indices_to_mask(selection[rows], count)
+        out[rows] = compressed_attention(q[rows], keys, lo, entries, mask, q_pos, scale, sinks, window)
+    return out

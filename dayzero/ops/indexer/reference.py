@@ -24,6 +24,12 @@ def _block_scores(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, pos: 
     return scores.masked_fill_(future, float("-inf"))
 
 
+def _scores_rows(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    # q: [B, Hi, Di]; weights: [B, Hi]; k: [B, S, Di] (each row's own keys) -> unmasked scores [B, S] fp32
+    logits = torch.einsum("bhd,bsd->bhs", q.float(), k.float()).relu_()
+    return torch.einsum("bhs,bh->bs", logits, weights.float())
+
+
 @register("indexer_scores")
 def indexer_scores(
     q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, *, q_block: int | None = None
@@ -84,10 +90,29 @@ def indexer_topk_rows(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, v
     out = torch.full((B, topk), -1, dtype=torch.int64, device=q.device)
     if B == 0 or S == 0 or topk == 0:
         return out
-    logits = torch.einsum("bhd,bsd->bhs", q.float(), k.float()).relu_()
-    scores = torch.einsum("bhs,bh->bs", logits, weights.float()).masked_fill_(~valid, float("-inf"))
+    scores = _scores_rows(q, weights, k).masked_fill_(~valid, float("-inf"))
     kk = min(topk, S)
     _, idx = torch.topk(scores, kk, dim=-1, sorted=True)  # valid keys first
     n_valid = valid.sum(-1, keepdim=True)
     out[:, :kk] = torch.where(torch.arange(kk, device=q.device) < n_valid, idx, torch.full_like(idx, -1))
+    return out
+
+
+@register("paged_indexer_topk")
+def paged_indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache, batch, topk: int,
+                       out: torch.Tensor) -> torch.Tensor:
+    """The whole step's DSA selection into ``out`` [T, topk] (returned): for every query row, the key positions
+    of its top min(topk, position+1) causal keys of its own sequence (any order), -1 padded. A sequence no
+    longer than ``topk`` selects every causal key without scoring them (the same set the scores would give).
+    q: [T, Hi, Di]; weights: [T, Hi]; k_cache: the paged indexer-key pool."""
+    from dayzero.cache.rows import read_rows
+
+    for b in range(batch.num_seqs):
+        rows, n = batch.rows(b), batch.seq_lens[b]
+        if n <= topk:
+            causal = torch.arange(topk, device=q.device) <= batch.positions[rows, None]  # [Tq, topk]
+            out[rows] = torch.where(causal, torch.arange(topk, device=q.device), -1)
+        else:
+            k = read_rows(k_cache, batch.key_slots(b))
+            out[rows] = indexer_topk(q[rows], weights[rows], k, batch.positions[rows], topk)
     return out

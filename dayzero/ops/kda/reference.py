@@ -189,3 +189,31 @@ def kda_chunk(q, k, v, g, beta, scale: float, initial_state, cu_seqlens,
         states.append(S_i)
     o = torch.cat(outs) if outs else v.new_zeros(0, H, V, dtype=torch.float32)
     return o.to(v.dtype), torch.stack(states) if states else S0
+
+
+# --- batch-wide forms over the state pool ------------------------------------------------------------------
+def pooled_state(pool: torch.Tensor, batch) -> torch.Tensor:
+    """The step's sequences' rows of a state pool [slots, ...], zero for sequences that start this step."""
+    state = pool[batch.state_slots]
+    return torch.where(batch.fresh.view(-1, *([1] * (state.dim() - 1))), torch.zeros_like(state), state)
+
+
+@register("kda_pooled")
+def kda_pooled(q, k, v, g, beta, scale: float, state_pool: torch.Tensor, batch, use_qk_l2norm: bool = True):
+    """KDA for the whole step over the state pool: each sequence starts from its slot's state (zero when
+    ``batch.fresh``), runs the recurrent form when every sequence brings one token and the chunk form
+    otherwise, and its final state is written back to its slot in place. Returns o [T, H, V] in v.dtype.
+    state_pool: [num_slots + 1, H, K, V] fp32."""
+    form = kda_recurrent if batch.is_decode else kda_chunk
+    o, state = form(q, k, v, g, beta, scale, pooled_state(state_pool, batch), batch.cu_seqlens, use_qk_l2norm)
+    state_pool[batch.state_slots] = state
+    return o
+
+
+@register("causal_conv1d_pooled")
+def causal_conv1d_pooled(x, weight, window_pool: torch.Tensor, batch, activation: str | None = "silu"):
+    """:func:`causal_conv1d` for the whole step over the window pool [num_slots + 1, C, W-1]: each sequence
+    continues its slot's window (zeros when ``batch.fresh``) and leaves its new window there. Returns y [T, C]."""
+    y, window = causal_conv1d(x, weight, pooled_state(window_pool, batch), batch.cu_seqlens, activation)
+    window_pool[batch.state_slots] = window.to(window_pool.dtype)
+    return y

@@ -1,53 +1,117 @@
-"""Routed experts on CUDA: each projection is ONE grouped GEMM over every expert (torch's ``grouped_mm``, a
-CUTLASS kernel on sm80+) instead of the reference's GEMM pair per expert hit, and nothing waits on the host.
+"""Routed experts on CUDA without a host synchronisation, so the MoE block can be captured in a CUDA graph.
 
-The math is the reference's (``moe_experts``): pairs sorted by expert, ``w2 · act(w1 · x + b1) + b2`` per
-pair, weighted and summed per token in fp32. The GEMMs take bf16 inputs and accumulate in fp32 but return
-bf16 (the only output dtype torch 2.11's kernel gives), and the second reads the activation rounded to bf16,
-where the reference keeps both fp32: differences of the order of bf16 rounding. Calls it cannot take fall back to
-the reference with the reason: fp32 or fp8 weights, packed or tile-scaled experts, widths not a multiple of 8.
+``moe_experts_grouped`` takes the rows ``moe_permute`` sorted by expert and runs, for bf16 activations and
+plain bf16 weights with widths that are multiples of 8, each projection as ONE grouped GEMM over every
+expert (torch's ``grouped_mm``, a CUTLASS kernel on sm80+) instead of the reference's GEMM pair per expert.
+The GEMMs accumulate in fp32 but return bf16 (the only output dtype torch 2.11's kernel gives), and the
+second reads the activation rounded to bf16, where the reference keeps both fp32: differences of the order
+of bf16 rounding.
+
+Everything else (fp32 weights, block-FP8 ``TileScaled`` experts, the ``BlockScaled`` FP8 workspace, widths
+grouped_mm cannot take) runs :func:`masked_grouped_mlp`: every expert over all N rows with fixed shapes,
+keeping the rows that are its own. It costs E times the FLOPs of the rows, but never reads the offsets
+on the host, where the reference's loop over experts must.
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
 
-from dayzero.ops.moe.reference import _activation
+from dayzero.ops.moe.reference import _activation, _mlp, permute, unpermute
 from dayzero.ops.registry import register
+from dayzero.quant.fp8 import TileScaled
+from dayzero.quant.workspace import BlockScaled
+
+log = logging.getLogger("dayzero.ops")
 
 ALIGN = 8  # elements: the kernel wants 16-byte aligned rows
+_LOGGED: set[str] = set()
 
 
-def _verify(x, ids, weights, w1, w2, activation="silu", b1=None, b2=None, limit=None) -> str | None:
+def expert_of_rows(offsets: torch.Tensor, n: int) -> torch.Tensor:
+    """Expert of each of ``n`` sorted rows, on the device; rows past ``offsets[-1]`` get E (no expert)."""
+    # offsets: [E] int32 row ends -> [n] int64
+    return torch.searchsorted(offsets, torch.arange(n, device=offsets.device, dtype=offsets.dtype), right=True)
+
+
+def grouped_mm_refusal(xs, w1, w2) -> str | None:
+    """Why torch's grouped_mm cannot run these rows and weights, or None when it can."""
     if not hasattr(F, "grouped_mm"):
         return f"torch {torch.__version__} has no grouped_mm"
-    if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) < (8, 0):
+    if xs.device.type != "cuda" or torch.cuda.get_device_capability(xs.device) < (8, 0):
         return "grouped_mm needs a CUDA device of compute capability 8.0 or newer"
-    if x.dtype != torch.bfloat16 or any(not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16 for w in (w1, w2)):
+    if xs.dtype != torch.bfloat16 or any(not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16 for w in (w1, w2)):
         return "grouped_mm takes bf16 activations and plain bf16 expert weights"
     if any(d % ALIGN for d in (*w1.shape[1:], w2.shape[-1])):
         return f"expert widths {tuple(w1.shape[1:])} / {w2.shape[-1]} are not multiples of {ALIGN}"
     return None
 
 
-@register("moe_experts", "cuda", verifier=_verify, note="one grouped GEMM per projection (torch grouped_mm)")
-def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                    activation: str = "silu", b1: torch.Tensor | None = None, b2: torch.Tensor | None = None,
-                    limit: float | None = None) -> torch.Tensor:
-    # x: [T, D] bf16; ids, weights: [T, k]; w1: [E, r*I, D]; w2: [E, D, I]
+def grouped_mm_mlp(xs: torch.Tensor, offsets: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                   activation: str = "silu", b1: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                   limit: float | None = None) -> torch.Tensor:
+    """The grouped-GEMM path: one ``grouped_mm`` per projection over every expert's rows."""
+    # xs: [N, L] bf16 rows in expert order; offsets: [E] int32; w1: [E, r*I, L]; w2: [E, L, I]
     act = _activation(activation, w1, w2, limit)
-    T, D = x.shape
-    E, k = w1.shape[0], ids.shape[1]
-    flat = ids.reshape(-1).long()  # [T*k]
-    order = torch.argsort(flat, stable=True)  # pairs grouped by expert
-    token, expert = order // k, flat[order]
-    offs = torch.bincount(flat, minlength=E).cumsum(0).to(torch.int32)  # [E] end of each expert's rows
-    h = F.grouped_mm(x[token], w1.transpose(1, 2), offs=offs).float()  # [T*k, r*I]
+    N = xs.shape[0]
+    if N == 0:
+        return xs.new_zeros(0, w2.shape[-2])
+    expert = expert_of_rows(offsets, N) if b1 is not None or b2 is not None else None
+    h = F.grouped_mm(xs, w1.transpose(1, 2), offs=offsets).float()  # [N, r*I]
     if b1 is not None:
         h = h + b1.float()[expert]
-    y = F.grouped_mm(act(h).to(torch.bfloat16), w2.transpose(1, 2), offs=offs).float()  # [T*k, D]
+    y = F.grouped_mm(act(h).to(torch.bfloat16), w2.transpose(1, 2), offs=offsets).float()  # [N, L]
     if b2 is not None:
         y = y + b2.float()[expert]
-    out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
-    out.index_add_(0, token, y * weights.reshape(-1).float()[order, None])
-    return out.to(x.dtype)
+    return y.to(xs.dtype)
+
+
+def masked_grouped_mlp(xs: torch.Tensor, offsets: torch.Tensor, w1, w2, activation: str = "silu",
+                       b1: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                       limit: float | None = None) -> torch.Tensor:
+    """The sync-free fallback: each expert over all rows, kept where the row is that expert's (fp32 math)."""
+    # xs: [N, L] rows in expert order; offsets: [E] int32; w1: [E, r*I, L]; w2: [E, L, I] (or indexable by e)
+    act = _activation(activation, w1, w2, limit)
+    E, N = w1.shape[0], xs.shape[0]
+    expert = expert_of_rows(offsets, N)[:, None]  # [N, 1]
+    x = xs.float()
+    ys = torch.zeros(N, w2.shape[-2], dtype=torch.float32, device=xs.device)  # [N, L]
+    for e in range(E):
+        y = _mlp(x, w1[e], w2[e], act, None if b1 is None else b1[e], None if b2 is None else b2[e])
+        ys = torch.where(expert == e, y, ys)  # where, not a product: other experts' rows may overflow here
+    return ys.to(xs.dtype)
+
+
+def _verify(xs, offsets, w1, w2, *args, **kwargs) -> str | None:
+    known = (torch.Tensor, TileScaled, BlockScaled)
+    bad = [type(w).__name__ for w in (w1, w2) if not isinstance(w, known)]
+    return f"expert weights of type {bad} are not tensors, TileScaled or BlockScaled" if bad else None
+
+
+@register("moe_experts_grouped", "cuda", verifier=_verify,
+          note="torch grouped_mm for bf16; otherwise every expert over all rows, masked (no host sync)")
+def grouped_mlp(xs: torch.Tensor, offsets: torch.Tensor, w1, w2, activation: str = "silu",
+                b1: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                limit: float | None = None) -> torch.Tensor:
+    why = grouped_mm_refusal(xs, w1, w2)
+    if why is not None and why not in _LOGGED:
+        _LOGGED.add(why)
+        log.info("moe_experts_grouped on cuda: every expert over all rows (%s)", why)
+    fn = grouped_mm_mlp if why is None else masked_grouped_mlp
+    return fn(xs, offsets, w1, w2, activation, b1, b2, limit)
+
+
+def _verify_experts(x, ids, weights, w1, w2, *args, **kwargs) -> str | None:
+    return _verify(x, None, w1, w2)
+
+
+@register("moe_experts", "cuda", verifier=_verify_experts, note="permute, grouped MLP (moe_experts_grouped), unpermute")
+def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w2, activation: str = "silu",
+                    b1: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                    limit: float | None = None) -> torch.Tensor:
+    # x: [T, D]; ids, weights: [T, k]; w1: [E, r*I, D]; w2: [E, D, I]
+    order, offsets = permute(ids, w1.shape[0])
+    ys = grouped_mlp(x[order // ids.shape[1]], offsets, w1, w2, activation, b1, b2, limit)  # [T*k, D]
+    return unpermute(ys, order, weights, x.shape[0])

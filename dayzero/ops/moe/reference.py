@@ -1,7 +1,14 @@
-"""Reference MoE ops: router top-k, sorted grouped experts, and the dense MLP they share math with.
+"""Reference MoE ops: router top-k, the routed experts as permute -> grouped MLP -> unpermute, and the
+dense MLP they share math with.
 
 ARCHITECTURE section 3. Everything is computed in fp32; expert and MLP outputs come back in the
-input's dtype, routing weights stay fp32.
+input's dtype, routing weights stay fp32. The routed experts are split into separate ops so that expert
+parallelism can put its all-to-all between the permute and the expert GEMMs:
+
+    route -> permute (pairs sorted by expert) -> gather rows -> grouped MLP -> unpermute (weighted sum)
+
+``moe_route``, ``moe_permute`` and ``moe_unpermute`` never read device data on the host (they run on
+CUDA as they are, inside CUDA graphs); the grouped MLP reference loops over experts on the host.
 """
 from __future__ import annotations
 
@@ -84,7 +91,10 @@ def route(logits: torch.Tensor, top_k: int, kind: str = "sigmoid",
     if kind in ("sigmoid", "sqrtsoftplus"):
         scores = torch.sigmoid(logits) if kind == "sigmoid" else torch.nn.functional.softplus(logits).sqrt()  # [T, E]
         if fixed_ids is not None:
-            bad = fixed_ids.numel() and not 0 <= int(fixed_ids.min()) <= int(fixed_ids.max()) < E
+            # The id range is checked on the host only when that is free: on an accelerator it would wait for
+            # the device, and the MoE layer checks its table once after loading instead.
+            host = fixed_ids.device.type == "cpu"
+            bad = host and fixed_ids.numel() and not 0 <= int(fixed_ids.min()) <= int(fixed_ids.max()) < E
             if fixed_ids.shape != (T, top_k) or bad:
                 raise ValueError(f"fixed_ids must be [T={T}, k={top_k}] expert ids in [0, {E}), got {tuple(fixed_ids.shape)}")
             ids = fixed_ids.long()
@@ -119,6 +129,70 @@ def route(logits: torch.Tensor, top_k: int, kind: str = "sigmoid",
     return weights * routed_scaling_factor, ids
 
 
+@register("moe_permute")
+def permute(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort the (token, slot) pairs by expert; returns ``(order int64 [T*k], offsets int32 [E])``.
+
+    ``order[r]`` is the flat pair index (``t * k + j``) of sorted row r, so ``order // k`` is its token;
+    the sort is stable, so within one expert the rows keep token order. ``offsets[e]`` is the end
+    (exclusive) of expert e's rows: the cumulative counts ``grouped_mm(offs=...)`` takes. Nothing is read
+    back to the host (``bincount`` would read its output size), so this runs inside a CUDA graph.
+    """
+    # ids: [T, k] expert ids in [0, E)
+    if ids.dim() != 2:
+        raise ValueError(f"ids must be [T, k], got {tuple(ids.shape)}")
+    flat = ids.reshape(-1).long()  # [T*k]
+    order = torch.argsort(flat, stable=True)  # [T*k]
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E]
+    return order, counts.cumsum(0).to(torch.int32)
+
+
+@register("moe_experts_grouped")
+def grouped_mlp(xs: torch.Tensor, offsets: torch.Tensor, w1, w2, activation: str = "silu",
+                b1: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                limit: float | None = None) -> torch.Tensor:
+    """Rows sorted by expert, each through its expert: ``ys[r] = w2_e · act(w1_e · xs[r] + b1_e) + b2_e``.
+
+    Expert e owns rows ``offsets[e-1]:offsets[e]`` (``moe_permute``'s layout); rows past ``offsets[-1]``
+    are padding and come out zero here. ``w1`` / ``w2`` are stacked tensors or expert-indexable
+    containers (``TileScaled``, ``BlockScaled``). Each expert runs as ONE GEMM pair over its rows, in
+    fp32; the output is in ``xs.dtype``. This reference reads the offsets on the host.
+    """
+    # xs: [N, L]; offsets: [E] int32; w1: [E, r*I, L] (r=2 gated: rows [gate; up]); w2: [E, L, I] -> [N, L]
+    act = _activation(activation, w1, w2, limit)
+    E, N = w1.shape[0], xs.shape[0]
+    if offsets.shape != (E,) or xs.dim() != 2 or xs.shape[1] != w1.shape[-1]:
+        raise ValueError(f"xs {tuple(xs.shape)} and offsets {tuple(offsets.shape)} must be [N, {w1.shape[-1]}] and [{E}]")
+    ends = offsets.tolist()
+    if any(b < a for a, b in zip([0] + ends, ends)) or (ends and ends[-1] > N):
+        raise ValueError(f"offsets must be non-decreasing row ends within the {N} rows, got {ends}")
+    ys = torch.zeros(N, w2.shape[-2], dtype=torch.float32, device=xs.device)  # [N, L]
+    for e, (start, end) in enumerate(zip([0] + ends, ends)):
+        if end > start:
+            ys[start:end] = _mlp(xs[start:end].float(), w1[e], w2[e], act,
+                                 None if b1 is None else b1[e], None if b2 is None else b2[e])
+    return ys.to(xs.dtype)
+
+
+@register("moe_unpermute")
+def unpermute(ys: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Weighted sum of each token's expert outputs: ``out[t] = sum_j weights[t, j] * ys[row of (t, j)]``.
+
+    The k outputs of a token are summed in fp32 (``index_add_``, no host reads); the result is in
+    ``ys.dtype``.
+    """
+    # ys: [N, L] rows in expert order; order: [N] flat pair index of each row; weights: [T, k] fp32
+    if weights.dim() != 2 or weights.shape[0] != num_tokens or order.shape != (ys.shape[0],):
+        raise ValueError(f"weights {tuple(weights.shape)} must be [T={num_tokens}, k] and order "
+                         f"{tuple(order.shape)} must have one entry per row of ys {tuple(ys.shape)}")
+    k = weights.shape[1]
+    ws = weights.reshape(-1).float()[order]  # [N] weight of each sorted row
+    out = torch.zeros(num_tokens, ys.shape[1], dtype=torch.float32, device=ys.device)
+    out.index_add_(0, order // k, ys.float() * ws[:, None])
+    return out.to(ys.dtype)
+
+
 @register("moe_experts")
 def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                     w1: torch.Tensor, w2: torch.Tensor, activation: str = "silu",
@@ -126,38 +200,22 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                     limit: float | None = None) -> torch.Tensor:
     """Routed experts: ``y_t = sum_j weights[t, j] * Expert_{ids[t, j]}(x_t)``; ``limit``: clamped SwiGLU.
 
-    The (token, slot) pairs are sorted by expert so that each expert's rows are one contiguous
-    segment and the expert runs as ONE GEMM over them. This permute -> per-expert GEMM ->
-    weighted scatter-add is the layout grouped-GEMM kernels and expert parallelism (all-to-all
-    dispatch by expert) work on, so a faster implementation can be compared to this step by step.
+    The composition ``moe_permute`` -> gather rows -> ``moe_experts_grouped`` -> ``moe_unpermute``: the
+    (token, slot) pairs are sorted by expert so that each expert's rows are one contiguous segment and
+    the expert runs as ONE GEMM over them, the layout grouped-GEMM kernels and expert parallelism
+    (all-to-all dispatch by expert) work on. The expert outputs are rounded to ``x.dtype`` (the dtype rows
+    travel in between the ops) before the fp32 weighted sum.
     """
-    # x: [T, D]; ids, weights: [T, k]; w1: [E, r*I, D] (r=2 gated: rows [gate; up]); w2: [E, D, I]
-    act = _activation(activation, w1, w2, limit)
-    T, D = x.shape
-    E, k = w1.shape[0], ids.shape[1]
-    if ids.shape != weights.shape or ids.shape[0] != T:
+    # x: [T, D]; ids, weights: [T, k]; w1: [E, r*I, D]; w2: [E, D, I]
+    _activation(activation, w1, w2, limit)
+    T, E = x.shape[0], w1.shape[0]
+    if ids.dim() != 2 or ids.shape != weights.shape or ids.shape[0] != T:
         raise ValueError(f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be [T={T}, k]")
-
-    flat_ids = ids.reshape(-1).long()  # [T*k]
-    if flat_ids.numel() and not (0 <= int(flat_ids.min()) and int(flat_ids.max()) < E):
+    if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < E):
         raise ValueError(f"expert ids must lie in [0, {E})")
-    order = torch.argsort(flat_ids, stable=True)  # [T*k], pairs grouped by expert
-    token = order // k  # [T*k] token of each sorted pair
-    counts = torch.bincount(flat_ids, minlength=E)  # [E]
-    starts = counts.cumsum(0) - counts  # [E] first sorted row of each expert
-
-    xs = x.float()[token]  # [T*k, D] rows in expert order
-    ys = torch.empty(T * k, D, dtype=torch.float32, device=x.device)  # [T*k, D]
-    for e, (start, n) in enumerate(zip(starts.tolist(), counts.tolist())):
-        if n:
-            ys[start:start + n] = _mlp(xs[start:start + n], w1[e], w2[e], act,
-                                       None if b1 is None else b1[e], None if b2 is None else b2[e])
-
-    # fp32 accumulation of the k weighted expert outputs per token
-    ws = weights.reshape(-1).float()[order]  # [T*k]
-    out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
-    out.index_add_(0, token, ys * ws[:, None])
-    return out.to(x.dtype)
+    order, offsets = permute(ids, E)
+    ys = grouped_mlp(x[order // ids.shape[1]], offsets, w1, w2, activation, b1, b2, limit)  # [T*k, D]
+    return unpermute(ys, order, weights, T)
 
 
 @register("mlp")

@@ -146,3 +146,19 @@ def ssd_gated_norm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, gr
     h = h.unflatten(-1, (-1, group_size))  # [T, G, I/G]
     h = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps)
     return (h.flatten(-2) * weight.float()).to(x.dtype)
+
+
+@register("ssd_pooled")
+def ssd_pooled(x, dt, A, B, C, D, state_pool: torch.Tensor, batch, chunk_size: int = 128):
+    """The scan for the whole step over the state pool [num_slots + 1, H, P, N]: each sequence starts from its
+    slot's state (zero when ``batch.fresh``), recurrent form when every sequence brings one token, chunk form
+    otherwise; final states written back to the slots in place. Returns y [T, H, P] in x.dtype."""
+    from dayzero.ops.kda.reference import pooled_state
+
+    S0 = pooled_state(state_pool, batch)
+    if batch.is_decode:
+        y, state = ssd_recurrent(x, dt, A, B, C, D, S0, batch.cu_seqlens)
+    else:
+        y, state = ssd_chunk(x, dt, A, B, C, D, S0, batch.cu_seqlens, chunk_size)
+    state_pool[batch.state_slots] = state
+    return y

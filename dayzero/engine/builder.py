@@ -1,0 +1,87 @@
+"""One place that turns a built model into something that runs: weights prepared for the forward pass, the
+cache planned and allocated, the model runner with its step buffers, the cache manager, and the decode CUDA
+graphs. The engine, ``dayzero profile``, the op probe and ``align`` all assemble through here."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from dataclasses import replace
+
+from dayzero.cache.manager import CacheManager
+from dayzero.cache.planner import CachePlan, available_memory, plan_cache
+from dayzero.cache.spec import PagedSpec, StateSpec
+from dayzero.engine.model_runner import ModelRunner
+
+log = logging.getLogger("dayzero")
+
+
+@dataclass
+class Assembled:
+    runner: ModelRunner
+    cache: CacheManager
+    plan: CachePlan
+    graph_note: str  # how decode steps run: "CUDA graphs ..." or "eager (why)"
+
+
+def prepare_weights(model: torch.nn.Module) -> None:
+    """Once after the weights load (or change): every module derives what its forward pass needs, so nothing
+    is re-derived per step (e.g. block-FP8 weights an op reads dense, hash-routing tables checked)."""
+    for m in model.modules():
+        fn = getattr(m, "process_weights_after_loading", None)
+        if fn is not None:
+            fn()
+
+
+def assemble(model, device: torch.device, dtype: torch.dtype, *, block_size: int, max_model_len: int,
+             max_num_seqs: int, max_num_batched_tokens: int, budget_bytes: int | None = None,
+             memory_fraction: float = 0.5, num_cache_blocks: int | None = None, kv_cache_dtype: str = "auto",
+             cuda_graphs: bool = False, cuda_graph_sizes: list[int] | None = None,
+             cuda_graph_max_len: int = 8192) -> Assembled:
+    """Plan and allocate the cache, build the runner and cache manager, and (``cuda_graphs`` on a CUDA device)
+    capture the decode graphs. The model's weights must be loaded and prepared.
+
+    The cache gets ``budget_bytes``, or with neither it nor ``num_cache_blocks`` given, ``memory_fraction`` of
+    the free memory less what the decode graphs will hold (measured by one eager decode step of the largest
+    captured shape before the cache is allocated); the plan records the graphs' memory."""
+    from dayzero.engine.cuda_graphs import DecodeGraphs, default_sizes, default_widths, measure_step_bytes
+
+    runner = ModelRunner(model, device, dtype, kv_cache_dtype)
+    max_blocks = -(-max_model_len // block_size)
+    graphs_on = cuda_graphs and device.type == "cuda"
+    sizes = widths = None
+    graph_bytes = 0
+    if graphs_on:
+        sizes = sorted(s for s in (cuda_graph_sizes or default_sizes(max_num_seqs)) if 1 <= s <= max_num_seqs)
+        widths = default_widths(max_blocks, block_size, min(max_model_len, cuda_graph_max_len))
+        graph_bytes = measure_step_bytes(runner, sizes[-1], widths[-1], block_size)
+    if budget_bytes is None and num_cache_blocks is None:
+        budget_bytes = int(available_memory(device) * memory_fraction) - graph_bytes
+    plan = plan_cache(runner.specs, block_size, max_model_len, max_num_seqs, budget_bytes, num_cache_blocks,
+                      kv_cache_dtype)
+    runner.allocate_cache(plan)
+    cache = CacheManager(block_size, plan.num_blocks, plan.num_slots,
+                         uses_blocks=any(isinstance(s, PagedSpec) for s in runner.specs),
+                         uses_slots=any(isinstance(s, StateSpec) for s in runner.specs))
+    max_seqs = min(max_num_seqs, plan.num_slots)
+    runner.reserve_buffers(max(max_num_batched_tokens, max_seqs), max_seqs, max_blocks)
+    note = "eager"
+    if graphs_on:
+        sizes = [s for s in sizes if s <= max_seqs] or [max_seqs]
+        graphs = DecodeGraphs(runner, sizes, widths, block_size)
+        try:
+            graphs.capture()
+        except Exception as e:  # noqa: BLE001 - any failure leaves the engine correct, only slower
+            torch.cuda.synchronize(device)
+            note = f"eager (decode graph capture failed: {type(e).__name__}: {str(e).splitlines()[0][:300]})"
+            log.warning("decode steps run eagerly: %s", note)
+        else:
+            runner.graphs = graphs
+            plan = replace(plan, graph_bytes=graphs.nbytes)
+            note = (f"CUDA graphs for batch sizes {sizes[0]}..{sizes[-1]} ({len(sizes)}) and contexts up to "
+                    f"{widths[-1] * block_size} tokens, {graphs.nbytes / 2**20:.0f} MiB")
+    elif cuda_graphs:
+        note = "eager (CUDA graphs need a CUDA device)"
+    return Assembled(runner, cache, plan, note)

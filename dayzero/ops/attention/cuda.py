@@ -1,0 +1,80 @@
+"""Decode steps of the paged attention ops on the device, every sequence at once and with no host round trip:
+each sequence brings one query row, its keys are gathered through its block table into a fixed-width
+[B, keys] tile (the table's width, or the window, or the selected top-k), masked by the query's position
+and softmaxed in fp32. Nothing depends on a host length, so these run inside captured CUDA graphs.
+
+Same math as the per-sequence references (``paged.py``); rows of a prefill chunk are refused (the reference
+runs them), with that reason in ``dayzero ops``. They are plain PyTorch: the Triton kernels that will
+replace them register the same ops.
+"""
+from __future__ import annotations
+
+import torch
+
+from dayzero.cache.rows import read_rows, slots_of
+from dayzero.ops.attention.reference import sink_softmax
+from dayzero.ops.registry import register
+
+NOT_DECODE = "prefill rows: the per-sequence reference runs them"
+
+
+def _decode_only(batch) -> str | None:
+    return None if batch.is_decode else NOT_DECODE
+
+
+def key_positions(batch, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key positions each decode row may read, [B, N], and whether each is a real causal key: every position of
+    the block table (N = key width), or with a sliding window only the last ``window`` positions."""
+    pos = batch.positions[:, None]  # [B, 1]: the query's position = its sequence's length - 1
+    if window is not None and window < batch.key_width:
+        kp = pos - window + 1 + torch.arange(window, device=pos.device)
+        return kp, kp >= 0
+    kp = torch.arange(batch.key_width, device=pos.device).expand(pos.shape[0], -1)
+    return kp, kp <= pos  # a window at least as wide as the table excludes nothing
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ok: torch.Tensor, scale: float,
+            sinks: torch.Tensor | None) -> torch.Tensor:
+    # q: [B, Hkv, G, D] fp32; k: [B, N, Hkv, D]; v: [B, N, Hkv, Dv]; ok: [B, N] -> [B, Hkv, G, Dv] fp32
+    s = torch.einsum("bkgd,bnkd->bkgn", q, k.float()) * scale
+    s = s.masked_fill(~ok[:, None, None, :], float("-inf"))
+    sink = None if sinks is None else sinks.float().view(1, k.shape[2], -1, 1)
+    p, denom = sink_softmax(s, sink)
+    # rows not read are zeroed, not just weighted 0: a stale row of a reused block may hold inf/NaN
+    v = v.float().masked_fill(~ok[:, :, None, None], 0.0)
+    return torch.einsum("bkgn,bnkv->bkgv", p, v) / denom
+
+
+@register("paged_attention", "cuda", verifier=lambda q, kc, vc, batch, *a, **k: _decode_only(batch),
+          note="decode rows batched over the block tables (PyTorch); prefill rows use the reference")
+def paged_attention_decode(q: torch.Tensor, k_cache, v_cache, batch, scale: float, sinks: torch.Tensor | None = None,
+                           window: int | None = None) -> torch.Tensor:
+    # q: [B, H, D] (one row per sequence) -> [B, H, Dv]
+    B, H, D = q.shape
+    kp, ok = key_positions(batch, window)
+    slots = slots_of(batch.block_tables, kp, batch.block_size)  # [B, N]
+    k, v = read_rows(k_cache, slots), read_rows(v_cache, slots)  # [B, N, Hkv, D], [B, N, Hkv, Dv]
+    Hkv = k.shape[2]
+    o = _attend(q.float().view(B, Hkv, H // Hkv, D), k, v, ok, scale, sinks)
+    return o.reshape(B, H, -1).to(q.dtype)
+
+
+@register("paged_mla", "cuda", verifier=lambda qn, qp, lc, w, vd, batch, *a, **k: _decode_only(batch),
+          note="absorbed decode rows batched over the block tables or the DSA selection (PyTorch)")
+def paged_mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache, kv_b_weight: torch.Tensor,
+                     v_head_dim: int, batch, scale: float, sinks: torch.Tensor | None = None,
+                     selection: torch.Tensor | None = None) -> torch.Tensor:
+    # q_nope: [B, H, N]; q_pe: [B, H, P]; kv_b_weight: [H*(N+V), R]; selection: [B, topk] or None -> [B, H, V]
+    B, H, N = q_nope.shape
+    w = kv_b_weight.view(H, N + v_head_dim, -1)  # per head: N rows of W_UK, then V rows of W_UV
+    R = w.shape[-1]
+    if selection is None:
+        kp, ok = key_positions(batch)
+    else:
+        kp, ok = selection, selection >= 0
+    lat = read_rows(latent_cache, slots_of(batch.block_tables, kp, batch.block_size)).float()  # [B, K, R+P]
+    # the absorbed query q~ = [q_nope W_UK | q_pe], one shared latent key/value head
+    q_lat = torch.einsum("bhn,hnr->bhr", q_nope.float(), w[:, :N].float())
+    q_abs = torch.cat((q_lat, q_pe.float()), dim=-1)[:, None]  # [B, 1, H, R+P]
+    o_lat = _attend(q_abs, lat[:, :, None], lat[:, :, None, :R], ok, scale, sinks)[:, 0]  # [B, H, R]
+    return torch.einsum("bhr,hvr->bhv", o_lat, w[:, N:].float()).to(q_nope.dtype)
