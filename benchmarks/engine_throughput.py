@@ -1,18 +1,28 @@
 """Offline engine throughput: prefill and decode tokens/s through the real engine path, with a roofline.
 
     python benchmarks/engine_throughput.py --config configs/dayzero-small.json --device cuda \
-        --batch 1 8 32 --prompt-len 512 --decode 32
+        --batch 1 8 32 64 --prompt-len 512 --decode 32 [--baseline DIR] [--busy 32] [--enforce-eager]
 
 Random weights from the config (``load_format="dummy"``). For each batch size it prefills ``batch`` prompts
 of ``--prompt-len`` tokens, then decodes ``--decode`` steps, timing each phase with the device synchronised.
 The roofline for decode is the bytes a step must move (weights read once, activated experts only, plus
 the KV/state bytes read) over the measured copy bandwidth; for prefill, FLOPs (2 × active parameters per
 token) over the measured matmul rate. Prints a table; ``--json FILE`` writes the numbers.
+
+Prefill is timed over the steps that bring every prompt into the cache, decode over the steps after them.
+``--baseline DIR`` first runs this script on the package in ``DIR`` (a copy of an earlier version:
+``git archive REV dayzero | tar -x -C DIR``) in a subprocess with the same arguments, then on this version,
+and prints both side by side with the ratio: only numbers measured in one run are compared. ``--busy B`` profiles a few decode steps at batch B with the torch profiler
+and reports the fraction of each step the GPU spends in kernels.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
 
 import torch
@@ -61,6 +71,79 @@ def active_params(model, spec) -> tuple[int, int]:
     return total, int(total - inactive - model.model.embed_tokens.weight.numel())
 
 
+def timed(eng, prompts: list[list[int]], decode: int, dev) -> tuple[float, float, int]:
+    """(prefill seconds, decode seconds, decode steps) of ``prompts`` through the engine's step loop: the
+    steps until every prompt is in the cache (sampling the first token), then every step after them."""
+    sp = SamplingParams(max_tokens=decode + 1, temperature=0.0, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        eng.add_request(f"bench-{time.perf_counter_ns()}-{i}", ids, sp)
+    seqs = list(eng.scheduler.waiting)
+    _sync(dev)
+    t = time.perf_counter()
+    while any(s.num_computed < s.num_prompt_tokens for s in seqs):
+        eng.step()
+    _sync(dev)
+    prefill_s, t, steps = time.perf_counter() - t, time.perf_counter(), 0
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+    _sync(dev)
+    return prefill_s, time.perf_counter() - t, max(steps, 1)
+
+
+def gpu_busy(llm, batch: int, prompt_len: int, steps: int, vocab: int, table_file: str | None = None) -> dict:
+    """Fraction of decode-step wall time the GPU spends in kernels (union of kernel intervals from the torch
+    profiler over ``steps`` decode steps of ``batch`` sequences), kernels launched per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    eng = llm.engine
+    g = torch.Generator().manual_seed(1)
+    sp = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)  # the prefill's, a warm step, then steps
+    for i in range(batch):
+        eng.add_request(f"busy{i}", torch.randint(0, vocab, (prompt_len,), generator=g).tolist(), sp)
+    while any(s.num_computed < s.num_prompt_tokens for s in eng.scheduler.running + list(eng.scheduler.waiting)):
+        eng.step()
+    eng.step()  # warm
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    busy, end = 0.0, -1.0
+    for a, b in spans:  # union of kernel intervals, in microseconds
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    while eng.has_unfinished():
+        eng.step()
+    if table_file:
+        with open(table_file, "w") as f:
+            for key in ("self_cuda_time_total", "self_cpu_time_total"):
+                f.write(prof.key_averages().table(sort_by=key, row_limit=40) + "\n\n")
+    return {"batch": batch, "busy_fraction": busy * 1e-6 / wall, "kernels_per_step": len(spans) / steps,
+            "step_ms": 1e3 * wall / steps}
+
+
+def run_baseline(args) -> dict | None:
+    script = os.path.abspath(__file__)  # this script, run on the earlier package
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    cmd = [sys.executable, script, "--config", args.config, "--device", args.device, "--dtype", args.dtype,
+           "--batch", *map(str, args.batch), "--prompt-len", str(args.prompt_len), "--decode", str(args.decode),
+           "--json", out]
+    env = {**os.environ, "PYTHONPATH": os.path.abspath(args.baseline)}
+    print(f"baseline ({args.baseline}):", flush=True)
+    if subprocess.run(cmd, env=env).returncode != 0:
+        print("baseline run failed", flush=True)
+        return None
+    with open(out) as f:
+        return json.load(f)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/dayzero-small.json")
@@ -70,11 +153,18 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--decode", type=int, default=16)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--baseline", default=None, metavar="DIR", help="an earlier version's package, run first, side by side")
+    ap.add_argument("--busy", type=int, default=None, metavar="B", help="GPU busy fraction of decode steps at batch B")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--profile-table", default=None, metavar="FILE", help="with --busy: the profiler's op tables")
     args = ap.parse_args()
+    base = run_baseline(args) if args.baseline else None
 
     t0 = time.perf_counter()
+    extra = {"enforce_eager": True} if args.enforce_eager else {}
     llm = LLM(args.config, device=args.device, dtype=args.dtype, load_format="dummy", max_num_seqs=max(args.batch),
-              max_num_batched_tokens=max(args.batch) * args.prompt_len, max_model_len=args.prompt_len + args.decode + 1)
+              max_num_batched_tokens=max(args.batch) * args.prompt_len, max_model_len=args.prompt_len + args.decode + 1,
+              **extra)
     eng = llm.engine
     dev, spec = eng.device, eng.model_config
     total, active = active_params(eng.model, spec)
@@ -82,27 +172,21 @@ def main() -> None:
     elem = eng.dtype.itemsize
     print(f"{args.config}: {total / 1e9:.2f}B parameters ({active / 1e9:.2f}B active per token, embeddings aside) "
           f"on {dev} in {str(eng.dtype).removeprefix('torch.')}; built in {time.perf_counter() - t0:.1f}s; "
-          f"measured copy {bw / 1e9:.0f} GB/s, matmul {flops / 1e12:.1f} TFLOP/s")
+          f"measured copy {bw / 1e9:.0f} GB/s, matmul {flops / 1e12:.1f} TFLOP/s; decode: "
+          f"{getattr(eng, 'decode_mode', 'eager')}", flush=True)
     rows = []
     g = torch.Generator().manual_seed(0)
+    state_bytes = sum(s.bytes_per_seq() for s in eng.runner.specs if hasattr(s, "tensors"))
+    kv_bytes = sum(s.bytes_per_token() for s in eng.runner.specs if hasattr(s, "rows"))
     for bsz in args.batch:
-        prompts = [{"prompt_token_ids": torch.randint(0, spec.vocab_size, (args.prompt_len,), generator=g).tolist()} for _ in range(bsz)]
-        one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))  # warm-up
-        _sync(dev)
-        t = time.perf_counter()
-        llm.generate(prompts, one)
-        _sync(dev)
-        prefill_s = time.perf_counter() - t
-        t = time.perf_counter()
-        llm.generate(prompts, SamplingParams(max_tokens=1 + args.decode, temperature=0.0, ignore_eos=True))
-        _sync(dev)
-        decode_s = max(time.perf_counter() - t - prefill_s, 1e-9)
-        step_bytes = active * elem + bsz * args.prompt_len * sum(
-            s.bytes_per_token() for s in eng.runner.specs if hasattr(s, "rows"))
+        draw = lambda n: [torch.randint(0, spec.vocab_size, (n,), generator=g).tolist() for _ in range(bsz)]  # noqa: E731
+        timed(eng, draw(min(32, args.prompt_len)), 4, dev)  # warm-up at this batch size, short prompts
+        prefill_s, decode_s, steps = timed(eng, draw(args.prompt_len), args.decode, dev)
+        # a decode step reads the active weights once, every sequence's KV rows, and reads + writes its states
+        step_bytes = active * elem + bsz * (args.prompt_len * kv_bytes + 2 * state_bytes)
         rows.append({
-            "batch": bsz, "prefill_tok_s": bsz * args.prompt_len / prefill_s, "decode_tok_s": bsz * args.decode / decode_s,
-            "decode_step_ms": 1e3 * decode_s / args.decode,
+            "batch": bsz, "prefill_tok_s": bsz * args.prompt_len / prefill_s, "decode_tok_s": bsz * steps / decode_s,
+            "decode_step_ms": 1e3 * decode_s / steps,
             "decode_roofline_ms": 1e3 * step_bytes / bw,
             "prefill_roofline_tok_s": flops / (2 * active),
         })
@@ -110,9 +194,24 @@ def main() -> None:
     for r in rows:
         print(f"{r['batch']:>5} {r['prefill_tok_s']:>14.0f} {r['prefill_roofline_tok_s']:>10.0f} {r['decode_tok_s']:>13.1f} "
               f"{r['decode_step_ms']:>9.1f} {r['decode_roofline_ms']:>12.2f} {r['decode_roofline_ms'] / r['decode_step_ms']:>11.1%}")
+    busy = None
+    if args.busy and dev.type == "cuda":
+        busy = gpu_busy(llm, args.busy, args.prompt_len, max(1, min(16, args.decode - 1)), spec.vocab_size,
+                        args.profile_table)
+        print(f"decode at batch {busy['batch']}: GPU busy {busy['busy_fraction']:.1%} of the step "
+              f"({busy['step_ms']:.2f} ms, {busy['kernels_per_step']:.0f} kernels per step)")
+    if base is not None:
+        print("\nside by side (same run): baseline -> this version")
+        print(f"{'batch':>5} {'prefill tok/s':>22} {'ratio':>6} {'decode tok/s':>20} {'ratio':>6} {'of roofline':>16}")
+        for r, b in zip(rows, base["rows"]):
+            print(f"{r['batch']:>5} {b['prefill_tok_s']:>10.0f} -> {r['prefill_tok_s']:>8.0f} "
+                  f"{r['prefill_tok_s'] / b['prefill_tok_s']:>5.2f}x {b['decode_tok_s']:>8.1f} -> {r['decode_tok_s']:>8.1f} "
+                  f"{r['decode_tok_s'] / b['decode_tok_s']:>5.2f}x "
+                  f"{b['decode_roofline_ms'] / b['decode_step_ms']:>6.1%} -> {r['decode_roofline_ms'] / r['decode_step_ms']:>6.1%}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"config": args.config, "device": str(dev), "bandwidth": bw, "flops": flops, "rows": rows}, f, indent=2)
+            json.dump({"config": args.config, "device": str(dev), "bandwidth": bw, "flops": flops, "rows": rows,
+                       "decode_mode": getattr(eng, "decode_mode", "eager"), "busy": busy, "baseline": base}, f, indent=2)
 
 
 if __name__ == "__main__":

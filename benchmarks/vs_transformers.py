@@ -9,7 +9,8 @@ std 0.02, norms at 1, KDA decays as fla initialises them), and saves it as safet
 timed, freed, and dayzero loads the saved directory and is timed the same way. Per batch size B: a warm-up
 run on other prompts (kernels compiled and tuned for these shapes), then on B random prompts of
 ``--prompt-len`` tokens a run that makes 1 token (prefill) and one that makes 1 + N (greedy, EOS ignored);
-decode tok/s = B·N / (t_full - t_prefill). transformers runs as it comes: ``generate`` with its default
+decode tok/s = B·N / (t_full - t_prefill) for transformers, and B·N over the time of dayzero's decode steps
+(its step loop times the steps that prefill every prompt apart from the steps after). transformers runs as it comes: ``generate`` with its default
 attention, experts implementation and cache; its kimi_linear uses fla's kernels when fla imports.
 
 ``same tokens`` counts the leading greedy tokens (first batch size) on which the engines agree; on a random bf16
@@ -130,26 +131,32 @@ def build_checkpoint(model_type: str, config: dict, path: Path, dev: torch.devic
 
 
 def measure(run, dev: torch.device, vocab: int, batch: int, prompt_len: int, decode: int, repeat: int) -> dict:
-    """``run(prompts, new_tokens)`` generates greedily and returns the first sequence's new token ids.
-    Each of the two runs is timed ``repeat`` times and its fastest time kept."""
+    """``run(prompts, new_tokens)`` generates greedily and returns the first sequence's new token ids, or
+    (ids, prefill seconds, decode seconds) when the engine times its own phases (dayzero: its step loop).
+    Each run is timed ``repeat`` times and its fastest time kept."""
     g = torch.Generator().manual_seed(batch)  # the same prompts for both engines
     warm, prompts = (torch.randint(3, vocab, (batch, prompt_len), generator=g).tolist() for _ in range(2))
     run(warm, 2)
 
     def timed(new):
-        best, out = float("inf"), None
+        best, out = (float("inf"),) * 3, None
         for _ in range(repeat):
             _sync(dev)
             t = time.perf_counter()
             out = run(prompts, new)
             _sync(dev)
-            best = min(best, time.perf_counter() - t)
-        return best, out
+            wall = time.perf_counter() - t
+            phases = out[1:] if isinstance(out, tuple) else (None, None)
+            if wall < best[0]:
+                best = (wall, *phases)
+        return best, (out[0] if isinstance(out, tuple) else out)
 
-    prefill_s, _ = timed(1)
-    full_s, tokens = timed(1 + decode)
-    # a full run no slower than the prefill alone is noise (a busy host), not a decode speed
-    decode_tok_s = batch * decode / (full_s - prefill_s) if full_s > prefill_s else None
+    (prefill_s, _, _), _ = timed(1)
+    (full_s, own_prefill, own_decode), tokens = timed(1 + decode)
+    if own_decode is not None:  # the engine's own phase times: no subtraction of two noisy runs
+        prefill_s, decode_tok_s = own_prefill, batch * decode / own_decode
+    else:  # a full run no slower than the prefill alone is noise (a busy host), not a decode speed
+        decode_tok_s = batch * decode / (full_s - prefill_s) if full_s > prefill_s else None
     return {"prefill_s": prefill_s, "full_s": full_s, "prefill_tok_s": batch * prompt_len / prefill_s,
             "decode_tok_s": decode_tok_s, "tokens": list(tokens)}
 
@@ -163,12 +170,30 @@ def hf_runner(model, dev: torch.device):
     return run
 
 
-def dayzero_runner(llm):
+def dayzero_runner(llm, dev: torch.device):
+    """Through the engine's step loop, timing the steps that prefill every prompt and the decode steps after."""
     from dayzero import SamplingParams
+
+    eng, count = llm.engine, [0]
 
     def run(prompts, new):
         params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
-        return llm.generate([{"prompt_token_ids": p} for p in prompts], params)[0].outputs[0].token_ids
+        ids = []
+        for p in prompts:
+            ids.append(f"vs{count[0]}")
+            eng.add_request(ids[-1], p, params)
+            count[0] += 1
+        seqs = list(eng.scheduler.waiting)
+        _sync(dev)
+        t = time.perf_counter()
+        while any(s.num_computed < s.num_prompt_tokens for s in seqs):
+            eng.step()
+        _sync(dev)
+        prefill_s, t = time.perf_counter() - t, time.perf_counter()
+        while eng.has_unfinished():
+            eng.step()
+        _sync(dev)
+        return seqs[0].output_ids, prefill_s, time.perf_counter() - t
     return run
 
 
@@ -221,7 +246,7 @@ def bench_arch(arch: str, args, dev: torch.device, dtype: torch.dtype, root: Pat
     def make_dz():
         llm = LLM(str(path), device=dev.type, dtype=str(dtype).removeprefix("torch."), max_num_seqs=max(args.batch),
                   max_num_batched_tokens=max(args.batch) * args.prompt_len, max_model_len=args.prompt_len + args.decode + 1)
-        return dayzero_runner(llm), f"({llm.engine.cache_plan.num_blocks} cache blocks)"
+        return dayzero_runner(llm, dev), f"({llm.engine.cache_plan.num_blocks} cache blocks; decode: {llm.engine.decode_mode})"
 
     entry["dayzero"] = time_engine("dayzero", arch, make_dz, args, dev, config["vocab_size"], phases)
     _free(dev)

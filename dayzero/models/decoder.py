@@ -97,8 +97,12 @@ class CausalLM(nn.Module):
         return self.model(batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [S, D] -> [S, vocab] fp32 (lm_head used in fp32, as the references do)
-        return torch.nn.functional.linear(hidden.float(), self.lm_head.weight.float())
+        # hidden: [S, D] -> [S, vocab] fp32. An fp32 lm_head (the CPU references) runs in fp32; a bf16 one as one
+        # bf16 GEMM with fp32 accumulation: upcasting its weight would copy [vocab, D] fp32 every step.
+        w = self.lm_head.weight
+        if w.dtype == torch.float32:
+            return torch.nn.functional.linear(hidden.float(), w)
+        return torch.nn.functional.linear(hidden.to(w.dtype), w).float()
 
     def cached_layers(self):
         """(layer index, mixer module) of every layer that keeps a cache."""

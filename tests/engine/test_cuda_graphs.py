@@ -95,10 +95,10 @@ def test_padding_rows_touch_only_the_null_block_and_slot(tiny_ckpt):
     those the eager engine leaves (the padding row wrote only block 0 and slot 0)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    ps = prompts(3, 300, 7)
     outs = []
     for kw in ({"enforce_eager": True}, {"cuda_graph_sizes": [4]}):
         llm = engine(str(tiny_ckpt), "float32", **kw)
+        ps = prompts(3, llm.engine.model_config.vocab_size, 7)
         outs.append([o.outputs[0].token_ids for o in llm.generate(ps, sp)])
         if "cuda_graph_sizes" in kw:
             assert llm.engine.runner.graphs.replays > 0
@@ -108,10 +108,10 @@ def test_padding_rows_touch_only_the_null_block_and_slot(tiny_ckpt):
 def test_graphs_cover_only_captured_shapes(tiny_ckpt):
     llm = engine(str(tiny_ckpt), "bfloat16", cuda_graph_sizes=[2, 4])
     graphs = llm.engine.runner.graphs
-    assert graphs.lookup(1, 1) == (2, graphs.widths[0]) and graphs.lookup(3, graphs.widths[0] + 1)[0] == 4
+    assert graphs.lookup(1, 1) == (2, graphs.widths[0]) and graphs.lookup(3, graphs.widths[0]) == (4, graphs.widths[0])
     assert graphs.lookup(5, 1) is None and graphs.lookup(1, graphs.widths[-1] + 1) is None
     # a step larger than every capture runs eagerly and still decodes
-    out = llm.generate(prompts(6, 300, 3), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    out = llm.generate(prompts(6, llm.engine.model_config.vocab_size, 3), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 4 for o in out)
     usage = llm.engine.cache_usage()
     assert usage["blocks_free"] == usage["blocks_total"] and usage["slots_free"] == usage["slots_total"]

@@ -185,6 +185,17 @@ def test_kda_decode_updates_the_pool_like_the_reference(starts):
         close(kda_dev.kda_pooled_decode(*xs, 0.5, stale, batch)[fresh], o_ref[fresh])
 
 
+def test_decode_implementations_keep_the_input_dtype():
+    batch = make_batch([0, 5, 2], [1, 1, 1], BS, seed=40)
+    xs = [x.bfloat16() if i < 3 else x for i, x in enumerate(delta_inputs(3, 2, 8, 6, 41))]
+    pool = torch.zeros(17, 2, 8, 6)
+    assert kda_dev.kda_pooled_decode(*xs, 0.5, pool, batch).dtype == torch.bfloat16
+    assert kda_ref.kda_pooled(*xs, 0.5, pool, batch).dtype == torch.bfloat16
+    win = torch.zeros(17, 6, 3, dtype=torch.bfloat16)
+    x = torch.randn(3, 6).bfloat16()
+    assert kda_dev.causal_conv1d_pooled_decode(x, torch.randn(6, 4), win, batch).dtype == torch.bfloat16
+
+
 def test_kda_mixed_step_equals_each_sequence_alone():
     batch = make_batch([0, 5, 2], [9, 1, 4], BS, seed=23)
     H, K, V = 2, 8, 6

@@ -20,12 +20,13 @@ from dayzero.ops.registry import register
           note="one recurrent step for every decode row, state updated in the pool (PyTorch)")
 def kda_pooled_decode(q, k, v, g, beta, scale: float, state_pool: torch.Tensor, batch, use_qk_l2norm: bool = True):
     # q, k, g: [B, H, K]; v: [B, H, V]; beta: [B, H]; state_pool: [slots, H, K, V] fp32 -> o [B, H, V]
+    out_dtype = v.dtype
     q, k, v, g, beta = _prep(q, k, v, g, beta, scale, use_qk_l2norm)
     S = pooled_state(state_pool, batch) * g.exp()[..., None]  # decay the rows (K dim)
     err = v - torch.einsum("bhkv,bhk->bhv", S, k)  # v - S^T k
     S = S + (beta[..., None] * k)[..., None] * err[:, :, None, :]
     state_pool.index_copy_(0, batch.state_slots, S)
-    return torch.einsum("bhkv,bhk->bhv", S, q).to(v.dtype)
+    return torch.einsum("bhkv,bhk->bhv", S, q).to(out_dtype)
 
 
 @register("causal_conv1d_pooled", "cuda", verifier=lambda x, w, pool, batch, *a, **kw: _decode_only(batch),

@@ -195,7 +195,7 @@ def kda_chunk(q, k, v, g, beta, scale: float, initial_state, cu_seqlens,
 def pooled_state(pool: torch.Tensor, batch) -> torch.Tensor:
     """The step's sequences' rows of a state pool [slots, ...], zero for sequences that start this step."""
     state = pool[batch.state_slots]
-    return torch.where(batch.fresh.view(-1, *([1] * (state.dim() - 1))), torch.zeros_like(state), state)
+    return torch.where(batch.fresh.view(-1, *([1] * (state.dim() - 1))), 0.0, state)
 
 
 @register("kda_pooled")
