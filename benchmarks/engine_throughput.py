@@ -71,9 +71,10 @@ def active_params(model, spec) -> tuple[int, int]:
     return total, int(total - inactive - model.model.embed_tokens.weight.numel())
 
 
-def timed(eng, prompts: list[list[int]], decode: int, dev) -> tuple[float, float, int]:
-    """(prefill seconds, decode seconds, decode steps) of ``prompts`` through the engine's step loop: the
-    steps until every prompt is in the cache (sampling the first token), then every step after them."""
+def timed(eng, prompts: list[list[int]], decode: int, dev) -> tuple[float, float, int, list]:
+    """(prefill seconds, decode seconds, decode steps, the sequences) of ``prompts`` through the engine's step
+    loop, greedy and EOS ignored: the steps until every prompt is in the cache (sampling the first token), then
+    the ``decode`` steps after them. Uses only the engine's public step loop, so it also times earlier versions."""
     sp = SamplingParams(max_tokens=decode + 1, temperature=0.0, ignore_eos=True)
     for i, ids in enumerate(prompts):
         eng.add_request(f"bench-{time.perf_counter_ns()}-{i}", ids, sp)
@@ -88,7 +89,7 @@ def timed(eng, prompts: list[list[int]], decode: int, dev) -> tuple[float, float
         eng.step()
         steps += 1
     _sync(dev)
-    return prefill_s, time.perf_counter() - t, max(steps, 1)
+    return prefill_s, time.perf_counter() - t, max(steps, 1), seqs
 
 
 def gpu_busy(llm, batch: int, prompt_len: int, steps: int, vocab: int, table_file: str | None = None) -> dict:
@@ -181,7 +182,7 @@ def main() -> None:
     for bsz in args.batch:
         draw = lambda n: [torch.randint(0, spec.vocab_size, (n,), generator=g).tolist() for _ in range(bsz)]  # noqa: E731
         timed(eng, draw(min(32, args.prompt_len)), 4, dev)  # warm-up at this batch size, short prompts
-        prefill_s, decode_s, steps = timed(eng, draw(args.prompt_len), args.decode, dev)
+        prefill_s, decode_s, steps, _ = timed(eng, draw(args.prompt_len), args.decode, dev)
         # a decode step reads the active weights once, every sequence's KV rows, and reads + writes its states
         step_bytes = active * elem + bsz * (args.prompt_len * kv_bytes + 2 * state_bytes)
         rows.append({

@@ -171,29 +171,14 @@ def hf_runner(model, dev: torch.device):
 
 
 def dayzero_runner(llm, dev: torch.device):
-    """Through the engine's step loop, timing the steps that prefill every prompt and the decode steps after."""
-    from dayzero import SamplingParams
-
-    eng, count = llm.engine, [0]
+    """Through the engine's step loop (``engine_throughput.timed``): the steps that prefill every prompt and the
+    decode steps after them are timed apart."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from engine_throughput import timed
 
     def run(prompts, new):
-        params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
-        ids = []
-        for p in prompts:
-            ids.append(f"vs{count[0]}")
-            eng.add_request(ids[-1], p, params)
-            count[0] += 1
-        seqs = list(eng.scheduler.waiting)
-        _sync(dev)
-        t = time.perf_counter()
-        while any(s.num_computed < s.num_prompt_tokens for s in seqs):
-            eng.step()
-        _sync(dev)
-        prefill_s, t = time.perf_counter() - t, time.perf_counter()
-        while eng.has_unfinished():
-            eng.step()
-        _sync(dev)
-        return seqs[0].output_ids, prefill_s, time.perf_counter() - t
+        prefill_s, decode_s, _, seqs = timed(llm.engine, prompts, new - 1, dev)
+        return seqs[0].output_ids, prefill_s, decode_s
     return run
 
 

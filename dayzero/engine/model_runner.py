@@ -31,9 +31,8 @@ class ModelRunner:
         self.buffers: StepBuffers | None = None
         self.graphs = None  # DecodeGraphs once captured
         self._workspaces: list | None = None
-        # the largest DSA top-k: the width of the step's selection buffer
-        self.topk = max((l.indexer.topk for _, l in self.layers if getattr(l, "indexer", None) is not None
-                         and hasattr(l.indexer, "wk")), default=0)
+        # the widest DSA selection a layer writes: the width of the step's selection buffer
+        self.topk = max((getattr(l, "selection_width", 0) for _, l in self.layers), default=0)
 
     def allocate_cache(self, plan: CachePlan) -> None:
         for (_, layer), specs in zip(self.layers, self.layer_specs):
@@ -127,6 +126,5 @@ class ModelRunner:
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [S, vocab] fp32 for the rows in ``batch.logits_indices``."""
         self.before_step()
-        graph = getattr(batch, "graph", None)
-        hidden = self.graphs.replay(graph) if graph is not None else self.model(batch)
+        hidden = self.graphs.replay(batch.graph) if batch.graph is not None else self.model(batch)
         return self.model.compute_logits(hidden[batch.logits_indices])

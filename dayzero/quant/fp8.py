@@ -62,10 +62,16 @@ class BlockFp8Linear(torch.nn.Module):
 
 
 def dense_weight(linear: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
-    """The weight of a plain or block-FP8 linear as a dense tensor (for ops that read weights directly)."""
-    if isinstance(linear, BlockFp8Linear):
-        return dequantize_fp8_blocks(linear.weight, linear.weight_scale_inv, dtype)
-    return linear.weight
+    """The weight of a plain or block-FP8 linear as a dense tensor (for ops that read weights directly): a plain
+    weight as it is; block-FP8 tiles dequantised into ``dtype`` once and kept, again only after the weight or
+    its scales change (their in-place version counters move), so no step re-derives them."""
+    if not isinstance(linear, BlockFp8Linear):
+        return linear.weight
+    key = (linear.weight._version, linear.weight_scale_inv._version, dtype)
+    if getattr(linear, "_dense_key", None) != key:
+        linear._dense = dequantize_fp8_blocks(linear.weight, linear.weight_scale_inv, dtype)
+        linear._dense_key = key
+    return linear._dense
 
 
 # linears that stay in high precision whatever the checkpoint: router, LM head, indexer head weights,

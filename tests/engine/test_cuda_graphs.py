@@ -3,48 +3,21 @@ decode step, and decode graphs replayed at several batch sizes (padded ones too)
 tokens, token for token over 64 steps, for every architecture family that decodes through the batch-wide ops."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from dayzero import LLM, SamplingParams
 from dayzero.engine import cuda_graphs
+from tests.engine.families import prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 STEPS = 64
 
 
-def hf_config(name: str) -> dict:
-    if name == "deepseek_v32":
-        from tests.hf.test_dsa_families import COMMON, FAMILIES
-    elif name in ("kimi_linear", "qwen3_next"):
-        from tests.hf.test_linear_families import COMMON, FAMILIES
-    else:
-        from tests.hf.test_deepseek_v4 import CONFIG
-
-        return {**CONFIG, "model_type": name}
-    return {**COMMON, **FAMILIES[name], "model_type": name}
-
-
-@pytest.fixture(params=["dayzero_hybrid", "deepseek_v32", "kimi_linear", "qwen3_next", "deepseek_v4"])
-def model_dir(request, tmp_path, tiny_ckpt):
-    if request.param == "dayzero_hybrid":
-        return str(tiny_ckpt)
-    (tmp_path / "config.json").write_text(json.dumps(hf_config(request.param)))
-    return str(tmp_path)
-
-
 def engine(path: str, dtype: str, **kw) -> LLM:
     return LLM(path, device="cuda", dtype=dtype, load_format="dummy", block_size=4, num_cache_blocks=256,
                max_num_seqs=8, max_model_len=128, **kw)
-
-
-def prompts(n: int, vocab: int, seed: int) -> list[dict]:
-    g = torch.Generator().manual_seed(seed)
-    lens = [3, 17, 6, 29, 9, 1, 12, 21][:n]
-    return [{"prompt_token_ids": torch.randint(3, vocab, (k,), generator=g).tolist()} for k in lens]
 
 
 def test_decode_step_has_no_host_sync(model_dir):

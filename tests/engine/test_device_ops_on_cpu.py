@@ -3,21 +3,10 @@ included, but run on CPU tensors: greedy tokens equal the reference engine's, in
 decode runs through the batch-wide ops. This checks the device decode path in CI, where no GPU exists."""
 from __future__ import annotations
 
-import json
-
-import pytest
 
 from dayzero import LLM, SamplingParams
 from dayzero.ops import registry
-from tests.engine.test_cuda_graphs import hf_config, prompts
-
-
-@pytest.fixture(params=["dayzero_hybrid", "deepseek_v32", "kimi_linear", "qwen3_next", "deepseek_v4"])
-def model_dir(request, tmp_path, tiny_ckpt):
-    if request.param == "dayzero_hybrid":
-        return str(tiny_ckpt)
-    (tmp_path / "config.json").write_text(json.dumps(hf_config(request.param)))
-    return str(tmp_path)
+from tests.engine.families import prompts
 
 
 def test_device_implementations_give_the_reference_tokens(model_dir, monkeypatch):

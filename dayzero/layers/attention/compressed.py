@@ -32,7 +32,7 @@ from dayzero.config.spec import CompressedAttnSpec, RopeSpec
 from dayzero.layers.attention.base import CachedLayer
 from dayzero.layers.norm import RMSNorm
 from dayzero.layers.rotary import RotaryEmbedding
-from dayzero.quant.fp8 import BlockFp8Linear, dense_weight
+from dayzero.quant.fp8 import dense_weight
 
 
 class Compressor(nn.Module):
@@ -111,16 +111,11 @@ class CompressedAttention(CachedLayer):
         self.scale = D**-0.5
 
     def process_weights_after_loading(self) -> None:
-        # a block-FP8 o_a_proj is dequantised once (the grouped output einsum reads it dense)
-        fp8 = isinstance(self.o_a_proj, BlockFp8Linear)
-        self._o_a = dense_weight(self.o_a_proj, self.kv_norm.weight.dtype) if fp8 else None
+        self.o_a_weight()  # a block-FP8 o_a_proj is dequantised here, once, not in a step
 
     def o_a_weight(self) -> torch.Tensor:
-        if not isinstance(self.o_a_proj, BlockFp8Linear):
-            return self.o_a_proj.weight
-        if getattr(self, "_o_a", None) is None:
-            self.process_weights_after_loading()
-        return self._o_a
+        """o_a_proj's weight dense (the grouped output einsum reads it), in the model dtype."""
+        return dense_weight(self.o_a_proj, self.kv_norm.weight.dtype)
 
     def cache_spec(self, dtype):
         state = {"kv": ((self.spec.sliding_window, self.D), dtype)}  # the window's K=V ring

@@ -27,7 +27,7 @@ from dayzero.config.spec import IndexerSpec, MLASpec
 from dayzero.layers.attention.base import CachedLayer
 from dayzero.layers.norm import LayerNorm, RMSNorm
 from dayzero.layers.rotary import RotaryEmbedding
-from dayzero.quant.fp8 import BlockFp8Linear, dense_weight
+from dayzero.quant.fp8 import dense_weight
 
 
 class Indexer(nn.Module):
@@ -79,19 +79,17 @@ class MLAAttention(CachedLayer):
         self.rotary = RotaryEmbedding(spec.rope) if spec.rope is not None else None
         self.scale = spec.scale
 
+    @property
+    def selection_width(self) -> int:
+        """Columns of the step's selection buffer this layer's indexer writes (0: none)."""
+        return self.indexer.topk if self.indexer is not None else 0
+
     def process_weights_after_loading(self) -> None:
-        # block-FP8 kv_b tiles dequantised once, not every step (a plain weight is used as it is)
-        # (in the model dtype, that of the latent norm's weight)
-        fp8 = isinstance(self.kv_b_proj, BlockFp8Linear)
-        self._kv_b = dense_weight(self.kv_b_proj, self.kv_a_layernorm.weight.dtype) if fp8 else None
+        self.kv_b_weight()  # a block-FP8 kv_b is dequantised here, once, not in a step
 
     def kv_b_weight(self) -> torch.Tensor:
-        """kv_b_proj's weight [H*(N+V), R] as a dense tensor (dequantised once for block-FP8 checkpoints)."""
-        if not isinstance(self.kv_b_proj, BlockFp8Linear):
-            return self.kv_b_proj.weight
-        if getattr(self, "_kv_b", None) is None:
-            self.process_weights_after_loading()
-        return self._kv_b
+        """kv_b_proj's weight [H*(N+V), R] dense, in the model dtype (that of the latent norm's weight)."""
+        return dense_weight(self.kv_b_proj, self.kv_a_layernorm.weight.dtype)
 
     def cache_spec(self, dtype):
         rows = {"latent": ((self.R + self.P,), dtype)}
