@@ -1,10 +1,16 @@
-"""Decode steps of the pooled linear-attention ops on the device (KDA and Gated DeltaNet, the short causal
-conv): every sequence advances one token from the state in its slot, read with one gather and written back
-with one ``index_copy_`` into the pool, ``fresh`` sequences reset on the device. Fixed shapes, no host round
-trip: they run inside captured CUDA graphs. Prefill chunks are refused (the reference's chunk form runs them).
+"""The pooled linear-attention ops on the device (KDA and Gated DeltaNet, the short causal conv).
 
-Padding rows of a captured step all use the null slot 0; ``index_copy_`` with repeated indices leaves that
-slot holding one of them, which nothing reads.
+``kda_pooled`` runs fla-core's kernels when fla is installed (the optional ``cuda`` extra): prefill chunks with
+``chunk_kda`` over the step's packed rows (``cu_seqlens``) from the sequences' pooled states, decode rows with
+``fused_recurrent_kda_fwd``, which reads and writes each sequence's state in the pool in place by its slot in
+one kernel. Without fla, decode rows run the recurrent step in PyTorch (a gather, the update, one
+``index_copy_`` back) and prefill chunks the reference's chunk form. ``fresh`` sequences start from zero
+state: their slots are zeroed on the device first. Fixed shapes and no host round trip on decode rows: they
+run inside captured CUDA graphs.
+
+The math of both paths is the reference's (``reference.py``): q and k L2-normalised per head inside the
+kernel (eps 1e-6 under the root), the gate ``g`` (log decay) and ``beta`` computed before, fp32 states.
+Padding rows of a captured step all use the null slot 0, which nothing reads.
 """
 from __future__ import annotations
 
@@ -15,11 +21,53 @@ from dayzero.ops.attention.cuda import _decode_only
 from dayzero.ops.kda.reference import _prep, pooled_state
 from dayzero.ops.registry import register
 
+try:  # fla-core: Triton kernels for KDA / Gated DeltaNet (optional, GPU only)
+    from fla.ops.kda import chunk_kda
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+except Exception:  # noqa: BLE001 - absent, or a triton it cannot use: the PyTorch paths run
+    chunk_kda = fused_recurrent_kda_fwd = None
 
-@register("kda_pooled", "cuda", verifier=lambda q, k, v, g, b, s, pool, batch, *a, **kw: _decode_only(batch),
-          note="one recurrent step for every decode row, state updated in the pool (PyTorch)")
+
+def _uses_fla(q: torch.Tensor, state_pool: torch.Tensor) -> bool:
+    return chunk_kda is not None and q.is_cuda and state_pool.dtype == torch.float32 and q.shape[-1] <= 256
+
+
+def _kda_verify(q, k, v, g, beta, scale, state_pool, batch, *a, **kw) -> str | None:
+    if _uses_fla(q, state_pool):
+        return None
+    why = _decode_only(batch)
+    return None if why is None else f"{why} (fla-core is not installed, or cannot run this shape)"
+
+
+def _zero_fresh(state_pool: torch.Tensor, batch) -> None:
+    """Zero the slots of sequences that start this step (the others write the null slot, never read)."""
+    state_pool.index_fill_(0, torch.where(batch.fresh, batch.state_slots, 0), 0.0)
+
+
+@register("kda_pooled", "cuda", verifier=_kda_verify,
+          note="fla-core chunk kernel (prefill) and fused recurrent in place (decode); without fla, decode in PyTorch")
+def kda_pooled_cuda(q, k, v, g, beta, scale: float, state_pool: torch.Tensor, batch, use_qk_l2norm: bool = True):
+    # q, k, g: [T, H, K]; v: [T, H, V]; beta: [T, H]; state_pool: [slots, H, K, V] fp32 -> o [T, H, V]
+    if not _uses_fla(q, state_pool):
+        return kda_pooled_decode(q, k, v, g, beta, scale, state_pool, batch, use_qk_l2norm)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # the kernels index rows as packed [T, H, D]
+    g, beta = g.float().contiguous(), beta.float().contiguous()
+    if batch.is_decode:  # one token per sequence: [B, 1, H, *], the state read and written in its slot
+        _zero_fresh(state_pool, batch)
+        o, _ = fused_recurrent_kda_fwd(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None],
+                                       initial_state=state_pool, scale=scale, inplace_final_state=True,
+                                       ssm_state_indices=batch.state_slots, use_qk_l2norm_in_kernel=use_qk_l2norm)
+        return o[:, 0]
+    cu_host = torch.tensor(batch.query_start, dtype=torch.int64)  # host lengths: no device read for the chunk list
+    o, state = chunk_kda(q[None], k[None], v[None], g[None], beta[None], scale=scale,
+                         initial_state=pooled_state(state_pool, batch).contiguous(), output_final_state=True,
+                         use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=batch.cu_seqlens, cu_seqlens_cpu=cu_host)
+    state_pool.index_copy_(0, batch.state_slots, state.float())
+    return o[0].to(v.dtype)
+
+
 def kda_pooled_decode(q, k, v, g, beta, scale: float, state_pool: torch.Tensor, batch, use_qk_l2norm: bool = True):
-    # q, k, g: [B, H, K]; v: [B, H, V]; beta: [B, H]; state_pool: [slots, H, K, V] fp32 -> o [B, H, V]
+    """Decode rows in PyTorch: q, k, g: [B, H, K]; v: [B, H, V]; beta: [B, H] -> o [B, H, V]."""
     out_dtype = v.dtype
     q, k, v, g, beta = _prep(q, k, v, g, beta, scale, use_qk_l2norm)
     S = pooled_state(state_pool, batch) * g.exp()[..., None]  # decay the rows (K dim)

@@ -1,0 +1,52 @@
+"""fla-core's KDA kernels behind ``kda_pooled`` on CUDA (skipped without a GPU or without fla): the chunk kernel
+on mixed prefill steps and the in-place fused recurrent kernel on decode steps give the fp32 reference's
+outputs and pooled states, fresh sequences ignoring what their slot held, every other slot untouched."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dayzero.ops.kda import cuda as kda_dev
+from dayzero.ops.kda import reference as kda_ref
+from tests.ops.paged_batch import make_batch
+from tests.ops.test_batch_ops import delta_inputs
+from tests.ops.varlen import RTOL, assert_close
+
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+              pytest.mark.skipif(kda_dev.chunk_kda is None, reason="fla-core is not installed")]
+
+STEPS = {
+    "decode-B1": ([9], [1]), "decode-B7": ([1, 0, 15, 8, 2, 0, 5], [1] * 7),
+    "prefill": ([0, 0], [70, 5]), "mixed": ([0, 40, 7, 0, 130], [64, 1, 33, 1, 65]),
+}
+
+
+def to_cuda(batch):
+    for name in ("input_ids", "positions", "slot_mapping", "block_tables", "state_slots", "logits_indices",
+                 "cu_seqlens", "fresh"):
+        setattr(batch, name, getattr(batch, name).cuda())
+    return batch
+
+
+@pytest.mark.parametrize("step", list(STEPS), ids=list(STEPS))
+@pytest.mark.parametrize("H,K", [(2, 64), (4, 128)], ids=["H2-K64", "H4-K128"])
+def test_fla_kernels_equal_the_reference(step, H, K):
+    starts, news = STEPS[step]
+    batch = to_cuda(make_batch(starts, news, 16, seed=H))
+    g0 = torch.Generator().manual_seed(K)
+    pool = torch.randn(17, H, K, K, generator=g0).cuda() * 0.1
+    fresh_slots = batch.state_slots[batch.fresh]
+    pool[fresh_slots] = float("nan")  # a fresh sequence must not read its slot's old state
+    q, k, v, g, beta = (x.cuda() for x in delta_inputs(batch.num_tokens, H, K, K, 5))
+    ref_pool = pool.clone()
+    ref = kda_ref.kda_pooled(q, k, v, g, beta, K**-0.5, ref_pool, batch)
+    assert torch.isfinite(ref).all()
+    out = kda_dev.kda_pooled_cuda(q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta, K**-0.5, pool, batch)
+    assert out.dtype == torch.bfloat16
+    assert_close(out.float(), ref, RTOL[torch.bfloat16], "o")
+    used = batch.state_slots
+    assert_close(pool[used], ref_pool[used], RTOL[torch.bfloat16], "states")
+    others = torch.ones(17, dtype=torch.bool, device="cuda")
+    others[used] = False
+    others[0] = False  # the null slot: written by rows that are not fresh, read by nothing
+    assert torch.equal(pool[others].nan_to_num(7.0), ref_pool[others].nan_to_num(7.0))
