@@ -1,6 +1,7 @@
-"""fla-core's KDA kernels behind ``kda_pooled`` on CUDA (skipped without a GPU or without fla): the chunk kernel
-on mixed prefill steps and the in-place fused recurrent kernel on decode steps give the fp32 reference's
-outputs and pooled states, fresh sequences ignoring what their slot held, every other slot untouched."""
+"""fla-core's KDA kernels behind ``kda_pooled`` on CUDA (skipped without a GPU or without fla): the in-place fused
+recurrent kernel on decode steps, and (with ``DAYZERO_FLA_CHUNK=1``) the chunk kernel on prefill and mixed steps,
+give the reference's outputs and pooled states on the same bf16 inputs, fresh sequences ignoring what their slot
+held, every other slot untouched."""
 from __future__ import annotations
 
 import pytest
@@ -32,16 +33,19 @@ def to_cuda(batch):
 @pytest.mark.parametrize("H,K", [(2, 64), (4, 128)], ids=["H2-K64", "H4-K128"])
 def test_fla_kernels_equal_the_reference(step, H, K):
     starts, news = STEPS[step]
+    if set(news) != {1} and not kda_dev.fla_chunk_enabled():
+        pytest.skip("fla's chunk kernel is off (DAYZERO_FLA_CHUNK=1 turns it on)")
     batch = to_cuda(make_batch(starts, news, 16, seed=H))
     g0 = torch.Generator().manual_seed(K)
     pool = torch.randn(17, H, K, K, generator=g0).cuda() * 0.1
     fresh_slots = batch.state_slots[batch.fresh]
     pool[fresh_slots] = float("nan")  # a fresh sequence must not read its slot's old state
     q, k, v, g, beta = (x.cuda() for x in delta_inputs(batch.num_tokens, H, K, K, 5))
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()  # both sides see the same bf16 inputs
     ref_pool = pool.clone()
-    ref = kda_ref.kda_pooled(q, k, v, g, beta, K**-0.5, ref_pool, batch)
+    ref = kda_ref.kda_pooled(q, k, v, g, beta, K**-0.5, ref_pool, batch).float()
     assert torch.isfinite(ref).all()
-    out = kda_dev.kda_pooled_cuda(q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta, K**-0.5, pool, batch)
+    out = kda_dev.kda_pooled_cuda(q, k, v, g, beta, K**-0.5, pool, batch)
     assert out.dtype == torch.bfloat16
     assert_close(out.float(), ref, RTOL[torch.bfloat16], "o")
     used = batch.state_slots
