@@ -12,7 +12,8 @@ from dayzero.cache.quant import KV_CACHE_DTYPES
 from dayzero.config.model_config import DTYPES
 from dayzero.engine.builder import assemble, prepare_weights
 from dayzero.engine.detokenizer import IncrementalText
-from dayzero.engine.request import CompletionOutput, RequestOutput, Sequence, SeqStatus
+from dayzero.engine.device import configure_threads, resolve_device
+from dayzero.engine.request import CompletionOutput, RequestOutput, Sequence, SeqStatus, reportable_end, sample_seed
 from dayzero.engine.sampler import Sampler, make_generator
 from dayzero.engine.sampling_params import SamplingParams
 from dayzero.engine.scheduler import Scheduler
@@ -22,6 +23,7 @@ from dayzero.loader.safetensors_loader import load_weights
 from dayzero.quant.workspace import COMPUTE, ExpertWorkspace
 from dayzero.models.init import init_random_weights
 from dayzero.models.registry import adapter_for, build_model, read_config
+from dayzero.ops import registry as ops_registry
 
 log = logging.getLogger("dayzero")
 
@@ -40,7 +42,7 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     cache_memory_bytes: int | None = None  # budget for the cache pools; default a fraction of free memory
-    cache_memory_fraction: float = 0.5
+    cache_memory_fraction: float = 0.5  # share of free memory the cache takes when cache_memory_bytes is None
     load_format: str = "auto"  # "auto": the checkpoint's safetensors; "dummy": random weights (benchmarks, planning)
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "bfloat16" | "float16" | "float32" | "fp8" | "int8"
     expert_compute: str = "bf16"  # workspace format packed MXFP4 experts are converted into: "bf16" | "fp8"
@@ -48,6 +50,7 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no CUDA graphs, every step runs eagerly
     cuda_graph_sizes: tuple[int, ...] | None = None  # decode batch sizes captured (default 1, 2, 4, 8, 16, .. max_num_seqs)
     cuda_graph_max_len: int = 8192  # decode steps whose longest sequence is longer run eagerly
+    num_threads: int | None = None  # torch's CPU threads; None: fewer than torch's default when the machine is loaded
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -56,8 +59,14 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if self.num_cache_blocks is not None and self.num_cache_blocks < 2:
             raise ValueError(f"num_cache_blocks must be >= 2 (block 0 is reserved), got {self.num_cache_blocks}")
-        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if not isinstance(self.device, str) or not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if not 0 < self.cache_memory_fraction <= 1:
+            raise ValueError(f"cache_memory_fraction must be in (0, 1], got {self.cache_memory_fraction!r}")
+        if self.cache_memory_bytes is not None and (not isinstance(self.cache_memory_bytes, int) or self.cache_memory_bytes < 1):
+            raise ValueError(f"cache_memory_bytes must be a positive int, got {self.cache_memory_bytes!r}")
+        if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
+            raise ValueError(f"num_threads must be a positive int or None, got {self.num_threads!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.expert_compute not in COMPUTE:
@@ -79,10 +88,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         path = Path(config.model) if config.model else DEFAULT_MODEL
-        if config.device == "auto":
-            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        else:
-            self.device = torch.device(config.device)
+        self.device = resolve_device(config.device)
+        ops_registry.env_overrides()  # a bad DAYZERO_OPS stops the start, not the first step
+        self.num_threads = configure_threads(config.num_threads)
         dtype = config.dtype if config.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
         self.dtype = DTYPES[dtype]
         self.path = path
@@ -129,10 +137,29 @@ class LLMEngine:
         self.packed_moe_layers = attach_workspace(self.model, self.expert_workspace)
 
     # --- requests ---------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None):
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
+                    delta: bool = False):
+        """Queue a request (``n`` sequences); raises ValueError, naming the limit, for one that cannot run.
+        ``delta``: its outputs carry only what is new since its last one (token ids, logprobs, text that can
+        no longer change), so that a consumer never copies or holds more than one step's worth per step."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = list(prompt_token_ids)
+        max_tokens = self.check_request(ids, params)
+        seqs = []
+        for i in range(params.n):
+            gen = make_generator(sample_seed(params.seed, i), self.device) if params.seed is not None else None
+            seq = Sequence(request_id, i, list(ids), len(ids), params, generator=gen, max_tokens=max_tokens, delta=delta)
+            seqs.append(seq)
+        self.requests[request_id] = seqs
+        self.prompts[request_id] = prompt
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """The request's max_tokens (an omitted one is what fits in the context and the cache), or the
+        ValueError that refuses it. Adds nothing: a caller can check several requests before adding any."""
+        ids = prompt_token_ids
         vocab = self.model_config.vocab_size
         if not ids:
             raise ValueError("prompt is empty: at least one token is needed")
@@ -141,24 +168,22 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be ints in [0, {vocab}), got {bad[:5]}")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens, the context length is {self.max_model_len} (at least one token must be left to generate)")
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
+        capacity = self.cache.capacity_tokens() if self.cache.uses_blocks else math.inf
+        whole_cache = (f"the whole cache holds {capacity} ({self.cache_plan.num_blocks - 1} blocks of "
+                       f"{self.cache_plan.block_size})")
+        if params.max_tokens is None:  # the rest of the context, or of the cache when that is smaller
+            max_tokens = min(self.max_model_len, capacity) - len(ids)
+            if max_tokens < 1:
+                raise ValueError(f"prompt has {len(ids)} tokens but {whole_cache}, and at least one token must be "
+                                 f"left to generate; raise num_cache_blocks")
+            return max_tokens
+        max_tokens = params.max_tokens
         if len(ids) + max_tokens > self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens, max_tokens {max_tokens}, context length {self.max_model_len}")
-        capacity = self.cache.capacity_tokens() if self.cache.uses_blocks else math.inf
         if len(ids) + max_tokens > capacity:
-            raise ValueError(
-                f"request needs up to {len(ids) + max_tokens} tokens of cache but the whole cache holds {capacity} "
-                f"({self.cache_plan.num_blocks - 1} blocks of {self.cache_plan.block_size}); lower max_tokens or raise num_cache_blocks"
-            )
-        seqs = []
-        for i in range(params.n):
-            gen = make_generator(params.seed + i, self.device) if params.seed is not None else None
-            seq = Sequence(request_id, i, list(ids), len(ids), params, generator=gen, max_tokens=max_tokens)
-            seqs.append(seq)
-        self.requests[request_id] = seqs
-        self.prompts[request_id] = prompt
-        for seq in seqs:
-            self.scheduler.add(seq)
+            raise ValueError(f"request needs up to {len(ids) + max_tokens} tokens of cache but {whole_cache}; "
+                             f"lower max_tokens or raise num_cache_blocks")
+        return max_tokens
 
     def abort(self, request_id: str) -> bool:
         seqs = self.requests.pop(request_id, None)
@@ -178,8 +203,9 @@ class LLMEngine:
     # --- one step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one engine step. Returns, for every request that got a token in it, its outputs so far
-        (cumulative token ids and text); ``finished`` is set once all its sequences are done, and a
-        finished request is forgotten by the engine."""
+        (cumulative token ids and text; for a request added with ``delta``, what is new since its last
+        output); ``finished`` is set once all its sequences are done, and a finished request is forgotten
+        by the engine."""
         scheduled = self.scheduler.schedule()
         if not scheduled:
             if self.scheduler.has_work():
@@ -241,25 +267,54 @@ class LLMEngine:
         seqs = self.requests[request_id]
         finished = all(q.finished for q in seqs)
         prompt = self.prompts.get(request_id)
-        outs = []
-        for q in seqs:
-            ids = q.output_ids
-            if not q.finished:
-                q.text = q.detok.text if q.detok is not None else ""
-            elif q.detok is not None:  # first report since it finished: one whole decode gives the exact text
-                if not isinstance(q.stop_reason, str):  # a stop string already cut q.text
-                    ends_on_stop_id = q.finish_reason == "stop" and ids and (ids[-1] in self.eos_ids or ids[-1] in q.params.stop_token_ids)
-                    q.text = self._decode(ids[:-1] if ends_on_stop_id else ids)
-                q.detok = None
-            want = q.params.logprobs is not None
-            outs.append(CompletionOutput(
-                q.index, q.text, list(ids), q.finish_reason, list(q.logprobs) if want else None, q.stop_reason,
-                list(q.top_logprobs) if want else None,
-            ))
+        if seqs[0].delta:
+            outs = [o for q in seqs if (o := self._delta(q)) is not None]
+            prompt_ids = []  # the caller has them; not copied again every step
+        else:
+            outs = [self._cumulative(q) for q in seqs]
+            prompt_ids = seqs[0].token_ids[: seqs[0].num_prompt_tokens]
         if finished:
             del self.requests[request_id]
             self.prompts.pop(request_id, None)
-        return RequestOutput(request_id, prompt, seqs[0].token_ids[: seqs[0].num_prompt_tokens], outs, finished)
+        return RequestOutput(request_id, prompt, prompt_ids, outs, finished)
+
+    def _settle_text(self, q: Sequence) -> None:
+        """``q.text``: the running text, or once it finished, the exact text of one whole decode."""
+        if not q.finished:
+            q.text = q.detok.text if q.detok is not None else ""
+        elif q.detok is not None:  # first report since it finished
+            if not isinstance(q.stop_reason, str):  # a stop string already cut q.text
+                ids = q.token_ids[q.num_prompt_tokens:]
+                last = ids[-1] if ids else None
+                ends_on_stop_id = q.finish_reason == "stop" and (last in self.eos_ids or last in q.params.stop_token_ids)
+                q.text = self._decode(ids[:-1] if ends_on_stop_id else ids)
+            q.detok = None
+
+    def _cumulative(self, q: Sequence) -> CompletionOutput:
+        self._settle_text(q)
+        want = q.params.logprobs is not None
+        return CompletionOutput(
+            q.index, q.text, q.output_ids, q.finish_reason, list(q.logprobs) if want else None, q.stop_reason,
+            list(q.top_logprobs) if want else None,
+        )
+
+    def _delta(self, q: Sequence) -> CompletionOutput | None:
+        """What is new in ``q`` since its last report; None when nothing is. Running text is held back where
+        it may still change (see ``reportable_end``); the finished output's report completes the final text."""
+        k = q.reported_tokens
+        if k == q.num_output and (q.reported_finish or not q.finished):
+            return None
+        self._settle_text(q)
+        end = len(q.text) if q.finished else reportable_end(q.text, q.reported_chars, q.params.stop)
+        text = q.text[q.reported_chars:end]
+        q.reported_chars = max(end, q.reported_chars)
+        q.reported_tokens = q.num_output
+        q.reported_finish = q.finished
+        want = q.params.logprobs is not None
+        return CompletionOutput(
+            q.index, text, q.token_ids[q.num_prompt_tokens + k:], q.finish_reason, q.logprobs[k:] if want else None,
+            q.stop_reason, q.top_logprobs[k:] if want else None,
+        )
 
     def cache_usage(self) -> dict[str, int]:
         return self.cache.usage()

@@ -16,8 +16,11 @@ PromptType = str | dict[str, Any]
 class LLM:
     """``LLM()`` loads the bundled default model; ``LLM(model="path/to/ckpt")`` a checkpoint directory.
 
-    ``device``: "auto" (CUDA when present, else CPU) | "cpu" | "cuda"; ``dtype``: "auto" (bf16 on GPU, fp32 on
-    CPU) | "bfloat16" | "float32". ``num_cache_blocks`` overrides the pool size computed from free memory;
+    ``device``: "auto" (CUDA when present, else CPU) | "cpu" | "cuda" | "cuda:N" (a device that is not there
+    raises ValueError); ``dtype``: "auto" (bf16 on GPU, fp32 on CPU) | "bfloat16" | "float32".
+    ``num_threads``: torch's CPU threads (default: torch's count, or the cores other processes leave free when
+    the machine is loaded; logged). ``cache_memory_bytes`` is the cache budget (default
+    ``cache_memory_fraction`` of free memory); ``num_cache_blocks`` overrides the pool size computed from it;
     ``max_num_batched_tokens`` is the per-step token budget, and so the prefill chunk size;
     ``kv_cache_dtype`` "fp8" or "int8" stores paged caches quantised (keys per channel, values per token).
     Packed MXFP4 experts are converted per layer into one shared workspace in ``expert_compute`` ("bf16" or
@@ -48,6 +51,8 @@ class LLM:
         enforce_eager: bool = False,
         cuda_graph_sizes: Seq[int] | None = None,
         cuda_graph_max_len: int = 8192,
+        cache_memory_fraction: float = 0.5,
+        num_threads: int | None = None,
     ):
         self.engine = LLMEngine(EngineConfig(
             model=model, device=device, dtype=dtype, block_size=block_size, num_cache_blocks=num_cache_blocks,
@@ -55,6 +60,7 @@ class LLM:
             seed=seed, cache_memory_bytes=cache_memory_bytes, kv_cache_dtype=kv_cache_dtype,
             expert_compute=expert_compute, high_precision_layers=tuple(high_precision_layers), load_format=load_format,
             enforce_eager=enforce_eager, cuda_graph_sizes=cuda_graph_sizes, cuda_graph_max_len=cuda_graph_max_len,
+            cache_memory_fraction=cache_memory_fraction, num_threads=num_threads,
         ))
         self._ids = itertools.count()
 

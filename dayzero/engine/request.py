@@ -1,7 +1,9 @@
-"""Requests and the sequences they expand to (``n`` sequences per request)."""
+"""Requests and the sequences they expand to (``n`` sequences per request), the seed of each sample, and how
+much of a running output's text is final enough to report."""
 from __future__ import annotations
 
 import enum
+import hashlib
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -12,6 +14,33 @@ from dayzero.engine.detokenizer import IncrementalText
 from dayzero.engine.sampling_params import SamplingParams
 
 _seq_ids = itertools.count()
+REPLACEMENT = "\ufffd"
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The generator seed of output ``index`` of a request seeded with ``seed``: a hash of both, so that the n
+    outputs of one request are independent of each other and of every other seed's (``seed + index`` would
+    make output 1 of seed 42 the same draw as output 0 of seed 43)."""
+    return int.from_bytes(hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=8).digest(), "little")
+
+
+def reportable_end(text: str, start: int, stops: list[str]) -> int:
+    """How far a running output's ``text`` can be reported, ``text[:start]`` having been already: all of it
+    but a trailing U+FFFD (bytes of a character still arriving: only the last one can still change, as UTF-8
+    resynchronises at the next lead byte) and the longest tail that could be the start of a stop string (the
+    final text is cut where a stop string starts, so that tail may vanish)."""
+    end = len(text)
+    if end > start and text[end - 1] == REPLACEMENT:
+        end -= 1
+    best = 0  # the longest unreported tail text[end - best:end] that is a proper prefix of a stop string
+    for s in stops:
+        p = text.find(s[0], max(start, end - len(s) + 1), end)
+        while p != -1 and end - p > best:
+            if s.startswith(text[p:end]):
+                best = end - p
+                break
+            p = text.find(s[0], p + 1, end)
+    return end - best
 
 
 class SeqStatus(enum.Enum):
@@ -31,7 +60,7 @@ class Sequence:
     num_prompt_tokens: int
     params: SamplingParams
     generator: torch.Generator | None = None
-    max_tokens: int = 0  # resolved: params.max_tokens, or the rest of the context
+    max_tokens: int = 0  # resolved: params.max_tokens, or what fits in the rest of the context and the cache
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     num_computed: int = 0
     status: SeqStatus = SeqStatus.WAITING
@@ -43,6 +72,10 @@ class Sequence:
     detok: IncrementalText | None = None  # the running text, until the finished output's whole decode
     arrival: float = field(default_factory=time.monotonic)
     num_preemptions: int = 0
+    delta: bool = False  # outputs in delta form (see LLMEngine.add_request)
+    reported_tokens: int = 0  # delta form: the output tokens, characters of text and finish reported so far
+    reported_chars: int = 0
+    reported_finish: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -63,6 +96,9 @@ class Sequence:
 
 @dataclass
 class CompletionOutput:
+    """One output of a request: everything so far, or, in delta form, what is new since its last report
+    (token ids, logprobs and text; the reports' texts add up to the final text)."""
+
     index: int
     text: str
     token_ids: list[int]

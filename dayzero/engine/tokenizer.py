@@ -46,3 +46,26 @@ def generation_eos_ids(path: str | Path, config_eos: tuple[int, ...], tokenizer)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         return (tokenizer.eos_token_id,)
     return ()
+
+
+def chat_end_of_turn_ids(tokenizer) -> tuple[int, ...]:
+    """The special token the chat template closes an assistant turn with (``<|end|>``, ``<|im_end|>``,
+    ``<|eot_id|>``, ...), as the template itself writes it: a conversation ending in an assistant message
+    is rendered and the token right after that message's content is taken when it is a special token.
+    Generation for a chat stops there, as it does at EOS; () when the template shows none."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return ()
+    marker = "\x00end-of-turn\x00"
+    conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}]
+    try:
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=False, tokenize=False)
+    except Exception as e:  # a template that wants another conversation shape: no end-of-turn token to add
+        log.info("chat template did not render a sample conversation (%s): stopping at EOS only", e)
+        return ()
+    at = text.find(marker)
+    if at < 0:
+        return ()
+    after = tokenizer.encode(text[at + len(marker):], add_special_tokens=False)
+    special = {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
+    special |= set(getattr(tokenizer, "all_special_ids", ()) or ())
+    return (after[0],) if after and after[0] in special else ()

@@ -3,8 +3,8 @@
 Every op has a pure-PyTorch ``reference`` implementation that runs on any device with fp32
 accumulation. A platform (``cpu``, ``cuda``, ...) may register faster implementations with a
 verifier that can refuse a call's shapes and say why; the refusal falls back to the reference.
-The choice for each (op, platform) is logged once. ``DAYZERO_OPS="kda=reference,attention=cuda"``
-(or :func:`override`) forces a choice.
+The choice for each (op, platform) is logged once. ``DAYZERO_OPS="kda_pooled=reference,paged_mla=cuda"``
+(or :func:`override`) forces a choice; the variable is checked whole (see :func:`env_overrides`).
 """
 from __future__ import annotations
 
@@ -52,13 +52,47 @@ def register(op: str, platform: str = REFERENCE, verifier=None, note: str = ""):
     return deco
 
 
-def _env_overrides() -> dict[str, str]:
-    spec = os.environ.get("DAYZERO_OPS", "")
+class OpsOverrideError(ValueError, KeyError):
+    """A bad ``DAYZERO_OPS``: a ValueError (a setting is wrong), and a KeyError like the one :func:`choose`
+    raises for a forced platform that the op lacks."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+_ENV: tuple[str, dict[str, str]] = ("", {})  # the last DAYZERO_OPS value read, and what it means
+
+
+def parse_overrides(spec: str) -> dict[str, str]:
+    """``"op=platform,op=platform"`` -> {op: platform}. Every item is checked against the registered ops and
+    their implementations: a malformed item, an unknown op or a platform the op lacks raises
+    :class:`OpsOverrideError` naming the item."""
     out = {}
     for item in filter(None, (s.strip() for s in spec.split(","))):
-        op, _, plat = item.partition("=")
-        out[op.strip()] = plat.strip()
+        op, eq, plat = (p.strip() for p in item.partition("="))
+        if not (eq and op and plat):
+            raise OpsOverrideError(f"DAYZERO_OPS item {item!r} is not op=platform "
+                                   f"(e.g. DAYZERO_OPS=kda_pooled=reference)")
+        entry = _OPS.get(op)
+        if entry is None:
+            raise OpsOverrideError(f"DAYZERO_OPS item {item!r}: unknown op {op!r}; "
+                                   f"registered ops: {', '.join(sorted(_OPS))}")
+        if plat not in entry.impls:
+            known = sorted({p for e in _OPS.values() for p in e.impls})
+            unknown = "" if plat in known else f"; {plat!r} is no registered platform (platforms: {', '.join(known)})"
+            raise OpsOverrideError(f"DAYZERO_OPS item {item!r}: op {op} has no {plat!r} implementation "
+                                   f"(it has {', '.join(sorted(entry.impls))}){unknown}")
+        out[op] = plat
     return out
+
+
+def env_overrides() -> dict[str, str]:
+    """``DAYZERO_OPS`` parsed and checked, once per value of the variable."""
+    global _ENV
+    spec = os.environ.get("DAYZERO_OPS", "")
+    if spec != _ENV[0]:
+        _ENV = (spec, parse_overrides(spec))
+    return _ENV[1]
 
 
 def override(op: str, platform: str | None) -> None:
@@ -78,7 +112,7 @@ def choose(op: str, platform: str, *args, **kwargs) -> tuple[str, Impl, str | No
     entry = _OPS.get(op)
     if entry is None:
         raise KeyError(f"unknown op {op!r}; registered ops: {sorted(_OPS)}")
-    forced = _OVERRIDES.get(op) or _env_overrides().get(op)
+    forced = _OVERRIDES.get(op) or env_overrides().get(op)
     if forced is not None:
         if forced not in entry.impls:
             raise KeyError(f"op {op!r} has no {forced!r} implementation; it has {sorted(entry.impls)}")

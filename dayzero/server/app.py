@@ -1,4 +1,4 @@
-"""The FastAPI app: routes, the API-key check, errors in the OpenAI shape, start-up and draining.
+"""The FastAPI app: routes, the API-key check, CORS, errors in the OpenAI shape, start-up and draining.
 
 Bodies are read and parsed by hand (size limit, content type, JSON object) rather than by FastAPI's body
 models, so that every bad input gets a 400/413 in the OpenAI error shape instead of a 422.
@@ -13,6 +13,7 @@ import time
 
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -49,14 +50,17 @@ class APIKeyMiddleware:
 
 
 def build_app(async_engine: AsyncEngine, model_name: str, limits: ServerLimits | None = None,
-              api_key: str | None = None) -> FastAPI:
+              api_key: str | None = None, allowed_origins: list[str] | None = None) -> FastAPI:
+    """``allowed_origins``: origins a browser may call the API from (CORS; ``["*"]`` for any); none by default."""
     limits = limits or ServerLimits()
     engine = async_engine.engine
     admission = Admission(limits.max_concurrent_requests, limits.max_queue_len)
     metrics = ServerMetrics(lambda: async_engine.stats, lambda: admission.queued)
-    # the engine thread decodes with engine.tokenizer; a second instance keeps the two threads apart
-    tokenizer = load_tokenizer(engine.path) if engine.tokenizer is not None else None
-    srv = ServerState(async_engine, tokenizer, model_name, limits, admission, metrics)
+    # one tokenizer per thread: the engine thread decodes with engine.tokenizer, the event loop with one
+    # (logprobs, echo) and the worker thread templates and encodes with another
+    tokenizers = [load_tokenizer(engine.path) if engine.tokenizer is not None else None for _ in range(2)]
+    srv = ServerState(async_engine, tokenizers[0], model_name, limits, admission, metrics,
+                      worker_tokenizer=tokenizers[1], max_model_len=engine.max_model_len)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -66,12 +70,16 @@ def build_app(async_engine: AsyncEngine, model_name: str, limits: ServerLimits |
         yield
         admission.close()
         await async_engine.stop()
+        srv.close()
 
     app = FastAPI(title="dayzero", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.srv = srv
     app.state.drain = lambda timeout: _drain(srv, timeout)
     if api_key:
         app.add_middleware(APIKeyMiddleware, key=api_key, on_reject=lambda status: metrics.errors.labels(str(status)).inc())
+    if allowed_origins:  # added last, so outermost: a preflight (which carries no key) is answered here
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"], max_age=600)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
@@ -95,7 +103,7 @@ def build_app(async_engine: AsyncEngine, model_name: str, limits: ServerLimits |
         metrics.errors.labels("500").inc()
         return JSONResponse(error_body(500, f"internal server error: {type(e).__name__}", code="internal_error"), 500)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if not async_engine.alive:
             return JSONResponse({"status": "error", "error": async_engine.failure or "engine stopped"}, 503)

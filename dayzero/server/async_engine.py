@@ -4,12 +4,14 @@
 
 1. take every pending command (add, abort, abort all, stop), blocking only while the engine is idle;
 2. run one engine step;
-3. hand every request's cumulative output to its consumer on the event loop.
+3. hand the step's outputs to their consumers on the event loop, in one callback.
 
-Commands are applied between steps: a request that arrives while others decode joins the very next step
+Commands are applied between steps: requests that arrive while others decode all join the very next step
 (continuous batching across HTTP requests), and an abort frees the request's blocks and state slot before
-that step. Outputs cross back with ``loop.call_soon_threadsafe``; each is a fresh snapshot (the engine
-copies token ids per step), so a slow consumer may skip to the latest one without losing anything.
+that step. One HTTP request's prompts are one command, checked together and added together or not at
+all, so a multi-prompt request is admitted in one step, whole. Requests are added in delta form: each
+output carries only that step's tokens and final text, so what crosses to the event loop per step is
+proportional to the step, not to the outputs so far.
 """
 from __future__ import annotations
 
@@ -35,12 +37,20 @@ class Ended:
     error: APIError
 
 
-Item = tuple[Any, RequestOutput | Ended]  # (the consumer's tag, what happened)
+class PromptRefused(Exception):
+    """The engine refused prompt ``index`` of a request (its ``ValueError`` says why); none was added."""
+
+    def __init__(self, index: int, error: ValueError):
+        super().__init__(str(error))
+        self.index, self.error = index, error
+
+
+Deliver = Callable[[Any, "RequestOutput | Ended"], None]  # (the prompt's tag, what happened), on the event loop
 
 
 @dataclass
 class _Sink:
-    queue: asyncio.Queue
+    deliver: Deliver
     tag: Any
 
 
@@ -102,24 +112,30 @@ class AsyncEngine:
     def alive(self) -> bool:
         return not self._stopped
 
-    async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, prompt: str | None,
-                  sink: asyncio.Queue, tag: Any) -> None:
-        """Queue a request; returns once the engine accepted it. Raises the engine's ``ValueError`` for a
-        request it refuses (prompt too long, ids outside the vocabulary, larger than the whole cache)."""
+    async def add(self, prompts: list[tuple[str, list[int], str | None]], params: SamplingParams, deliver: Deliver,
+                  gone: threading.Event) -> None:
+        """Queue one HTTP request's prompts, ``(engine request id, token ids, text)`` each, all with ``params``;
+        returns once the engine took them all. ``deliver(i, item)`` gets prompt ``i``'s outputs on the event
+        loop. Raises ``PromptRefused`` for a prompt the engine refuses, and then none was added.
+
+        ``gone`` is the caller's way out: once it is set, the engine thread adds nothing of this command, and
+        aborts sent after setting it are applied after the add, if the add came first."""
         if not self.alive:
             raise APIError(503, f"the engine is not running: {self.failure or 'stopped'}", code="engine_dead")
         accepted = self._loop.create_future()
-        self._commands.put(("add", request_id, prompt_ids, params, prompt, _Sink(sink, tag), accepted))
+        self._commands.put(("add", prompts, params, deliver, gone, accepted))
         if self._stopped:  # the thread ended just now and may have drained the queue before our add
             self._refuse_pending()
         try:
             await accepted
         except asyncio.CancelledError:
-            self.abort(request_id)  # applied after the add: commands run in order
+            gone.set()
+            for rid, _, _ in prompts:
+                self.abort(rid)
             raise
 
     def abort(self, request_id: str, error: APIError | None = None) -> None:
-        """Abort a request (no-op once it finished); its consumer gets ``Ended(error)``."""
+        """Abort a request (no-op once it finished, or if it never came); its consumer gets ``Ended(error)``."""
         self._commands.put(("abort", request_id, error or APIError(499, "the request was aborted", code="aborted")))
 
     def abort_all(self, error: APIError) -> None:
@@ -166,19 +182,39 @@ class AsyncEngine:
     def _apply(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, rid, ids, params, prompt, sink, accepted = cmd
-            try:
-                self.engine.add_request(rid, ids, params, prompt=prompt)
-            except Exception as e:  # ValueError: the engine refused the request, with the reason
-                self._loop.call_soon_threadsafe(_settle, accepted, e)
-                return
-            self._sinks[rid] = sink
-            self._loop.call_soon_threadsafe(_settle, accepted, None)
+            self._add(*cmd[1:])
         elif kind == "abort":
             _, rid, error = cmd
             self._end(rid, error)
         elif kind == "abort_all":
             self._end_all(cmd[1])
+
+    def _add(self, prompts, params: SamplingParams, deliver: Deliver, gone: threading.Event, accepted) -> None:
+        if gone.is_set():  # the client left before its turn came: nothing of it enters the engine
+            self._loop.call_soon_threadsafe(
+                _settle, accepted, APIError(499, "the client disconnected", code="client_disconnected"))
+            return
+        for i, (rid, ids, _) in enumerate(prompts):
+            try:
+                if rid in self._sinks or rid in self.engine.requests:
+                    raise ValueError(f"request id {rid!r} is already in use")
+                self.engine.check_request(ids, params)
+            except ValueError as e:
+                self._loop.call_soon_threadsafe(_settle, accepted, PromptRefused(i, e))
+                return
+        added = []
+        try:
+            for rid, ids, text in prompts:
+                self.engine.add_request(rid, ids, params, prompt=text, delta=True)
+                added.append(rid)
+        except Exception as e:  # a bug, as everything was checked: take back what went in, fail this request
+            for rid in added:
+                self.engine.abort(rid)
+            self._loop.call_soon_threadsafe(_settle, accepted, e)
+            return
+        for i, rid in enumerate(added):
+            self._sinks[rid] = _Sink(deliver, i)
+        self._loop.call_soon_threadsafe(_settle, accepted, None)
 
     def _step(self) -> None:
         try:
@@ -188,16 +224,21 @@ class AsyncEngine:
             self._end_all(APIError(500, f"the engine step failed: {type(e).__name__}: {e}", code="engine_error"))
             return
         self.num_steps += 1
+        batch = []
         for out in outputs:
             sink = self._sinks.pop(out.request_id) if out.finished else self._sinks.get(out.request_id)
             if sink is not None:
-                self._loop.call_soon_threadsafe(sink.queue.put_nowait, (sink.tag, out))
+                batch.append((sink, out))
+        self.stats = self.engine.stats()  # before the outputs: a client that saw its end sees the cache freed
+        if batch:  # one wake-up of the event loop per step, however many requests moved
+            self._loop.call_soon_threadsafe(_deliver_all, batch)
 
     def _end(self, rid: str, error: APIError) -> None:
         sink = self._sinks.pop(rid, None)
         self.engine.abort(rid)
+        self.stats = self.engine.stats()
         if sink is not None:
-            self._loop.call_soon_threadsafe(sink.queue.put_nowait, (sink.tag, Ended(error)))
+            self._loop.call_soon_threadsafe(_deliver_all, [(sink, Ended(error))])
 
     def _end_all(self, error: APIError) -> None:
         for rid in list(self._sinks):
@@ -205,6 +246,14 @@ class AsyncEngine:
                 self._end(rid, error)
             except Exception:  # keep going: every consumer must hear that its request ended
                 log.exception("abort of %s failed", rid)
+
+
+def _deliver_all(batch: list[tuple[_Sink, RequestOutput | Ended]]) -> None:
+    for sink, item in batch:
+        try:
+            sink.deliver(sink.tag, item)
+        except Exception:  # one consumer's bug must not starve the others of their outputs
+            log.exception("delivering an output failed")
 
 
 def _settle(fut: asyncio.Future, error: BaseException | None) -> None:

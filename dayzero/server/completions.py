@@ -12,7 +12,7 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from dayzero.server.detokenize import ChoiceDeltas
+from dayzero.server.detokenize import ChoiceDeltas, TextOffsets
 from dayzero.server.errors import APIError, bad_request
 from dayzero.server.generation import Prompt, Run, ServerState
 from dayzero.server.protocol import (
@@ -46,14 +46,14 @@ def _validate(srv: ServerState, req: CompletionRequest) -> None:
         srv.limits.check_logprobs("logprobs", req.logprobs)
         if req.echo:
             raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
-    srv.limits.check_stop(req.stop)
+    srv.limits.check_stop(req.stop, req.stop_token_ids)
 
 
 async def create_completion(srv: ServerState, http: Request, body: dict, arrival: float) -> Response:
     req = parse(CompletionRequest, body)
     _validate(srv, req)
     params = sampling_params(req, req.max_tokens, req.logprobs)
-    prompts = srv.prompts(parse_prompt(req.prompt))
+    prompts = await srv.prompts(parse_prompt(req.prompt))
     rid = f"cmpl-{uuid.uuid4().hex}"
     run = Run(srv, http, rid, prompts, params, arrival)
     await run.start()
@@ -62,16 +62,19 @@ async def create_completion(srv: ServerState, http: Request, body: dict, arrival
     if req.stream:
         return StreamingResponse(guarded(run, _stream(srv, run, head, params.n, echo, req.include_usage)), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
-    await run.finish()
+    outputs = await run.finish()
     choices = []
-    for i in range(len(prompts)):
-        for o in run.outputs[i].outputs:
-            lps = (completion_logprobs(o.token_ids, o.logprobs, srv.token_text, 0, o.top_logprobs if req.logprobs else None)
-                   if o.logprobs is not None else None)
-            choices.append({"index": i * params.n + o.index, "text": (echo[i] if echo else "") + o.text, "logprobs": lps,
-                            "finish_reason": o.finish_reason})
-    n_out = sum(len(o.token_ids) for r in run.outputs.values() for o in r.outputs)
-    return JSONResponse({**head, "choices": choices, "usage": usage(sum(len(p.ids) for p in prompts), n_out)})
+    for (i, j), o in sorted(outputs.items()):
+        text = o.text
+        lps = None
+        if o.logprobs is not None:
+            offsets = TextOffsets(srv.decode)(o.token_ids, text)
+            lps = completion_logprobs(o.token_ids, o.logprobs, srv.token_text, offsets,
+                                      o.top_logprobs if req.logprobs else None)
+        choices.append({"index": i * params.n + j, "text": (echo[i] if echo else "") + text, "logprobs": lps,
+                        "finish_reason": o.finish_reason})
+    return JSONResponse({**head, "choices": choices,
+                         "usage": usage(sum(len(p.ids) for p in prompts), run.num_output_tokens)})
 
 
 def _prompt_text(srv: ServerState, p: Prompt) -> str:
@@ -81,28 +84,27 @@ def _prompt_text(srv: ServerState, p: Prompt) -> str:
 
 
 async def _stream(srv: ServerState, run: Run, head: dict, n: int, echo: list[str] | None, include_usage: bool):
-    deltas = ChoiceDeltas(n, run.params.stop)
-    offsets: dict[int, int] = {}  # characters of token text sent per choice, for text_offset
+    deltas = ChoiceDeltas(n)
+    offsets: dict[int, TextOffsets] = {}  # per choice, for text_offset
     usage_field = {"usage": None} if include_usage else {}
     if echo:
         yield "".join(sse({**head, "choices": [{"index": i * n + j, "text": text, "logprobs": None,
                                                "finish_reason": None}], **usage_field})
                       for i, text in enumerate(echo) for j in range(n))
-    async for changed in run.updates():
+    async for batch in run.updates():
         events = []
-        for d in deltas(changed):
+        for d in deltas(batch):
             lps = None
             if d.logprobs is not None:
-                lps = completion_logprobs(d.token_ids, d.logprobs, srv.token_text, offsets.get(d.choice, 0),
+                where = offsets.setdefault(d.choice, TextOffsets(srv.decode))(d.token_ids, d.text)
+                lps = completion_logprobs(d.token_ids, d.logprobs, srv.token_text, where,
                                           d.top_logprobs if run.params.logprobs else None)
-                offsets[d.choice] = offsets.get(d.choice, 0) + sum(len(t) for t in lps["tokens"])
             choice = {"index": d.choice, "text": d.text, "logprobs": lps, "finish_reason": d.finish_reason}
             events.append(sse({**head, "choices": [choice], **usage_field}))
         if events:
             yield "".join(events)
     if include_usage:
-        n_out = sum(len(o.token_ids) for r in run.outputs.values() for o in r.outputs)
-        yield sse({**head, "choices": [], "usage": usage(sum(len(p.ids) for p in run.prompts), n_out)})
+        yield sse({**head, "choices": [], "usage": usage(sum(len(p.ids) for p in run.prompts), run.num_output_tokens)})
 
 
 async def guarded(run: Run, events):

@@ -1,56 +1,18 @@
-"""Text for streaming: deltas that never split a character or leak the start of a stop string, and the
-text and bytes of single tokens for logprobs.
+"""Text for responses: the text offsets and the bytes and display strings of tokens for logprobs, and the
+engine's per-step deltas put together into stream events and whole choices.
 
-The engine reports each output's whole text so far. A byte-level tokenizer emits one UTF-8 byte per
-token, so that text may end in an incomplete character, which decodes to U+FFFD; later bytes complete it
-and the tail changes. Everything before such a tail never changes again (UTF-8 is self-synchronising),
-so a stream may send the text up to it and hold the tail back until the next token or the end.
+The engine reports each output in delta form: the tokens of the step, and the text that can no longer
+change (a character still arriving, or a tail that may be the start of a stop string, waits), so the
+reported texts add up to the final text and a stream may send each as it comes.
 """
 from __future__ import annotations
 
+import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
-from dayzero.engine.request import RequestOutput
-
-REPLACEMENT = "\ufffd"
-
-
-class TextStreamer:
-    """Turns the successive cumulative texts of one output into deltas that are safe to send.
-
-    Held back while the output runs: a trailing U+FFFD (a character still being completed) and the
-    longest tail that could be the start of a stop string (the engine cuts the final text at the stop
-    string, so that tail may vanish). When the output finishes the engine's final text is authoritative
-    and the rest of it is sent.
-    """
-
-    def __init__(self, stop: list[str] | None = None):
-        self.stop = [s for s in (stop or []) if s]
-        self.sent = 0  # characters of the text already sent
-
-    def delta(self, text: str, finished: bool) -> str:
-        end = len(text)
-        if not finished:
-            while end > self.sent and text[end - 1] == REPLACEMENT:
-                end -= 1
-            end -= self._stop_prefix(text, end)
-        if end <= self.sent:
-            return ""
-        out = text[self.sent:end]
-        self.sent = end
-        return out
-
-    def _stop_prefix(self, text: str, end: int) -> int:
-        """Length of the longest unsent tail of ``text[:end]`` that is a proper prefix of a stop string."""
-        best = 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, end - self.sent), best, -1):
-                if text.endswith(s[:k], 0, end):
-                    best = k
-                    break
-        return best
-
+from dayzero.engine.request import REPLACEMENT, CompletionOutput, RequestOutput
 
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # sentencepiece byte fallback
 
@@ -108,6 +70,50 @@ class TokenText:
         return text, list(raw)
 
 
+class TextOffsets:
+    """``text_offset`` of completions logprobs for one output: for each token, how many characters of the
+    returned text the tokens before it produce. A token inside a character (one byte of a multi-byte
+    character) gets that character's offset; tokens past the end of the text (after a stop string) get
+    its length.
+
+    Fed the tokens in order with the text as it grows (a stream: what has been sent, which never changes;
+    otherwise the whole text at once). Each token decodes a short window of the tokens not yet matched to
+    the text, after the last matched ones as left context, as ``IncrementalText`` does, so a long output
+    costs one short decode per token.
+    """
+
+    MAX_WINDOW = 8  # unmatched tokens (bytes of broken characters) after which their offsets are taken as found
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self.decode = decode
+        self.ids: list[int] = []  # ids[:context] are the left context; ids[context:] the window
+        self.context = 0
+        self.context_len = 0  # len(decode(ids[:context]))
+        self.chars = 0  # characters of the text that the tokens before the window produce
+        self.tail = ""  # the text as far as it is known, from character ``self.chars - self.at`` on
+        self.at = 0  # where ``self.chars`` falls in ``tail``
+
+    def __call__(self, token_ids: list[int], text: str) -> list[int]:
+        """Offsets of ``token_ids``; ``text``: what the text grew by since the last call."""
+        if self.at > 4096:  # drop what no window can reach again
+            self.tail, self.at = self.tail[self.at:], 0
+        self.tail += text
+        out = []
+        for t in token_ids:
+            window = self.decode(self.ids)[self.context_len:] if len(self.ids) > self.context else ""
+            k = len(os.path.commonprefix([window, self.tail[self.at:self.at + len(window)]]))
+            out.append(self.chars + k)
+            whole = k == len(window) and not window.endswith(REPLACEMENT)
+            if whole or len(self.ids) - self.context >= self.MAX_WINDOW:
+                self.chars += k
+                self.at += k
+                self.ids = self.ids[self.context:]  # the window becomes the next one's left context
+                self.context = len(self.ids)
+                self.context_len = len(self.decode(self.ids)) if self.ids else 0
+            self.ids.append(t)
+        return out
+
+
 @dataclass
 class Delta:
     choice: int  # prompt index * n + output index
@@ -117,33 +123,61 @@ class Delta:
     finish_reason: str | None  # set on the choice's last delta
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
+    def add(self, o: CompletionOutput) -> None:
+        self.text += o.text
+        _extend(self, o)
+
+
+def _extend(into, o: CompletionOutput) -> None:
+    into.token_ids.extend(o.token_ids)
+    if o.logprobs is not None:
+        into.logprobs = into.logprobs or []
+        into.logprobs.extend(o.logprobs)
+    if o.top_logprobs is not None:
+        into.top_logprobs = into.top_logprobs or []
+        into.top_logprobs.extend(o.top_logprobs)
+    if o.finish_reason is not None:
+        into.finish_reason = o.finish_reason
+
 
 class ChoiceDeltas:
-    """What is new in each choice of a streamed request since the last call: text (held back as
-    :class:`TextStreamer` says), the tokens behind it, and the finish reason, which comes once."""
+    """The stream events of a request's choices from the engine's deltas: each batch of deltas becomes at
+    most one event per choice, and tokens that bring no text yet (a character still arriving) wait to go
+    out with the text they make, or with the finish reason."""
 
-    def __init__(self, n: int, stop: list[str]):
-        self.n, self.stop = n, stop
-        self._text: dict[int, TextStreamer] = {}
-        self._tokens: dict[int, int] = {}  # tokens sent per choice
-        self._finished: set[int] = set()
+    def __init__(self, n: int):
+        self.n = n
+        self._pending: dict[int, Delta] = {}
 
-    def __call__(self, changed: dict[int, RequestOutput]) -> list[Delta]:
-        deltas = []
-        for tag, out in changed.items():
+    def __call__(self, items: list[tuple[int, RequestOutput]]) -> list[Delta]:
+        touched: dict[int, None] = {}
+        for tag, out in items:
             for o in out.outputs:
                 choice = tag * self.n + o.index
-                if choice in self._finished:
-                    continue
-                done = o.finish_reason is not None
-                text = self._text.setdefault(choice, TextStreamer(self.stop)).delta(o.text, done)
-                if not text and not done:
-                    continue  # tokens whose text is held back go out with the next delta
-                k = self._tokens.get(choice, 0)
-                self._tokens[choice] = len(o.token_ids)
-                lps = o.logprobs[k:] if o.logprobs is not None else None
-                tops = o.top_logprobs[k:] if o.top_logprobs is not None else None
-                deltas.append(Delta(choice, text, o.token_ids[k:], lps, o.finish_reason if done else None, tops))
-                if done:
-                    self._finished.add(choice)
-        return deltas
+                d = self._pending.get(choice)
+                if d is None:
+                    d = self._pending[choice] = Delta(choice, "", [], None, None)
+                d.add(o)
+                touched[choice] = None
+        ready = [self._pending.pop(c) for c in touched
+                 if self._pending[c].text or self._pending[c].finish_reason is not None]
+        return ready
+
+
+@dataclass
+class Choice:
+    """One whole output of a non-streamed request, put together from its deltas."""
+
+    parts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finish_reason: str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def add(self, o: CompletionOutput) -> None:
+        self.parts.append(o.text)
+        _extend(self, o)

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
+import resource
 import signal
 import sys
 import threading
@@ -13,14 +15,49 @@ import torch
 import uvicorn
 
 from dayzero.engine.engine import DEFAULT_MODEL, EngineConfig, LLMEngine
+from dayzero.server import logs
 from dayzero.server.app import build_app
 from dayzero.server.async_engine import AsyncEngine
+from dayzero.server.http import MAX_LINGERING, ConnectionLimits, Connections
 from dayzero.server.limits import ServerLimits
 
 log = logging.getLogger("dayzero.server")
 
-LIMIT_ARGS = ("max_body_bytes", "max_concurrent_requests", "max_queue_len", "max_n", "max_logprobs",
-              "max_stop_sequences", "max_stop_length", "max_prompts")
+# every ServerLimits field is the setting of the same name (``--max-n`` is ``max_n``); one the command line
+# does not offer keeps its default
+LIMIT_ARGS = tuple(f.name for f in dataclasses.fields(ServerLimits))
+FD_RESERVE = 256  # descriptors kept for everything but client connections (weights, logs, pipes, threads)
+H11_MAX_HEAD_BYTES = 16 << 10  # a larger request head is refused with a 400 (h11's own default, stated)
+
+
+def server_limits(args) -> ServerLimits:
+    return ServerLimits(**{k: getattr(args, k) for k in LIMIT_ARGS if getattr(args, k, None) is not None})
+
+
+def _connection_cap(wanted: int) -> int:
+    """``wanted`` connections, raising the soft limit on open files towards the hard one to make room;
+    fewer, with a warning, when even the hard limit is too low."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = wanted + MAX_LINGERING + FD_RESERVE
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+    if soft != resource.RLIM_INFINITY and soft < need:
+        cap = max(1, soft - MAX_LINGERING - FD_RESERVE)
+        log.warning("max_connections lowered from %d to %d: the limit on open files is %d (ulimit -n)", wanted, cap, soft)
+        return cap
+    return wanted
+
+
+def uvicorn_config(app, host: str, port: int, limits: ServerLimits, shutdown_timeout: float) -> uvicorn.Config:
+    """uvicorn on our h11 protocol (header and body timeouts, the connection cap) with its keep-alive timeout."""
+    connections = Connections(ConnectionLimits(_connection_cap(limits.max_connections), limits.timeout_header,
+                                               limits.timeout_body))
+    return uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False, http=connections.protocol,
+                          timeout_graceful_shutdown=shutdown_timeout, timeout_keep_alive=limits.timeout_keep_alive,
+                          h11_max_incomplete_event_size=H11_MAX_HEAD_BYTES)
 
 
 class _Server(uvicorn.Server):
@@ -62,14 +99,10 @@ def serve(args) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for name in ("dayzero.server", "uvicorn"):
         logging.getLogger(name).setLevel(logging.INFO)
+    logs.install()
     try:
-        limits = ServerLimits(**{k: getattr(args, k) for k in LIMIT_ARGS})
-        config = EngineConfig(
-            model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
-            num_cache_blocks=args.num_cache_blocks, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len, seed=args.seed,
-            enforce_eager=getattr(args, "enforce_eager", False), cuda_graph_sizes=getattr(args, "cuda_graph_sizes", None),
-        )
+        limits = server_limits(args)
+        config = EngineConfig(**args.engine_config)  # every engine option of the command (dayzero.tools.cli_options)
         if args.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {args.shutdown_timeout}")
         t0 = time.perf_counter()
@@ -91,15 +124,13 @@ def serve(args) -> int:
     api_key = args.api_key or os.environ.get("DAYZERO_API_KEY") or None
     if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without an API key: anyone who can reach it can use it", args.host)
-    app = build_app(async_engine, name, limits, api_key)
+    app = build_app(async_engine, name, limits, api_key, allowed_origins=getattr(args, "allowed_origins", None))
 
     def on_signal():
         loop = app.state.loop
         loop.call_soon_threadsafe(lambda: app.state.tasks.add(loop.create_task(app.state.drain(args.shutdown_timeout))))
 
-    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=False,
-                               timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=5)
-    server = _Server(uv_config, on_signal)
+    server = _Server(uvicorn_config(app, args.host, args.port, limits, args.shutdown_timeout), on_signal)
     server.run()
     if not server.started:
         print(f"error: the server did not start on {args.host}:{args.port}", file=sys.stderr)

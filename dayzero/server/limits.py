@@ -24,12 +24,29 @@ class ServerLimits:
     max_logprobs: int = 20
     max_stop_sequences: int = 16
     max_stop_length: int = 256  # characters per stop string
+    max_stop_token_ids: int = 64
     max_prompts: int = 64  # prompts in one completions request (a list of prompts)
+    max_messages: int = 4096  # messages in one chat request
+    # characters of prompt text (a prompt string, or all message contents) checked before any templating or
+    # tokenization; None: as many as could fit in the context (see ServerState.max_prompt_chars)
+    max_prompt_chars: int | None = None
+    max_stream_backlog: int = 1024  # tokens per output a client may leave unread before its request is aborted
+    # the HTTP layer (dayzero.server.http)
+    max_connections: int = 2048
+    timeout_header: float = 10.0  # seconds to send a request's head, from connecting or from the last response
+    timeout_body: float = 60.0  # seconds to send its body; also the longest a response may stall unread
+    timeout_keep_alive: int = 5  # seconds an idle keep-alive connection stays open
 
     def __post_init__(self):
         for name, value in vars(self).items():
+            if name == "max_prompt_chars" and value is None:
+                continue
+            if name.startswith("timeout_") and name != "timeout_keep_alive":
+                if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                    raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+                continue
             least = 0 if name in ("max_queue_len", "max_logprobs") else 1
-            if not isinstance(value, int) or value < least:
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
 
     def check_n(self, n: int) -> None:
@@ -40,13 +57,16 @@ class ServerLimits:
         if value is not None and value > self.max_logprobs:
             raise bad_request(f"{name} must be <= {self.max_logprobs} (the server's limit), got {value}", name)
 
-    def check_stop(self, stop) -> None:
+    def check_stop(self, stop, stop_token_ids=None) -> None:
         stops = [stop] if isinstance(stop, str) else (stop or [])
         if len(stops) > self.max_stop_sequences:
             raise bad_request(f"stop has {len(stops)} sequences, the limit is {self.max_stop_sequences}", "stop")
         for s in stops:
             if isinstance(s, str) and len(s) > self.max_stop_length:
                 raise bad_request(f"stop sequences must be at most {self.max_stop_length} characters, got one of {len(s)}", "stop")
+        if stop_token_ids is not None and len(stop_token_ids) > self.max_stop_token_ids:
+            raise bad_request(f"stop_token_ids has {len(stop_token_ids)} ids, the limit is {self.max_stop_token_ids}",
+                              "stop_token_ids")
 
 
 class Admission:
@@ -105,6 +125,34 @@ class Admission:
         self._waiters.clear()
 
 
+# Python refuses to turn longer digit strings into ints (a denial-of-service guard); so do we, as a 400
+MAX_INT_DIGITS = 4300
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+class OutOfRange:
+    """An integer of the body outside the 64-bit range. It takes the integer's place, so that the field
+    holding it, whichever it is, fails validation with its name (see ``protocol.parse``)."""
+
+    def __init__(self, digits: int):
+        self.digits = digits
+
+    def __repr__(self) -> str:
+        return f"an integer of {self.digits} digits"
+
+
+class _TooManyDigits(Exception):
+    pass
+
+
+def _parse_int(text: str):
+    digits = len(text) - text.startswith("-")
+    if digits > MAX_INT_DIGITS:
+        raise _TooManyDigits(digits)  # before int(), which would refuse it with a ValueError
+    value = int(text)
+    return value if _INT64_MIN <= value <= _INT64_MAX else OutOfRange(digits)
+
+
 async def read_json_body(request: Request, max_bytes: int) -> dict:
     """The request body as a JSON object, or the 413 or 400 that says why not."""
     ctype = request.headers.get("content-type", "")
@@ -124,7 +172,10 @@ async def read_json_body(request: Request, max_bytes: int) -> dict:
     except ClientDisconnect:
         raise APIError(400, "the client disconnected while sending the body") from None
     try:
-        body = json.loads(b"".join(chunks))
+        body = json.loads(b"".join(chunks), parse_int=_parse_int)
+    except _TooManyDigits as e:
+        raise bad_request(f"request body holds an integer of {e.args[0]} digits; the limit is {MAX_INT_DIGITS} "
+                          f"(and a field takes at most 64 bits)", code="invalid_json") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise bad_request(f"request body is not valid JSON: {e}", code="invalid_json") from None
     except RecursionError:

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from dayzero.engine.sampling_params import SamplingParams
 from dayzero.server.errors import APIError, bad_request, param_of
+from dayzero.server.limits import OutOfRange
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _IMAGE_PARTS = ("image_url", "input_image", "image")
@@ -72,6 +73,13 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: list | None = None
     tool_choice: Any = None
     response_format: dict | None = None
+    # chat template options (vLLM's names): the first four are honoured, the last two refused
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool | None = False
+    chat_template: Any = None
+    documents: Any = None
 
 
 def parse(model: type[_Strict], body: dict) -> Any:
@@ -83,13 +91,22 @@ def parse(model: type[_Strict], body: dict) -> Any:
         # drop the union-member tags pydantic puts in the location ("str", "list[str]", ...)
         loc = [p for p in err["loc"] if isinstance(p, int) or p in model.model_fields or p in StreamOptions.model_fields]
         param = "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else p) for i, p in enumerate(loc)) or None
+        if isinstance(err.get("input"), OutOfRange):
+            raise bad_request(f"{param} is out of range: got {err['input']}, and numbers given as integers must "
+                              f"fit in 64 bits", param) from None
         got = repr(err.get("input"))
         got = got if len(got) <= 80 else got[:77] + "..."
         raise bad_request(f"{param}: {err['msg'].lower()}, got {got}", param) from None
 
 
-def sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    """``logprobs``: None for none, else how many top alternatives to return beside the chosen token's."""
+def sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs: int | None,
+                    end_of_turn: tuple[int, ...] = ()) -> SamplingParams:
+    """``logprobs``: None for none, else how many top alternatives to return beside the chosen token's.
+    ``end_of_turn``: tokens that end generation as EOS does (so ``ignore_eos`` and ``min_tokens`` apply)."""
+    stop_ids = req.stop_token_ids
+    if end_of_turn and not req.ignore_eos:
+        stop_ids = list(stop_ids or []) + [t for t in end_of_turn if t not in (stop_ids or ())]
+
     def pick(value, default):
         return default if value is None else value
 
@@ -99,7 +116,7 @@ def sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs: i
             temperature=pick(req.temperature, 1.0), top_p=pick(req.top_p, 1.0), top_k=pick(req.top_k, -1),
             min_p=pick(req.min_p, 0.0), presence_penalty=pick(req.presence_penalty, 0.0),
             frequency_penalty=pick(req.frequency_penalty, 0.0), repetition_penalty=pick(req.repetition_penalty, 1.0),
-            seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=pick(req.ignore_eos, False),
+            seed=req.seed, stop=req.stop, stop_token_ids=stop_ids, ignore_eos=pick(req.ignore_eos, False),
             logprobs=logprobs, include_stop_str_in_output=pick(req.include_stop_str_in_output, False),
         )
     except ValueError as e:
@@ -113,7 +130,8 @@ def check_unsupported(req: _GenerationRequest) -> None:
 
 # --- prompts and messages ----------------------------------------------------------------------------
 def _is_token(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    # an out-of-range integer is still a token id in shape: the engine refuses it with the vocabulary's range
+    return (isinstance(x, int) and not isinstance(x, bool)) or isinstance(x, OutOfRange)
 
 
 def parse_prompt(prompt) -> list[str | list[int]]:
@@ -136,7 +154,7 @@ def parse_prompt(prompt) -> list[str | list[int]]:
     raise bad_request(f"prompt must be {shape}", "prompt")
 
 
-def parse_messages(messages) -> list[dict[str, str]]:
+def parse_messages(messages, max_messages: int) -> list[dict[str, str]]:
     """Chat messages as ``[{"role", "content"}]`` with text content, or a 400 naming the bad item."""
     if messages is None:
         raise bad_request("messages is required", "messages")
@@ -144,6 +162,8 @@ def parse_messages(messages) -> list[dict[str, str]]:
         raise bad_request(f"messages must be a list of message objects, got {type(messages).__name__}", "messages")
     if not messages:
         raise bad_request("messages must not be empty", "messages")
+    if len(messages) > max_messages:
+        raise bad_request(f"messages holds {len(messages)} messages, the limit is {max_messages}", "messages")
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
@@ -196,20 +216,20 @@ def finite(lp: float) -> float:
     return lp if math.isfinite(lp) else -9999.0
 
 
-def completion_logprobs(token_ids, logprobs, token_text, offset: int, top=None) -> dict:
-    """The legacy completions logprobs object for some tokens; ``offset``: characters before them; ``top``:
-    per token the (id, logprob) alternatives, best first (None when none were asked for)."""
-    tokens, offsets = [], []
-    for t in token_ids:
-        text, _ = token_text(t)
-        tokens.append(text)
-        offsets.append(offset)
-        offset += len(text)
+def completion_logprobs(token_ids, logprobs, token_text, offsets: list[int], top=None) -> dict:
+    """The legacy completions logprobs object for some tokens. ``offsets``: where each token starts in the
+    returned text (``TextOffsets``); ``top``: per token the (id, logprob) alternatives, best first (None when
+    none were asked for); they stay best first, as OpenAI sends them."""
     tops = None
     if top is not None:
-        tops = [{token_text(i)[0]: finite(lp) for i, lp in reversed(alts)} for alts in top]  # best kept on a text tie
-    return {"tokens": tokens, "token_logprobs": [finite(lp) for lp in logprobs], "top_logprobs": tops,
-            "text_offset": offsets}
+        tops = []
+        for alts in top:
+            d: dict[str, float] = {}
+            for i, lp in alts:
+                d.setdefault(token_text(i)[0], finite(lp))  # two tokens that look alike: the likelier one
+            tops.append(d)
+    return {"tokens": [token_text(t)[0] for t in token_ids], "token_logprobs": [finite(lp) for lp in logprobs],
+            "top_logprobs": tops, "text_offset": offsets}
 
 
 def chat_logprobs(token_ids, logprobs, token_text, top=None) -> dict:

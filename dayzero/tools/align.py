@@ -15,7 +15,6 @@ next-token distributions at every prompt position.
 """
 from __future__ import annotations
 
-import gc
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -24,6 +23,7 @@ from pathlib import Path
 import torch
 
 from dayzero.engine.engine import DEFAULT_MODEL
+from dayzero.tools.align_capture import Capture, capture_dayzero, check_precision, engine_kwargs
 
 # default relative-error thresholds by the dtype under test (the reference is always fp32)
 THRESHOLDS = {"float32": 1e-3, "float16": 2e-2, "bfloat16": 5e-2}
@@ -65,6 +65,10 @@ class AlignResult:
     kl_max: float
     logits_rel_err: float
     by_kind: dict[str, dict] = field(default_factory=dict)
+    reference_device: str = "cpu"
+    random_weights: bool = False  # a bare config: the same random weights on both sides
+    interrupted: bool = False  # Ctrl-C during the reference: the prompts both sides finished are compared
+    prompts_planned: int = 0
 
     @property
     def passed(self) -> bool:
@@ -87,16 +91,6 @@ class AlignResult:
             return v
 
         return json.dumps(clean(self.to_dict()), indent=2)
-
-
-@dataclass
-class Capture:
-    """One prompt's outputs on one side, fp32 on the CPU."""
-
-    layers: list[torch.Tensor]  # residual stream after each layer, each [T, D]
-    final: torch.Tensor | None  # after the final norm [T, D]
-    logits: torch.Tensor  # [T, vocab]
-    notes: dict[int, str] = field(default_factory=dict)  # layer -> why its reference is not the plain residual
 
 
 # --- inputs ---------------------------------------------------------------------------------------
@@ -125,66 +119,6 @@ def default_threshold(dtype: str, precision: dict) -> float:
 
 def layer_kinds(spec) -> list[str]:
     return [f"{l.attn_kind or '-'}+{l.mlp_kind or '-'}" for l in spec.layers]
-
-
-# --- our side -------------------------------------------------------------------------------------
-def _engine_kwargs(dtype: str, device: str, precision: dict, longest: int) -> dict:
-    # one sequence at a time: a cache of one prompt's length is enough; the precision config wins
-    return {"device": device, "dtype": dtype, "max_num_seqs": 1, "max_model_len": longest + 1,
-            "max_num_batched_tokens": max(2048, longest), **precision}
-
-
-@torch.inference_mode()
-def run_engine(engine, ids: list[int]) -> Capture:
-    """Push one prompt through ``engine``'s runner as one prefill chunk, recording every layer's output."""
-    from dayzero.engine.request import Sequence
-    from dayzero.engine.sampling_params import SamplingParams
-    from dayzero.engine.scheduler import ScheduledSeq
-
-    layers = engine.model.model.layers
-    outs: list[torch.Tensor | None] = [None] * len(layers)
-
-    def record(i):
-        def hook(_module, _args, out):
-            x, residual = out
-            # the residual stream after layer i, summed in fp32 before the next layer's rounding
-            outs[i] = (x.float() if residual is None else x.float() + residual.float()).cpu()
-        return hook
-
-    handles = [layer.register_forward_hook(record(i)) for i, layer in enumerate(layers)]
-    seq = Sequence("align", 0, list(ids), len(ids), SamplingParams())
-    try:
-        if not engine.cache.grow(seq.seq_id, len(ids)):
-            raise RuntimeError(f"the cache cannot hold a prompt of {len(ids)} tokens")
-        batch = engine.runner.build_batch([ScheduledSeq(seq, len(ids))], engine.cache)
-        hidden = engine.model(batch)  # [T, D] after the final norm
-        logits = engine.model.compute_logits(hidden)
-    finally:
-        for h in handles:
-            h.remove()
-        engine.cache.release(seq.seq_id)
-    return Capture(outs, hidden.float().cpu(), logits.float().cpu())
-
-
-def capture_dayzero(model: str, prompts: list[list[int]], **llm_kwargs) -> tuple[list[Capture], object, str]:
-    """Load ``model`` with dayzero (``llm_kwargs`` go to ``LLM``), run every prompt: the captures, the model
-    spec and the device it ran on."""
-    from dayzero import LLM
-
-    llm = LLM(model, **llm_kwargs)
-    try:
-        caps = [run_engine(llm.engine, ids) for ids in prompts]
-        spec, dev = llm.engine.model_config, str(llm.engine.device)
-    finally:
-        del llm  # the next side loads into the memory this one held
-        release_memory()
-    return caps, spec, dev
-
-
-def release_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 # --- comparison -----------------------------------------------------------------------------------
@@ -271,6 +205,20 @@ def by_kind(rows: list[LayerRow]) -> dict[str, dict]:
 
 
 # --- the tool -------------------------------------------------------------------------------------
+def _bare(model: str, reference_model: str, reference: str) -> bool:
+    """Whether MODEL is a config without weights (compared with random weights, the same on both sides)."""
+    from dayzero.tools.cli_options import has_weights
+
+    bare, ref_bare = not has_weights(Path(model)), not has_weights(Path(reference_model))
+    if bare != ref_bare or (bare and reference_model != model):
+        raise ValueError(f"{model if bare else reference_model} has no weights: a bare config is compared with its "
+                         f"own random weights, so leave out --reference-model or give checkpoints on both sides")
+    if bare and reference == "hf":
+        raise ValueError(f"{model} has no weights for transformers to load: use --reference fp32 (the config's "
+                         f"random weights on both sides) or a checkpoint")
+    return bare
+
+
 def align(
     model: str | Path | None = None,
     *,
@@ -283,13 +231,18 @@ def align(
     lengths: tuple[int, ...] = DEFAULT_LENGTHS,
     threshold: float | None = None,
     jump_factor: float = JUMP_FACTOR,
+    num_threads: int | None = None,
+    progress: bool = False,
 ) -> AlignResult:
     """Run ``model`` with the settings under test and a reference on the same prompts; compare layer by layer.
 
     ``reference``: "hf" (transformers, fp32, CPU), "fp32" (dayzero, fp32, CPU) or "auto" (hf when transformers
     knows the model_type, else fp32). ``reference_model`` defaults to ``model``. ``precision``: keyword
     arguments for ``LLM`` (its own ``dtype`` / ``device`` are used unless ``dtype`` / ``device`` are given).
-    ``prompts``: token-id lists; default fixed prompts of ``lengths`` tokens drawn from the vocab.
+    ``prompts``: token-id lists; default fixed prompts of ``lengths`` tokens drawn from the vocab. A bare
+    config gets random weights (``load_format="dummy"``, the precision config's seed) on both sides, the
+    reference then on the device under test, where the random weights are drawn. Ctrl-C while the reference
+    runs compares the prompts both sides finished (``interrupted``); before that, it propagates.
     """
     from dayzero.models.registry import load_config
     from dayzero.tools.align_hf import capture_hf, hf_knows
@@ -297,13 +250,15 @@ def align(
     model = str(model or DEFAULT_MODEL)
     reference_model = str(reference_model or model)
     precision = dict(precision or {})
+    check_precision(precision)
     file_dtype, file_device = precision.pop("dtype", None), precision.pop("device", None)
     dtype = dtype or file_dtype or "bfloat16"
     device = device or file_device or "auto"
     if reference not in ("auto", "hf", "fp32"):
         raise ValueError(f"reference must be 'auto', 'hf' or 'fp32', got {reference!r}")
+    bare = _bare(model, reference_model, reference)
     if reference == "auto":
-        reference = "hf" if hf_knows(reference_model) else "fp32"
+        reference = "hf" if not bare and hf_knows(reference_model) else "fp32"
     elif reference == "hf" and not hf_knows(reference_model):
         raise ValueError(f"{reference_model}: transformers is not installed or has no implementation of its model_type; "
                          f"use --reference fp32")
@@ -319,17 +274,30 @@ def align(
     if threshold is None:
         threshold = default_threshold(dtype, precision)
 
-    ours, spec, device = capture_dayzero(model, prompts, **_engine_kwargs(dtype, device, precision, longest))
+    dummy = {"load_format": "dummy", "seed": precision.get("seed", 0)} if bare else {}
+    ours, spec, device = capture_dayzero(model, prompts, "model under test", progress,
+                                         **engine_kwargs(dtype, device, precision, longest, num_threads=num_threads,
+                                                          **dummy))
+    if len(ours) < len(prompts):
+        raise KeyboardInterrupt  # nothing to compare yet
+    ref_device = device if bare else "cpu"  # random weights are drawn on the device they live on
     if reference == "hf":
-        ref = capture_hf(reference_model, prompts, spec.num_hidden_layers)
+        ref = capture_hf(reference_model, prompts, spec.num_hidden_layers, progress)
     else:
-        ref, ref_spec, _ = capture_dayzero(reference_model, prompts, **_engine_kwargs("float32", "cpu", {}, longest))
+        ref, ref_spec, _ = capture_dayzero(reference_model, prompts, "fp32 reference", progress,
+                                           **engine_kwargs("float32", ref_device, {}, longest, num_threads=num_threads,
+                                                            **dummy))
         if ref_spec.num_hidden_layers != spec.num_hidden_layers:
             raise ValueError(f"{reference_model} has {ref_spec.num_hidden_layers} layers, {model} has {spec.num_hidden_layers}")
+    if not ref:
+        raise KeyboardInterrupt
+    done = prompts[:len(ref)]
     kinds = layer_kinds(spec)
-    rows, first, jump, suggestions, end = compare(ours, ref, kinds, threshold, jump_factor)
+    rows, first, jump, suggestions, end = compare(ours[:len(ref)], ref, kinds, threshold, jump_factor)
     return AlignResult(
         model=model, reference=reference, reference_model=reference_model, dtype=dtype, device=device,
-        precision=precision, threshold=threshold, jump_factor=jump_factor, prompt_lengths=[len(p) for p in prompts],
+        precision=precision, threshold=threshold, jump_factor=jump_factor, prompt_lengths=[len(p) for p in done],
         rows=rows, first_failing=first, jump_layer=jump, suggestions=suggestions, by_kind=by_kind(rows), **end,
+        reference_device="cpu" if reference == "hf" else ref_device, random_weights=bare,
+        interrupted=len(ref) < len(prompts), prompts_planned=len(prompts),
     )

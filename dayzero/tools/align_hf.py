@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from dayzero.models.registry import read_config
-from dayzero.tools.align import Capture, release_memory
+from dayzero.tools.align_capture import Capture, capture_each, release_memory
+from dayzero.tools.progress import note
 
 # transformers takes these kernels whenever they import, without a device check: the reference must run
 # its pure-PyTorch path
@@ -50,37 +51,40 @@ def final_norm(model) -> torch.nn.Module | None:
 
 
 @torch.inference_mode()
-def capture_hf(path: str | Path, prompts: list[list[int]], num_layers: int) -> list[Capture]:
+def capture_hf(path: str | Path, prompts: list[list[int]], num_layers: int, progress: bool = False) -> list[Capture]:
+    """Every prompt through transformers (fewer captures when interrupted, see ``capture_each``)."""
     block_kernels()
     from transformers import AutoModelForCausalLM
 
+    if progress:
+        note(f"align: loading the transformers reference (fp32 on cpu) from {path}")
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
     seen: dict[str, torch.Tensor] = {}
 
     def pre_norm(_module, args, kwargs):
         seen["x"] = args[0] if args else next(iter(kwargs.values()))
 
+    def run_one(ids: list[int]) -> Capture:
+        seen.clear()
+        out = model(torch.tensor([ids]), output_hidden_states=True, use_cache=False)
+        hs = out.hidden_states
+        if hs is None or len(hs) != num_layers + 1:
+            got = "none" if hs is None else len(hs) - 1
+            raise ValueError(f"transformers' {type(model).__name__} gave hidden states of {got} layers, dayzero has {num_layers}")
+        layers = [h[0].float() for h in hs[1:]]  # [T, D] each
+        notes = {}
+        if "x" in seen:
+            layers[-1] = seen["x"][0].float()
+        else:
+            notes[num_layers - 1] = "after final norm"
+        return Capture(layers, None, out.logits[0].float(), notes)
+
     norm = final_norm(model)
     handle = norm.register_forward_pre_hook(pre_norm, with_kwargs=True) if norm is not None else None
-    caps = []
     try:
-        for ids in prompts:
-            seen.clear()
-            out = model(torch.tensor([ids]), output_hidden_states=True, use_cache=False)
-            hs = out.hidden_states
-            if hs is None or len(hs) != num_layers + 1:
-                got = "none" if hs is None else len(hs) - 1
-                raise ValueError(f"transformers' {type(model).__name__} gave hidden states of {got} layers, dayzero has {num_layers}")
-            layers = [h[0].float() for h in hs[1:]]  # [T, D] each
-            notes = {}
-            if "x" in seen:
-                layers[-1] = seen["x"][0].float()
-            else:
-                notes[num_layers - 1] = "after final norm"
-            caps.append(Capture(layers, None, out.logits[0].float(), notes))
+        return capture_each(run_one, prompts, "transformers reference", progress)
     finally:
         if handle is not None:
             handle.remove()
         del model
         release_memory()
-    return caps

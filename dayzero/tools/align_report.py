@@ -17,8 +17,10 @@ def _layer_list(idx: list[int]) -> str:
 
 
 def format_report(r: AlignResult) -> str:
-    ref = "transformers, fp32, cpu" if r.reference == "hf" else "dayzero, fp32, cpu"
+    ref = f"{'transformers' if r.reference == 'hf' else 'dayzero'}, fp32, {r.reference_device}"
     same = "" if r.reference_model == r.model else f" ({r.reference_model})"
+    if r.random_weights:
+        same += "; a bare config: the same random weights on both sides"
     extra = ", ".join(f"{k}={v}" for k, v in r.precision.items())
     lines = [
         f"model     {r.model}",
@@ -26,6 +28,11 @@ def format_report(r: AlignResult) -> str:
         f"reference {r.reference}: {ref}{same}",
         f"prompts   {len(r.prompt_lengths)} of {', '.join(map(str, r.prompt_lengths))} tokens "
         f"({sum(r.prompt_lengths)} positions); threshold {r.threshold:.1e} relative error",
+    ]
+    if r.interrupted:
+        lines.append(f"interrupted: {len(r.prompt_lengths)} of {r.prompts_planned} prompts compared (both sides "
+                     f"finished them)")
+    lines += [
         "",
         f"{'layer':>5}  {'kind':<11} {'rel err':>9} {'max abs':>9} {'cosine':>10} {'growth':>7}  pass",
     ]

@@ -11,11 +11,11 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from dayzero.config.model_config import HybridConfig
 from dayzero.models.init import init_random_weights
 from dayzero.models.registry import build_model
+from dayzero.tools.safetensors_out import write_safetensors
 
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 BOS_ID, EOS_ID = 256, 257
@@ -68,7 +68,7 @@ def build_checkpoint(path: str | Path, config: dict | HybridConfig, seed: int = 
             continue
         keep_fp32 = p.dtype == torch.float32 and save_dtype is not None and _is_high_precision(name)
         tensors[name] = (p if save_dtype is None or keep_fp32 else p.to(save_dtype)).contiguous()
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    write_safetensors(tensors, path / "model.safetensors", metadata={"format": "pt"})
     with open(path / "config.json", "w") as f:
         json.dump(cfg.to_dict(), f, indent=2)
     if tokenizer:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from collections import defaultdict
 
 from dayzero.cache.spec import PagedSpec, StateSpec
@@ -295,10 +294,6 @@ def render(r: dict) -> str:
 
 
 def main(args) -> int:
-    try:
-        r = inspect(args.model, args.kv_cache_dtype)
-    except (FileNotFoundError, ValueError, KeyError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    r = inspect(args.model, args.kv_cache_dtype)
     print(json.dumps(r, indent=1, default=str) if args.json else render(r))
     return 0 if r["ok"] else 1

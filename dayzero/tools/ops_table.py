@@ -10,7 +10,6 @@ reason).
 from __future__ import annotations
 
 import json
-import sys
 from collections import defaultdict
 
 import torch
@@ -19,7 +18,8 @@ from dayzero import ops
 from dayzero.ops import registry
 from dayzero.tools import fmt
 from dayzero.tools.model_info import load
-from dayzero.tools.probe import run_probe
+from dayzero.tools.probe import probe_spec, run_probe
+from dayzero.tools.progress import note as progress_note
 
 
 def _reason(op: str, platform: str, args, kwargs) -> tuple[str, str | None]:
@@ -30,10 +30,25 @@ def _reason(op: str, platform: str, args, kwargs) -> tuple[str, str | None]:
     return chosen, reason
 
 
-def op_table(model: str | None = None, platform: str = "cpu") -> dict:
+def probe_device(platform: str) -> tuple[str, str]:
+    """Where the probe runs for ``platform``, and a note when that is not the platform's own device."""
+    if platform == "cuda" and not torch.cuda.is_available():
+        return "cpu", ("the probe runs on the CPU because no GPU is present: the choices are the registry's for "
+                       "cuda, from shapes checked on CPU tensors")
+    return ("cuda" if platform == "cuda" else "cpu"), ""
+
+
+def check_platform(platform: str) -> None:
+    known = sorted({p for e in registry.registered().values() for p in e.impls} | {"cpu", "cuda"})
+    if platform not in known:
+        raise ValueError(f"unknown platform {platform!r} for --platform; registered platforms: {', '.join(known)}")
+
+
+def op_table(model: str | None = None, platform: str = "cpu", progress: bool = False) -> dict:
+    check_platform(platform)
     info = load(model)
     spec = info.spec
-    device = "cuda" if platform == "cuda" and torch.cuda.is_available() else "cpu"
+    device, note = probe_device(platform)
     dtype = torch.bfloat16 if platform != "cpu" else torch.float32
     seen: dict[str, dict] = {}
     state = {"phase": "", "layer": None}
@@ -54,12 +69,17 @@ def op_table(model: str | None = None, platform: str = "cpu") -> dict:
 
     def on_phase(name):
         state["phase"] = name
+        if progress:
+            progress_note(f"ops: {name} step of the probe")
 
     def on_model(model):  # attribute op calls to layers
         for i, layer in enumerate(model.model.layers):
             layer.register_forward_pre_hook(lambda m, a, i=i: state.__setitem__("layer", i))
             layer.register_forward_hook(lambda m, a, o: state.__setitem__("layer", None))
 
+    if progress:
+        progress_note(f"ops: building the probe of {info.name} ({len(probe_spec(spec)[0].layers)} layers standing for "
+                      f"{spec.num_hidden_layers}) on {device}")
     prev = registry.set_hook(hook)
     try:
         _, stands_for = run_probe(spec, dtype, device, on_phase, on_model)
@@ -81,7 +101,7 @@ def op_table(model: str | None = None, platform: str = "cpu") -> dict:
             "fallback": registry.REFERENCE in chosen and platform != registry.REFERENCE, "reasons": reasons,
         })
     unused = sorted(set(ops.registered()) - set(seen))
-    return {"model": info.name, "platform": platform, "probe_device": device,
+    return {"model": info.name, "platform": platform, "probe_device": device, "probe_note": note,
             "probe_dtype": str(dtype).removeprefix("torch."),
             "ops": rows, "fallbacks": sum(r["fallback"] for r in rows), "registered_unused": unused}
 
@@ -96,6 +116,8 @@ def _chosen(r: dict) -> str:
 def render(t: dict) -> str:
     out = [f"ops of {t['model']} on {t['platform']} (found by running a probe of the model on {t['probe_device']}, "
            f"{t['probe_dtype']}):"]
+    if t["probe_note"]:
+        out.append(f"  note: {t['probe_note']}")
     rows = [[r["op"], ",".join(r["used_by"]), " + ".join(r["phases"]), _chosen(r),
              ",".join(r["available"]), "yes" if r["fallback"] else "no", "; ".join(r["reasons"]) or "-"]
             for r in t["ops"]]
@@ -107,10 +129,9 @@ def render(t: dict) -> str:
 
 
 def main(args) -> int:
-    try:
-        t = op_table(args.model, args.platform)
-    except (FileNotFoundError, ValueError, KeyError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    from dayzero.engine.device import configure_threads
+
+    configure_threads(args.num_threads)
+    t = op_table(args.model, args.platform, progress=True)
     print(json.dumps(t, indent=1) if args.json else render(t))
     return 0

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from dataclasses import asdict, dataclass
 
 from dayzero.tools import fmt
@@ -300,7 +299,8 @@ def plan(model: str | None, cfg: PlanConfig) -> dict:
     for lay in layouts(costs, cfg.devices):
         mem = memory(costs, cfg, lay, context)
         total = sum(mem.values())
-        row = {"layout": asdict(lay), "name": str(lay), "memory": mem, "total": total, "fits": total <= budget}
+        row = {"layout": asdict(lay), "name": str(lay), "memory": mem, "total": total, "fits": total <= budget,
+               "weights_fit": mem["weights"] + mem["workspace"] <= budget}
         if cfg.device is not None:
             row["max_context"] = longest_context(costs, cfg, lay, budget, min(cfg.prefill_chunk, context))
             row.update(roofline(costs, cfg, lay, context))
@@ -315,6 +315,7 @@ def plan(model: str | None, cfg: PlanConfig) -> dict:
         "budget_bytes": budget, "layouts": rows, "fitting": len(fitting),
         "best": fitting[0] if fitting else None,
         "longest_context": max((r.get("max_context", 0) for r in rows), default=0),
+        "lightest_weights": min(rows, key=lambda r: r["memory"]["weights"] + r["memory"]["workspace"], default=None),
     }
 
 
@@ -342,8 +343,7 @@ def render(p: dict, top: int = 12) -> str:
         out.append(f"  ... {len(p['layouts']) - top} more (--top N, or --json)")
     b = p["best"]
     if b is None:
-        out.append(f"no layout fits a {fmt.tokens(p['context'])} context at batch {p['batch']}; the longest context "
-                   f"any layout fits is {fmt.tokens(p['longest_context'])} tokens")
+        out.append(_why_nothing_fits(p))
         return "\n".join(out)
     m = b["memory"]
     out.append(f"best: {b['name']}: decode {b['decode_tokens_per_s']:.1f} tokens/s ({b['decode_step_s'] * 1e3:.1f} ms "
@@ -353,18 +353,25 @@ def render(p: dict, top: int = 12) -> str:
     return "\n".join(out)
 
 
+def _why_nothing_fits(p: dict) -> str:
+    light = p["lightest_weights"]
+    weights = light["memory"]["weights"] + light["memory"]["workspace"] if light else 0
+    if light is not None and weights > p["budget_bytes"]:
+        return (f"no layout fits: the weights alone need {fmt.size(weights)} per device even spread as {light['name']}, "
+                f"more than the {fmt.size(p['budget_bytes'])} a device may use (--memory-fraction of its memory); "
+                f"more devices, or smaller weights (--experts fp8 or mxfp4), would fit them")
+    return (f"no layout fits a {fmt.tokens(p['context'])} context at batch {p['batch']}; the longest context any "
+            f"layout fits is {fmt.tokens(p['longest_context'])} tokens")
+
+
 def main(args) -> int:
-    try:
-        custom = [parse_device_spec(s) for s in args.device_spec or []]
-        n, kind = parse_devices(args.devices, custom)
-        cfg = PlanConfig(
-            devices=n, device=kind, context=args.context, batch=args.batch, kv_cache_dtype=args.kv_cache_dtype,
-            experts=args.experts, conversion=args.conversion, prefill_chunk=args.prefill_chunk,
-            memory_fraction=args.memory_fraction,
-        )
-        p = plan(args.model, cfg)
-    except (FileNotFoundError, ValueError, KeyError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    custom = [parse_device_spec(s) for s in args.device_spec or []]
+    n, kind = parse_devices(args.devices, custom)
+    cfg = PlanConfig(
+        devices=n, device=kind, context=args.context, batch=args.batch, kv_cache_dtype=args.kv_cache_dtype,
+        experts=args.experts, conversion=args.conversion, prefill_chunk=args.prefill_chunk,
+        memory_fraction=args.memory_fraction,
+    )
+    p = plan(args.model, cfg)
     print(json.dumps(p, indent=1, default=str) if args.json else render(p, args.top))
     return 0 if p["best"] is not None else 1

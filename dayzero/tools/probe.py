@@ -106,6 +106,38 @@ def fill_(p: torch.Tensor, values: torch.Tensor | None = None) -> None:
         p.copy_(values.to(p.dtype))
 
 
+@torch.no_grad()
+def random_init_(model: torch.nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Random weights in place on the model's device (the rules the test checkpoints use); packed MXFP4
+    codes get random bytes and FP8 tensors cast random values."""
+    dev = next(model.parameters()).device
+    g = torch.Generator(device=dev).manual_seed(seed)
+
+    def normal(p, mean, sd):
+        return torch.randn(p.shape, generator=g, device=dev) * sd + mean
+
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if p.dtype == torch.uint8:  # MXFP4: random E2M1 codes, E8M0 scales of 2^-6
+            v = (torch.full(p.shape, 121, device=dev) if leaf.endswith("scales")
+                 else torch.randint(0, 256, p.shape, generator=g, device=dev))
+        elif leaf == "A_log":
+            v = torch.log(torch.rand(p.shape, generator=g, device=dev) * 15 + 1)
+        elif "scale" in leaf:  # block-FP8 scales
+            v = torch.full(p.shape, 1e-3, device=dev)
+        elif leaf in ("dt_bias", "e_score_correction_bias", "b1", "b2") or "bias" in leaf:
+            v = normal(p, 0.0, 0.1)
+        elif "norm" in name:
+            v = normal(p, 1.0, 0.1)
+        elif "conv1d" in name:
+            v = normal(p, 0.0, 1 / math.sqrt(p.shape[-1]))
+        elif p.dtype == torch.float8_e4m3fn:  # block-FP8 codes, scaled by the 1e-3 scales above
+            v = normal(p, 0.0, std * 1e3)
+        else:
+            v = normal(p, 0.0, std)
+        fill_(p, v)
+
+
 def build_probe(spec: ModelSpec, dtype: torch.dtype, device) -> CausalLM:
     model = build_uninitialised(spec, dtype, device)
     for p in model.parameters():

@@ -13,7 +13,6 @@ A checkpoint loads its weights; a bare config gets random ones (the numbers do n
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import sys
 import time
@@ -22,6 +21,8 @@ from collections import defaultdict
 import torch
 
 from dayzero.ops import registry
+from dayzero.tools import fmt
+from dayzero.tools.progress import bar, note
 
 # op name fragment -> the part of a layer it belongs to (first match wins; unknown ops keep their name)
 PARTS = (
@@ -64,59 +65,32 @@ class _Clock:
         return a.elapsed_time(b) / 1e3 if self.cuda else b - a
 
 
-@torch.no_grad()
-def random_init_(model: torch.nn.Module, seed: int = 0, std: float = 0.02) -> None:
-    """Random weights in place on the model's device (the rules the test checkpoints use); packed MXFP4
-    codes get random bytes and FP8 tensors cast random values."""
-    from dayzero.tools.probe import fill_
-
-    dev = next(model.parameters()).device
-    g = torch.Generator(device=dev).manual_seed(seed)
-
-    def normal(p, mean, sd):
-        return torch.randn(p.shape, generator=g, device=dev) * sd + mean
-
-    for name, p in model.named_parameters():
-        leaf = name.rsplit(".", 1)[-1]
-        if p.dtype == torch.uint8:  # MXFP4: random E2M1 codes, E8M0 scales of 2^-6
-            v = (torch.full(p.shape, 121, device=dev) if leaf.endswith("scales")
-                 else torch.randint(0, 256, p.shape, generator=g, device=dev))
-        elif leaf == "A_log":
-            v = torch.log(torch.rand(p.shape, generator=g, device=dev) * 15 + 1)
-        elif "scale" in leaf:  # block-FP8 scales
-            v = torch.full(p.shape, 1e-3, device=dev)
-        elif leaf in ("dt_bias", "e_score_correction_bias", "b1", "b2") or "bias" in leaf:
-            v = normal(p, 0.0, 0.1)
-        elif "norm" in name:
-            v = normal(p, 1.0, 0.1)
-        elif "conv1d" in name:
-            v = normal(p, 0.0, 1 / math.sqrt(p.shape[-1]))
-        elif p.dtype == torch.float8_e4m3fn:  # block-FP8 codes, scaled by the 1e-3 scales above
-            v = normal(p, 0.0, std * 1e3)
-        else:
-            v = normal(p, 0.0, std)
-        fill_(p, v)
-
-
-def _setup(model: str | None, device: str, dtype: str, batch: int, tokens: int, block_size: int = 16):
+def _setup(model: str | None, device: str, dtype: str, batch: int, tokens: int, block_size: int = 16,
+           progress: bool = False, num_threads: int | None = None):
     """(model, runner, cache manager, spec) with caches for ``batch`` sequences of ``tokens`` tokens."""
     from dayzero.config.model_config import DTYPES
     from dayzero.engine.builder import assemble, prepare_weights
+    from dayzero.engine.device import configure_threads, resolve_device
     from dayzero.engine.engine import EngineConfig, LLMEngine
     from dayzero.tools.model_info import load
-    from dayzero.tools.probe import build_uninitialised
+    from dayzero.tools.probe import build_uninitialised, random_init_
 
     blocks = 1 + batch * -(-tokens // block_size)
     info = load(model)
     if info.checkpoint is not None:
+        if progress:
+            note(f"profile: loading {info.checkpoint}")
         eng = LLMEngine(EngineConfig(model=str(info.source), device=device, dtype=dtype, block_size=block_size,
                                      num_cache_blocks=blocks, max_num_seqs=batch, max_model_len=tokens,
-                                     max_num_batched_tokens=max(2048, tokens * batch), enforce_eager=True))
+                                     max_num_batched_tokens=max(2048, tokens * batch), enforce_eager=True,
+                                     num_threads=num_threads))
         return eng.model, eng.runner, eng.cache, eng.model_config
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
+    dev = resolve_device(device)
+    configure_threads(num_threads)
     dt = DTYPES[dtype] if dtype != "auto" else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    if progress:
+        note(f"profile: building {info.name} with random weights ({fmt.count(sum(p.logical for p in info.params))} "
+             f"parameters) on {dev} in {str(dt).removeprefix('torch.')}")
     net = build_uninitialised(info.spec, dt, dev)
     random_init_(net)
     prepare_weights(net)
@@ -263,25 +237,41 @@ class Profiler:
             for h in handles:
                 h.remove()
 
-    def run(self, repeats: int = 3, warmup: int = 1) -> dict:
+    def run(self, repeats: int = 3, warmup: int = 1, progress: bool = False) -> dict:
         """Plain, layer-timed and op-timed steps interleaved repeat by repeat, so that a machine whose speed
-        drifts affects all three alike; medians over repeats (and decode steps)."""
+        drifts affects all three alike; medians over repeats (and decode steps). Ctrl-C during the measured
+        rounds keeps what was measured: the summary has the phases measured in all three modes, and
+        ``self.interrupted`` is set (during the warm-up, nothing is measured yet and it propagates)."""
         res = {m: {"prefill": [], "decode": []} for m in ("plain", "layers", "ops")}
+        self.interrupted, self.rounds_done = False, 0
         with torch.inference_mode():
+            if progress:
+                note(f"profile: warm-up ({warmup} round{'s' * (warmup != 1)} of every step kind)")
             for _ in range(warmup):
                 for mode in res:
                     for phase in ("prefill", "decode"):
                         self._phase(mode, phase, {m: {"prefill": [], "decode": []} for m in res})
-            for _ in range(repeats):
-                for phase in ("prefill", "decode"):
-                    for mode in res:
-                        self._phase(mode, phase, res)
+            pbar = bar(repeats * 2 * len(res), "profile", progress)
+            try:
+                for r in range(repeats):
+                    for phase in ("prefill", "decode"):
+                        for mode in res:
+                            pbar.set_postfix_str(f"round {r + 1}/{repeats}, {phase}, {mode}", refresh=False)
+                            self._phase(mode, phase, res)
+                            pbar.update()
+                    self.rounds_done += 1
+            except KeyboardInterrupt:
+                self.interrupted = True
+            finally:
+                pbar.close()
         return self._summarise(res)
 
     def _summarise(self, res) -> dict:
         n = len(self.layers)
         out = {}
         for phase in ("prefill", "decode"):
+            if not all(res[m][phase] for m in res):
+                continue  # interrupted before this phase ran in every mode
             plain = statistics.median(t for t, _ in res["plain"][phase])
             timed = res["layers"][phase]
             layer_s = [statistics.median(r.get((i, "layer"), 0.0) for _, r in timed) for i in range(n)]
@@ -295,6 +285,8 @@ class Profiler:
                 parts.append(split)
             out[phase] = {"step_s": plain, "timed_step_s": statistics.median(t for t, _ in timed),
                           "layers_s": layer_s, "layers_sum_s": sum(layer_s), "coverage": coverage, "parts": parts}
+        if not out:
+            raise KeyboardInterrupt  # interrupted before one phase was measured in every mode: nothing to report
         return out
 
 
@@ -321,57 +313,75 @@ def _nbytes(t) -> int:
 
 
 def profile(model: str | None = None, prompt_len: int = 128, batch: int = 1, steps: int = 8, device: str = "auto",
-            dtype: str = "auto", repeats: int = 3, warmup: int = 1) -> dict:
-    net, runner, cache, spec = _setup(model, device, dtype, batch, prompt_len + steps)
+            dtype: str = "auto", repeats: int = 3, warmup: int = 1, progress: bool = False,
+            num_threads: int | None = None) -> dict:
+    """Per-layer and per-part times. ``interrupted`` in the result: Ctrl-C stopped the measured rounds, and
+    ``phases`` lists those measured (the others' numbers are None)."""
+    net, runner, cache, spec = _setup(model, device, dtype, batch, prompt_len + steps, progress=progress,
+                                      num_threads=num_threads)
     prof = Profiler(net, runner, cache, spec, batch, prompt_len, steps)
-    timing = prof.run(repeats, warmup)
+    timing = prof.run(repeats, warmup, progress)
+    phases = [ph for ph in ("prefill", "decode") if ph in timing]
     layers = []
     for i, layer in enumerate(prof.layers):
         cache_bytes = sum(_nbytes(t) for m in layer.children() for t in (getattr(m, "cache", None) or {}).values())
-        layers.append({
-            "index": i, "kind": prof.kinds[i],
-            "prefill_s": timing["prefill"]["layers_s"][i], "decode_s": timing["decode"]["layers_s"][i],
+        row = {"index": i, "kind": prof.kinds[i]}
+        for ph in ("prefill", "decode"):
+            row[f"{ph}_s"] = timing[ph]["layers_s"][i] if ph in timing else None
+        row.update({
             "weights_bytes": sum(p.numel() * p.element_size() for p in layer.parameters()),
             "cache_bytes": cache_bytes, "peak_transient_bytes": prof.peaks.get(i),
-            "prefill_parts": timing["prefill"]["parts"][i], "decode_parts": timing["decode"]["parts"][i],
         })
-    by_kind: dict[str, dict] = {}
-    for l in layers:
-        k = by_kind.setdefault(l["kind"], {"kind": l["kind"], "layers": 0, "prefill_s": 0.0, "decode_s": 0.0,
-                                           "parts": defaultdict(lambda: {"prefill_s": 0.0, "decode_s": 0.0})})
-        k["layers"] += 1
-        k["prefill_s"] += l["prefill_s"]
-        k["decode_s"] += l["decode_s"]
-        for phase in ("prefill", "decode"):
-            for p, s in l[f"{phase}_parts"].items():
-                k["parts"][p][f"{phase}_s"] += s
-        if "moe" in l["kind"]:
-            for p in MOE_PARTS:
-                k["parts"][p]  # listed even at zero: this build has no such op
-    for k in by_kind.values():
-        k["parts"] = dict(k["parts"])
+        for ph in ("prefill", "decode"):
+            row[f"{ph}_parts"] = timing[ph]["parts"][i] if ph in timing else {}
+        layers.append(row)
     return {
         "model": str(model or "default"), "device": str(runner.device),
         "dtype": str(runner.cache_dtype).removeprefix("torch."),
-        "prompt_len": prompt_len, "batch": batch, "steps": steps,
+        "prompt_len": prompt_len, "batch": batch, "steps": steps, "repeats": repeats,
         "timer": "cuda events" if prof.clock.cuda else "perf_counter",
-        "prefill": {k: v for k, v in timing["prefill"].items() if k != "parts"},
-        "decode": {k: v for k, v in timing["decode"].items() if k != "parts"},
-        "layers": layers, "by_kind": sorted(by_kind.values(), key=lambda k: -(k["prefill_s"] + k["decode_s"])),
+        "phases": phases, "interrupted": prof.interrupted, "rounds_done": prof.rounds_done,
+        **{ph: ({k: v for k, v in timing[ph].items() if k != "parts"} if ph in timing else None)
+           for ph in ("prefill", "decode")},
+        "layers": layers, "by_kind": by_kind(layers, phases),
     }
+
+
+def by_kind(layers: list[dict], phases: list[str]) -> list[dict]:
+    """Per layer kind: layers, seconds per measured phase (None for the others) and the split by part; costliest first."""
+    out: dict[str, dict] = {}
+    zero = {f"{ph}_s": (0.0 if ph in phases else None) for ph in ("prefill", "decode")}
+    for l in layers:
+        k = out.setdefault(l["kind"], {"kind": l["kind"], "layers": 0, **zero, "parts": defaultdict(lambda: dict(zero))})
+        k["layers"] += 1
+        for ph in phases:
+            k[f"{ph}_s"] += l[f"{ph}_s"]
+            for p, v in l[f"{ph}_parts"].items():
+                k["parts"][p][f"{ph}_s"] += v
+        if "moe" in l["kind"]:
+            for p in MOE_PARTS:
+                k["parts"][p]  # listed even at zero: this build has no such op
+    for k in out.values():
+        k["parts"] = dict(k["parts"])
+    return sorted(out.values(), key=lambda k: -total(k))
+
+
+def total(row: dict) -> float:
+    """Seconds over the measured phases of a layer, kind or part row."""
+    return sum(row.get(f"{ph}_s") or 0.0 for ph in ("prefill", "decode"))
 
 
 def main(args) -> int:
     from dayzero.tools.profile_report import plot, render
 
-    try:
-        r = profile(args.model, args.prompt_len, args.batch, args.steps, args.device, args.dtype, args.repeats)
-    except (FileNotFoundError, ValueError, KeyError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    r = profile(args.model, args.prompt_len, args.batch, args.steps, args.device, args.dtype, args.repeats,
+                progress=True, num_threads=args.num_threads)
     if args.plot:
         plot(r, args.plot)
     print(json.dumps(r, indent=1, default=str) if args.json else render(r))
     if args.plot:
         print(f"plot written to {args.plot}", file=sys.stderr)
+    if r["interrupted"]:
+        note(f"interrupted: {r['rounds_done']} of {r['repeats']} rounds complete; the numbers are what was measured")
+        return 130
     return 0

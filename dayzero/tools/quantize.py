@@ -18,12 +18,12 @@ from typing import Callable
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from dayzero.loader.safetensors_loader import checkpoint_files
 from dayzero.quant.fp8 import KEEP_HIGH, _in, quantize_fp8_blocks
 from dayzero.quant.mxfp4 import BLOCK, quantize_mxfp4
+from dayzero.tools.safetensors_out import write_safetensors
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, fmt: str = "mxfp4", pr
                 out[f"{name}_blocks"], out[f"{name}_scales"] = blocks, scales
                 stats["quantized"] += 1
         shard = file.name if len(files) > 1 else "model.safetensors"
-        save_file(out, str(dst / shard), metadata={"format": "pt"})
+        write_safetensors(out, dst / shard, metadata={"format": "pt"})
         stats["bytes_after"] += sum(t.numel() * t.element_size() for t in out.values())
         weight_map.update({k: shard for k in out})
     if len(files) > 1:

@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 API_KEY = "sk-test-0123456789"
 MODEL = "dayzero-default"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
@@ -39,7 +40,7 @@ class ServerProcess:
         # one compute thread: the server and the test client share a small machine, and an oversubscribed
         # OpenMP pool slows the tiny model down by orders of magnitude
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         self.http = httpx.Client(base_url=self.url, timeout=60.0)
         self._wait_ready()
 

@@ -41,6 +41,8 @@ def stream_chat(client, **kw):
 
 def test_health_models_and_metrics(server, client):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}  # no key needed
+    head = httpx.head(server.url + "/health")
+    assert head.status_code == 200 and head.content == b""
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
@@ -109,7 +111,7 @@ def test_streamed_chunks_never_split_a_character(client):
     """Random weights over a byte vocabulary produce multi-byte characters, and broken ones; every streamed
     delta must be a piece of the final text cut between characters, so the pieces add up to it exactly."""
     multibyte = 0
-    for seed in (0, 4, 8):  # output i of a request uses seed + i: these twelve outputs are all different
+    for seed in (0, 4, 8):  # twelve independent outputs (see test_samples_are_independent_of_other_seeds)
         kw = dict(prompt=UNICODE, max_tokens=64, n=4, temperature=1.0, seed=seed, extra_body={"ignore_eos": True})
         full = {c.index: c.text for c in client.completions.create(model=MODEL, **kw).choices}
         pieces = {i: [] for i in full}
@@ -125,6 +127,16 @@ def test_streamed_chunks_never_split_a_character(client):
     assert multibyte > 0, "no multi-byte character was generated: the test did not exercise the case"
 
 
+def test_samples_are_independent_of_other_seeds(client):
+    """Output i of a seeded request draws from (seed, i): output 1 of seed 42 is not output 0 of seed 43, and
+    output 0 is the same draw whatever n is."""
+    kw = dict(model=MODEL, prompt="seeds", max_tokens=24, temperature=1.0, extra_body={"ignore_eos": True})
+    two = {c.index: c.text for c in client.completions.create(seed=42, n=2, **kw).choices}
+    assert two[0] != two[1]
+    assert two[1] != client.completions.create(seed=43, **kw).choices[0].text
+    assert two[0] == client.completions.create(seed=42, **kw).choices[0].text
+
+
 def test_stop_string_streamed_and_not(client):
     kw = dict(prompt="abc", max_tokens=48, temperature=1.0, seed=11, extra_body={"ignore_eos": True})
     free = client.completions.create(model=MODEL, **kw).choices[0].text
@@ -135,6 +147,33 @@ def test_stop_string_streamed_and_not(client):
     assert cut.finish_reason == "stop" and stop not in cut.text and free.startswith(cut.text)
     texts, reasons, _, _ = stream_completion(client, stop=[stop, "\u2603never"], **kw)
     assert texts[0] == cut.text and reasons[0] == "stop"
+
+
+def test_completion_logprobs_match_openai(client):
+    """Completions logprobs as OpenAI sends them: top_logprobs best first, and text_offset the index in the
+    returned text where each token starts (a byte of a multi-byte character: where that character starts)."""
+    kw = dict(prompt=UNICODE, max_tokens=48, n=3, logprobs=3, temperature=1.0, seed=21, extra_body={"ignore_eos": True})
+    full = client.completions.create(model=MODEL, **kw)
+    multibyte = 0
+    for c in full.choices:
+        lp, text = c.logprobs, c.text
+        for alts in lp.top_logprobs:
+            values = list(alts.values())
+            assert values == sorted(values, reverse=True)
+        offsets = lp.text_offset
+        assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] <= len(text)
+        for token, at in zip(lp.tokens, offsets):
+            if token.startswith("bytes:"):
+                multibyte += 1
+            elif not (token.startswith("<|") and token.endswith("|>")):  # special tokens are not in the text
+                assert text[at:at + len(token)] == token
+    assert multibyte > 0, "no partial character was generated: the test did not exercise the case"
+    streamed = {}
+    for chunk in client.completions.create(model=MODEL, stream=True, **kw):
+        for ch in chunk.choices:
+            if ch.logprobs:
+                streamed.setdefault(ch.index, []).extend(ch.logprobs.text_offset)
+    assert streamed == {c.index: c.logprobs.text_offset for c in full.choices}
 
 
 def test_n_and_logprobs(client):

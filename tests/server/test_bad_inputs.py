@@ -97,6 +97,9 @@ CASES = {
     "stop-empty-in-list": (CHAT, chat(stop=["x", ""]), 400, "stop entries must be non-empty", "stop"),
     "stop-too-many": (COMPLETIONS, completion(stop=[str(i) for i in range(17)]), 400, "stop has 17 sequences, the limit is 16", "stop"),
     "stop-too-long": (CHAT, chat(stop=["x" * 257]), 400, "at most 256 characters", "stop"),
+    "stop_token_ids-too-many": (COMPLETIONS, completion(stop_token_ids=list(range(65))), 400,
+                                "stop_token_ids has 65 ids, the limit is 64", "stop_token_ids"),
+    "stop_token_ids-too-many-chat": (CHAT, chat(stop_token_ids=[5] * 100), 400, "the limit is 64", "stop_token_ids"),
     # features this server does not have
     "logit_bias": (COMPLETIONS, completion(logit_bias={"5": 10}), 400, "logit_bias is not supported", "logit_bias"),
     "tools": (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools are not supported", "tools"),

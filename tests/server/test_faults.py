@@ -14,6 +14,7 @@ from dayzero import cli
 from dayzero.engine.engine import EngineConfig, LLMEngine
 from dayzero.server.app import build_app
 from dayzero.server.async_engine import AsyncEngine
+from dayzero.server.launcher import server_limits
 from dayzero.server.limits import ServerLimits
 
 POISON_SEED = 666  # requests with this seed get non-finite logits
@@ -114,7 +115,7 @@ def test_serve_defaults_are_the_server_limits(monkeypatch):
     monkeypatch.setattr("dayzero.server.launcher.serve", lambda args: got.append(args) or 0)
     assert cli.main(["serve"]) == 0
     args = got[0]
-    assert ServerLimits(**{k: getattr(args, k) for k in vars(ServerLimits())}) == ServerLimits()
+    assert server_limits(args) == ServerLimits()  # every limit the command line offers defaults to the server's
     assert (args.host, args.port, args.model, args.api_key) == ("127.0.0.1", 8000, None, None)
 
 

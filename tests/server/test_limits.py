@@ -60,6 +60,20 @@ def test_limit(small, path, body, status, text):
     ok(small)
 
 
+def test_omitted_max_tokens_is_what_fits_in_the_cache(small):
+    """The context is 512 tokens but the whole cache holds 256: without max_tokens, a request gets the rest
+    of the cache instead of a refusal."""
+    r = small.post("/v1/completions", {"prompt": [5] * 200, "max_tokens": None, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 56 and r.json()["choices"][0]["finish_reason"] == "length"
+    r = small.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "y" * 196}], "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"] == {"prompt_tokens": 200, "completion_tokens": 56, "total_tokens": 256}
+    r = small.post("/v1/completions", {"prompt": [5] * 300, "max_tokens": None})
+    assert r.status_code == 400 and "prompt has 300 tokens but the whole cache holds 256" in r.json()["error"]["message"]
+    ok(small)
+
+
 def test_full_queue_gets_429_and_a_queued_client_that_leaves_frees_its_place(small):
     """Two requests run, one waits; a fourth is refused. The waiting client leaves: its place is free at once."""
     # two streams of 244 tokens in a 256-token cache: one is preempted until the other ends, so both
