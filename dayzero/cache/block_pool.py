@@ -1,8 +1,15 @@
-"""Physical cache blocks: reference counts and a free list. Block 0 is the null block, never handed out
-(padding in block tables points at it)."""
+"""Physical cache blocks: reference counts, a free list, and (with prefix caching) the blocks whose content a
+later request may reuse. Block 0 is the null block, never handed out (padding in block tables points at it).
+
+A full block whose tokens are known is registered under the hash of its prefix (:mod:`dayzero.cache.prefix`).
+When its last user releases it, it is not freed but kept, evictable, in least-recently-used order: a new
+request with the same prefix takes it back (``acquire``) instead of computing it again. Allocation takes free
+blocks first and evicts the least recently used cached ones only when none is left, so a block that some
+sequence holds (reference count > 0) is never evicted.
+"""
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 
 
 class BlockPool:
@@ -12,21 +19,33 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.ref_cnt = [0] * num_blocks
         self.free = deque(range(1, num_blocks))
+        self.cached: dict[bytes, int] = {}  # prefix hash -> block holding that prefix's last block of rows
+        self.hash_of: dict[int, bytes] = {}  # the inverse, for the blocks registered
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; least recently used first
+        self.num_evicted = 0
 
     @property
     def num_free(self) -> int:
-        return len(self.free)
+        """Blocks an allocation can take: the free ones and the cached ones nobody holds."""
+        return len(self.free) + len(self.evictable)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - 1 - len(self.free)
+        return self.num_blocks - 1 - self.num_free
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self.free):
-            raise RuntimeError(f"asked for {n} blocks, {len(self.free)} free")
-        ids = [self.free.popleft() for _ in range(n)]
-        for i in ids:
+        if n > self.num_free:
+            raise RuntimeError(f"asked for {n} blocks, {self.num_free} free")
+        ids = []
+        for _ in range(n):
+            if self.free:
+                i = self.free.popleft()
+            else:  # the least recently used cached block nobody holds
+                i, _ = self.evictable.popitem(last=False)
+                del self.cached[self.hash_of.pop(i)]
+                self.num_evicted += 1
             self.ref_cnt[i] = 1
+            ids.append(i)
         return ids
 
     def incref(self, ids: list[int]) -> None:
@@ -40,7 +59,27 @@ class BlockPool:
                 raise RuntimeError(f"block {i} released more often than allocated")
             self.ref_cnt[i] -= 1
             if self.ref_cnt[i] == 0:
-                self.free.append(i)
+                if i in self.hash_of:
+                    self.evictable[i] = None  # most recently used last
+                else:
+                    self.free.append(i)
+
+    # --- prefix caching --------------------------------------------------------------------------------
+    def register(self, block: int, prefix_hash: bytes) -> None:
+        """``block`` (held, full) holds the rows of the prefix ``prefix_hash``; the first block registered for a
+        prefix is the one reused (a later duplicate stays private)."""
+        if prefix_hash not in self.cached and block not in self.hash_of:
+            self.cached[prefix_hash] = block
+            self.hash_of[block] = prefix_hash
+
+    def lookup(self, prefix_hash: bytes) -> int | None:
+        return self.cached.get(prefix_hash)
+
+    def acquire(self, block: int) -> None:
+        """Take a cached block for one more user (out of the evictable list if nobody held it)."""
+        if self.ref_cnt[block] == 0:
+            del self.evictable[block]
+        self.ref_cnt[block] += 1
 
 
 class SlotPool:

@@ -1,28 +1,52 @@
-"""The cache manager owns blocks and state slots and hands the scheduler opaque per-sequence handles.
+"""The cache manager owns blocks, state slots and the prefix cache, and hands the scheduler opaque
+per-sequence handles.
 
-The scheduler asks only: can this sequence grow to N tokens (``can_grow``), grow it (``grow``), and
-release it (``release``). Tensors and slot arithmetic stay here and in the batch builder.
+The scheduler asks only: how much of a new sequence is already cached (``match``), where its next chunk must
+end (``chunk_end``), can this sequence grow to N tokens (``can_grow``), grow it (``grow``), and release it
+(``release``); the engine reports each step's progress (``commit``). Tensors and slot arithmetic stay here and
+in the model runner, which carries out the state copies this decides (``take_restores``, ``commit``).
+
+Prefix caching (``dayzero.cache.prefix``): a new sequence takes the cached blocks of its longest cached prefix
+of full blocks, less at least one token (its logits are sampled), aligned down to ``align`` tokens; when the
+model keeps per-sequence states, only up to the last snapshot at or before that, whose states are copied into
+the sequence's slot before its first step. Matched lengths are multiples of ``align``: the block size, or a
+multiple of it where a paged row stands for several tokens (DeepSeek-V4's compressed entries of m tokens are
+complete only at multiples of m, so a shared block never gets an entry written later).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from dayzero.cache.block_pool import BlockPool, SlotPool
+from dayzero.cache.prefix import SnapshotPool, block_hashes
 
 
 @dataclass
 class CacheHandle:
     blocks: list[int] = field(default_factory=list)
     slot: int | None = None
+    hashes: list[bytes] = field(default_factory=list)  # prefix hash of each full block, as far as computed
+    registered: int = 0  # blocks already offered to the prefix cache
+    restore_from: int | None = None  # snapshot row to copy into the slot once it is allocated
 
 
 class CacheManager:
-    def __init__(self, block_size: int, num_blocks: int, num_slots: int, uses_blocks: bool = True, uses_slots: bool = True):
+    def __init__(self, block_size: int, num_blocks: int, num_slots: int, uses_blocks: bool = True, uses_slots: bool = True,
+                 prefix_caching: bool = False, snapshot_interval: int = 512, num_snapshots: int = 0, align: int | None = None):
         self.block_size = block_size
         self.uses_blocks, self.uses_slots = uses_blocks, uses_slots
         self.blocks = BlockPool(num_blocks)
         self.slots = SlotPool(num_slots)
         self.handles: dict[int, CacheHandle] = {}
+        # prefix caching needs blocks to name prefixes by; with states it needs somewhere to keep snapshots
+        self.prefix_caching = prefix_caching and uses_blocks and (num_snapshots > 0 or not uses_slots)
+        self.align = math.lcm(block_size, align or block_size)
+        self.interval = -(-max(snapshot_interval, 1) // self.align) * self.align
+        # snapshot rows follow the slots (1 .. num_slots) and the null slot 0 in every state tensor
+        self.snapshots = SnapshotPool(num_slots + 1, num_snapshots if self.prefix_caching and uses_slots else 0)
+        self.pending_restores: list[tuple[int, int]] = []  # (snapshot row, slot) to copy before the next forward
+        self.queried_tokens = self.hit_tokens = 0
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size) if self.uses_blocks else 0
@@ -49,6 +73,9 @@ class CacheManager:
         h.blocks += self.blocks.allocate(nb)
         if ns:
             h.slot = self.slots.allocate()
+            if h.restore_from is not None:  # a prefix hit: its states come from the snapshot
+                self.pending_restores.append((h.restore_from, h.slot))
+                h.restore_from = None
         return True
 
     def release(self, seq_id: int) -> None:
@@ -62,8 +89,87 @@ class CacheManager:
     def handle(self, seq_id: int) -> CacheHandle:
         return self.handles[seq_id]
 
+    # --- prefix caching --------------------------------------------------------------------------------
+    def match(self, seq_id: int, token_ids: list[int]) -> int:
+        """For a sequence that holds no cache yet: take the cached blocks of the longest prefix it may reuse
+        and return that prefix's length (0: nothing). ``release`` undoes it when the sequence cannot start."""
+        if not self.prefix_caching or seq_id in self.handles:
+            return 0
+        bs, step = self.block_size, self.align // self.block_size
+        h = CacheHandle()
+        hashes = block_hashes(token_ids, bs, (len(token_ids) - 1) // bs // step * step, h.hashes)
+        blocks = []
+        for j in range(len(hashes)):
+            b = self.blocks.lookup(self._key(hashes, j))
+            if b is None:
+                break
+            blocks.append(b)
+        k = len(blocks) // step * step  # whole aligned units only
+        row = None
+        if self.uses_slots:  # the last snapshot at or before the shared blocks
+            while k > 0 and (row := self.snapshots.find(hashes[k - 1])) is None:
+                k -= step
+        if k == 0:
+            return 0
+        for b in blocks[:k]:
+            self.blocks.acquire(b)
+        h.blocks, h.registered, h.restore_from = blocks[:k], k, row
+        self.handles[seq_id] = h
+        return k * bs
+
+    def _key(self, hashes: list[bytes], j: int) -> bytes:
+        """The prefix-cache key of block j: the prefix hash at the end of its aligned unit, and j's place in the
+        unit. A compressed entry stored in block j may pool tokens of later blocks of the same unit, so the
+        block's content is a function of the whole unit's tokens, not only of the tokens up to j."""
+        step = self.align // self.block_size
+        return hashes[(j // step + 1) * step - 1] + (j % step).to_bytes(4, "little")
+
+    def record_admission(self, prompt_tokens: int, hit_tokens: int) -> None:
+        """Count an admitted sequence's tokens and those the prefix cache gave it (hit-rate metrics)."""
+        self.queried_tokens += prompt_tokens
+        self.hit_tokens += hit_tokens
+
+    def chunk_end(self, start: int, n: int, prompt_len: int) -> int:
+        """How many of ``n`` tokens from position ``start`` the next chunk may take: a chunk stops at the next
+        snapshot point (every ``interval`` tokens, and the last aligned point of the prompt), where the states
+        must be copied out."""
+        if not (self.prefix_caching and self.uses_slots):
+            return n
+        points = [(start // self.interval + 1) * self.interval]
+        prompt_end = prompt_len // self.align * self.align
+        if prompt_end > start:
+            points.append(prompt_end)
+        return max(1, min(n, min(points) - start))
+
+    def commit(self, seq_id: int, token_ids: list[int], num_computed: int, prompt_len: int) -> tuple[int, int] | None:
+        """After a step brought ``seq_id`` to ``num_computed`` tokens: its full blocks join the prefix cache, and
+        at a snapshot point returns (slot, snapshot row) for the runner to copy the states into."""
+        if not self.prefix_caching:
+            return None
+        h = self.handles[seq_id]
+        # a block is complete only below an aligned point: a compressed entry stored in it (a window that starts
+        # there) may be written m tokens after the block's own tokens are in; registering earlier could let a
+        # sequence that stopped before writing it hand the block to the prefix cache without the entry
+        full = min(num_computed // self.align * self.align // self.block_size, len(h.blocks))
+        hashes = block_hashes(token_ids, self.block_size, full, h.hashes)
+        for i in range(h.registered, full):
+            self.blocks.register(h.blocks[i], self._key(hashes, i))
+        h.registered = max(h.registered, full)
+        at_point = num_computed % self.interval == 0 or num_computed == prompt_len // self.align * self.align
+        if not (self.uses_slots and h.slot is not None and num_computed > 0 and num_computed % self.align == 0 and at_point):
+            return None
+        row = self.snapshots.take(hashes[num_computed // self.block_size - 1])
+        return None if row is None else (h.slot, row)
+
+    def take_restores(self) -> list[tuple[int, int]]:
+        """(snapshot row, slot) copies the runner must make before the next forward pass."""
+        out, self.pending_restores = self.pending_restores, []
+        return out
+
     def usage(self) -> dict[str, int]:
         return {
             "blocks_total": self.blocks.num_blocks - 1, "blocks_free": self.blocks.num_free,
             "slots_total": self.slots.num_slots, "slots_free": self.slots.num_free,
+            "blocks_cached": len(self.blocks.cached), "snapshots": len(self.snapshots),
+            "prefix_queried_tokens": self.queried_tokens, "prefix_hit_tokens": self.hit_tokens,
         }

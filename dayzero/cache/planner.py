@@ -30,11 +30,16 @@ class CachePlan:
     bytes_per_block: int
     bytes_per_slot: int
     graph_bytes: int = 0  # what the decode CUDA graphs hold beside the cache (taken from the budget)
+    num_snapshots: int = 0  # prefix-cache state snapshots: rows of the state tensors after the slots
 
     @property
     def total_bytes(self) -> int:
-        # the state tensors hold one more row than there are slots: the reserved null slot
-        return self.num_blocks * self.bytes_per_block + (self.num_slots + 1) * self.bytes_per_slot
+        # the state tensors hold the slots, the reserved null slot and the prefix-cache snapshots
+        return self.num_blocks * self.bytes_per_block + self.state_rows * self.bytes_per_slot
+
+    @property
+    def state_rows(self) -> int:
+        return self.num_slots + 1 + self.num_snapshots
 
     @property
     def capacity_tokens(self) -> int:
@@ -65,12 +70,16 @@ def plan_cache(
     budget_bytes: int | None,
     num_cache_blocks: int | None = None,
     kv_cache_dtype: str = "auto",
+    num_snapshots: int = 0,
 ) -> CachePlan:
+    """``num_snapshots``: state snapshots wanted for prefix caching; with a budget they get what is left once
+    one maximum-length sequence fits with every slot, down to none (they only save recomputation)."""
     per_block = math.ceil(block_size * sum(s.bytes_per_token(kv_cache_dtype, block_size) for s in specs if isinstance(s, PagedSpec)))
     per_slot = sum(s.bytes_per_seq() for s in specs if isinstance(s, StateSpec))
     blocks_per_seq = -(-max_model_len // block_size) if per_block else 0
+    snaps = num_snapshots if per_slot else 0
     if num_cache_blocks is not None:
-        return CachePlan(block_size, num_cache_blocks, max_num_seqs, per_block, per_slot)
+        return CachePlan(block_size, num_cache_blocks, max_num_seqs, per_block, per_slot, num_snapshots=snaps)
     need_one = (1 + blocks_per_seq) * per_block + 2 * per_slot  # a slot, and the null slot
     if budget_bytes is None or budget_bytes < need_one:
         raise CacheMemoryError(
@@ -81,10 +90,14 @@ def plan_cache(
             f"or use a smaller kv_cache_dtype (fp8 or int8)"
         )
     slots = max_num_seqs
-    spare = budget_bytes - (slots + 1) * per_slot
+    room = budget_bytes - (1 + blocks_per_seq) * per_block  # what one maximum-length sequence leaves
+    if per_slot:
+        snaps = max(0, min(snaps, room // per_slot - 1 - slots))  # snapshots give way first
+    spare = budget_bytes - (slots + 1 + snaps) * per_slot
     if spare < (1 + blocks_per_seq) * per_block:  # fewer slots, so that one full sequence still fits
-        slots = max(1, (budget_bytes - (1 + blocks_per_seq) * per_block) // max(per_slot, 1) - 1)
+        slots = max(1, room // max(per_slot, 1) - 1)
         spare = budget_bytes - (slots + 1) * per_slot
     cap = 1 + max_num_seqs * blocks_per_seq
     num_blocks = min(cap, spare // per_block) if per_block else 1
-    return CachePlan(block_size, max(int(num_blocks), 2), int(min(slots, max_num_seqs)), per_block, per_slot)
+    return CachePlan(block_size, max(int(num_blocks), 2), int(min(slots, max_num_seqs)), per_block, per_slot,
+                     num_snapshots=int(snaps))

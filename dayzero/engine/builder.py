@@ -4,11 +4,10 @@ graphs. The engine, ``dayzero profile``, the op probe and ``align`` all assemble
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 import torch
-
-from dataclasses import replace
 
 from dayzero.cache.manager import CacheManager
 from dayzero.cache.planner import CachePlan, available_memory, plan_cache
@@ -39,13 +38,16 @@ def assemble(model, device: torch.device, dtype: torch.dtype, *, block_size: int
              max_num_seqs: int, max_num_batched_tokens: int, budget_bytes: int | None = None,
              memory_fraction: float = 0.5, num_cache_blocks: int | None = None, kv_cache_dtype: str = "auto",
              cuda_graphs: bool = False, cuda_graph_sizes: list[int] | None = None,
-             cuda_graph_max_len: int = 8192) -> Assembled:
+             cuda_graph_max_len: int = 8192, prefix_caching: bool = False, snapshot_interval: int = 512,
+             num_snapshots: int | None = None) -> Assembled:
     """Plan and allocate the cache, build the runner and cache manager, and (``cuda_graphs`` on a CUDA device)
     capture the decode graphs. The model's weights must be loaded and prepared.
 
     The cache gets ``budget_bytes``, or with neither it nor ``num_cache_blocks`` given, ``memory_fraction`` of
     the free memory less what the decode graphs will hold (measured by one eager decode step of the largest
-    captured shape before the cache is allocated); the plan records the graphs' memory."""
+    captured shape before the cache is allocated); the plan records the graphs' memory. With ``prefix_caching``,
+    models that keep per-sequence states get ``num_snapshots`` state snapshots (default one per sequence seat)
+    taken every ``snapshot_interval`` tokens."""
     from dayzero.engine.cuda_graphs import DecodeGraphs, default_sizes, default_widths, measure_step_bytes
 
     runner = ModelRunner(model, device, dtype, kv_cache_dtype)
@@ -59,12 +61,17 @@ def assemble(model, device: torch.device, dtype: torch.dtype, *, block_size: int
         graph_bytes = measure_step_bytes(runner, sizes[-1], widths[-1], block_size)
     if budget_bytes is None and num_cache_blocks is None:
         budget_bytes = int(available_memory(device) * memory_fraction) - graph_bytes
+    uses_slots = any(isinstance(s, StateSpec) for s in runner.specs)
+    snapshots = (max_num_seqs if num_snapshots is None else num_snapshots) if prefix_caching and uses_slots else 0
     plan = plan_cache(runner.specs, block_size, max_model_len, max_num_seqs, budget_bytes, num_cache_blocks,
-                      kv_cache_dtype)
+                      kv_cache_dtype, snapshots)
     runner.allocate_cache(plan)
+    # a paged row that stands for m tokens (compressed entries) is complete only at multiples of m
+    strides = [m for s in runner.specs if isinstance(s, PagedSpec) for m in s.strides.values()]
     cache = CacheManager(block_size, plan.num_blocks, plan.num_slots,
-                         uses_blocks=any(isinstance(s, PagedSpec) for s in runner.specs),
-                         uses_slots=any(isinstance(s, StateSpec) for s in runner.specs))
+                         uses_blocks=any(isinstance(s, PagedSpec) for s in runner.specs), uses_slots=uses_slots,
+                         prefix_caching=prefix_caching, snapshot_interval=snapshot_interval,
+                         num_snapshots=plan.num_snapshots, align=math.lcm(block_size, *strides))
     max_seqs = min(max_num_seqs, plan.num_slots)
     runner.reserve_buffers(max(max_num_batched_tokens, max_seqs), max_seqs, max_blocks)
     note = "eager"

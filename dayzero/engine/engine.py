@@ -50,6 +50,9 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no CUDA graphs, every step runs eagerly
     cuda_graph_sizes: tuple[int, ...] | None = None  # decode batch sizes captured (default 1, 2, 4, 8, 16, .. max_num_seqs)
     cuda_graph_max_len: int = 8192  # decode steps whose longest sequence is longer run eagerly
+    enable_prefix_caching: bool = True  # reuse the cached blocks (and state snapshots) of a shared prefix
+    prefix_snapshot_interval: int = 512  # tokens between state snapshots (models with per-sequence states)
+    num_prefix_snapshots: int | None = None  # state snapshots kept (default: one per sequence seat)
     num_threads: int | None = None  # torch's CPU threads; None: fewer than torch's default when the machine is loaded
 
     def __post_init__(self):
@@ -82,6 +85,11 @@ class EngineConfig:
                 raise ValueError(f"cuda_graph_sizes must be positive ints, got {self.cuda_graph_sizes!r}")
         if not isinstance(self.cuda_graph_max_len, int) or self.cuda_graph_max_len < 1:
             raise ValueError(f"cuda_graph_max_len must be a positive int, got {self.cuda_graph_max_len!r}")
+        if not isinstance(self.prefix_snapshot_interval, int) or self.prefix_snapshot_interval < 1:
+            raise ValueError(f"prefix_snapshot_interval must be a positive int, got {self.prefix_snapshot_interval!r}")
+        if self.num_prefix_snapshots is not None and (not isinstance(self.num_prefix_snapshots, int)
+                                                      or self.num_prefix_snapshots < 0):
+            raise ValueError(f"num_prefix_snapshots must be an int >= 0 or None, got {self.num_prefix_snapshots!r}")
 
 
 class LLMEngine:
@@ -115,7 +123,8 @@ class LLMEngine:
             budget_bytes=config.cache_memory_bytes, memory_fraction=config.cache_memory_fraction,
             num_cache_blocks=config.num_cache_blocks, kv_cache_dtype=config.kv_cache_dtype,
             cuda_graphs=not config.enforce_eager, cuda_graph_sizes=config.cuda_graph_sizes,
-            cuda_graph_max_len=config.cuda_graph_max_len,
+            cuda_graph_max_len=config.cuda_graph_max_len, prefix_caching=config.enable_prefix_caching,
+            snapshot_interval=config.prefix_snapshot_interval, num_snapshots=config.num_prefix_snapshots,
         )
         self.runner, self.cache, self.cache_plan, self.decode_mode = built.runner, built.cache, built.plan, built.graph_note
         self.scheduler = Scheduler(self.cache, min(config.max_num_seqs, self.cache_plan.num_slots), config.max_num_batched_tokens)
@@ -211,11 +220,17 @@ class LLMEngine:
             if self.scheduler.has_work():
                 raise RuntimeError("scheduler made no progress: a waiting sequence can never fit in the cache")
             return []
+        self.runner.copy_states(self.cache.take_restores())  # prefix hits start from their snapshot's states
         batch = self.runner.build_batch(scheduled, self.cache)
         logits = self.runner.execute(batch)
         to_sample = [s.seq for s in scheduled if s.samples]
+        snapshots = []
         for s in scheduled:
             s.seq.num_computed += s.num_tokens
+            snap = self.cache.commit(s.seq.seq_id, s.seq.token_ids, s.seq.num_computed, s.seq.num_prompt_tokens)
+            if snap is not None:
+                snapshots.append(snap)
+        self.runner.copy_states(snapshots)  # states after this step, at snapshot points: queued before any reuse
         if not to_sample:
             return []
         out = self.sampler(

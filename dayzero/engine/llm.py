@@ -53,6 +53,9 @@ class LLM:
         cuda_graph_max_len: int = 8192,
         cache_memory_fraction: float = 0.5,
         num_threads: int | None = None,
+        enable_prefix_caching: bool = True,
+        prefix_snapshot_interval: int = 512,
+        num_prefix_snapshots: int | None = None,
     ):
         self.engine = LLMEngine(EngineConfig(
             model=model, device=device, dtype=dtype, block_size=block_size, num_cache_blocks=num_cache_blocks,
@@ -61,6 +64,8 @@ class LLM:
             expert_compute=expert_compute, high_precision_layers=tuple(high_precision_layers), load_format=load_format,
             enforce_eager=enforce_eager, cuda_graph_sizes=cuda_graph_sizes, cuda_graph_max_len=cuda_graph_max_len,
             cache_memory_fraction=cache_memory_fraction, num_threads=num_threads,
+            enable_prefix_caching=enable_prefix_caching, prefix_snapshot_interval=prefix_snapshot_interval,
+            num_prefix_snapshots=num_prefix_snapshots,
         ))
         self._ids = itertools.count()
 

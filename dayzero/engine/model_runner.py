@@ -11,6 +11,7 @@ from dayzero.cache.manager import CacheManager
 from dayzero.cache.planner import CachePlan
 from dayzero.cache.spec import PagedSpec, allocate, parts
 from dayzero.engine.batch import ForwardBatch
+from dayzero.engine.host_copy import to_device
 from dayzero.engine.scheduler import ScheduledSeq
 from dayzero.engine.step_buffers import StepBuffers
 
@@ -31,17 +32,32 @@ class ModelRunner:
         self.buffers: StepBuffers | None = None
         self.graphs = None  # DecodeGraphs once captured
         self._workspaces: list | None = None
+        self.state_tensors: list[torch.Tensor] = []
         # the widest DSA selection a layer writes: the width of the step's selection buffer
         self.topk = max((getattr(l, "selection_width", 0) for _, l in self.layers), default=0)
 
     def allocate_cache(self, plan: CachePlan) -> None:
+        self.state_tensors = []  # every state tensor of every layer: rows are slots, the null slot, snapshots
         for (_, layer), specs in zip(self.layers, self.layer_specs):
             tensors = {}
             for spec in specs:
-                # state tensors hold the reserved null slot 0 besides the plan's slots
-                count = plan.num_blocks if isinstance(spec, PagedSpec) else plan.num_slots + 1
-                tensors.update(allocate(spec, count, plan.block_size, self.device, self.kv_cache_dtype))
+                # state tensors: the null slot 0, the plan's slots, then the prefix-cache snapshots
+                count = plan.num_blocks if isinstance(spec, PagedSpec) else plan.state_rows
+                part = allocate(spec, count, plan.block_size, self.device, self.kv_cache_dtype)
+                if not isinstance(spec, PagedSpec):
+                    self.state_tensors += part.values()
+                tensors.update(part)
             layer.bind_cache(tensors)
+
+    def copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy state rows (source, destination) in every state tensor: prefix-cache snapshots taken from a
+        sequence's slot after a step, or restored into a new sequence's slot before its first one."""
+        if not pairs or not self.state_tensors:
+            return
+        src = to_device([a for a, _ in pairs], torch.int64, self.device)
+        dst = to_device([b for _, b in pairs], torch.int64, self.device)
+        for t in self.state_tensors:
+            t.index_copy_(0, dst, t.index_select(0, src))
 
     def reserve_buffers(self, max_tokens: int, max_seqs: int, max_blocks: int) -> None:
         """Allocate the persistent step buffers for steps of up to these sizes."""

@@ -9,7 +9,9 @@ Each step first gives every running sequence its next tokens (one decode token, 
 chunk), oldest first; when blocks run out it preempts the youngest running sequence by recompute (its
 cache is freed and it returns to the front of the queue with all its tokens, prompt and generated, to be
 prefilled again). Then, if no sequence was preempted, it admits waiting sequences in arrival order while
-token budget, sequence seats and cache remain, splitting long prompts into chunks (chunked prefill).
+token budget, sequence seats and cache remain, splitting long prompts into chunks (chunked prefill). A
+sequence admitted with a cached prefix (``cache.match``) starts at that prefix; chunks end where the cache
+manager takes state snapshots (``cache.chunk_end``).
 """
 from __future__ import annotations
 
@@ -52,7 +54,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            n = self._chunk(seq, budget)
             while not self.cache.grow(seq.seq_id, seq.num_computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -69,15 +71,26 @@ class Scheduler:
             return out
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            hit = self.cache.match(seq.seq_id, seq.token_ids)  # a cached prefix: computed already
+            seq.num_computed = hit
+            n = self._chunk(seq, budget)
             if not self.cache.grow(seq.seq_id, seq.num_computed + n):
+                self.cache.release(seq.seq_id)  # gives the matched blocks back
+                seq.num_computed = 0
                 break
+            self.cache.record_admission(seq.num_tokens, hit)
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             out.append(ScheduledSeq(seq, n))
             budget -= n
         return out
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens of ``seq`` to compute this step: what is left, within the budget, up to the next point where
+        the cache manager takes a state snapshot."""
+        n = min(seq.num_tokens - seq.num_computed, budget)
+        return self.cache.chunk_end(seq.num_computed, n, seq.num_prompt_tokens)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -34,6 +34,9 @@ class _EngineCollector:
             ("dayzero_cache_blocks_free", "Paged cache blocks free", s["blocks_free"]),
             ("dayzero_state_slots_used", "Linear-attention state slots in use", s["slots_total"] - s["slots_free"]),
             ("dayzero_state_slots_free", "Linear-attention state slots free", s["slots_free"]),
+            ("dayzero_prefix_cache_blocks", "Blocks the prefix cache can hand to a request with a shared prefix",
+             s.get("blocks_cached", 0)),
+            ("dayzero_prefix_cache_snapshots", "State snapshots kept for prefix hits", s.get("snapshots", 0)),
         ]
         for name, doc, value in gauges:
             g = GaugeMetricFamily(name, doc)
@@ -42,9 +45,13 @@ class _EngineCollector:
         for name, doc, key in [
             ("dayzero_preemptions", "Sequences preempted under cache pressure (recomputed later)", "preemptions"),
             ("dayzero_aborts", "Requests aborted before they finished (client gone, shutdown, failure)", "aborts"),
+            ("dayzero_prefix_cache_queried_tokens", "Tokens of sequences admitted with prefix caching on",
+             "prefix_queried_tokens"),
+            ("dayzero_prefix_cache_hit_tokens", "Of those, tokens taken from the prefix cache (not computed)",
+             "prefix_hit_tokens"),
         ]:
             c = CounterMetricFamily(name, doc)
-            c.add_metric([], s[key])
+            c.add_metric([], s.get(key, 0))
             yield c
 
 

@@ -14,7 +14,12 @@ def hf_config(name: str) -> dict:
     if name in ("kimi_linear", "qwen3_next"):
         from tests.hf.test_linear_families import COMMON, FAMILIES as LINEAR
         return {**COMMON, **LINEAR[name], "model_type": name}
-    from tests.hf.test_deepseek_v4 import CONFIG
+    if name == "nemotron_h":
+        from tests.hf.test_nemotron_h import CONFIG
+    elif name == "gpt_oss":
+        from tests.hf.test_gpt_oss import CONFIG
+    else:
+        from tests.hf.test_deepseek_v4 import CONFIG
     return {**CONFIG, "model_type": name}
 
 

@@ -43,11 +43,13 @@ def test_no_graphs_on_a_cpu(tiny_ckpt):
 
 
 def test_state_tensors_hold_the_null_slot_besides_the_plans(tiny_ckpt):
-    llm = LLM(str(tiny_ckpt), device="cpu", dtype="float32", num_cache_blocks=32, max_num_seqs=3)
+    llm = LLM(str(tiny_ckpt), device="cpu", dtype="float32", num_cache_blocks=32, max_num_seqs=3,
+              num_prefix_snapshots=2)
     plan = llm.engine.cache_plan
+    assert plan.num_snapshots == 2 and plan.state_rows == plan.num_slots + 1 + 2
     states = [t for _, layer in llm.engine.runner.layers for t in layer.cache.values()
-              if isinstance(t, torch.Tensor) and t.shape[0] == plan.num_slots + 1]
-    assert states, "no state tensor with the null slot"
+              if isinstance(t, torch.Tensor) and t.shape[0] == plan.state_rows]
+    assert states and len(states) == len(llm.engine.runner.state_tensors), "state tensors without the null slot"
     slots = llm.engine.cache.slots
     assert slots.num_free == plan.num_slots and 0 not in slots.free  # slot 0 is never handed out
-    assert plan.total_bytes == plan.num_blocks * plan.bytes_per_block + (plan.num_slots + 1) * plan.bytes_per_slot
+    assert plan.total_bytes == plan.num_blocks * plan.bytes_per_block + (plan.num_slots + 3) * plan.bytes_per_slot

@@ -1,0 +1,65 @@
+"""Prefix caching: which earlier computation a new request can reuse, and the state snapshots that make it
+possible for layers whose cache is a running state.
+
+A full block of ``block_size`` tokens is named by a hash chained over every token id from the sequence start:
+``h_i = H(h_{i-1}, tokens of block i)`` (BLAKE2b, 128 bits: a collision would silently reuse wrong rows, so
+no 64-bit hash). Two sequences whose first ``i`` blocks hold the same tokens share ``h_i``, and therefore the
+paged rows of those blocks (keys and values at the same positions).
+
+A linear-attention layer (KDA, Gated DeltaNet, Mamba-2, their conv windows) or a compressed-attention ring has
+no per-token rows to share: its state after token p is a function of all tokens 0..p. So the state is copied
+out, a *snapshot*, at block-aligned points (every ``interval`` tokens, and at the last aligned point of each
+prompt), keyed by the prefix hash there. A request resumes from the last snapshot at or before the prefix it
+shares, never beyond it; the scheduler ends prefill chunks at snapshot points so that the state exists there.
+Snapshots live in extra rows of the state tensors (after the slots), least recently used evicted first.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+
+
+def block_hashes(token_ids, block_size: int, num_blocks: int, known: list[bytes]) -> list[bytes]:
+    """``known`` (the hashes of the first blocks, extended in place) up to ``num_blocks`` full blocks."""
+    while len(known) < num_blocks:
+        i = len(known)
+        h = hashlib.blake2b(digest_size=16)
+        h.update(known[-1] if known else b"dayzero-prefix")
+        h.update(array("q", token_ids[i * block_size:(i + 1) * block_size]).tobytes())
+        known.append(h.digest())
+    return known
+
+
+class SnapshotPool:
+    """Rows ``first .. first + count - 1`` of every state tensor, each holding the states after one prefix."""
+
+    def __init__(self, first: int, count: int):
+        self.first, self.count = first, count
+        self.free = list(range(first, first + count))[::-1]
+        self.rows: OrderedDict[bytes, int] = OrderedDict()  # prefix hash -> row; least recently used first
+        self.num_evicted = 0
+
+    def find(self, prefix_hash: bytes) -> int | None:
+        row = self.rows.get(prefix_hash)
+        if row is not None:
+            self.rows.move_to_end(prefix_hash)
+        return row
+
+    def take(self, prefix_hash: bytes) -> int | None:
+        """A row for a new snapshot of ``prefix_hash`` (evicting the least recently used), or None when the
+        prefix already has one (or the pool has no rows)."""
+        if self.count == 0 or prefix_hash in self.rows:
+            if prefix_hash in self.rows:
+                self.rows.move_to_end(prefix_hash)
+            return None
+        if self.free:
+            row = self.free.pop()
+        else:
+            _, row = self.rows.popitem(last=False)
+            self.num_evicted += 1
+        self.rows[prefix_hash] = row
+        return row
+
+    def __len__(self) -> int:
+        return len(self.rows)
