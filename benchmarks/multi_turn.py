@@ -30,7 +30,7 @@ def _sync(dev: torch.device) -> None:
 def conversation(engine, users: list[list[int]], turns: int, gen: torch.Generator, msg: tuple[int, int],
                  reply: int, vocab: int) -> dict:
     eng = engine.engine
-    ttft, asked, outputs = [], 0, []
+    ttft, asked, outputs = [], 0, {}
     t0 = time.perf_counter()
     for _ in range(turns):
         start, first, ids = {}, {}, {}
@@ -49,7 +49,7 @@ def conversation(engine, users: list[list[int]], turns: int, gen: torch.Generato
                     first[out.request_id] = time.perf_counter()
                 if out.finished:
                     users[ids[out.request_id]] += out.outputs[0].token_ids
-                    outputs.append(out.outputs[0].token_ids)
+                    outputs[out.request_id] = out.outputs[0].token_ids
         ttft += [first[r] - start[r] for r in start]
     _sync(eng.device)
     stats = eng.stats()
