@@ -11,7 +11,8 @@ cache is freed and it returns to the front of the queue with all its tokens, pro
 prefilled again). Then, if no sequence was preempted, it admits waiting sequences in arrival order while
 token budget, sequence seats and cache remain, splitting long prompts into chunks (chunked prefill). A
 sequence admitted with a cached prefix (``cache.match``) starts at that prefix; chunks end where the cache
-manager takes state snapshots (``cache.chunk_end``).
+manager takes state snapshots (``cache.chunk_end``). The later samples of an ``n > 1`` request wait until the
+first has computed the prompt, and then share it from the prefix cache.
 """
 from __future__ import annotations
 
@@ -40,9 +41,12 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._firsts: dict[str, Sequence] = {}  # request id -> its first sample, while it runs
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        if seq.index == 0:
+            self._firsts[seq.request_id] = seq
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -69,8 +73,12 @@ class Scheduler:
             break  # seq itself was preempted: nothing older is left to try
         if preempted:
             return out
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        j = 0
+        while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[j]
+            if self._waits_for_sibling(seq):  # its request's first sample is still computing the shared prompt
+                j += 1
+                continue
             hit = self.cache.match(seq.seq_id, seq.token_ids)  # a cached prefix: computed already
             seq.num_computed = hit
             n = self._chunk(seq, budget)
@@ -79,12 +87,20 @@ class Scheduler:
                 seq.num_computed = 0
                 break
             self.cache.record_admission(seq.num_tokens, hit)
-            self.waiting.popleft()
+            del self.waiting[j]
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             out.append(ScheduledSeq(seq, n))
             budget -= n
         return out
+
+    def _waits_for_sibling(self, seq: Sequence) -> bool:
+        """With prefix caching, the samples of an ``n > 1`` request after the first start once the first has
+        computed the prompt: they then take its blocks (and snapshot) instead of each computing it again."""
+        if seq.index == 0 or not self.cache.prefix_caching or seq.num_preemptions:
+            return False
+        first = self._firsts.get(seq.request_id)
+        return first is not None and first.status != SeqStatus.FINISHED and first.num_computed < first.num_prompt_tokens
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens of ``seq`` to compute this step: what is left, within the budget, up to the next point where
@@ -109,3 +125,5 @@ class Scheduler:
             self.waiting.remove(seq)
         self.cache.release(seq.seq_id)
         seq.status = SeqStatus.FINISHED
+        if self._firsts.get(seq.request_id) is seq:
+            del self._firsts[seq.request_id]

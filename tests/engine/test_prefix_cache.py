@@ -121,3 +121,17 @@ def test_off_computes_everything(tiny_ckpt):
     outputs(engine, [prompt])
     outputs(engine, [prompt])
     assert engine.engine.cache.hit_tokens == 0 and engine.engine.cache_usage()["blocks_cached"] == 0
+
+
+def test_samples_of_one_request_share_the_prompt(family):
+    """n = 4: the later samples start once the first has computed the prompt and take it from the cache; every
+    sample's tokens are those of the uncached engine (seeded sampling: each sample's own generator)."""
+    cached, plain = llm(family, True), llm(family, False)
+    prompt = tokens(cached.engine.model_config.vocab_size, 26, 5)
+    sp = SamplingParams(n=4, max_tokens=6, temperature=0.8, seed=11, ignore_eos=True)
+    got = [c.token_ids for c in cached.generate([{"prompt_token_ids": prompt}], sp)[0].outputs]
+    want = [c.token_ids for c in plain.generate([{"prompt_token_ids": prompt}], sp)[0].outputs]
+    assert got == want
+    # each later sample reuses the prompt up to its last snapshot point (or block, without states)
+    assert cached.engine.cache.hit_tokens >= 3 * 16, cached.engine.stats()
+    assert_all_free(cached)
