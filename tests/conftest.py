@@ -1,12 +1,20 @@
 """Shared fixtures: tiny random checkpoints written at test time."""
 from __future__ import annotations
 
-import json
-from pathlib import Path
+import os
 
-import pytest
+import torch
 
-from dayzero.tools.build_default_model import build_checkpoint
+# Without a GPU, the Triton kernels are tested through Triton's interpreter (read when triton is imported).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from dayzero.tools.build_default_model import build_checkpoint  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

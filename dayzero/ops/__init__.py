@@ -20,3 +20,10 @@ from dayzero.ops.attention import compressed_cuda as _compressed_cuda  # noqa: F
 from dayzero.ops.indexer import cuda as _indexer_cuda  # noqa: F401,E402
 from dayzero.ops.kda import cuda as _kda_cuda  # noqa: F401,E402
 from dayzero.ops.ssd import cuda as _ssd_cuda  # noqa: F401,E402
+
+# Triton kernels (registered for the cuda platform; each refuses, with its reason, where Triton cannot run).
+from dayzero.ops.norm import kernels as _norm_kernels  # noqa: F401,E402
+from dayzero.ops.rotary import kernels as _rotary_kernels  # noqa: F401,E402
+from dayzero.ops.activation import kernels as _activation_kernels  # noqa: F401,E402
+from dayzero.ops.moe import route_kernels as _route_kernels  # noqa: F401,E402
+from dayzero.ops.kda import gate_kernels as _gate_kernels  # noqa: F401,E402

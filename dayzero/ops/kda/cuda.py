@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from dayzero.ops.attention.cuda import _decode_only
+from dayzero.ops.kda.conv_kernels import causal_conv1d_pooled_triton, conv_refusal
 from dayzero.ops.kda.reference import _prep, kda_pooled, pooled_state
 from dayzero.ops.registry import register
 
@@ -89,9 +90,24 @@ def kda_pooled_decode(q, k, v, g, beta, scale: float, state_pool: torch.Tensor, 
     return torch.einsum("bhkv,bhk->bhv", S, q).to(out_dtype)
 
 
-@register("causal_conv1d_pooled", "cuda", verifier=lambda x, w, pool, batch, *a, **kw: _decode_only(batch),
-          note="one conv step for every decode row, window updated in the pool (PyTorch)")
+def _conv_verify(x, weight, pool, batch, *a, **kw) -> str | None:
+    if conv_refusal(x, weight, pool) is None:
+        return None
+    return _decode_only(batch)
+
+
+@register("causal_conv1d_pooled", "cuda", verifier=_conv_verify,
+          note="Triton kernel for decode and prefill rows, window updated in the pool in place; without Triton, "
+               "decode rows in PyTorch")
+def causal_conv1d_pooled_cuda(x, weight, window_pool: torch.Tensor, batch, activation: str | None = "silu"):
+    # x: [T, C]; weight: [C, W] (or [C, 1, W]); window_pool: [slots, C, W-1] -> y [T, C]
+    if conv_refusal(x, weight, window_pool) is None:
+        return causal_conv1d_pooled_triton(x, weight, window_pool, batch, activation)
+    return causal_conv1d_pooled_decode(x, weight, window_pool, batch, activation)
+
+
 def causal_conv1d_pooled_decode(x, weight, window_pool: torch.Tensor, batch, activation: str | None = "silu"):
+    """One conv step for every decode row in PyTorch, the window updated in the pool."""
     # x: [B, C]; weight: [C, W] (or [C, 1, W]); window_pool: [slots, C, W-1] -> y [B, C]
     if activation not in ("silu", None):
         raise ValueError(f"activation must be 'silu' or None, got {activation!r}")

@@ -1,0 +1,106 @@
+"""The short causal depthwise conv over the window pool as one Triton kernel, for decode and prefill rows.
+
+One program per (sequence, block of channels) walks its sequence's tokens in tiles: tap j of token t reads
+u_{t-W+1+j}, which is an input row of this step when it falls inside the sequence and otherwise a column of
+the sequence's window in the pool (zeros for a ``fresh`` sequence). After its last tile the program writes the
+sequence's new window (its last W-1 inputs) back into the same slot, in place, behind a barrier, so that the
+threads that read the old window have finished before any writes it. Each program owns its (slot, channels),
+so programs never race; padding rows of a captured step share the null slot 0, which nothing reads.
+
+Token counts come from ``cu_seqlens`` on the device: no host value is read, and the same kernel runs inside a
+captured decode graph and on an eager prefill step. Same math as ``reference.py`` (fp32 taps, SiLU).
+"""
+from __future__ import annotations
+
+import torch
+
+from dayzero.ops.triton_support import HAS_TRITON, next_pow2, tl, triton, triton_refusal
+
+if HAS_TRITON:
+    @triton.jit
+    def _conv_kernel(x_ptr, w_ptr, pool_ptr, y_ptr, cu_ptr, slot_ptr, fresh_ptr, C, sx, s_slot, s_chan,
+                     W: tl.constexpr, BW: tl.constexpr, SILU: tl.constexpr, DECODE: tl.constexpr,
+                     BT: tl.constexpr, BC: tl.constexpr):
+        b = tl.program_id(0)
+        cols = tl.program_id(1) * BC + tl.arange(0, BC)
+        cmask = cols < C
+        if DECODE:  # row b is sequence b's one token
+            start = b.to(tl.int64)
+            end = start + 1
+        else:
+            start = tl.load(cu_ptr + b).to(tl.int64)
+            end = tl.load(cu_ptr + b + 1).to(tl.int64)
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        keep = tl.load(fresh_ptr + b) == 0  # a fresh sequence starts from a zero window
+        win = pool_ptr + slot * s_slot + cols[None, :] * s_chan  # [1, BC]: column i holds u_{start-W+1+i}
+        t0 = start
+        while t0 < end:  # a while loop: the interpreter cannot take device bounds in range()
+            t = t0 + tl.arange(0, BT)
+            tmask = t < end
+            acc = tl.zeros((BT, BC), dtype=tl.float32)
+            for j in tl.static_range(W):
+                src = t - (W - 1) + j  # [BT]
+                inside = src >= start
+                m_x = (tmask & inside)[:, None] & cmask[None, :]
+                u = tl.load(x_ptr + src[:, None] * sx + cols[None, :], mask=m_x, other=0.0).to(tl.float32)
+                m_w = (tmask & (src < start) & keep)[:, None] & cmask[None, :]
+                widx = (src - start + (W - 1))[:, None]
+                u += tl.load(win + widx, mask=m_w, other=0.0).to(tl.float32)
+                acc += u * tl.load(w_ptr + cols * W + j, mask=cmask, other=0.0).to(tl.float32)[None, :]
+            if SILU:
+                acc = acc * tl.sigmoid(acc)
+            tl.store(y_ptr + t[:, None] * C + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+                     mask=tmask[:, None] & cmask[None, :])
+            t0 += BT
+        # the new window: the last W-1 inputs of [old window | this step's rows]
+        i = tl.arange(0, BW)
+        src = end - (W - 1) + i  # [BW]
+        valid = i < W - 1
+        inside = src >= start
+        m_x = (valid & inside)[:, None] & cmask[None, :]
+        new = tl.load(x_ptr + src[:, None] * sx + cols[None, :], mask=m_x, other=0.0).to(tl.float32)
+        m_w = (valid & (src < start) & keep)[:, None] & cmask[None, :]
+        new += tl.load(win + (src - start + (W - 1))[:, None], mask=m_w, other=0.0).to(tl.float32)
+        tl.debug_barrier()
+        tl.store(win + i[:, None], new.to(pool_ptr.dtype.element_ty), mask=valid[:, None] & cmask[None, :])
+
+
+MAX_TAPS = 16
+
+
+def conv_refusal(x: torch.Tensor, weight: torch.Tensor, window_pool: torch.Tensor) -> str | None:
+    """Why the Triton conv cannot run these operands, or None."""
+    why = triton_refusal(x)
+    if why is not None:
+        return why
+    if x.dim() != 2 or x.stride(-1) != 1:
+        return "x must be [T, C] with contiguous channels"
+    W = window_pool.shape[-1] + 1
+    if W > MAX_TAPS:
+        return f"{W} taps exceed the kernel's {MAX_TAPS}"
+    if window_pool.stride(-1) != 1 or weight.numel() != x.shape[1] * W:
+        return "the window pool's columns are not contiguous, or the weight is not [C, W]"
+    return None
+
+
+def causal_conv1d_pooled_triton(x: torch.Tensor, weight: torch.Tensor, window_pool: torch.Tensor, batch,
+                                activation: str | None = "silu") -> torch.Tensor:
+    # x: [T, C]; weight: [C, W] (or [C, 1, W]); window_pool: [slots, C, W-1] -> y [T, C]
+    if activation not in ("silu", None):
+        raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
+    T, C = x.shape
+    W = window_pool.shape[-1] + 1
+    w = weight.reshape(C, W)
+    if not w.is_contiguous():
+        w = w.contiguous()
+    y = torch.empty_like(x)
+    B = batch.state_slots.shape[0]
+    if T and B:
+        BC = min(128, next_pow2(C))
+        BT = 1 if batch.is_decode else 16
+        _conv_kernel[(B, triton.cdiv(C, BC))](
+            x, w, window_pool, y, batch.cu_seqlens, batch.state_slots, batch.fresh, C, x.stride(0),
+            window_pool.stride(0), window_pool.stride(1), W=W, BW=next_pow2(W - 1),
+            SILU=activation == "silu", DECODE=batch.is_decode, BT=BT, BC=BC,
+            num_warps=4)
+    return y

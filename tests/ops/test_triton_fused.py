@@ -1,0 +1,180 @@
+"""The fused Triton kernels (norms, short conv) against the references: on the CPU through Triton's
+interpreter (tests/conftest.py sets TRITON_INTERPRET=1 without a GPU), on the GPU compiled."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dayzero.ops.kda import reference as kda_ref
+from dayzero.ops.norm import reference as norm_ref
+from dayzero.ops.triton_support import triton_refusal
+from dayzero.engine.batch import ForwardBatch
+from tests.ops.paged_batch import make_batch
+
+pytest.importorskip("triton")
+from dayzero.ops.kda.conv_kernels import causal_conv1d_pooled_triton, conv_refusal  # noqa: E402
+from dayzero.ops.norm import kernels as norm_k  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def close(a, b, tol):
+    assert a.shape == b.shape and a.dtype == b.dtype
+    torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
+
+
+def rand(*shape, dtype=torch.float32, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEV)
+
+
+def on_device(b: ForwardBatch) -> ForwardBatch:
+    p = b.plan
+    return ForwardBatch(b.input_ids.to(DEV), b.positions.to(DEV), p.query_start, p.seq_start, p.seq_lens,
+                        b.slot_mapping.to(DEV), b.block_tables.to(DEV), b.state_slots.to(DEV),
+                        b.logits_indices.to(DEV), b.block_size)
+
+
+def test_the_kernels_can_run_here():
+    assert triton_refusal(torch.zeros(1, device=DEV)) is None
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("shape", [(1, 64), (7, 48), (3, 4, 32), (5, 300)], ids=str)
+@pytest.mark.parametrize("mode", ["plain", "residual", "no_weight"])
+def test_rms_norm_matches_the_reference(dtype, tol, shape, mode):
+    x, w = rand(*shape, dtype=dtype, seed=1), rand(shape[-1], dtype=dtype, seed=2)
+    res = rand(*shape, dtype=dtype, seed=3) if mode == "residual" else None
+    w = None if mode == "no_weight" else w
+    y, r = norm_k.rms_norm(x, w, 1e-6, res)
+    y_ref, r_ref = norm_ref.rms_norm(x, w, 1e-6, res)
+    close(y, y_ref, tol)
+    close(r, r_ref, 0 if dtype == torch.float32 else tol)
+
+
+def test_rms_norm_reads_strided_rows_and_refuses_what_it_cannot_view():
+    x = rand(6, 80, seed=4)
+    y, _ = norm_k.rms_norm(x[:, :64], rand(64, seed=5), 1e-6)  # rows 80 apart: a view, no copy
+    close(y, norm_ref.rms_norm(x[:, :64], rand(64, seed=5), 1e-6)[0], 1e-5)
+    assert "contiguous" in norm_k._verify_rms(x.t(), None, 1e-6)
+    assert "wider" in norm_k._verify_rms(torch.zeros(1, norm_k.MAX_WIDTH + 1, device=DEV), None, 1e-6)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_gated_rms_norm_matches_the_reference(dtype, tol):
+    x, g, w = rand(5, 3, 32, dtype=dtype, seed=6), rand(5, 3, 32, dtype=dtype, seed=7), rand(32, seed=8)
+    close(norm_k.rms_norm_gated(x, w, g, 1e-6), norm_ref.rms_norm_gated(x, w, g, 1e-6), tol)
+
+
+def test_empty_rows():
+    x = torch.zeros(0, 16, device=DEV)
+    y, r = norm_k.rms_norm(x, None, 1e-6, x)
+    assert y.shape == (0, 16) and r.shape == (0, 16)
+
+
+# prefill chunks of fresh and continuing sequences (lengths across the 16-token tile and below W-1), decode steps
+CONV_STEPS = {"decode": ([3, 0, 9], [1, 1, 1]), "decode_padded": ([5, 2], [1, 1]),
+              "prefill": ([0, 0, 4, 7], [21, 2, 1, 16]), "mixed": ([2, 0, 6], [1, 33, 3])}
+
+
+@pytest.mark.parametrize("step", list(CONV_STEPS), ids=list(CONV_STEPS))
+@pytest.mark.parametrize("activation", ["silu", None])
+@pytest.mark.parametrize("W", [4, 2])
+def test_conv_matches_the_reference_and_updates_the_pool(step, activation, W):
+    starts, news = CONV_STEPS[step]
+    batch = make_batch(starts, news, 4, seed=9, pad_rows=2 if step == "decode_padded" else 0)
+    C = 40  # not a multiple of the channel block
+    pool = rand(17, C, W - 1, seed=10)
+    x, w = rand(batch.num_tokens, C, seed=11), rand(C, 1, W, seed=12)
+    batch = on_device(batch)
+    ours = pool.clone()
+    y = causal_conv1d_pooled_triton(x, w, ours, batch, activation)
+    y_ref = kda_ref.causal_conv1d_pooled(x, w, pool, batch, activation)
+    real = slice(0, batch.num_tokens - (2 if step == "decode_padded" else 0))
+    close(y[real], y_ref[real], 1e-5)
+    keep = torch.ones(17, dtype=torch.bool)
+    keep[0] = False  # the null slot of padding rows holds whatever they wrote
+    close(ours[keep], pool[keep], 1e-6)
+
+
+def test_conv_refuses_with_a_reason():
+    x = torch.zeros(3, 8, device=DEV)
+    assert conv_refusal(x, torch.zeros(8, 4), torch.zeros(4, 8, 3, device=DEV)) is None
+    assert "taps" in conv_refusal(x, torch.zeros(8, 20), torch.zeros(4, 8, 19, device=DEV))
+    assert "contiguous" in conv_refusal(x.t(), torch.zeros(3, 4), torch.zeros(4, 3, 3, device=DEV))
+
+
+from dayzero.ops.activation import kernels as act_k  # noqa: E402
+from dayzero.ops.activation import reference as act_ref  # noqa: E402
+from dayzero.ops.kda import gate_kernels as gate_k  # noqa: E402
+from dayzero.ops.moe import reference as moe_ref  # noqa: E402
+from dayzero.ops.moe import route_kernels as route_k  # noqa: E402
+from dayzero.ops.rotary import kernels as rope_k  # noqa: E402
+from dayzero.ops.rotary import reference as rope_ref  # noqa: E402
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_rotary_matches_the_reference(interleaved, dtype, tol):
+    x = rand(5, 3, 24, dtype=dtype, seed=13)  # half = 12: not a power of two
+    ang = rand(5, 12, seed=14)
+    cos, sin = ang.cos(), ang.sin()
+    close(rope_k.apply_rotary(x, cos, sin, interleaved), rope_ref.apply_rotary(x, cos, sin, interleaved), tol)
+    part = rand(5, 3, 40, dtype=dtype, seed=15)[..., 16:]  # the rotated tail of wider heads: a strided view
+    close(rope_k.apply_rotary(part, cos, sin, interleaved), rope_ref.apply_rotary(part, cos, sin, interleaved), tol)
+
+
+@pytest.mark.parametrize("name,limit", [("silu", None), ("silu", 0.5), ("relu2", None), ("swiglu_oai", None)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_activations_match_the_reference(name, limit, dtype, tol):
+    x = rand(7, 3, 2 * 40, dtype=dtype, seed=16)
+    if name == "silu":
+        close(act_k.silu_and_mul(x, limit), act_ref.silu_and_mul(x, limit), tol)
+    elif name == "relu2":
+        close(act_k.relu2(x), act_ref.relu2(x), tol)
+    else:
+        close(act_k.swiglu_oai(x), act_ref.swiglu_oai(x), tol)
+
+
+@pytest.mark.parametrize("name", ["silu", "relu2"])
+def test_device_mlp_matches_the_reference_in_bf16(name):
+    D, I = 64, 48
+    x = rand(9, D, dtype=torch.bfloat16, seed=17)
+    w1 = (rand(I * (2 if name == "silu" else 1), D, seed=18) * D**-0.5).bfloat16()
+    w2 = (rand(D, I, seed=19) * I**-0.5).bfloat16()
+    assert act_k._verify_mlp(x, w1, w2, name) is None
+    close(act_k.dense_mlp(x, w1, w2, name), moe_ref.dense_mlp(x, w1, w2, name), 3e-2)
+    assert "fp32" in act_k._verify_mlp(x.float(), w1.float(), w2.float(), name)
+
+
+@pytest.mark.parametrize("lower", [None, -5.0])
+def test_kda_gate_matches_the_reference(lower):
+    f = rand(6, 3, 16, dtype=torch.bfloat16, seed=20) * 4
+    A, bias = rand(3, seed=21), rand(48, seed=22)
+    close(gate_k.kda_gate(f, A, bias, lower), kda_ref.kda_gate(f, A, bias, lower), 1e-5)
+    a = rand(6, 3, seed=23).reshape(6, 3, 1)  # Gated DeltaNet: one gate per head
+    close(gate_k.kda_gate(a, A, rand(3, seed=24)), kda_ref.kda_gate(a, A, rand(3, seed=24)), 1e-5)
+
+
+ROUTES = {"v3": dict(E=64, k=8, G=8, TG=4, bias=True), "flat": dict(E=40, k=4, G=1, TG=1, bias=False),
+          "v4": dict(E=48, k=8, G=1, TG=1, bias=True, kind="sqrtsoftplus"), "one": dict(E=16, k=1, G=4, TG=2, bias=True)}
+
+
+@pytest.mark.parametrize("case", list(ROUTES), ids=list(ROUTES))
+@pytest.mark.parametrize("norm", [True, False])
+def test_routing_picks_the_references_experts(case, norm):
+    c = ROUTES[case]
+    logits = rand(33, c["E"], seed=25) * 3
+    bias = rand(c["E"], seed=26) * 0.1 if c["bias"] else None
+    args = (logits, c["k"], c.get("kind", "sigmoid"), bias, c["G"], c["TG"], norm, 2.5)
+    assert route_k._verify(*args) is None
+    w, ids = route_k.route(*args)
+    w_ref, ids_ref = moe_ref.route(*args)
+    assert torch.equal(ids.sort(-1).values, ids_ref.sort(-1).values)
+    close(w.gather(1, ids.argsort(-1)), w_ref.gather(1, ids_ref.argsort(-1)), 1e-5)
+
+
+def test_routing_refuses_what_the_kernel_does_not_take():
+    logits = rand(4, 16, seed=27)
+    assert "softmax" in route_k._verify(logits, 2, "softmax")
+    assert "fixed" in route_k._verify(logits, 2, "sigmoid", fixed_ids=torch.zeros(4, 2, dtype=torch.long))
+    assert "power of two" in route_k._verify(logits, 3, "sigmoid")
