@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from dayzero.quant.mxfp4 import BLOCK, fp4_lut
+from dayzero.quant.mxfp4 import BLOCK, dequantize_mxfp4, fp4_lut
 
 COMPUTE = ("bf16", "fp8")
 
@@ -34,6 +34,26 @@ class BlockScaled:
 
     def float(self) -> torch.Tensor:
         return self.data.float() * self.scale.repeat_interleave(BLOCK, dim=-1)
+
+
+class PackedMXFP4:
+    """MXFP4 expert weights as stored (the ``fused`` conversion mode: kernels that dequantise in their inner
+    loop read these directly, so no workspace is needed). ``blocks`` [E, N, K/32, 16] uint8 (two E2M1 codes
+    per byte, low nibble = even element), ``scales`` [E, N, K/32] uint8 E8M0; ``shape`` is (E, N, K) like
+    the other expert containers, and indexing an expert gives its dequantised fp32 weight (for references)."""
+
+    def __init__(self, blocks: torch.Tensor, scales: torch.Tensor):
+        if blocks.dim() != 4 or blocks.shape[-1] != BLOCK // 2 or scales.shape != blocks.shape[:-1]:
+            raise ValueError(f"MXFP4 blocks must be [E, N, K/32, 16] with scales [E, N, K/32], "
+                             f"got {tuple(blocks.shape)} and {tuple(scales.shape)}")
+        self.blocks, self.scales = blocks, scales
+        self.shape = torch.Size((*blocks.shape[:2], blocks.shape[2] * BLOCK))
+
+    def __getitem__(self, e: int) -> torch.Tensor:
+        return dequantize_mxfp4(self.blocks[e], self.scales[e], torch.float32)
+
+    def float(self) -> torch.Tensor:
+        return dequantize_mxfp4(self.blocks, self.scales, torch.float32)
 
 
 def _convert(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor | None) -> None:

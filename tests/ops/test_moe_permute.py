@@ -22,15 +22,16 @@ from tests.conftest import tiny_config
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
-def assert_close_rel(out, ref, dtype):
+def assert_close_rel(out, ref, dtype, tol=None):
+    tol = TOL[dtype] if tol is None else tol
     assert out.shape == ref.shape and out.dtype == dtype
     if ref.numel() == 0:
         return
     assert not torch.isnan(out).any()
     err = (out.double() - ref.double()).abs()
     scale = ref.double().abs().max().clamp_min(1e-30)
-    assert err.max() / scale <= TOL[dtype], f"max rel err {float(err.max() / scale):.3g}"
-    torch.testing.assert_close(out.double(), ref.double(), rtol=10 * TOL[dtype], atol=TOL[dtype] * float(scale))
+    assert err.max() / scale <= tol, f"max rel err {float(err.max() / scale):.3g}"
+    torch.testing.assert_close(out.double(), ref.double(), rtol=10 * tol, atol=tol * float(scale))
 
 
 def routing(T, E, k, seed, used_every=2):
@@ -176,8 +177,10 @@ def test_masked_fallback_equals_reference(weights_kind, activation, limit, dtype
     ref = grouped_mlp(xs, offsets, w1, w2, activation, b1, b2, limit)
     assert_close_rel(got, ref, dtype)
     assert not got[-3:].any()  # padding rows belong to no expert
+    # the CUDA op runs the Triton expert kernels here (through the interpreter), which round h to bf16
     assert_close_rel(moe_cuda.grouped_experts(x, ids, weights, w1, w2, activation, b1, b2, limit),
-                     grouped_experts(x, ids, weights, w1, w2, activation, b1, b2, limit), dtype)
+                     grouped_experts(x, ids, weights, w1, w2, activation, b1, b2, limit), dtype,
+                     3e-2 if dtype == torch.bfloat16 else None)
 
 
 def test_expert_of_rows():

@@ -178,3 +178,28 @@ def test_routing_refuses_what_the_kernel_does_not_take():
     assert "softmax" in route_k._verify(logits, 2, "softmax")
     assert "fixed" in route_k._verify(logits, 2, "sigmoid", fixed_ids=torch.zeros(4, 2, dtype=torch.long))
     assert "power of two" in route_k._verify(logits, 3, "sigmoid")
+
+
+from dayzero.ops.moe import unpermute_kernels as unperm_k  # noqa: E402
+
+
+@pytest.mark.parametrize("mode", ["both", "none", "bias_only"])
+def test_layer_norm_matches_the_reference(mode):
+    x = rand(7, 3, 40, dtype=torch.bfloat16, seed=28) * 3 + 1
+    w = rand(40, seed=29) if mode == "both" else None
+    b = rand(40, seed=30) if mode != "none" else None
+    close(norm_k.layer_norm(x, w, b, 1e-5), norm_ref.layer_norm(x, w, b, 1e-5), 2e-2)
+    xf = x.float()
+    close(norm_k.layer_norm(xf, w, b, 1e-5), norm_ref.layer_norm(xf, w, b, 1e-5), 1e-5)
+
+
+@pytest.mark.parametrize("T,k,E", [(9, 4, 6), (1, 8, 16), (0, 2, 4)])
+def test_unpermute_matches_the_reference(T, k, E):
+    ids = torch.randint(0, E, (T, k), generator=torch.Generator().manual_seed(31)).to(DEV)
+    weights = rand(T, k, seed=32).abs()
+    order, _ = moe_ref.permute(ids, E)
+    ys = rand(T * k, 40, seed=33)
+    assert unperm_k._verify(ys, order, weights, T) is None
+    close(unperm_k.unpermute(ys, order, weights, T), moe_ref.unpermute(ys, order, weights, T), 1e-5)
+    yb = ys.bfloat16()
+    close(unperm_k.unpermute(yb, order, weights, T), moe_ref.unpermute(yb, order, weights, T), 2e-2)

@@ -4,14 +4,16 @@ each sequence brings one query row, its keys are gathered through its block tabl
 and softmaxed in fp32. Nothing depends on a host length, so these run inside captured CUDA graphs.
 
 Same math as the per-sequence references (``paged.py``); rows of a prefill chunk are refused (the reference
-runs them), with that reason in ``dayzero ops``. They are plain PyTorch: the Triton kernels that will
-replace them register the same ops.
+runs them), with that reason in ``dayzero ops``. Absorbed MLA runs the Triton split-K kernel of
+``triton_mla.py`` where it can (its ``refusal`` says why not: no Triton, a quantised pool, ...); the rest are
+plain PyTorch.
 """
 from __future__ import annotations
 
 import torch
 
 from dayzero.cache.rows import read_rows, slots_of
+from dayzero.ops.attention import triton_mla
 from dayzero.ops.attention.reference import sink_softmax
 from dayzero.ops.registry import register
 
@@ -60,21 +62,37 @@ def paged_attention_decode(q: torch.Tensor, k_cache, v_cache, batch, scale: floa
 
 
 @register("paged_mla", "cuda", verifier=lambda qn, qp, lc, w, vd, batch, *a, **k: _decode_only(batch),
-          note="absorbed decode rows batched over the block tables or the DSA selection (PyTorch)")
+          note="absorbed decode rows over the block tables or the DSA selection (Triton split-K kernel, "
+               "else PyTorch)")
 def paged_mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache, kv_b_weight: torch.Tensor,
                      v_head_dim: int, batch, scale: float, sinks: torch.Tensor | None = None,
                      selection: torch.Tensor | None = None) -> torch.Tensor:
     # q_nope: [B, H, N]; q_pe: [B, H, P]; kv_b_weight: [H*(N+V), R]; selection: [B, topk] or None -> [B, H, V]
+    return _mla_decode(q_nope, q_pe, latent_cache, kv_b_weight, v_head_dim, batch, scale, sinks, selection, True)
+
+
+def paged_mla_decode_torch(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache, kv_b_weight: torch.Tensor,
+                           v_head_dim: int, batch, scale: float, sinks: torch.Tensor | None = None,
+                           selection: torch.Tensor | None = None) -> torch.Tensor:
+    """``paged_mla_decode`` on its PyTorch path whatever the device (tests, benchmarks)."""
+    return _mla_decode(q_nope, q_pe, latent_cache, kv_b_weight, v_head_dim, batch, scale, sinks, selection, False)
+
+
+def _mla_decode(q_nope, q_pe, latent_cache, kv_b_weight, v_head_dim, batch, scale, sinks, selection, use_triton):
     B, H, N = q_nope.shape
     w = kv_b_weight.view(H, N + v_head_dim, -1)  # per head: N rows of W_UK, then V rows of W_UV
     R = w.shape[-1]
-    if selection is None:
-        kp, ok = key_positions(batch)
-    else:
-        kp, ok = selection, selection >= 0
-    lat = read_rows(latent_cache, slots_of(batch.block_tables, kp, batch.block_size)).float()  # [B, K, R+P]
     # the absorbed query q~ = [q_nope W_UK | q_pe], one shared latent key/value head
     q_lat = torch.einsum("bhn,hnr->bhr", q_nope.float(), w[:, :N].float())
-    q_abs = torch.cat((q_lat, q_pe.float()), dim=-1)[:, None]  # [B, 1, H, R+P]
-    o_lat = _attend(q_abs, lat[:, :, None], lat[:, :, None, :R], ok, scale, sinks)[:, 0]  # [B, H, R]
+    q_abs = torch.cat((q_lat, q_pe.float()), dim=-1)  # [B, H, R+P] fp32
+    if use_triton and triton_mla.refusal(q_abs, latent_cache, selection) is None:
+        o_lat = triton_mla.mla_decode(q_abs, latent_cache, batch.block_tables, batch.positions, batch.block_size,
+                                      R, scale, sinks, selection)  # [B, H, R] fp32
+    else:
+        if selection is None:
+            kp, ok = key_positions(batch)
+        else:
+            kp, ok = selection, selection >= 0
+        lat = read_rows(latent_cache, slots_of(batch.block_tables, kp, batch.block_size)).float()  # [B, K, R+P]
+        o_lat = _attend(q_abs[:, None], lat[:, :, None], lat[:, :, None, :R], ok, scale, sinks)[:, 0]  # [B, H, R]
     return torch.einsum("bhr,hvr->bhv", o_lat, w[:, N:].float()).to(q_nope.dtype)

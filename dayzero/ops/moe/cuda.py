@@ -1,14 +1,17 @@
 """Routed experts on CUDA without a host synchronisation, so the MoE block can be captured in a CUDA graph.
 
-``moe_experts_grouped`` takes the rows ``moe_permute`` sorted by expert and runs, for bf16 activations and
-plain bf16 weights with widths that are multiples of 8, each projection as ONE grouped GEMM over every
-expert (torch's ``grouped_mm``, a CUTLASS kernel on sm80+) instead of the reference's GEMM pair per expert.
+``moe_experts_grouped`` takes the rows ``moe_permute`` sorted by expert. When Triton can run them
+(``triton_moe.refusal`` is None) it runs the Triton grouped-expert kernels: two launches over every expert,
+the activation fused into the first, and plain, FP8 (``TileScaled``, ``BlockScaled``) or packed MXFP4
+(``PackedMXFP4``) weights read as stored. Otherwise, for bf16 activations and plain bf16 weights with widths
+that are multiples of 8, each projection runs as ONE grouped GEMM over every expert (torch's ``grouped_mm``,
+a CUTLASS kernel on sm80+) instead of the reference's GEMM pair per expert.
 The GEMMs accumulate in fp32 but return bf16 (the only output dtype torch 2.11's kernel gives), and the
 second reads the activation rounded to bf16, where the reference keeps both fp32: differences of the order
 of bf16 rounding.
 
-Everything else (fp32 weights, block-FP8 ``TileScaled`` experts, the ``BlockScaled`` FP8 workspace, widths
-grouped_mm cannot take) runs :func:`masked_grouped_mlp`: every expert over all N rows with fixed shapes,
+Everything else (fp32 weights, block-FP8 ``TileScaled`` experts, the ``BlockScaled`` FP8 workspace, packed
+MXFP4, widths grouped_mm cannot take) runs :func:`masked_grouped_mlp`: every expert over all N rows with fixed shapes,
 keeping the rows that are its own. It costs E times the FLOPs of the rows, but never reads the offsets
 on the host, where the reference's loop over experts must.
 """
@@ -19,10 +22,11 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from dayzero.ops.moe import triton_moe
 from dayzero.ops.moe.reference import _activation, _mlp, permute, unpermute
 from dayzero.ops.registry import register
 from dayzero.quant.fp8 import TileScaled
-from dayzero.quant.workspace import BlockScaled
+from dayzero.quant.workspace import BlockScaled, PackedMXFP4
 
 log = logging.getLogger("dayzero.ops")
 
@@ -85,20 +89,29 @@ def masked_grouped_mlp(xs: torch.Tensor, offsets: torch.Tensor, w1, w2, activati
 
 
 def _verify(xs, offsets, w1, w2, *args, **kwargs) -> str | None:
-    known = (torch.Tensor, TileScaled, BlockScaled)
+    known = (torch.Tensor, TileScaled, BlockScaled, PackedMXFP4)
     bad = [type(w).__name__ for w in (w1, w2) if not isinstance(w, known)]
-    return f"expert weights of type {bad} are not tensors, TileScaled or BlockScaled" if bad else None
+    return f"expert weights of type {bad} are not tensors, TileScaled, BlockScaled or PackedMXFP4" if bad else None
+
+
+def _log_once(message: str, why: str) -> None:
+    if why not in _LOGGED:
+        _LOGGED.add(why)
+        log.info("moe_experts_grouped on cuda: %s (%s)", message, why)
 
 
 @register("moe_experts_grouped", "cuda", verifier=_verify,
-          note="torch grouped_mm for bf16; otherwise every expert over all rows, masked (no host sync)")
+          note="Triton grouped-expert kernels; else torch grouped_mm for bf16; else every expert over all rows, masked")
 def grouped_mlp(xs: torch.Tensor, offsets: torch.Tensor, w1, w2, activation: str = "silu",
                 b1: torch.Tensor | None = None, b2: torch.Tensor | None = None,
                 limit: float | None = None) -> torch.Tensor:
+    why = triton_moe.refusal(xs, offsets, w1, w2, activation, b1, b2, limit)
+    if why is None:
+        return triton_moe.moe_experts_grouped(xs, offsets, w1, w2, activation, b1, b2, limit)
+    _log_once("no Triton kernels", why)
     why = grouped_mm_refusal(xs, w1, w2)
-    if why is not None and why not in _LOGGED:
-        _LOGGED.add(why)
-        log.info("moe_experts_grouped on cuda: every expert over all rows (%s)", why)
+    if why is not None:
+        _log_once("every expert over all rows", why)
     fn = grouped_mm_mlp if why is None else masked_grouped_mlp
     return fn(xs, offsets, w1, w2, activation, b1, b2, limit)
 

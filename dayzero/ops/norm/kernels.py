@@ -1,4 +1,4 @@
-"""RMSNorm (with the residual add fused) and the gated RMSNorm as Triton kernels: one launch per call where
+"""RMSNorm (with the residual add fused), the gated RMSNorm and LayerNorm as Triton kernels: one launch per call where
 the PyTorch reference issues six to twelve (casts, square, mean, rsqrt, products). Same math as
 ``reference.py``: the residual sum rounded once to the input's dtype, then normalised in fp32.
 
@@ -45,6 +45,23 @@ if HAS_TRITON:
         g = tl.load(g_ptr + r64 * sg + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
         y = h * tl.rsqrt(tl.sum(h * h, axis=1) / D + eps)[:, None] * w * tl.sigmoid(g)
+        tl.store(y_ptr + r64 * D + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _layer_norm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, n_rows, D, sx, eps,
+                           HAS_W: tl.constexpr, HAS_B: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, BLOCK)
+        mask = (rows[:, None] < n_rows) & (cols[None, :] < D)
+        r64 = rows[:, None].to(tl.int64)
+        h = tl.load(x_ptr + r64 * sx + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(h, axis=1) / D
+        d = tl.where(mask, h - mean[:, None], 0.0)
+        y = d * tl.rsqrt(tl.sum(d * d, axis=1) / D + eps)[:, None]
+        if HAS_W:
+            y = y * tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
+        if HAS_B:
+            y = y + tl.load(b_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + r64 * D + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -110,4 +127,19 @@ def rms_norm_gated(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, ep
         grid, rows, block, warps = _launch_shape(n, D)
         _rms_norm_gated_kernel[(grid,)](x2, g2, weight, y, n, D, x2.stride(0), g2.stride(0), float(eps),
                                         ROWS=rows, BLOCK=block, num_warps=warps)
+    return y
+
+
+@register("layer_norm", "cuda", verifier=lambda x, weight, bias, eps: _refusal(x), note="Triton")
+def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    # x: [..., D]; weight, bias: [D] or None -> LayerNorm over the last dim (biased variance)
+    D = x.shape[-1]
+    x2 = _rows(x)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    n = x2.shape[0]
+    if n:
+        grid, rows, block, warps = _launch_shape(n, D)
+        _layer_norm_kernel[(grid,)](x2, weight if weight is not None else x2, bias if bias is not None else x2, y,
+                                    n, D, x2.stride(0), float(eps), HAS_W=weight is not None,
+                                    HAS_B=bias is not None, ROWS=rows, BLOCK=block, num_warps=warps)
     return y

@@ -1,0 +1,204 @@
+"""One DSA layer's attention decode step: lightning-indexer scores + top-k + sparse absorbed MLA (Triton), against
+dense MLA over the whole context (the same Triton kernel, no selection) and the old PyTorch decode paths, side
+by side in one run, with the roofline; then a long prefill of the indexer's varlen form in bounded chunks.
+
+    python benchmarks/dsa_decode.py --config configs/dayzero-2.8t.json --contexts 8192 32768 131072 --batch 1 8
+    python benchmarks/dsa_decode.py --device cpu --small      # smoke test through Triton's interpreter
+
+Shapes (H, R, P, N, V, Hi, Di, top-k) come from the config; bf16 pools, every sequence ``context`` tokens long,
+its blocks scattered at random over the pool. Each implementation runs ``--repeats`` times after a warm-up,
+timed with CUDA events. The roofline of a step is the bytes it must read over the copy bandwidth measured in
+the same run: the indexer reads every key whole (Di x 2 B a key), sparse MLA only the selected latent rows
+((R+P) x 2 B each), dense MLA every latent row of the context.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+_argv = " ".join(sys.argv[1:]).replace("=", " ").split()
+if any(a == "--device" and b == "cpu" for a, b in zip(_argv, _argv[1:])):
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when triton is first imported, so before dayzero
+
+import torch  # noqa: E402
+
+from dayzero.engine.batch import ForwardBatch  # noqa: E402
+from dayzero.ops.attention import cuda as attn  # noqa: E402
+from dayzero.ops.indexer import cuda as idx  # noqa: E402
+from dayzero.ops.indexer import triton_indexer  # noqa: E402
+
+SMALL = {"num_attention_heads": 4, "kv_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16,
+         "v_head_dim": 16, "index_n_heads": 4, "index_head_dim": 32, "index_topk": 16}
+
+
+def timed(fn, repeats: int, device: str) -> float:
+    """Milliseconds per call of ``fn`` after one warm-up call."""
+    fn()
+    if device != "cuda":
+        t = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return (time.perf_counter() - t) * 1e3 / repeats
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes per second of a large device copy (read + write)."""
+    a = torch.empty(1 << (28 if device == "cuda" else 22), dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    return 2 * a.numel() / (timed(lambda: b.copy_(a), 10, device) * 1e-3)
+
+
+def decode_batch(B: int, context: int, bs: int, device: str, g: torch.Generator) -> ForwardBatch:
+    """B sequences of ``context`` tokens (the last one is this step's query), blocks scattered over the pool."""
+    per = -(-context // bs)
+    tables = (torch.randperm(B * per, generator=g) + 1).view(B, per).to(device)  # block 0 is the null block
+    pos = torch.full((B,), context - 1, dtype=torch.int64, device=device)
+    slots = tables[:, -1] * bs + (context - 1) % bs
+    rows = torch.arange(B, device=device)
+    return ForwardBatch(torch.zeros(B, dtype=torch.int64, device=device), pos, list(range(B + 1)), [context - 1] * B,
+                        [context] * B, slots, tables, rows, rows, bs)
+
+
+def shapes(args) -> dict:
+    with open(args.config) as f:
+        cfg = json.load(f)
+    if args.small:
+        cfg.update(SMALL)
+    return {"H": cfg["num_attention_heads"], "R": cfg["kv_lora_rank"], "P": cfg["qk_rope_head_dim"],
+            "N": cfg["qk_nope_head_dim"], "V": cfg["v_head_dim"], "Hi": cfg["index_n_heads"],
+            "Di": cfg["index_head_dim"], "topk": cfg["index_topk"]}
+
+
+def bench_decode(s: dict, B: int, context: int, args, bw: float, g: torch.Generator) -> dict:
+    dev, bs, topk, bf16 = args.device, args.block_size, s["topk"], torch.bfloat16
+    batch = decode_batch(B, context, bs, dev, g)
+    nb = int(batch.block_tables.shape[0] * batch.block_tables.shape[1]) + 1
+    rnd = lambda *shape, scale=1.0: (torch.randn(*shape, generator=g) * scale).to(bf16).to(dev)  # noqa: E731
+    k_pool = rnd(nb, bs, s["Di"])
+    lat_pool = rnd(nb, bs, s["R"] + s["P"])
+    q, w = rnd(B, s["Hi"], s["Di"]), (torch.randn(B, s["Hi"], generator=g) * (s["Hi"] * s["Di"]) ** -0.5).to(dev)
+    qn, qp = rnd(B, s["H"], s["N"]), rnd(B, s["H"], s["P"])
+    kv_b = rnd(s["H"] * (s["N"] + s["V"]), s["R"], scale=s["R"] ** -0.5)
+    sink, scale = None, (s["N"] + s["P"]) ** -0.5
+    sel = torch.empty(B, topk, dtype=torch.int64, device=dev)
+    scores = torch.empty(B, batch.key_width, dtype=torch.float32, device=dev)
+    r = args.repeats
+
+    def mla(selection, torch_path=False):
+        fn = attn.paged_mla_decode_torch if torch_path else attn.paged_mla_decode
+        return fn(qn, qp, lat_pool, kv_b, s["V"], batch, scale, sink, selection)
+
+    t = {
+        "scores": timed(lambda: triton_indexer.decode_scores(q, w, k_pool, batch.block_tables, batch.positions, bs,
+                                                            scores), r, dev),
+        "topk": timed(lambda: triton_indexer.topk_of_scores(scores, batch.positions, topk, sel), r, dev),
+        "indexer": timed(lambda: idx.paged_indexer_topk_decode(q, w, k_pool, batch, topk, sel), r, dev),
+        "sparse_mla": timed(lambda: mla(sel), r, dev),
+        "dense_mla": timed(lambda: mla(None), r, dev),
+    }
+    t["step"] = timed(lambda: (idx.paged_indexer_topk_decode(q, w, k_pool, batch, topk, sel), mla(sel)), r, dev)
+    t["torch_step"] = timed(lambda: (idx.paged_indexer_topk_decode_torch(q, w, k_pool, batch, topk, sel),
+                                     mla(sel, True)), r, dev)
+    t["torch_dense"] = timed(lambda: mla(None, True), r, dev)
+    keys = min(topk, context)
+    bytes_ = {"indexer": B * context * s["Di"] * 2, "sparse_mla": B * keys * (s["R"] + s["P"]) * 2,
+              "dense_mla": B * context * (s["R"] + s["P"]) * 2}
+    roof = {k: v / bw * 1e3 for k, v in bytes_.items()}
+    return {"batch": B, "context": context, "ms": t, "bytes": bytes_, "roofline_ms": roof,
+            "step_roofline_ms": roof["indexer"] + roof["sparse_mla"]}
+
+
+def bench_prefill(s: dict, tokens: int, args, g: torch.Generator) -> dict:
+    """The indexer's varlen form over one ``tokens``-long prompt: scores in chunks under the scratch budget."""
+    dev, bs, topk = args.device, args.block_size, s["topk"]
+    batch = decode_batch(1, tokens, bs, dev, g)
+    nb = int(batch.block_tables.numel()) + 1
+    k_pool = torch.randn(nb, bs, s["Di"], generator=g).to(torch.bfloat16).to(dev)
+    q = torch.randn(tokens, s["Hi"], s["Di"], generator=g).to(torch.bfloat16).to(dev)
+    w = (torch.randn(tokens, s["Hi"], generator=g) * (s["Hi"] * s["Di"]) ** -0.5).to(dev)
+    seq = torch.zeros(tokens, dtype=torch.int64, device=dev)
+    pos = torch.arange(tokens, device=dev)
+    out = torch.empty(tokens, topk, dtype=torch.int64, device=dev)
+    budget = args.budget or (triton_indexer.SCRATCH_BUDGET if not args.small else 1 << 14)
+    run = lambda: triton_indexer.varlen_topk(q, w, k_pool, batch.block_tables, seq, pos, bs, topk, out,  # noqa: E731
+                                             budget=budget)
+    if dev == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    ms = timed(run, 1, dev)  # the warm-up call compiles; one timed call
+    peak = torch.cuda.max_memory_allocated() - base if dev == "cuda" else None
+    kw = batch.key_width
+    rows = triton_indexer.chunk_rows(kw, topk, budget)
+    flops = tokens * (tokens + 1) / 2 * s["Hi"] * s["Di"] * 2  # causal pairs x heads x 2 Di
+    return {"tokens": tokens, "ms": ms, "chunks": -(-tokens // rows), "rows_per_chunk": rows,
+            "scratch_bytes": triton_indexer.scratch_bytes(tokens, kw, topk, budget), "budget": budget,
+            "peak_extra_bytes": peak, "causal_tflops": flops / (ms * 1e-3) / 1e12}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/dayzero-2.8t.json")
+    ap.add_argument("--contexts", type=int, nargs="+", default=None)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--prefill-tokens", type=int, default=None, help="0: skip the prefill timing")
+    ap.add_argument("--budget", type=int, default=None, help="varlen scratch budget in bytes")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--small", action="store_true", help="tiny shapes and contexts (a smoke test)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if args.small:
+        args.contexts = args.contexts or [40, 100]
+        args.batch, args.block_size, args.repeats = [b for b in args.batch if b <= 2] or [1], 16, min(args.repeats, 2)
+        args.prefill_tokens = 96 if args.prefill_tokens is None else args.prefill_tokens
+    args.contexts = args.contexts or [8192, 32768, 131072]
+    args.prefill_tokens = 131072 if args.prefill_tokens is None else args.prefill_tokens
+    s = shapes(args)
+    g = torch.Generator().manual_seed(0)
+    bw = copy_bandwidth(args.device)
+    print(f"{args.config}{' (small)' if args.small else ''}: H {s['H']}, R {s['R']}, P {s['P']}, Hi {s['Hi']}, "
+          f"Di {s['Di']}, top-{s['topk']}, block {args.block_size}, bf16; copy bandwidth {bw / 1e9:.0f} GB/s")
+    head = (f"{'ctx':>7} {'B':>3} | {'scores':>7} {'topk':>7} {'indexer':>8} {'sparse':>7} {'step':>7} {'idx %':>6} "
+            f"{'roof':>7} {'of roof':>7} | {'dense':>7} {'roof':>7} {'of roof':>7} | {'torch step':>10} "
+            f"{'torch dense':>11} {'speedup':>7}")
+    print("decode step, ms (indexer = scores + top-k; step = indexer + sparse MLA; roof = bytes / copy bandwidth)")
+    print(head)
+    rows = []
+    for context in args.contexts:
+        for B in args.batch:
+            r = bench_decode(s, B, context, args, bw, g)
+            t, roof = r["ms"], r["roofline_ms"]
+            print(f"{context:>7} {B:>3} | {t['scores']:>7.3f} {t['topk']:>7.3f} {t['indexer']:>8.3f} "
+                  f"{t['sparse_mla']:>7.3f} {t['step']:>7.3f} {t['indexer'] / t['step']:>6.0%} "
+                  f"{r['step_roofline_ms']:>7.3f} {r['step_roofline_ms'] / t['step']:>7.0%} | {t['dense_mla']:>7.3f} "
+                  f"{roof['dense_mla']:>7.3f} {roof['dense_mla'] / t['dense_mla']:>7.0%} | {t['torch_step']:>10.3f} "
+                  f"{t['torch_dense']:>11.3f} {t['torch_step'] / t['step']:>6.1f}x")
+            rows.append(r)
+    result = {"args": vars(args), "shapes": s, "bandwidth": bw, "decode": rows}
+    if args.prefill_tokens:
+        p = bench_prefill(s, args.prefill_tokens, args, g)
+        peak = "" if p["peak_extra_bytes"] is None else f", peak extra memory {p['peak_extra_bytes'] / 2**20:.0f} MiB"
+        print(f"indexer prefill (varlen) of {p['tokens']} tokens: {p['ms']:.1f} ms in {p['chunks']} chunks of "
+              f"{p['rows_per_chunk']} rows, scratch {p['scratch_bytes'] / 2**20:.2f} MiB (budget "
+              f"{p['budget'] / 2**20:.2f} MiB){peak}, {p['causal_tflops']:.1f} causal TFLOP/s")
+        result["prefill"] = p
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

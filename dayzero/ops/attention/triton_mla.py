@@ -1,0 +1,202 @@
+"""Absorbed MLA decode over the paged latent pool as Triton kernels: split-K (flash-decoding) and a merge.
+
+The latent pool holds one shared key/value head per token, ``[c (R) | k_pe (P)]``: the key is the whole row,
+the value its first R columns. For the absorbed query q~ = [q_nope W_UK | q_pe] ([B, H, R+P], computed in
+torch by ``paged_mla_decode``) every head h of decode row b gets
+
+    o_lat[b, h] = sum_j softmax_j(scale * q~[b, h] . lat_j) c_j      (fp32; a sink adds e^sink to the sum)
+
+over its keys j: the DSA ``selection`` [B, topk] (key positions, -1 = none), or with no selection every
+position 0..positions[b] of its block table. A key counts only if 0 <= position <= positions[b] (and inside
+the table); other rows are never loaded (masked loads), since a stale row of a reused block may hold inf/NaN.
+
+- split kernel: one program per (row, split of the key list, block of heads). It walks its split in tiles of
+  keys gathered through the block table, keeps a running max / sum / [heads, R] output in fp32 (log2 domain,
+  so exp2), and writes them as partials. The latent tile is loaded once as [keys, R] + [keys, P] (R=512 and
+  P=64 in the real model, so R+P=576 needs no padding to 1024) and serves as both the key and the value.
+- merge kernel: one program per (row, head, slice of R) rescales the splits' partials to their common max, adds
+  the sink to the denominator and writes o_lat [B, H, R] fp32.
+
+The number of splits is chosen on the host from shapes only (rows, heads, key-list length), never from a
+device value: both kernels run inside captured CUDA graphs. Dots run in the pool's dtype on the tensor cores
+(q~ is cast to it), with fp32 accumulation; fp32 pools use IEEE fp32 dots.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dayzero.ops.triton_support import DOT_F32, HAS_TRITON, next_pow2, tl, triton, triton_refusal
+
+# Heads x keys per tile, and warps: at R=512 this compiles for sm_90 to 252 registers a thread and no spills
+# (M=16 runs on mma.sync; 64 heads would reach wgmma but spill). Not tuned on a GPU yet.
+BLOCK_H, BLOCK_N, NUM_WARPS = 16, 32, 8
+MERGE_BLOCK_R = 128  # latent columns per merge program
+TARGET_PROGRAMS = 264  # about two waves of an H200's 132 SMs
+MIN_SPLIT_KEYS = 128  # fewer keys per split would spend more on partials than on the keys
+MAX_SPLITS = 64
+MAX_RANK = 1024  # R + P up to this
+LOG2E = 1.4426950408889634
+
+if HAS_TRITON:
+    @triton.jit
+    def _split_kernel(q_ptr, lat_ptr, table_ptr, pos_ptr, sel_ptr, o_ptr, ml_ptr, H, num_keys, key_width,
+                      keys_per_split, qk_scale, s_qb, s_qh, s_lb, s_lr, s_tb, s_sb, s_ob, s_oh, s_os,
+                      R: tl.constexpr, P: tl.constexpr, PAGE: tl.constexpr, SPARSE: tl.constexpr,
+                      BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                      DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)  # partial offsets b * H * S * R may pass 2^31
+        split = tl.program_id(1)
+        offs_h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+        h_ok = offs_h < H
+        offs_r = tl.arange(0, BLOCK_R)
+        offs_p = tl.arange(0, BLOCK_P)
+        r_ok, p_ok = offs_r < R, offs_p < P
+        dt = lat_ptr.dtype.element_ty  # the dots' operand dtype: q~ and p are rounded to it
+        q_row = q_ptr + b * s_qb + offs_h[:, None] * s_qh
+        q_c = tl.load(q_row + offs_r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0).to(dt)  # [BH, BR]
+        q_p = tl.load(q_row + R + offs_p[None, :], mask=h_ok[:, None] & p_ok[None, :], other=0.0).to(dt)  # [BH, BP]
+        if DOT_F32:
+            q_c, q_p = q_c.to(tl.float32), q_p.to(tl.float32)
+        pos = tl.load(pos_ptr + b)
+
+        m = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)  # running max, log2 units
+        l = tl.zeros((BLOCK_H,), dtype=tl.float32)  # running sum of exp2(s - m)
+        acc = tl.zeros((BLOCK_H, BLOCK_R), dtype=tl.float32)  # running sum of exp2(s - m) * c
+        start = split * keys_per_split
+        end = tl.minimum(start + keys_per_split, num_keys)
+        if not SPARSE:  # dense: the keys are positions 0..pos, nothing past them to walk
+            end = tl.minimum(end, pos + 1)
+        n0 = start
+        while n0 < end:  # a while loop: the interpreter cannot take device bounds in range()
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            inside = offs_n < end
+            if SPARSE:
+                kp = tl.load(sel_ptr + b * s_sb + offs_n, mask=inside, other=-1)
+            else:
+                kp = offs_n
+            valid = inside & (kp >= 0) & (kp <= pos) & (kp < key_width)  # [BN]
+            blk = tl.load(table_ptr + b * s_tb + kp // PAGE, mask=valid, other=0).to(tl.int64)
+            row = lat_ptr + blk * s_lb + (kp % PAGE).to(tl.int64) * s_lr  # [BN] row pointers
+            kc = tl.load(row[:, None] + offs_r[None, :], mask=valid[:, None] & r_ok[None, :], other=0.0)  # [BN, BR]
+            kr = tl.load(row[:, None] + R + offs_p[None, :], mask=valid[:, None] & p_ok[None, :], other=0.0)
+            if DOT_F32:
+                kc, kr = kc.to(tl.float32), kr.to(tl.float32)
+            s = tl.dot(q_c, tl.trans(kc), input_precision=PRECISION)
+            s += tl.dot(q_p, tl.trans(kr), input_precision=PRECISION)  # [BH, BN] fp32
+            s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: any finite shift gives p = 0
+            alpha = tl.exp2(m - m_use)
+            p = tl.exp2(s - m_use[:, None])  # [BH, BN]
+            l = l * alpha + tl.sum(p, axis=1)
+            p_dot = p.to(dt)
+            if DOT_F32:
+                p_dot = p_dot.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p_dot, kc, input_precision=PRECISION)  # value = c
+            m = m_new
+            n0 += BLOCK_N
+        o = o_ptr + b * s_ob + offs_h[:, None] * s_oh + split * s_os + offs_r[None, :]
+        tl.store(o, acc, mask=h_ok[:, None] & r_ok[None, :])
+        ml = ml_ptr + ((b * H + offs_h) * tl.num_programs(1) + split) * 2
+        tl.store(ml, m, mask=h_ok)
+        tl.store(ml + 1, l, mask=h_ok)
+
+    @triton.jit
+    def _merge_kernel(o_ptr, ml_ptr, sink_ptr, out_ptr, H, s_ob, s_oh, s_os, s_xb, s_xh,
+                      SPLITS: tl.constexpr, HAS_SINK: tl.constexpr, R: tl.constexpr, BLOCK_S: tl.constexpr,
+                      BLOCK_R: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        offs_s = tl.arange(0, BLOCK_S)
+        s_ok = offs_s < SPLITS
+        offs_r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)  # a slice of R: [splits, slice] stays small
+        r_ok = offs_r < R
+        ml = ml_ptr + ((b * H + h) * SPLITS + offs_s) * 2
+        m_s = tl.load(ml, mask=s_ok, other=float("-inf"))  # [BS]
+        l_s = tl.load(ml + 1, mask=s_ok, other=0.0)
+        m = tl.max(m_s, axis=0)
+        if HAS_SINK:
+            sink = tl.load(sink_ptr + h).to(tl.float32) * 1.4426950408889634  # natural -> log2 units
+            m = tl.maximum(m, sink)
+        m = tl.where(m == float("-inf"), 0.0, m)  # no key and no sink: the output is 0
+        wgt = tl.exp2(m_s - m)  # [BS]: 0 for splits without a key
+        denom = tl.sum(l_s * wgt, axis=0)
+        if HAS_SINK:
+            denom += tl.exp2(sink - m)
+        parts = o_ptr + b * s_ob + h * s_oh + offs_s[:, None] * s_os + offs_r[None, :]
+        o = tl.sum(tl.load(parts, mask=s_ok[:, None] & r_ok[None, :], other=0.0) * wgt[:, None], axis=0)  # [BR]
+        o = o / tl.maximum(denom, 1.1754943508222875e-38)
+        tl.store(out_ptr + b * s_xb + h * s_xh + offs_r, o, mask=r_ok)
+
+
+def refusal(q_abs: torch.Tensor, latent_pool, selection: torch.Tensor | None = None) -> str | None:
+    """Why the Triton MLA decode cannot run ``q_abs`` [B, H, R+P] over ``latent_pool``, or None when it can."""
+    why = triton_refusal(q_abs)
+    if why is not None:
+        return why
+    if not isinstance(latent_pool, torch.Tensor):
+        return "quantised latent pools are read by the PyTorch path"
+    if latent_pool.dim() != 3 or latent_pool.stride(-1) != 1:
+        return "the latent pool must be [num_blocks, block_size, R+P] with contiguous rows"
+    if latent_pool.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"latent pool dtype {latent_pool.dtype} is not bf16, fp16 or fp32"
+    if latent_pool.dtype == torch.float32 and latent_pool.device.type == "cuda":
+        return "fp32 latent pools: the kernel's fp32 (IEEE) dots spill registers on the GPU; the PyTorch path runs them"
+    if q_abs.dim() != 3 or q_abs.shape[-1] != latent_pool.shape[-1]:
+        return f"q_abs {tuple(q_abs.shape)} does not match latent rows of width {latent_pool.shape[-1]}"
+    if q_abs.shape[-1] > MAX_RANK:
+        return f"latent rows of {q_abs.shape[-1]} values exceed the kernel's {MAX_RANK}"
+    if selection is not None and (selection.dim() != 2 or selection.shape[0] != q_abs.shape[0]):
+        return f"selection {tuple(selection.shape)} is not [B, topk] for {q_abs.shape[0]} rows"
+    return None
+
+
+def num_splits(rows: int, heads: int, num_keys: int) -> int:
+    """Splits of each row's key list: enough programs to fill the device, each with MIN_SPLIT_KEYS keys or more.
+    Shapes only (a captured graph fixes them), never a device value."""
+    programs = max(1, rows) * math.ceil(heads / BLOCK_H)
+    want = math.ceil(TARGET_PROGRAMS / programs)
+    return max(1, min(want, math.ceil(num_keys / MIN_SPLIT_KEYS), MAX_SPLITS))
+
+
+def mla_decode(q_abs: torch.Tensor, latent_pool: torch.Tensor, block_tables: torch.Tensor, positions: torch.Tensor,
+               block_size: int, rank: int, scale: float, sinks: torch.Tensor | None = None,
+               selection: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
+    """o_lat [B, H, R] fp32 of the absorbed MLA decode step (see the module docstring); ``rank`` is R.
+    ``splits`` overrides :func:`num_splits` (tests)."""
+    # q_abs: [B, H, R+P]; latent_pool: [num_blocks, block_size, R+P]; block_tables: [B, W]; positions: [B]
+    B, H, RP = q_abs.shape
+    R, P = rank, RP - rank
+    key_width = block_tables.shape[1] * block_size
+    num_keys = key_width if selection is None else selection.shape[1]
+    out = torch.empty(B, H, R, dtype=torch.float32, device=q_abs.device)
+    if B == 0 or H == 0:
+        return out
+    if num_keys == 0:  # no key: the weights are 0 whatever the sink (it joins the denominator only)
+        return out.zero_()
+    q_abs, block_tables = (t if t.stride(-1) == 1 else t.contiguous() for t in (q_abs, block_tables))
+    if selection is not None and selection.stride(-1) != 1:
+        selection = selection.contiguous()
+    S = splits or num_splits(B, H, num_keys)
+    per_split = math.ceil(math.ceil(num_keys / S) / BLOCK_N) * BLOCK_N
+    S = math.ceil(num_keys / per_split)  # no split left empty by the rounding
+    part_o = torch.empty(B, H, S, R, dtype=torch.float32, device=q_abs.device)
+    part_ml = torch.empty(B, H, S, 2, dtype=torch.float32, device=q_abs.device)  # (max, sum) per split
+    sel = selection if selection is not None else positions  # any pointer: never read when dense
+    precision = "ieee" if latent_pool.dtype == torch.float32 else "tf32"
+    BR, BP = max(16, next_pow2(R)), max(16, next_pow2(P))
+    _split_kernel[(B, S, triton.cdiv(H, BLOCK_H))](
+        q_abs, latent_pool, block_tables, positions, sel, part_o, part_ml, H, num_keys, key_width, per_split,
+        scale * LOG2E, q_abs.stride(0), q_abs.stride(1), latent_pool.stride(0), latent_pool.stride(1),
+        block_tables.stride(0), sel.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
+        R=R, P=P, PAGE=block_size, SPARSE=selection is not None, BLOCK_H=BLOCK_H, BLOCK_R=BR, BLOCK_P=BP,
+        BLOCK_N=BLOCK_N, DOT_F32=DOT_F32, PRECISION=precision, num_warps=NUM_WARPS, num_stages=2)
+    BRM = min(BR, MERGE_BLOCK_R)
+    _merge_kernel[(B, H, triton.cdiv(R, BRM))](
+        part_o, part_ml, sinks if sinks is not None else part_ml, out, H, part_o.stride(0), part_o.stride(1),
+        part_o.stride(2), out.stride(0), out.stride(1), SPLITS=S, HAS_SINK=sinks is not None, R=R,
+        BLOCK_S=next_pow2(S), BLOCK_R=BRM, num_warps=4)
+    return out
+

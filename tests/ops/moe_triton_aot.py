@@ -1,0 +1,61 @@
+"""Compile the grouped-expert kernels for an H100/H200 (sm90) without a GPU: Triton's front end, its layout passes
+and the bundled ptxas, with the argument specialisations a real launch gets (unit strides constexpr, 16-byte
+aligned pointers). Run as ``python -m tests.ops.moe_triton_aot`` WITHOUT ``TRITON_INTERPRET`` (under the
+interpreter the kernels are not compiled at all); prints one line per kernel and exits non-zero on an error.
+"""
+from __future__ import annotations
+
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from dayzero.ops.moe import triton_moe_kernels as K
+
+WEIGHT = {0: "*bf16", 1: "*fp8e4nv", 2: "*fp8e4nv", 3: "*u8"}  # w_ptr per FMT
+SCALE = {0: "*bf16", 1: "*fp32", 2: "*fp32", 3: "*u8"}  # ws_ptr per FMT
+UNIT = ("s_xk", "s_wk", "s_sk", "s_bn")  # strides of 1 in real launches: constexpr there
+RUNTIME = ("N", "m_tiles", "limit", "E")  # not known to be multiples of 16
+
+
+def compile_kernel(kernel, types: dict, constants: dict, num_warps: int, num_stages: int):
+    names = list(kernel.arg_names)
+    constants = {**constants, **{n: 1 for n in UNIT if n in names}}
+    signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in constants and n not in RUNTIME}
+    return triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def compile_pair(fmt: int, act: int, bm: int, bn: int, bk: int, warps: int, stages: int, L=2048, I=512):
+    common = dict(L=L, I=I, FMT=fmt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, E_POW2=64, DOT_F32=False, PRECISION=None)
+    ptrs = {"offs_ptr": "*i32", "w_ptr": WEIGHT[fmt], "ws_ptr": SCALE[fmt], "b_ptr": "*fp32"}
+    up = compile_kernel(K.moe_up_kernel, {**ptrs, "x_ptr": "*bf16", "h_ptr": "*bf16", "limit": "fp32"},
+                        {**common, "ACT": act, "GATED": act != K.RELU2.value, "HAS_BIAS": True, "HAS_LIMIT": act == 0},
+                        warps, stages)
+    down = compile_kernel(K.moe_down_kernel, {**ptrs, "h_ptr": "*bf16", "y_ptr": "*bf16"}, {**common, "HAS_BIAS": True},
+                          warps, stages)
+    return up, down
+
+
+CASES = [  # (FMT, ACT, BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): every format, every activation, small and big tiles
+    (0, 0, 16, 64, 128, 4, 4), (1, 2, 16, 64, 128, 4, 4), (2, 1, 32, 64, 128, 4, 4), (3, 0, 16, 64, 128, 4, 4),
+    (0, 0, 128, 64, 64, 8, 3), (3, 2, 64, 128, 64, 4, 3),
+]
+
+
+def main() -> int:
+    for case in CASES:
+        for name, k in zip(("up", "down"), compile_pair(*case)):
+            ttgir = k.asm["ttgir"]
+            pipelined = "async_copy_global_to_local" in ttgir
+            print(f"{name:>4} {case}: shared {k.metadata.shared} B, pipelined {pipelined}")
+            if not pipelined:
+                print("  the K loop's loads were not pipelined", file=sys.stderr)
+                return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

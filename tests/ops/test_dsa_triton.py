@@ -1,0 +1,316 @@
+"""The DSA decode kernels (indexer scores over the paged key pool, split-K absorbed MLA) against the PyTorch
+decode paths and the per-sequence references: on the CPU through Triton's interpreter at tiny shapes
+(tests/conftest.py sets TRITON_INTERPRET=1 without a GPU), and on a GPU at the real model's shapes, captured
+in a CUDA graph. Pools hold NaN wherever no sequence owns a row, and ±inf/NaN in the stale tail of each
+sequence's last (reused) block, so a kernel that reads a row it must not read fails."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dayzero.ops  # noqa: F401  (registers the ops)
+from dayzero.cache.rows import read_rows, slots_of
+from dayzero.engine.batch import ForwardBatch
+from dayzero.ops.attention import cuda as attn_dev
+from dayzero.ops.attention import paged as attn_ref
+from dayzero.ops.indexer import cuda as idx_dev
+from dayzero.ops.indexer import reference as idx_ref
+from tests.ops.paged_batch import make_batch, make_pool, num_blocks_of
+
+pytest.importorskip("triton")
+from dayzero.ops.attention import triton_mla  # noqa: E402
+from dayzero.ops.indexer import triton_indexer  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+# (block size, cached tokens per sequence): each decode row's position is its start. Positions at the end and
+# the start of a block, a sequence with a single key (position 0), key widths that are not a tile multiple.
+CASES = {"bs4-edges": (4, [3, 17, 8]), "bs4-one": (4, [0]), "bs16-edges": (16, [15, 16, 0]), "bs16-long": (16, [40, 2])}
+
+
+def close(a, b, tol):
+    assert a.shape == b.shape, (a.shape, b.shape)
+    assert torch.isfinite(a).all()
+    a, b = a.double(), b.double()
+    err = (a - b).abs().max().item()
+    rel = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+    assert err <= tol * (1 + b.abs().max().item()) and rel <= tol, (err, rel)
+
+
+def on_device(b: ForwardBatch) -> ForwardBatch:
+    p = b.plan
+    return ForwardBatch(b.input_ids.to(DEV), b.positions.to(DEV), p.query_start, p.seq_start, p.seq_lens,
+                        b.slot_mapping.to(DEV), b.block_tables.to(DEV), b.state_slots.to(DEV),
+                        b.logits_indices.to(DEV), b.block_size)
+
+
+def poisoned_pool(batch: ForwardBatch, row: tuple[int, ...], seed: int, dtype, num_blocks: int | None = None):
+    """make_pool's pool, with +inf, -inf, NaN, ... in the rows after each sequence's last token in its last
+    block: what a reused block's earlier owner may have left there."""
+    pool = make_pool(batch, row, num_blocks or num_blocks_of(batch), seed)
+    flat, bs = pool.view(-1, *row), batch.block_size
+    for b, n in enumerate(batch.seq_lens):
+        for i, p in enumerate(range(n, -(-n // bs) * bs)):
+            flat[batch.block_tables[b, p // bs] * bs + p % bs] = (float("inf"), float("-inf"), float("nan"))[i % 3]
+    return pool.to(dtype).to(DEV)
+
+
+def decode_step(case: str, seed: int = 0) -> ForwardBatch:
+    bs, starts = CASES[case]
+    return make_batch(starts, [1] * len(starts), bs, seed=seed)
+
+
+def randn(*shape, seed, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype).to(DEV)
+
+
+def causal_selection(batch: ForwardBatch, topk: int, seed: int, width: int | None = None) -> torch.Tensor:
+    """[B, topk] a random subset of each row's causal keys, -1 padded (here and there -1 inside the list too),
+    as a view into a wider buffer like the step's top-k buffer."""
+    g = torch.Generator().manual_seed(seed)
+    buf = torch.full((batch.num_tokens, width or topk + 3), -1, dtype=torch.int64)
+    for r, p in enumerate(batch.positions.tolist()):
+        pick = torch.randperm(p + 1, generator=g)[:topk]
+        slots = torch.randperm(topk, generator=g)[: len(pick)]
+        buf[r, slots] = pick
+    return buf.to(DEV)[:, :topk]
+
+
+# ---------------------------------------------------------------- the indexer
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("heads", [(4, 8), (72, 32)], ids=["Hi4-Di8", "Hi72-Di32"])
+@pytest.mark.parametrize("block_n", [16, None], ids=["N16", "auto"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_indexer_decode_scores_equal_the_torch_gather(case, block_n, heads, dtype):
+    batch = on_device(decode_step(case, seed=1))
+    Hi, Di = heads
+    k = poisoned_pool(batch, (Di,), 2, dtype)
+    q, w = randn(batch.num_seqs, Hi, Di, seed=3, dtype=dtype), randn(batch.num_seqs, Hi, seed=4, scale=Hi**-0.5)
+    scores = torch.full((batch.num_seqs, batch.key_width), float("nan"), device=DEV)  # every entry must be written
+    out = triton_indexer.decode_scores(q, w, k, batch.block_tables, batch.positions, batch.block_size, scores, block_n)
+    ref = idx_dev.decode_scores_torch(q, w, k, batch)
+    assert out is scores and torch.equal(out.isinf(), ref.isinf()) and not out.isnan().any()
+    finite = ref.isfinite()
+    close(out[finite], ref[finite], TOL[dtype])
+
+
+@pytest.mark.parametrize("topk", [3, 8, 64])
+@pytest.mark.parametrize("case", list(CASES))
+def test_indexer_decode_op_selects_the_reference_keys(case, topk):
+    batch = on_device(decode_step(case, seed=topk))
+    k = poisoned_pool(batch, (16,), 5, torch.float32)
+    q, w = randn(batch.num_seqs, 4, 16, seed=6), randn(batch.num_seqs, 4, seed=7)
+    assert triton_indexer.refusal(q, w, k) is None or DEV == "cuda"  # fp32 pools take the PyTorch path on a GPU
+    empty = lambda: torch.full((batch.num_seqs, topk), 7, dtype=torch.int64, device=DEV)  # noqa: E731
+    dev = idx_dev.paged_indexer_topk_decode(q, w, k, batch, topk, empty())
+    ref = idx_ref.paged_indexer_topk(q, w, k, batch, topk, empty())
+    assert torch.equal(dev.sort(-1).values, ref.sort(-1).values)
+
+
+def prefill_step(bs: int) -> tuple[ForwardBatch, torch.Tensor]:
+    """A mixed step: a fresh prompt, a decode row, a chunk continuing a sequence; and each row's sequence."""
+    batch = make_batch([0, 9, 3], [7, 1, 20], bs, seed=14)
+    news = torch.tensor([7, 1, 20])
+    return on_device(batch), torch.repeat_interleave(torch.arange(3), news).to(DEV)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("bs", [4, 16])
+def test_indexer_varlen_equals_the_reference_in_bounded_chunks(bs, dtype):
+    batch, seq = prefill_step(bs)
+    T, Hi, Di, topk = batch.num_tokens, 5, 16, 4
+    k = poisoned_pool(batch, (Di,), 8, dtype)
+    q, w = randn(T, Hi, Di, seed=9, dtype=dtype), randn(T, Hi, seed=10)
+    scores = torch.full((T, batch.key_width), float("nan"), device=DEV)
+    triton_indexer.varlen_scores(q, w, k, batch.block_tables, seq, batch.positions, bs, scores, block_m=16, block_n=16)
+    for b in range(batch.num_seqs):  # each sequence's rows against its own keys, -inf past them
+        rows, n = batch.rows(b), batch.seq_lens[b]
+        ref = idx_ref.indexer_scores(q[rows], w[rows], read_rows(k, batch.key_slots(b)), batch.positions[rows])
+        assert (scores[rows, n:] == float("-inf")).all()
+        assert torch.equal(scores[rows, :n].isinf(), ref.isinf())
+        close(scores[rows, :n][ref.isfinite()], ref[ref.isfinite()], TOL[dtype])
+
+    per_row = batch.key_width * 4 + topk * 12
+    budget = 5 * per_row + 3  # five rows a chunk: the 28 rows take six chunks
+    assert triton_indexer.chunk_rows(batch.key_width, topk, budget) == 5
+    assert triton_indexer.scratch_bytes(T, batch.key_width, topk, budget) <= budget
+    out = torch.full((T, topk), 7, dtype=torch.int64, device=DEV)
+    triton_indexer.varlen_topk(q, w, k, batch.block_tables, seq, batch.positions, bs, topk, out, budget=budget,
+                               block_m=16, block_n=16)
+    if dtype == torch.float32:  # bf16 scores may break near-ties the other way
+        ref = idx_ref.paged_indexer_topk(q, w, k, batch, topk, torch.empty(T, topk, dtype=torch.int64, device=DEV))
+        assert torch.equal(out.sort(-1).values, ref.sort(-1).values)
+    assert ((out >= 0).sum(-1) == (batch.positions + 1).clamp(max=topk)).all()
+
+
+def test_scratch_bytes_stay_under_the_budget_at_long_context():
+    keys, topk = 128 * 1024, 2048
+    assert triton_indexer.scratch_bytes(keys, keys, topk) <= triton_indexer.SCRATCH_BUDGET
+    assert triton_indexer.chunk_rows(keys, topk) >= 256
+    assert triton_indexer.scratch_bytes(3, keys, topk) == 3 * (keys * 4 + topk * 12)
+
+
+# ---------------------------------------------------------------- sparse and dense absorbed MLA
+
+def mla_inputs(batch, H, dtype, seed=20, N=8, P=8, V=6, R=24):
+    B = batch.num_seqs
+    q_nope, q_pe = randn(B, H, N, seed=seed, dtype=dtype), randn(B, H, P, seed=seed + 1, dtype=dtype)
+    kv_b = randn(H * (N + V), R, seed=seed + 2, dtype=dtype, scale=R**-0.5)
+    latent = poisoned_pool(batch, (R + P,), seed + 3, dtype)
+    return q_nope, q_pe, latent, kv_b, V
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("heads_splits", [(3, None), (20, 3)], ids=["H3", "H20-S3"])
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "topk5"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_mla_decode_equals_the_torch_path(case, sparse, sinks, heads_splits, dtype):
+    batch = on_device(decode_step(case, seed=21))
+    H, splits = heads_splits
+    qn, qp, lat, kv_b, V = mla_inputs(batch, H, dtype)
+    s = randn(H, seed=22) if sinks else None
+    sel = causal_selection(batch, 5, 23) if sparse else None
+    scale = 0.3
+    if splits is None:  # through the op, as the layer calls it, against the PyTorch path and the reference
+        why = triton_mla.refusal(torch.zeros(batch.num_seqs, H, lat.shape[-1], device=DEV), lat, sel)
+        assert why is None or (DEV == "cuda" and dtype == torch.float32)
+        out = attn_dev.paged_mla_decode(qn, qp, lat, kv_b, V, batch, scale, s, sel)
+        close(out, attn_dev.paged_mla_decode_torch(qn, qp, lat, kv_b, V, batch, scale, s, sel), TOL[dtype])
+        if dtype == torch.float32:
+            close(out, attn_ref.paged_mla(qn, qp, lat, kv_b, V, batch, scale, s, sel), TOL[dtype])
+        return
+    R = kv_b.shape[1]
+    q_abs = randn(batch.num_seqs, H, lat.shape[-1], seed=24)
+    o = triton_mla.mla_decode(q_abs, lat, batch.block_tables, batch.positions, batch.block_size, R, scale, s, sel,
+                              splits=splits)
+    assert o.shape == (batch.num_seqs, H, R) and o.dtype == torch.float32
+    close(o, latent_attention(q_abs, lat, batch, R, scale, s, sel), TOL[dtype])
+
+
+def latent_attention(q_abs, lat, batch, R, scale, sinks, selection):
+    """o_lat by the PyTorch decode path's own pieces (gather, masked sink softmax), for q_abs given."""
+    kp, ok = attn_dev.key_positions(batch) if selection is None else (selection, selection >= 0)
+    rows = read_rows(lat, slots_of(batch.block_tables, kp, batch.block_size)).float()
+    return attn_dev._attend(q_abs[:, None], rows[:, :, None], rows[:, :, None, :R], ok, scale, sinks)[:, 0]
+
+
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
+def test_mla_reads_only_valid_selected_keys(sinks):
+    """Entries past the row's position (stale rows: ±inf/NaN) and -1 entries count for nothing; a row that
+    selects nothing gets 0 (the sink is in the denominator only)."""
+    batch = on_device(decode_step("bs4-edges", seed=25))
+    H, R, P = 4, 24, 8
+    lat = poisoned_pool(batch, (R + P,), 26, torch.float32)
+    q_abs = randn(batch.num_seqs, H, R + P, seed=27)
+    s = randn(H, seed=28) if sinks else None
+    sel = causal_selection(batch, 6, 29)
+    bad = sel.clone()
+    pos = batch.positions
+    bad[:, 0] = pos + 1  # past the row's position: the poisoned tail of its block
+    bad[:, 1] = batch.key_width + 3  # past the table
+    bad[2] = -1  # row 2 selects nothing
+    good = torch.where((bad >= 0) & (bad <= pos[:, None]), bad, -1)
+    for splits in (None, 2):
+        o = triton_mla.mla_decode(q_abs, lat, batch.block_tables, pos, batch.block_size, R, 0.4, s, bad, splits)
+        close(o, latent_attention(q_abs, lat, batch, R, 0.4, s, good), TOL[torch.float32])
+        assert torch.equal(o[2], torch.zeros_like(o[2]))
+
+
+def test_num_splits_depend_on_shapes_only():
+    assert triton_mla.num_splits(1, 128, 2048) == 16  # top-2048: 128 keys a split
+    assert triton_mla.num_splits(1, 16, 128 * 1024) == triton_mla.MAX_SPLITS
+    assert triton_mla.num_splits(64, 128, 2048) == 1  # 512 programs fill the device already
+    assert triton_mla.num_splits(3, 3, 5) == 1
+
+
+# ---------------------------------------------------------------- on a GPU, at the real model's shapes
+
+def long_step(starts: list[int], bs: int, seed: int) -> ForwardBatch:
+    return on_device(make_batch(starts, [1] * len(starts), bs, seed=seed))
+
+
+@gpu
+@pytest.mark.parametrize("heads", [32, 64], ids=["Hi32", "Hi64"])
+@pytest.mark.parametrize("bs", [16, 64])
+def test_gpu_indexer_decode_at_real_shapes(heads, bs):
+    batch = long_step([8191, 2047, 5000], bs, seed=30)
+    k = poisoned_pool(batch, (128,), 31, torch.bfloat16)
+    q = randn(3, heads, 128, seed=32, dtype=torch.bfloat16)
+    w = randn(3, heads, seed=33, scale=(heads * 128) ** -0.5)
+    ref = idx_dev.decode_scores_torch(q, w, k, batch)
+    out = triton_indexer.decode_scores(q, w, k, batch.block_tables, batch.positions, bs)
+    assert torch.equal(out.isinf(), ref.isinf())
+    close(out[ref.isfinite()], ref[ref.isfinite()], 1e-4)
+    sel = idx_dev.paged_indexer_topk_decode(q, w, k, batch, 2048, torch.empty(3, 2048, dtype=torch.int64, device=DEV))
+    want = ref.topk(2048, dim=-1).values.sort(-1).values
+    got = ref.gather(1, sel.clamp(min=0)).masked_fill(sel < 0, float("-inf")).sort(-1).values
+    assert torch.equal(got.isinf(), want.isinf())  # same count of real keys; scores equal up to near-ties
+    close(got[want.isfinite()], want[want.isfinite()], 1e-4)
+
+
+@gpu
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "topk2048"])
+@pytest.mark.parametrize("H", [16, 64, 128])
+def test_gpu_mla_decode_at_real_shapes(H, sparse):
+    batch = long_step([8191, 3000, 0, 2047], 64, seed=34)
+    R, P, N, V = 512, 64, 128, 128
+    qn, qp = randn(4, H, N, seed=35, dtype=torch.bfloat16), randn(4, H, P, seed=36, dtype=torch.bfloat16)
+    kv_b = randn(H * (N + V), R, seed=37, dtype=torch.bfloat16, scale=R**-0.5)
+    lat = poisoned_pool(batch, (R + P,), 38, torch.bfloat16)
+    s = randn(H, seed=39)
+    sel = causal_selection(batch, 2048, 40) if sparse else None
+    out = attn_dev.paged_mla_decode(qn, qp, lat, kv_b, V, batch, (N + P) ** -0.5, s, sel)
+    close(out, attn_dev.paged_mla_decode_torch(qn, qp, lat, kv_b, V, batch, (N + P) ** -0.5, s, sel), 2e-2)
+
+
+@gpu
+def test_gpu_decode_step_replays_in_a_cuda_graph():
+    """Indexer top-k then sparse MLA captured once, replayed on other positions and tables: same as eager."""
+    bs, Hi, H, R, P, N, V, topk = 64, 64, 16, 512, 64, 128, 128, 2048
+    first, second = long_step([8191, 100, 4000], bs, 41), long_step([3000, 8000, 2048], bs, 41)
+    nb = max(num_blocks_of(first), num_blocks_of(second))
+    pools = [(poisoned_pool(b, (128,), 42, torch.bfloat16, nb), poisoned_pool(b, (R + P,), 43, torch.bfloat16, nb))
+             for b in (first, second)]
+    (k, lat), (k2, lat2) = pools
+    q, w = randn(3, Hi, 128, seed=44, dtype=torch.bfloat16), randn(3, Hi, seed=45, scale=(Hi * 128) ** -0.5)
+    qn, qp = randn(3, H, N, seed=46, dtype=torch.bfloat16), randn(3, H, P, seed=47, dtype=torch.bfloat16)
+    kv_b = randn(H * (N + V), R, seed=48, dtype=torch.bfloat16, scale=R**-0.5)
+    width = max(first.block_tables.shape[1], second.block_tables.shape[1])
+    tables = torch.zeros(3, width, dtype=torch.int64, device=DEV)
+    positions = torch.zeros(3, dtype=torch.int64, device=DEV)
+    static = ForwardBatch(positions.clone(), positions, [0, 1, 2, 3], None, None, positions.clone(), tables,
+                          positions.clone(), positions.clone(), bs, fresh=positions.bool())
+    sel = torch.empty(3, topk, dtype=torch.int64, device=DEV)
+
+    def step():
+        idx_dev.paged_indexer_topk_decode(q, w, k, static, topk, sel)
+        return attn_dev.paged_mla_decode(qn, qp, lat, kv_b, V, static, 0.1, None, sel)
+
+    def load(batch, kp, lp):
+        tables.zero_()[:, : batch.block_tables.shape[1]] = batch.block_tables
+        positions.copy_(batch.positions)
+        k.copy_(kp)
+        lat.copy_(lp)
+
+    load(first, k, lat)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for batch, kp, lp in ((first, k.clone(), lat.clone()), (second, k2, lat2)):
+        load(batch, kp, lp)
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed, chosen = out.clone(), sel.clone()
+        assert torch.equal(chosen.sort(-1).values, idx_dev.paged_indexer_topk_decode(
+            q, w, k, static, topk, torch.empty_like(sel)).sort(-1).values)
+        close(replayed, attn_dev.paged_mla_decode(qn, qp, lat, kv_b, V, static, 0.1, None, sel), 1e-3)
