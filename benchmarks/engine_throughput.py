@@ -181,7 +181,9 @@ def main() -> None:
     kv_bytes = sum(s.bytes_per_token() for s in eng.runner.specs if hasattr(s, "rows"))
     for bsz in args.batch:
         draw = lambda n: [torch.randint(0, spec.vocab_size, (n,), generator=g).tolist() for _ in range(bsz)]  # noqa: E731
-        timed(eng, draw(min(32, args.prompt_len)), 4, dev)  # warm-up at this batch size, short prompts
+        # warm-up at this batch size and prompt length: the timed run then finds every kernel compiled (Triton
+        # compiles a kernel the first time it meets a new shape class, e.g. a new MoE row bucket)
+        timed(eng, draw(args.prompt_len), 4, dev)
         prefill_s, decode_s, steps, _ = timed(eng, draw(args.prompt_len), args.decode, dev)
         # a decode step reads the active weights once, every sequence's KV rows, and reads + writes its states
         step_bytes = active * elem + bsz * (args.prompt_len * kv_bytes + 2 * state_bytes)

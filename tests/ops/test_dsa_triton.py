@@ -40,16 +40,17 @@ def close(a, b, tol):
     assert err <= tol * (1 + b.abs().max().item()) and rel <= tol, (err, rel)
 
 
-def on_device(b: ForwardBatch) -> ForwardBatch:
+def on_device(b: ForwardBatch, dev: str = DEV) -> ForwardBatch:
     p = b.plan
-    return ForwardBatch(b.input_ids.to(DEV), b.positions.to(DEV), p.query_start, p.seq_start, p.seq_lens,
-                        b.slot_mapping.to(DEV), b.block_tables.to(DEV), b.state_slots.to(DEV),
-                        b.logits_indices.to(DEV), b.block_size)
+    return ForwardBatch(b.input_ids.to(dev), b.positions.to(dev), p.query_start, p.seq_start, p.seq_lens,
+                        b.slot_mapping.to(dev), b.block_tables.to(dev), b.state_slots.to(dev),
+                        b.logits_indices.to(dev), b.block_size)
 
 
 def poisoned_pool(batch: ForwardBatch, row: tuple[int, ...], seed: int, dtype, num_blocks: int | None = None):
     """make_pool's pool, with +inf, -inf, NaN, ... in the rows after each sequence's last token in its last
     block: what a reused block's earlier owner may have left there."""
+    batch = on_device(batch, "cpu")  # the pool is built on the host, then moved
     pool = make_pool(batch, row, num_blocks or num_blocks_of(batch), seed)
     flat, bs = pool.view(-1, *row), batch.block_size
     for b, n in enumerate(batch.seq_lens):

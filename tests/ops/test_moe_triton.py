@@ -164,7 +164,7 @@ def test_cuda_op_takes_the_triton_path():
 
 
 def test_packed_mxfp4_indexes_like_the_dequantised_tensor():
-    w = scaled_randn(3, 8, 64, g=torch.Generator(DEV).manual_seed(1))
+    w = scaled_randn(3, 8, 64, g=torch.Generator().manual_seed(1)).to(DEV)  # the same draw on every device
     packed = PackedMXFP4(*quantize_mxfp4(w))
     assert tuple(packed.shape) == (3, 8, 64)
     assert torch.equal(packed[1], packed.float()[1]) and (packed[1] - w[1]).abs().max() < 0.2 * w[1].abs().max()
@@ -186,8 +186,7 @@ def test_refusal_names_the_reason(monkeypatch):
         monkeypatch.setattr(triton_support, "INTERPRET", False)
         assert "not on cpu" in T.refusal(xs, offsets, w1, w2)
     else:
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
-        assert "8.9" in T.refusal(xs, offsets, to_format(w1.float(), "fp8_block", xs.dtype), w2)
+        assert "not yet correct" in T.refusal(xs, offsets, to_format(w1.float(), "fp8_block", xs.dtype), w2)
 
 
 def test_cuda_module_imports_without_triton():

@@ -90,8 +90,16 @@ def _table() -> dict:
         return {}
 
 
-def config_for(fmt: str, rows: int, num_experts: int, L: int, I: int, gated: bool = True) -> Config:
+# fp32 (the exact-comparison mode): one config whatever the row count, so a row's result does not depend on how
+# many other rows the step has (a decode step padded to a captured graph's size gives the eager step's output)
+FP32_CONFIG = Config(KernelConfig(16, 64, 32, 4, 2), KernelConfig(16, 64, 32, 4, 2))
+
+
+def config_for(fmt: str, rows: int, num_experts: int, L: int, I: int, gated: bool = True,
+               dtype: torch.dtype = torch.bfloat16) -> Config:
     """The tuned config of the nearest row bucket for this format and shape, else :func:`default_config`."""
+    if dtype == torch.float32:
+        return FP32_CONFIG
     entry = _table().get(table_key(fmt, num_experts, L, I))
     if not entry:
         return default_config(rows, num_experts, gated)
@@ -145,8 +153,8 @@ def _weight_refusal(name: str, w, shape: tuple[int, int, int], device: torch.dev
         if w.blocks.stride(-1) != 1 or w.blocks.stride(-2) != BLOCK // 2:
             return f"MXFP4 {name} blocks must be contiguous within each row"
         return None
-    if cap is not None and cap < (8, 9):
-        return f"e4m3 {name} needs compute capability 8.9 or newer, the device has {cap[0]}.{cap[1]}"
+    if cap is not None:  # compiled FP8 paths: wrong (NaN) in a GPU test, so the other paths take FP8 weights
+        return f"the FP8 {name} path of the Triton expert kernels is not yet correct on GPUs"
     if w.data.dtype != torch.float8_e4m3fn or w.data.stride(-1) != 1:
         return f"FP8 {name} must be float8_e4m3fn with contiguous rows"
     if isinstance(w, TileScaled):
@@ -235,7 +243,7 @@ def moe_experts_grouped(xs: torch.Tensor, offsets: torch.Tensor, w1, w2, activat
     if N == 0:
         return y
     gated = activation != "relu2"
-    cfg = config or config_for(format_key(w1, w2), N, E, L, I, gated)
+    cfg = config or config_for(format_key(w1, w2), N, E, L, I, gated, xs.dtype)
     h = _empty(N, I, xs)  # [N, I]: rounded to xs.dtype between the kernels
     offsets = offsets.contiguous()
     common = dict(E_POW2=next_pow2(E), DOT_F32=DOT_F32, PRECISION="ieee" if xs.dtype == torch.float32 else None)
