@@ -136,7 +136,9 @@ def run_baseline(args) -> dict | None:
     cmd = [sys.executable, script, "--config", args.config, "--device", args.device, "--dtype", args.dtype,
            "--batch", *map(str, args.batch), "--prompt-len", str(args.prompt_len), "--decode", str(args.decode),
            "--json", out]
-    env = {**os.environ, "PYTHONPATH": os.path.abspath(args.baseline)}
+    # the earlier package first on the path, the rest of the path kept (optional kernel packages such as fla)
+    path = os.pathsep.join(filter(None, (os.path.abspath(args.baseline), os.environ.get("PYTHONPATH", ""))))
+    env = {**os.environ, "PYTHONPATH": path}
     print(f"baseline ({args.baseline}):", flush=True)
     if subprocess.run(cmd, env=env).returncode != 0:
         print("baseline run failed", flush=True)

@@ -48,7 +48,8 @@ def test_engine_options_reach_llm(monkeypatch, capsys):
     argv = ["generate", "hi", "--device", "cpu", "--dtype", "bfloat16", "--threads", "1", "--load-format", "dummy",
             "--seed", "7", "--max-num-seqs", "3", "--max-model-len", "99", "--max-num-batched-tokens", "64",
             "--block-size", "8", "--num-cache-blocks", "40", "--cache-memory-bytes", "1.5GiB",
-            "--cache-memory-fraction", "0.25", "--kv-cache-dtype", "int8", "--expert-compute", "fp8",
+            "--cache-memory-fraction", "0.25", "--kv-cache-dtype", "int8", "--index-cache-dtype", "fp8",
+            "--expert-compute", "fp8",
             "--high-precision-layers", "0", "2", "--enforce-eager", "--cuda-graph-sizes", "1", "4",
             "--cuda-graph-max-len", "512", "--no-enable-prefix-caching", "--prefix-snapshot-interval", "256",
             "--num-prefix-snapshots", "5"]
@@ -56,7 +57,8 @@ def test_engine_options_reach_llm(monkeypatch, capsys):
     assert got == {"model": None, "device": "cpu", "dtype": "bfloat16", "num_threads": 1, "load_format": "dummy",
                    "seed": 7, "max_num_seqs": 3, "max_model_len": 99, "max_num_batched_tokens": 64,
                    "block_size": 8, "num_cache_blocks": 40, "cache_memory_bytes": 3 * 2**29,
-                   "cache_memory_fraction": 0.25, "kv_cache_dtype": "int8", "expert_compute": "fp8",
+                   "cache_memory_fraction": 0.25, "kv_cache_dtype": "int8", "index_cache_dtype": "fp8",
+                   "expert_compute": "fp8",
                    "high_precision_layers": [0, 2], "enforce_eager": True, "cuda_graph_sizes": [1, 4],
                    "cuda_graph_max_len": 512, "enable_prefix_caching": False, "prefix_snapshot_interval": 256,
                    "num_prefix_snapshots": 5}

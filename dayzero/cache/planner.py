@@ -71,10 +71,11 @@ def plan_cache(
     num_cache_blocks: int | None = None,
     kv_cache_dtype: str = "auto",
     num_snapshots: int = 0,
+    index_cache_dtype: str = "auto",
 ) -> CachePlan:
     """``num_snapshots``: state snapshots wanted for prefix caching; with a budget they get what is left once
     one maximum-length sequence fits with every slot, down to none (they only save recomputation)."""
-    per_block = math.ceil(block_size * sum(s.bytes_per_token(kv_cache_dtype, block_size) for s in specs if isinstance(s, PagedSpec)))
+    per_block = math.ceil(block_size * sum(s.bytes_per_token(kv_cache_dtype, block_size, index_cache_dtype) for s in specs if isinstance(s, PagedSpec)))
     per_slot = sum(s.bytes_per_seq() for s in specs if isinstance(s, StateSpec))
     blocks_per_seq = -(-max_model_len // block_size) if per_block else 0
     snaps = num_snapshots if per_slot else 0

@@ -26,6 +26,17 @@ import torch
 from dayzero.cache.quant import PLAIN_KV_DTYPES, QuantPagedPool
 
 
+# rows the indexer reads (DSA and compressed-attention indexer keys): ``index_cache_dtype`` may store them
+# apart from the KV rows, e.g. fp8 indexer keys (130 bytes per 128-wide key with its bf16 scale, not 256)
+INDEX_ROWS = ("index_k",)
+
+
+def row_cache_dtype(name: str, kv_cache_dtype: str = "auto", index_cache_dtype: str = "auto") -> str:
+    """The cache dtype of row kind ``name``: ``index_cache_dtype`` for the indexer's keys unless it is "auto",
+    else ``kv_cache_dtype``."""
+    return index_cache_dtype if name in INDEX_ROWS and index_cache_dtype != "auto" else kv_cache_dtype
+
+
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 
@@ -46,12 +57,14 @@ class PagedSpec:
         keep = lambda d: {name: d[name]} if name in d else {}  # noqa: E731
         return PagedSpec(keep(self.rows), keep(self.roles), keep(self.strides))
 
-    def bytes_per_token(self, kv_cache_dtype: str = "auto", block_size: int = 16) -> int | float:
+    def bytes_per_token(self, kv_cache_dtype: str = "auto", block_size: int = 16,
+                        index_cache_dtype: str = "auto") -> int | float:
         total = 0.0
         for n, (shape, dtype) in self.rows.items():
             per_block = self.rows_per_block(n, block_size)
-            if kv_cache_dtype in PLAIN_KV_DTYPES:
-                row = _nbytes(shape, PLAIN_KV_DTYPES[kv_cache_dtype] or dtype)
+            kind = row_cache_dtype(n, kv_cache_dtype, index_cache_dtype)
+            if kind in PLAIN_KV_DTYPES:
+                row = _nbytes(shape, PLAIN_KV_DTYPES[kind] or dtype)
             else:
                 row = QuantPagedPool.bytes_per_token(shape, self.roles.get(n, "value") == "key", per_block)
             total += row * per_block / block_size
@@ -73,7 +86,8 @@ def parts(spec) -> tuple[PagedSpec | StateSpec, ...]:
     return spec if isinstance(spec, tuple) else (spec,)
 
 
-def allocate(spec: PagedSpec | StateSpec, count: int, block_size: int, device, kv_cache_dtype: str = "auto") -> dict:
+def allocate(spec: PagedSpec | StateSpec, count: int, block_size: int, device, kv_cache_dtype: str = "auto",
+             index_cache_dtype: str = "auto") -> dict:
     """Cache storage for one spec: ``count`` blocks (paged) or slots (state). Paged rows are plain
     zero-filled tensors [count, rows per block, *row] (in the model dtype for "auto", else the named one),
     or :class:`QuantPagedPool` for fp8/int8."""
@@ -82,8 +96,9 @@ def allocate(spec: PagedSpec | StateSpec, count: int, block_size: int, device, k
     out = {}
     for n, (s, d) in spec.rows.items():
         per_block = spec.rows_per_block(n, block_size)
-        if kv_cache_dtype in PLAIN_KV_DTYPES:
-            out[n] = torch.zeros((count, per_block, *s), dtype=PLAIN_KV_DTYPES[kv_cache_dtype] or d, device=device)
+        kind = row_cache_dtype(n, kv_cache_dtype, index_cache_dtype)
+        if kind in PLAIN_KV_DTYPES:
+            out[n] = torch.zeros((count, per_block, *s), dtype=PLAIN_KV_DTYPES[kind] or d, device=device)
         else:
-            out[n] = QuantPagedPool(count, per_block, s, kv_cache_dtype, spec.roles.get(n, "value") == "key", device, d)
+            out[n] = QuantPagedPool(count, per_block, s, kind, spec.roles.get(n, "value") == "key", device, d)
     return out

@@ -39,7 +39,7 @@ def assemble(model, device: torch.device, dtype: torch.dtype, *, block_size: int
              memory_fraction: float = 0.5, num_cache_blocks: int | None = None, kv_cache_dtype: str = "auto",
              cuda_graphs: bool = False, cuda_graph_sizes: list[int] | None = None,
              cuda_graph_max_len: int = 8192, prefix_caching: bool = False, snapshot_interval: int = 512,
-             num_snapshots: int | None = None) -> Assembled:
+             num_snapshots: int | None = None, index_cache_dtype: str = "auto") -> Assembled:
     """Plan and allocate the cache, build the runner and cache manager, and (``cuda_graphs`` on a CUDA device)
     capture the decode graphs. The model's weights must be loaded and prepared.
 
@@ -50,7 +50,7 @@ def assemble(model, device: torch.device, dtype: torch.dtype, *, block_size: int
     taken every ``snapshot_interval`` tokens."""
     from dayzero.engine.cuda_graphs import DecodeGraphs, default_sizes, default_widths, measure_step_bytes
 
-    runner = ModelRunner(model, device, dtype, kv_cache_dtype)
+    runner = ModelRunner(model, device, dtype, kv_cache_dtype, index_cache_dtype)
     max_blocks = -(-max_model_len // block_size)
     graphs_on = cuda_graphs and device.type == "cuda"
     sizes = widths = None
@@ -64,7 +64,7 @@ def assemble(model, device: torch.device, dtype: torch.dtype, *, block_size: int
     uses_slots = any(isinstance(s, StateSpec) for s in runner.specs)
     snapshots = (max_num_seqs if num_snapshots is None else num_snapshots) if prefix_caching and uses_slots else 0
     plan = plan_cache(runner.specs, block_size, max_model_len, max_num_seqs, budget_bytes, num_cache_blocks,
-                      kv_cache_dtype, snapshots)
+                      kv_cache_dtype, snapshots, index_cache_dtype)
     runner.allocate_cache(plan)
     # a paged row that stands for m tokens (compressed entries) is complete only at multiples of m
     strides = [m for s in runner.specs if isinstance(s, PagedSpec) for m in s.strides.values()]

@@ -45,7 +45,8 @@ class EngineConfig:
     cache_memory_fraction: float = 0.5  # share of free memory the cache takes when cache_memory_bytes is None
     load_format: str = "auto"  # "auto": the checkpoint's safetensors; "dummy": random weights (benchmarks, planning)
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "bfloat16" | "float16" | "float32" | "fp8" | "int8"
-    expert_compute: str = "bf16"  # workspace format packed MXFP4 experts are converted into: "bf16" | "fp8"
+    index_cache_dtype: str = "auto"  # the indexer keys' cache: "auto" (as kv_cache_dtype) or one of the same kinds
+    expert_compute: str = "bf16"  # workspace format packed MXFP4 experts are converted into: "bf16" | "fp8" | "fused"
     high_precision_layers: tuple[int, ...] = ()  # layers whose packed experts are dequantised once at load
     enforce_eager: bool = False  # True: no CUDA graphs, every step runs eagerly
     cuda_graph_sizes: tuple[int, ...] | None = None  # decode batch sizes captured (default 1, 2, 4, 8, 16, .. max_num_seqs)
@@ -77,6 +78,8 @@ class EngineConfig:
         self.high_precision_layers = tuple(self.high_precision_layers)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.index_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"index_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.index_cache_dtype!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {list(DTYPES)}, got {self.dtype!r}")
         if self.cuda_graph_sizes is not None:
@@ -125,6 +128,7 @@ class LLMEngine:
             cuda_graphs=not config.enforce_eager, cuda_graph_sizes=config.cuda_graph_sizes,
             cuda_graph_max_len=config.cuda_graph_max_len, prefix_caching=config.enable_prefix_caching,
             snapshot_interval=config.prefix_snapshot_interval, num_snapshots=config.num_prefix_snapshots,
+            index_cache_dtype=config.index_cache_dtype,
         )
         self.runner, self.cache, self.cache_plan, self.decode_mode = built.runner, built.cache, built.plan, built.graph_note
         self.scheduler = Scheduler(self.cache, min(config.max_num_seqs, self.cache_plan.num_slots), config.max_num_batched_tokens)

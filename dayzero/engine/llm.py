@@ -22,9 +22,10 @@ class LLM:
     the machine is loaded; logged). ``cache_memory_bytes`` is the cache budget (default
     ``cache_memory_fraction`` of free memory); ``num_cache_blocks`` overrides the pool size computed from it;
     ``max_num_batched_tokens`` is the per-step token budget, and so the prefill chunk size;
-    ``kv_cache_dtype`` "fp8" or "int8" stores paged caches quantised (keys per channel, values per token).
+    ``kv_cache_dtype`` "fp8" or "int8" stores paged caches quantised (keys per channel, values per token);
+    ``index_cache_dtype`` sets the indexer keys' cache apart from it ("fp8": e4m3 with one scale per key).
     Packed MXFP4 experts are converted per layer into one shared workspace in ``expert_compute`` ("bf16" or
-    "fp8"); ``high_precision_layers`` lists layers whose experts are instead dequantised once at load.
+    "fp8"), or read packed by the expert kernels ("fused", no workspace); ``high_precision_layers`` lists layers whose experts are instead dequantised once at load.
     ``load_format="dummy"`` gives random weights from the config alone (``model`` may then be a config file).
     On CUDA, decode steps run as CUDA graphs captured at load for the batch sizes ``cuda_graph_sizes`` (default
     1, 2, 4, 8, 16, 24, .. ``max_num_seqs``) and contexts up to ``cuda_graph_max_len`` tokens; ``enforce_eager``
@@ -45,6 +46,7 @@ class LLM:
         seed: int = 0,
         cache_memory_bytes: int | None = None,
         kv_cache_dtype: str = "auto",
+        index_cache_dtype: str = "auto",
         expert_compute: str = "bf16",
         high_precision_layers: tuple[int, ...] | list[int] = (),
         load_format: str = "auto",
@@ -61,7 +63,7 @@ class LLM:
             model=model, device=device, dtype=dtype, block_size=block_size, num_cache_blocks=num_cache_blocks,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             seed=seed, cache_memory_bytes=cache_memory_bytes, kv_cache_dtype=kv_cache_dtype,
-            expert_compute=expert_compute, high_precision_layers=tuple(high_precision_layers), load_format=load_format,
+            index_cache_dtype=index_cache_dtype, expert_compute=expert_compute, high_precision_layers=tuple(high_precision_layers), load_format=load_format,
             enforce_eager=enforce_eager, cuda_graph_sizes=cuda_graph_sizes, cuda_graph_max_len=cuda_graph_max_len,
             cache_memory_fraction=cache_memory_fraction, num_threads=num_threads,
             enable_prefix_caching=enable_prefix_caching, prefix_snapshot_interval=prefix_snapshot_interval,

@@ -21,11 +21,12 @@ NULL_BLOCK = NULL_SLOT = 0  # what padding rows read and write (never handed to 
 
 
 class ModelRunner:
-    def __init__(self, model, device: torch.device, cache_dtype: torch.dtype, kv_cache_dtype: str = "auto"):
+    def __init__(self, model, device: torch.device, cache_dtype: torch.dtype, kv_cache_dtype: str = "auto",
+                 index_cache_dtype: str = "auto"):
         self.model = model
         self.device = device
         self.cache_dtype = cache_dtype
-        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_cache_dtype, self.index_cache_dtype = kv_cache_dtype, index_cache_dtype
         self.layers = model.cached_layers()
         self.layer_specs = [parts(layer.cache_spec(cache_dtype)) for _, layer in self.layers]
         self.specs = [s for specs in self.layer_specs for s in specs]  # every spec, for planning
@@ -43,7 +44,7 @@ class ModelRunner:
             for spec in specs:
                 # state tensors: the null slot 0, the plan's slots, then the prefix-cache snapshots
                 count = plan.num_blocks if isinstance(spec, PagedSpec) else plan.state_rows
-                part = allocate(spec, count, plan.block_size, self.device, self.kv_cache_dtype)
+                part = allocate(spec, count, plan.block_size, self.device, self.kv_cache_dtype, self.index_cache_dtype)
                 if not isinstance(spec, PagedSpec):
                     self.state_tensors += part.values()
                 tensors.update(part)

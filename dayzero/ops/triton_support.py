@@ -10,6 +10,7 @@ on a GPU it is False and the dots run on the tensor cores in the operands' own d
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -25,15 +26,31 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DOT_F32 = INTERPRET
 
 
+_JUDGED_AS: str | None = None  # while set, CPU tensors are judged as if on this device type (see judged_as)
+
+
+@contextlib.contextmanager
+def judged_as(device_type: str):
+    """Answer :func:`triton_refusal` for CPU tensors as for ``device_type``: ``dayzero ops --platform cuda`` on a
+    machine without a GPU probes the model on CPU tensors and reports what a GPU would run."""
+    global _JUDGED_AS
+    prev, _JUDGED_AS = _JUDGED_AS, device_type
+    try:
+        yield
+    finally:
+        _JUDGED_AS = prev
+
+
 def triton_refusal(t: torch.Tensor) -> str | None:
     """Why a Triton kernel cannot run on ``t``'s device, or None when it can."""
     if not HAS_TRITON:
         return "triton is not installed"
-    if t.device.type == "cuda":
+    kind = _JUDGED_AS if _JUDGED_AS is not None and t.device.type == "cpu" else t.device.type
+    if kind == "cuda":
         return None
-    if t.device.type == "cpu" and INTERPRET:
+    if kind == "cpu" and INTERPRET:
         return None
-    return f"Triton kernels run on CUDA devices (or on the CPU with TRITON_INTERPRET=1), not on {t.device.type}"
+    return f"Triton kernels run on CUDA devices (or on the CPU with TRITON_INTERPRET=1), not on {kind}"
 
 
 def next_pow2(n: int) -> int:

@@ -7,6 +7,10 @@ block: every E2M1 value times its E8M0 scale is exactly an E4M3 value times that
 workspace is lossless and half the size of the BF16 one). On CUDA the workspace keeps two slots and a
 side stream: while layer i computes from one slot, :meth:`prefetch` converts layer i+1 into the other.
 
+With ``compute="fused"`` nothing is converted: :meth:`acquire` hands out the packed weights themselves
+(:class:`PackedMXFP4`), for expert kernels that dequantise inside their inner loop (the Triton expert kernels
+on a GPU); paths without such a kernel dequantise one expert at a time (``w[e]``), which is slow.
+
 Inside CUDA-graph capture nothing is cached: a replay runs later, when the slots hold whatever ran last,
 so every :meth:`acquire` converts in the graph, on the capturing stream, and :meth:`prefetch` does nothing
 (work on the side stream would not be joined into the graph). Whoever runs steps calls
@@ -16,9 +20,10 @@ from __future__ import annotations
 
 import torch
 
+from dayzero.quant.convert_kernels import convert_mxfp4, convert_refusal
 from dayzero.quant.mxfp4 import BLOCK, dequantize_mxfp4, fp4_lut
 
-COMPUTE = ("bf16", "fp8")
+COMPUTE = ("bf16", "fp8", "fused")
 
 
 class BlockScaled:
@@ -57,7 +62,14 @@ class PackedMXFP4:
 
 
 def _convert(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor | None) -> None:
-    """Unpack [E, N, K/32, 16] codes into ``out`` [E, N, K] (bf16 values, or fp8 codes with ``scale_out``)."""
+    """Unpack [E, N, K/32, 16] codes into ``out`` [E, N, K] (bf16 values, or fp8 codes with ``scale_out``):
+    the Triton kernel where it runs, else in PyTorch."""
+    if convert_refusal(blocks, scales, out, scale_out) is None:
+        return convert_mxfp4(blocks, scales, out, scale_out)
+    _convert_torch(blocks, scales, out, scale_out)
+
+
+def _convert_torch(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor | None) -> None:
     lut = fp4_lut(blocks.device)  # [16], cached per device
     vals = torch.stack((lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]), dim=-1).flatten(-3)  # [E, N, K]
     s = torch.ldexp(torch.ones_like(scales, dtype=torch.float32), scales.to(torch.int32) - 127)  # [E, N, K/32]
@@ -74,7 +86,8 @@ class ExpertWorkspace:
         if compute not in COMPUTE:
             raise ValueError(f"expert_compute must be one of {list(COMPUTE)}, got {compute!r}")
         self.compute, self.device = compute, torch.device(device)
-        self.num_slots = slots or (2 if self.device.type == "cuda" else 1)
+        self.fused = compute == "fused"  # no slots: the kernels read the packed weights
+        self.num_slots = 0 if self.fused else slots or (2 if self.device.type == "cuda" else 1)
         self._slots: list[dict[str, torch.Tensor]] = [{} for _ in range(self.num_slots)]
         self._owner: list[object | None] = [None] * self.num_slots
         self._ready: list[torch.cuda.Event | None] = [None] * self.num_slots
@@ -86,6 +99,8 @@ class ExpertWorkspace:
     # --- sizing --------------------------------------------------------------------------------------
     def reserve(self, layers) -> None:
         """Allocate every slot for the largest of ``layers`` up front, so memory is planned, not discovered."""
+        if self.fused:
+            return
         for name in ("w1", "w2"):
             shapes = [tuple(getattr(l, f"{name}_blocks").shape[:-2]) + (getattr(l, f"{name}_blocks").shape[-2] * BLOCK,)
                       for l in layers]
@@ -130,7 +145,10 @@ class ExpertWorkspace:
         return tuple(out)
 
     def acquire(self, layer):
-        """(w1, w2) of ``layer`` in the workspace: converted now, or by an earlier :meth:`prefetch`."""
+        """(w1, w2) of ``layer`` in the workspace: converted now, or by an earlier :meth:`prefetch`; with
+        ``fused``, the packed weights as they are."""
+        if self.fused:
+            return (PackedMXFP4(layer.w1_blocks, layer.w1_scales), PackedMXFP4(layer.w2_blocks, layer.w2_scales))
         if _capturing(self.device):  # converted in the graph every time: a replay cannot trust any slot
             i = self.conversions % self.num_slots
             self._fill(i, layer)
@@ -159,7 +177,7 @@ class ExpertWorkspace:
     def prefetch(self, layer) -> None:
         """Start converting ``layer`` into the slot not in use (CUDA only, not while capturing; else a no-op)."""
         if self._stream is None or layer is None or layer in self._owner or _capturing(self.device):
-            return
+            return  # (always with ``fused``: no stream)
         i = self.conversions % self.num_slots
         with torch.cuda.stream(self._stream):
             if self._freed[i] is not None:

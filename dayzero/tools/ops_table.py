@@ -9,6 +9,8 @@ reason).
 """
 from __future__ import annotations
 
+import contextlib
+
 import json
 from collections import defaultdict
 
@@ -17,14 +19,17 @@ import torch
 from dayzero import ops
 from dayzero.ops import registry
 from dayzero.tools import fmt
+from dayzero.ops.triton_support import judged_as
 from dayzero.tools.model_info import load
 from dayzero.tools.probe import probe_spec, run_probe
 from dayzero.tools.progress import note as progress_note
 
 
 def _reason(op: str, platform: str, args, kwargs) -> tuple[str, str | None]:
+    judge = judged_as(platform) if platform == "cuda" else contextlib.nullcontext()  # CPU tensors stand for GPU ones
     try:
-        chosen, _, reason = registry.choose(op, platform, *args, **kwargs)
+        with judge:
+            chosen, _, reason = registry.choose(op, platform, *args, **kwargs)
     except Exception as e:  # a verifier that cannot read the probe's arguments
         return registry.REFERENCE, f"verifier failed: {e}"
     return chosen, reason

@@ -125,3 +125,32 @@ def test_cuda_quantised_cache_equals_cpu(tiny_ckpt, kind):
     gpu = run_chunks(LLM(str(tiny_ckpt), device="cuda", **kw).engine, toks, [20, 1, 1, 25]).cpu()
     cpu = run_chunks(LLM(str(tiny_ckpt), device="cpu", **kw).engine, toks, [20, 1, 1, 25])
     assert ((gpu - cpu).norm() / cpu.norm()).item() < 1e-3
+
+
+def test_fp8_indexer_keys_alone(tiny_ckpt, bf16_reference):
+    """``index_cache_dtype="fp8"`` stores only the indexer keys in e4m3 (one scale per key): the other rows keep
+    the KV dtype, the plan counts 130 bytes per 128-wide key instead of 256, and the indexer's selection from
+    the quantised keys re-predicts the bf16-cache run's greedy tokens (the tiny model's top-k is 8, so most
+    steps select)."""
+    from dayzero.cache.quant import QuantPagedPool
+    from dayzero.cache.spec import PagedSpec
+
+    ps, sp, ref = bf16_reference
+    llm = LLM(str(tiny_ckpt), device="cpu", dtype="float32", block_size=8, num_cache_blocks=256,
+              kv_cache_dtype="bfloat16", index_cache_dtype="fp8")
+    pools = {n: p for _, layer in llm.engine.runner.layers for n, p in layer.cache.items()}
+    assert isinstance(pools["index_k"], QuantPagedPool) and pools["index_k"].kind == "fp8"
+    assert all(isinstance(p, torch.Tensor) and p.dtype == torch.bfloat16 for n, p in pools.items()
+               if n in ("latent", "k", "v"))
+    spec = PagedSpec({"latent": ((576,), torch.bfloat16), "index_k": ((128,), torch.bfloat16)})
+    assert spec.bytes_per_token("auto", 16, "fp8") == 576 * 2 + 128 + 2
+    assert spec.bytes_per_token("auto", 16) == (576 + 128) * 2
+    same = total = 0
+    for p, r in zip(ps, ref):
+        ids = p["prompt_token_ids"]
+        logits = run_chunks(llm.engine, ids + r, [len(ids)] + [1] * (len(r) - 1))
+        same += sum(int(a) == b for a, b in zip(logits[len(ids) - 1:].argmax(-1).tolist(), r))
+        total += len(r)
+    assert same / total >= 0.95, f"{same}/{total} greedy tokens agree with the bf16 cache"
+    with pytest.raises(ValueError, match="index_cache_dtype"):
+        LLM(str(tiny_ckpt), device="cpu", index_cache_dtype="fp4")

@@ -1,5 +1,5 @@
 """fla-core's KDA kernels behind ``kda_pooled`` on CUDA (skipped without a GPU or without fla): the in-place fused
-recurrent kernel on decode steps, and (with ``DAYZERO_FLA_CHUNK=1``) the chunk kernel on prefill and mixed steps,
+recurrent kernel on decode steps, and (unless ``DAYZERO_FLA_CHUNK=0``) the chunk kernel on prefill and mixed steps,
 give the reference's outputs and pooled states on the same bf16 inputs, fresh sequences ignoring what their slot
 held, every other slot untouched."""
 from __future__ import annotations
@@ -34,7 +34,7 @@ def to_cuda(batch):
 def test_fla_kernels_equal_the_reference(step, H, K):
     starts, news = STEPS[step]
     if set(news) != {1} and not kda_dev.fla_chunk_enabled():
-        pytest.skip("fla's chunk kernel is off (DAYZERO_FLA_CHUNK=1 turns it on)")
+        pytest.skip("fla's chunk kernel is off (DAYZERO_FLA_CHUNK=0)")
     batch = to_cuda(make_batch(starts, news, 16, seed=H))
     g0 = torch.Generator().manual_seed(K)
     pool = torch.randn(17, H, K, K, generator=g0).cuda() * 0.1

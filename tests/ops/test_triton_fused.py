@@ -203,3 +203,26 @@ def test_unpermute_matches_the_reference(T, k, E):
     close(unperm_k.unpermute(ys, order, weights, T), moe_ref.unpermute(ys, order, weights, T), 1e-5)
     yb = ys.bfloat16()
     close(unperm_k.unpermute(yb, order, weights, T), moe_ref.unpermute(yb, order, weights, T), 2e-2)
+
+
+from dayzero.quant import convert_kernels as conv_k  # noqa: E402
+from dayzero.quant import workspace as ws_mod  # noqa: E402
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_mxfp4_conversion_kernel_equals_the_pytorch_conversion(fp8):
+    g = torch.Generator().manual_seed(34)
+    blocks = torch.randint(0, 256, (3, 5, 4, 16), generator=g, dtype=torch.uint8).to(DEV)
+    scales = torch.randint(100, 140, (3, 5, 4), generator=g, dtype=torch.uint8)
+    scales[0, 0, 0], scales[2, 4, 1] = 0xFF, 127  # NaN, and 1.0
+    scales = scales.to(DEV)
+    dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    ours, want = torch.empty(3, 5, 128, dtype=dtype, device=DEV), torch.empty(3, 5, 128, dtype=dtype, device=DEV)
+    s_ours = torch.empty(3, 5, 4, device=DEV) if fp8 else None
+    s_want = torch.empty(3, 5, 4, device=DEV) if fp8 else None
+    assert conv_k.convert_refusal(blocks, scales, ours, s_ours) is None
+    conv_k.convert_mxfp4(blocks, scales, ours, s_ours)
+    ws_mod._convert_torch(blocks, scales, want, s_want)
+    assert torch.equal(ours.float().nan_to_num(7.0), want.float().nan_to_num(7.0))
+    if fp8:
+        assert torch.equal(s_ours.nan_to_num(7.0), s_want.nan_to_num(7.0))

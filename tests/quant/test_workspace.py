@@ -89,7 +89,7 @@ def test_quantize_tool_output(mx_ckpts):
         quantize_checkpoint(packed, packed.parent / "again", progress=False)
 
 
-@pytest.mark.parametrize("compute", ["bf16", "fp8"])
+@pytest.mark.parametrize("compute", ["bf16", "fp8", "fused"])
 def test_packed_model_equals_dequantized_dense_model(mx_ckpts, compute):
     _, packed, ref, _ = mx_ckpts
     kw = dict(device="cpu", dtype="float32", num_cache_blocks=64)
@@ -122,6 +122,15 @@ def test_one_workspace_shared_and_memory_accounting(mx_ckpts):
             assert packed_bytes * 8 / weights == pytest.approx(4.25)
         llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=3))
         assert eng.expert_workspace.conversions >= len(layers)
+
+
+def test_fused_mode_converts_nothing_and_holds_nothing(mx_ckpts):
+    _, packed, _, _ = mx_ckpts
+    llm = LLM(str(packed), device="cpu", dtype="float32", num_cache_blocks=16, expert_compute="fused")
+    ws = llm.engine.expert_workspace
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3
+    assert ws.nbytes == 0 and ws.conversions == 0 and ws.num_slots == 0
 
 
 def test_high_precision_layers_dequantize_once(mx_ckpts):

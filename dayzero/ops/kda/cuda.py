@@ -2,9 +2,8 @@
 
 ``kda_pooled`` runs fla-core's kernels when fla is installed (the optional ``cuda`` extra): decode rows with
 ``fused_recurrent_kda_fwd``, which reads and writes each sequence's state in the pool in place by its slot in
-one kernel; with ``DAYZERO_FLA_CHUNK=1`` also prefill chunks with ``chunk_kda`` over the step's packed rows
-(``cu_seqlens``) from the sequences' pooled states (off by default until it passes every GPU test: it missed
-the bf16 tolerance on one prefill step of two fresh sequences). Without fla, decode rows run the recurrent
+one kernel; prefill and mixed chunks with ``chunk_kda`` over the step's packed rows (``cu_seqlens``) from the
+sequences' pooled states (``DAYZERO_FLA_CHUNK=0`` turns the chunk kernel off, for a comparison). Without fla, decode rows run the recurrent
 step in PyTorch (a gather, the update, one ``index_copy_`` back); prefill chunks run the reference's chunk
 form. ``fresh`` sequences start from zero
 state: their slots are zeroed on the device first. Fixed shapes and no host round trip on decode rows: they
@@ -34,7 +33,7 @@ except Exception:  # noqa: BLE001 - absent, or a triton it cannot use: the PyTor
 
 
 def fla_chunk_enabled() -> bool:
-    return os.environ.get("DAYZERO_FLA_CHUNK", "0") == "1"
+    return os.environ.get("DAYZERO_FLA_CHUNK", "1") != "0"
 
 
 def _uses_fla(q: torch.Tensor, state_pool: torch.Tensor) -> bool:
@@ -46,7 +45,7 @@ def _kda_verify(q, k, v, g, beta, scale, state_pool, batch, *a, **kw) -> str | N
     if why is None or (_uses_fla(q, state_pool) and fla_chunk_enabled()):
         return None
     if _uses_fla(q, state_pool):
-        return f"{why} (fla's chunk kernel is off: DAYZERO_FLA_CHUNK=1 turns it on)"
+        return f"{why} (fla's chunk kernel is off: DAYZERO_FLA_CHUNK=0)"
     return f"{why} (fla-core is not installed, or cannot run this shape)"
 
 
