@@ -31,7 +31,9 @@ if HAS_TRITON:
             start = tl.load(cu_ptr + b).to(tl.int64)
             end = tl.load(cu_ptr + b + 1).to(tl.int64)
         slot = tl.load(slot_ptr + b).to(tl.int64)
-        keep = tl.load(fresh_ptr + b) == 0  # a fresh sequence starts from a zero window
+        # a fresh sequence starts from a zero window: its window columns (src < start) are never read. Folded into
+        # the bound rather than and-ed in as a scalar mask (Triton 3.9's interpreter rejects that mask)
+        lim = start - W * tl.load(fresh_ptr + b).to(tl.int64)
         win = pool_ptr + slot * s_slot + cols[None, :] * s_chan  # [1, BC]: column i holds u_{start-W+1+i}
         t0 = start
         while t0 < end:  # a while loop: the interpreter cannot take device bounds in range()
@@ -43,7 +45,7 @@ if HAS_TRITON:
                 inside = src >= start
                 m_x = (tmask & inside)[:, None] & cmask[None, :]
                 u = tl.load(x_ptr + src[:, None] * sx + cols[None, :], mask=m_x, other=0.0).to(tl.float32)
-                m_w = (tmask & (src < start) & keep)[:, None] & cmask[None, :]
+                m_w = (tmask & (src < lim))[:, None] & cmask[None, :]
                 widx = (src - start + (W - 1))[:, None]
                 u += tl.load(win + widx, mask=m_w, other=0.0).to(tl.float32)
                 acc += u * tl.load(w_ptr + cols * W + j, mask=cmask, other=0.0).to(tl.float32)[None, :]
@@ -59,7 +61,7 @@ if HAS_TRITON:
         inside = src >= start
         m_x = (valid & inside)[:, None] & cmask[None, :]
         new = tl.load(x_ptr + src[:, None] * sx + cols[None, :], mask=m_x, other=0.0).to(tl.float32)
-        m_w = (valid & (src < start) & keep)[:, None] & cmask[None, :]
+        m_w = (valid & (src < lim))[:, None] & cmask[None, :]
         new += tl.load(win + (src - start + (W - 1))[:, None], mask=m_w, other=0.0).to(tl.float32)
         tl.debug_barrier()
         tl.store(win + i[:, None], new.to(pool_ptr.dtype.element_ty), mask=valid[:, None] & cmask[None, :])
