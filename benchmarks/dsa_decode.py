@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 _argv = " ".join(sys.argv[1:]).replace("=", " ").split()
 if any(a == "--device" and b == "cpu" for a, b in zip(_argv, _argv[1:])):
@@ -25,6 +24,8 @@ if any(a == "--device" and b == "cpu" for a, b in zip(_argv, _argv[1:])):
 
 import torch  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+from benchmarks.timing import copy_bandwidth, ms_per_call  # noqa: E402
 from dayzero.engine.batch import ForwardBatch  # noqa: E402
 from dayzero.ops.attention import cuda as attn  # noqa: E402
 from dayzero.ops.indexer import cuda as idx  # noqa: E402
@@ -32,31 +33,6 @@ from dayzero.ops.indexer import triton_indexer  # noqa: E402
 
 SMALL = {"num_attention_heads": 4, "kv_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16,
          "v_head_dim": 16, "index_n_heads": 4, "index_head_dim": 32, "index_topk": 16}
-
-
-def timed(fn, repeats: int, device: str) -> float:
-    """Milliseconds per call of ``fn`` after one warm-up call."""
-    fn()
-    if device != "cuda":
-        t = time.perf_counter()
-        for _ in range(repeats):
-            fn()
-        return (time.perf_counter() - t) * 1e3 / repeats
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
-
-
-def copy_bandwidth(device: str) -> float:
-    """Bytes per second of a large device copy (read + write)."""
-    a = torch.empty(1 << (28 if device == "cuda" else 22), dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    return 2 * a.numel() / (timed(lambda: b.copy_(a), 10, device) * 1e-3)
 
 
 def decode_batch(B: int, context: int, bs: int, device: str, g: torch.Generator) -> ForwardBatch:
@@ -100,17 +76,17 @@ def bench_decode(s: dict, B: int, context: int, args, bw: float, g: torch.Genera
         return fn(qn, qp, lat_pool, kv_b, s["V"], batch, scale, sink, selection)
 
     t = {
-        "scores": timed(lambda: triton_indexer.decode_scores(q, w, k_pool, batch.block_tables, batch.positions, bs,
+        "scores": ms_per_call(lambda: triton_indexer.decode_scores(q, w, k_pool, batch.block_tables, batch.positions, bs,
                                                             scores), r, dev),
-        "topk": timed(lambda: triton_indexer.topk_of_scores(scores, batch.positions, topk, sel), r, dev),
-        "indexer": timed(lambda: idx.paged_indexer_topk_decode(q, w, k_pool, batch, topk, sel), r, dev),
-        "sparse_mla": timed(lambda: mla(sel), r, dev),
-        "dense_mla": timed(lambda: mla(None), r, dev),
+        "topk": ms_per_call(lambda: triton_indexer.topk_of_scores(scores, batch.positions, topk, sel), r, dev),
+        "indexer": ms_per_call(lambda: idx.paged_indexer_topk_decode(q, w, k_pool, batch, topk, sel), r, dev),
+        "sparse_mla": ms_per_call(lambda: mla(sel), r, dev),
+        "dense_mla": ms_per_call(lambda: mla(None), r, dev),
     }
-    t["step"] = timed(lambda: (idx.paged_indexer_topk_decode(q, w, k_pool, batch, topk, sel), mla(sel)), r, dev)
-    t["torch_step"] = timed(lambda: (idx.paged_indexer_topk_decode_torch(q, w, k_pool, batch, topk, sel),
+    t["step"] = ms_per_call(lambda: (idx.paged_indexer_topk_decode(q, w, k_pool, batch, topk, sel), mla(sel)), r, dev)
+    t["torch_step"] = ms_per_call(lambda: (idx.paged_indexer_topk_decode_torch(q, w, k_pool, batch, topk, sel),
                                      mla(sel, True)), r, dev)
-    t["torch_dense"] = timed(lambda: mla(None, True), r, dev)
+    t["torch_dense"] = ms_per_call(lambda: mla(None, True), r, dev)
     keys = min(topk, context)
     bytes_ = {"indexer": B * context * s["Di"] * 2, "sparse_mla": B * keys * (s["R"] + s["P"]) * 2,
               "dense_mla": B * context * (s["R"] + s["P"]) * 2}
@@ -137,7 +113,7 @@ def bench_prefill(s: dict, tokens: int, args, g: torch.Generator) -> dict:
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    ms = timed(run, 1, dev)  # the warm-up call compiles; one timed call
+    ms = ms_per_call(run, 1, dev)  # the warm-up call compiles; one timed call
     peak = torch.cuda.max_memory_allocated() - base if dev == "cuda" else None
     kw = batch.key_width
     rows = triton_indexer.chunk_rows(kw, topk, budget)

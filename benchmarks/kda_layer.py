@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for benchmarks.* below
-from benchmarks.moe_layer import timer  # noqa: E402
+from benchmarks.timing import ceilings, timer  # noqa: E402
 from dayzero.engine.batch import ForwardBatch  # noqa: E402
 
 
@@ -68,11 +68,7 @@ def main(argv=None) -> dict:
         args.heads, args.head_dim, args.batch, args.prefill, args.repeats = 2, 16, [1, 3], ["1x40", "2x17"], 1
     H, K, dev = args.heads, args.head_dim, args.device
     timed = timer(dev, args.repeats)
-    a = torch.empty(1 << (22 if args.small else 28), dtype=torch.uint8, device=dev)
-    bw = 2 * a.numel() / (timed(lambda: torch.empty_like(a).copy_(a)) * 1e-3)
-    n = 256 if args.small else 8192
-    x = torch.randn(n, n, device=dev, dtype=torch.float32 if dev == "cpu" else torch.bfloat16)
-    peak = 2 * n**3 / (timed(lambda: x @ x) * 1e-3)
+    bw, peak = ceilings(dev, args.small)
     impl = registry.registered()["kda_pooled"].impls
     cuda = impl["cuda"].fn if "cuda" in impl else None
     print(f"{dev}: copy {bw / 1e9:.0f} GB/s, matmul {peak / 1e12:.1f} TFLOP/s; KDA H {H}, K = V {K}")

@@ -11,32 +11,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 
-from dayzero.ops.moe import cuda as moe_cuda
-from dayzero.ops.moe.reference import grouped_experts as reference
-
-
-def timed(fn, repeats: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats  # ms
-
-
-def ceilings() -> tuple[float, float]:
-    a = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    copy_ms = timed(lambda: b.copy_(a), 10)
-    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    mm_ms = timed(lambda: x @ x, 5)
-    return 2 * a.numel() / (copy_ms * 1e-3), 2 * 8192**3 / (mm_ms * 1e-3)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for benchmarks.* below
+from benchmarks.timing import ceilings, ms_per_call  # noqa: E402
+from dayzero.ops.moe import cuda as moe_cuda  # noqa: E402
+from dayzero.ops.moe.reference import grouped_experts as reference  # noqa: E402
 
 
 def main() -> None:
@@ -53,7 +36,7 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     w1 = (0.02 * torch.randn(E, 2 * inter, D, generator=g, device="cuda")).to(torch.bfloat16)
     w2 = (0.02 * torch.randn(E, D, inter, generator=g, device="cuda")).to(torch.bfloat16)
-    bw, flops = ceilings()
+    bw, flops = ceilings("cuda")
     print(f"{E} experts top-{k}, D {D}, I {inter}, bf16; measured copy {bw / 1e9:.0f} GB/s, matmul {flops / 1e12:.0f} TFLOP/s")
     print(f"{'tokens':>7} {'experts hit':>11} {'reference ms':>13} {'grouped ms':>11} {'speedup':>8} {'roofline ms':>12} {'of roofline':>12}")
     rows = []
@@ -62,8 +45,8 @@ def main() -> None:
         ids = torch.stack([torch.randperm(E, generator=g, device="cuda")[:k] for _ in range(T)])
         w = torch.rand(T, k, generator=g, device="cuda")
         hit = int(ids.unique().numel())
-        ref_ms = timed(lambda: reference(x, ids, w, w1, w2), args.repeats)
-        new_ms = timed(lambda: moe_cuda.grouped_experts(x, ids, w, w1, w2), args.repeats)
+        ref_ms = ms_per_call(lambda: reference(x, ids, w, w1, w2), args.repeats)
+        new_ms = ms_per_call(lambda: moe_cuda.grouped_experts(x, ids, w, w1, w2), args.repeats)
         roof_ms = 1e3 * max(hit * 3 * D * inter * 2 / bw, 2 * 3 * D * inter * T * k / flops)
         rows.append({"tokens": T, "experts_hit": hit, "reference_ms": ref_ms, "grouped_ms": new_ms, "roofline_ms": roof_ms})
         print(f"{T:>7} {hit:>11} {ref_ms:>13.3f} {new_ms:>11.3f} {ref_ms / new_ms:>7.1f}x {roof_ms:>12.3f} {roof_ms / new_ms:>11.1%}")

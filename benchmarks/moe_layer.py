@@ -24,45 +24,17 @@ import argparse
 import json
 import os
 import re
-import time
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for benchmarks.* below
+from benchmarks.timing import ceilings, timer  # noqa: E402
+
 FORMATS = ("triton-bf16", "grouped_mm-bf16", "triton-fp8", "triton-mxfp4", "convert", "reference")
 BYTES_PER_WEIGHT = {"bf16": 2.0, "fp8": 1 + 4 / 32, "mxfp4": 0.5 + 1 / 32}
-
-
-def timer(device: str, repeats: int):
-    """fn -> mean ms per call after one warm-up call (CUDA events on a GPU)."""
-    def run(fn) -> float:
-        fn()
-        if device == "cpu":
-            t = time.perf_counter()
-            for _ in range(repeats):
-                fn()
-            return (time.perf_counter() - t) * 1e3 / repeats
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / repeats
-    return run
-
-
-def ceilings(device: str, small: bool, timed) -> tuple[float, float]:
-    """(copy bytes/s, bf16 matmul FLOP/s) measured now: the 100% of the table's percentage columns."""
-    a = torch.empty(1 << (22 if small else 28), dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    copy_ms = timed(lambda: b.copy_(a))
-    n = 256 if small else 8192
-    x = torch.randn(n, n, device=device, dtype=torch.float32 if device == "cpu" else torch.bfloat16)
-    mm_ms = timed(lambda: x @ x)
-    return 2 * a.numel() / (copy_ms * 1e-3), 2 * n**3 / (mm_ms * 1e-3)
 
 
 def layer(E: int, L: int, I: int, device: str, seed: int = 0):
@@ -227,7 +199,7 @@ def main(argv=None) -> dict:
     from dayzero.ops.moe import triton_moe as T
 
     timed = timer(args.device, args.repeats)
-    bw, flops = ceilings(args.device, args.small, timed)
+    bw, flops = ceilings(args.device, args.small)
     device_name = torch.cuda.get_device_name(args.device) if args.device != "cpu" else "cpu"
     print(f"{device_name}: copy {bw / 1e9:.0f} GB/s, matmul {flops / 1e12:.1f} TFLOP/s "
           f"({'fp32' if args.device == 'cpu' else 'bf16'})")

@@ -91,6 +91,17 @@ def bf16_reference(tiny_ckpt):
     return ps, sp, [o.outputs[0].token_ids for o in llm.generate(ps, sp)]
 
 
+def repredicted(llm, ps, ref) -> tuple[int, int]:
+    """(tokens of ``ref`` that ``llm`` predicts greedily from the same prefix, tokens), one token a step."""
+    same = total = 0
+    for p, r in zip(ps, ref):
+        ids = p["prompt_token_ids"]
+        logits = run_chunks(llm.engine, ids + r, [len(ids)] + [1] * (len(r) - 1))
+        same += sum(int(a) == b for a, b in zip(logits[len(ids) - 1:].argmax(-1).tolist(), r))
+        total += len(r)
+    return same, total
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_greedy_agreement_with_bf16_cache(tiny_ckpt, bf16_reference, kind):
     """Each generated token of the bf16-cache run, re-predicted greedily by the quantised-cache engine
@@ -99,12 +110,7 @@ def test_greedy_agreement_with_bf16_cache(tiny_ckpt, bf16_reference, kind):
     agrees on two thirds of tokens; docs/precision.md records both numbers.)"""
     ps, sp, ref = bf16_reference
     llm = LLM(str(tiny_ckpt), device="cpu", dtype="float32", block_size=8, num_cache_blocks=256, kv_cache_dtype=kind)
-    same = total = 0
-    for p, r in zip(ps, ref):
-        ids = p["prompt_token_ids"]
-        logits = run_chunks(llm.engine, ids + r, [len(ids)] + [1] * (len(r) - 1))
-        same += sum(int(a) == b for a, b in zip(logits[len(ids) - 1:].argmax(-1).tolist(), r))
-        total += len(r)
+    same, total = repredicted(llm, ps, ref)
     assert same / total >= 0.95, f"{kind}: {same}/{total} greedy tokens agree with the bf16 cache"
     outs = llm.generate(ps, sp)  # the engine path itself runs and frees everything
     assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
@@ -145,12 +151,7 @@ def test_fp8_indexer_keys_alone(tiny_ckpt, bf16_reference):
     spec = PagedSpec({"latent": ((576,), torch.bfloat16), "index_k": ((128,), torch.bfloat16)})
     assert spec.bytes_per_token("auto", 16, "fp8") == 576 * 2 + 128 + 2
     assert spec.bytes_per_token("auto", 16) == (576 + 128) * 2
-    same = total = 0
-    for p, r in zip(ps, ref):
-        ids = p["prompt_token_ids"]
-        logits = run_chunks(llm.engine, ids + r, [len(ids)] + [1] * (len(r) - 1))
-        same += sum(int(a) == b for a, b in zip(logits[len(ids) - 1:].argmax(-1).tolist(), r))
-        total += len(r)
+    same, total = repredicted(llm, ps, ref)
     assert same / total >= 0.95, f"{same}/{total} greedy tokens agree with the bf16 cache"
     with pytest.raises(ValueError, match="index_cache_dtype"):
         LLM(str(tiny_ckpt), device="cpu", index_cache_dtype="fp4")

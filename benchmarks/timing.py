@@ -1,0 +1,45 @@
+"""What the benchmark scripts share: milliseconds per call after a warm-up call (CUDA events on a GPU, the wall
+clock elsewhere), and the ceilings a table's percentages are of, measured in the same run: the copy bandwidth
+(read + write of a large buffer) and the matmul rate (bf16 on a GPU, fp32 on a CPU)."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def ms_per_call(fn, repeats: int, device: str = "cuda") -> float:
+    fn()
+    if torch.device(device).type != "cuda":
+        t = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return (time.perf_counter() - t) * 1e3 / repeats
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def timer(device: str, repeats: int):
+    """fn -> mean ms per call (see :func:`ms_per_call`)."""
+    return lambda fn: ms_per_call(fn, repeats, device)
+
+
+def copy_bandwidth(device: str, small: bool = False) -> float:
+    """Bytes per second of a large device copy (read + write)."""
+    a = torch.empty(1 << (22 if small or torch.device(device).type != "cuda" else 28), dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    return 2 * a.numel() / (ms_per_call(lambda: b.copy_(a), 10, device) * 1e-3)
+
+
+def ceilings(device: str, small: bool = False) -> tuple[float, float]:
+    """(copy bytes/s, matmul FLOP/s) measured now."""
+    n = 256 if small else 8192
+    cuda = torch.device(device).type == "cuda"
+    x = torch.randn(n, n, device=device, dtype=torch.bfloat16 if cuda else torch.float32)
+    return copy_bandwidth(device, small), 2 * n**3 / (ms_per_call(lambda: x @ x, 5, device) * 1e-3)
