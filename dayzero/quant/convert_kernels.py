@@ -55,7 +55,8 @@ def convert_refusal(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tenso
     return None
 
 
-def convert_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor | None) -> None:
+def convert_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
+                  scale_out: torch.Tensor | None) -> None:
     """Unpack [E, N, K/32, 16] codes into ``out`` [E, N, K] (bf16 values, or e4m3 codes with ``scale_out``
     [E, N, K/32] fp32), as ``workspace._convert`` does."""
     n = blocks.numel()

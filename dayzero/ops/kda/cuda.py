@@ -3,10 +3,10 @@
 ``kda_pooled`` runs fla-core's kernels when fla is installed (the optional ``cuda`` extra): decode rows with
 ``fused_recurrent_kda_fwd``, which reads and writes each sequence's state in the pool in place by its slot in
 one kernel; prefill and mixed chunks with ``chunk_kda`` over the step's packed rows (``cu_seqlens``) from the
-sequences' pooled states (``DAYZERO_FLA_CHUNK=0`` turns the chunk kernel off, for a comparison). Without fla, decode rows run the recurrent
-step in PyTorch (a gather, the update, one ``index_copy_`` back); prefill chunks run the reference's chunk
-form. ``fresh`` sequences start from zero
-state: their slots are zeroed on the device first. Fixed shapes and no host round trip on decode rows: they
+sequences' pooled states (``DAYZERO_FLA_CHUNK=0`` turns the chunk kernel off, for a comparison). Without fla,
+decode rows run the recurrent step in PyTorch (a gather, the update, one ``index_copy_`` back); prefill chunks
+run the reference's chunk form. ``fresh`` sequences start from zero state: their slots are zeroed on the
+device first. Fixed shapes and no host round trip on decode rows: they
 run inside captured CUDA graphs.
 
 The math of both paths is the reference's (``reference.py``): q and k L2-normalised per head inside the

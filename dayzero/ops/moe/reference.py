@@ -156,8 +156,9 @@ def grouped_mlp(xs: torch.Tensor, offsets: torch.Tensor, w1, w2, activation: str
 
     Expert e owns rows ``offsets[e-1]:offsets[e]`` (``moe_permute``'s layout); rows past ``offsets[-1]``
     are padding and come out zero here. ``w1`` / ``w2`` are stacked tensors or expert-indexable
-    containers (``TileScaled``, ``BlockScaled``, ``PackedMXFP4``: ``w[e]`` is expert e's fp32 weight). Each expert runs as ONE GEMM pair over its rows, in
-    fp32; the output is in ``xs.dtype``. This reference reads the offsets on the host.
+    containers (``TileScaled``, ``BlockScaled``, ``PackedMXFP4``: ``w[e]`` is expert e's fp32 weight). Each
+    expert runs as ONE GEMM pair over its rows, in fp32; the output is in ``xs.dtype``. This reference reads
+    the offsets on the host.
     """
     # xs: [N, L]; offsets: [E] int32; w1: [E, r*I, L] (r=2 gated: rows [gate; up]); w2: [E, L, I] -> [N, L]
     act = _activation(activation, w1, w2, limit)
