@@ -22,6 +22,12 @@ except ImportError:  # the optional kernels are simply not offered
     triton = tl = None
 
 HAS_TRITON = triton is not None
+
+if HAS_TRITON:
+    @triton.jit
+    def softplus(x):
+        """log(1 + e^x) in fp32, x itself above 20 (torch's threshold)."""
+        return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DOT_F32 = INTERPRET
 
@@ -51,6 +57,31 @@ def triton_refusal(t: torch.Tensor) -> str | None:
     if kind == "cpu" and INTERPRET:
         return None
     return f"Triton kernels run on CUDA devices (or on the CPU with TRITON_INTERPRET=1), not on {kind}"
+
+
+def rows_view(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` as [rows, C] without a copy (its last dim contiguous), or None when its layout does not allow it."""
+    if t.stride(-1) != 1:
+        return None
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError:
+        return None
+
+
+def paged_pool_refusal(pool, what: str) -> str | None:
+    """Why a Triton kernel cannot read the paged pool ``pool`` ([num_blocks, block_size, width] of ``what``
+    rows), or None: quantised pools, other dtypes, and fp32 pools on a GPU (the kernels' fp32 IEEE dots spill
+    registers there) are left to the PyTorch paths."""
+    if not isinstance(pool, torch.Tensor):
+        return f"quantised {what} pools are read by the PyTorch path"
+    if pool.dim() != 3 or pool.stride(-1) != 1:
+        return f"the {what} pool must be [num_blocks, block_size, width] with contiguous rows"
+    if pool.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"{what} pool dtype {pool.dtype} is not bf16, fp16 or fp32"
+    if pool.dtype == torch.float32 and pool.device.type == "cuda":
+        return f"fp32 {what} pools: the kernel's fp32 (IEEE) dots spill registers on the GPU; the PyTorch path runs them"
+    return None
 
 
 def next_pow2(n: int) -> int:

@@ -40,6 +40,14 @@ def make_batch(starts: list[int], news: list[int], bs: int, seed: int = 0, num_s
                         torch.tensor(state), torch.tensor(query_start[1:]) - 1, bs)
 
 
+def on_device(b: ForwardBatch, dev: str | torch.device) -> ForwardBatch:
+    """The same step with its tensors on ``dev`` (cu_seqlens and fresh rebuilt there from the host plan)."""
+    p = b.plan
+    return ForwardBatch(b.input_ids.to(dev), b.positions.to(dev), p.query_start, p.seq_start, p.seq_lens,
+                        b.slot_mapping.to(dev), b.block_tables.to(dev), b.state_slots.to(dev),
+                        b.logits_indices.to(dev), b.block_size)
+
+
 def make_pool(batch: ForwardBatch, row: tuple[int, ...], num_blocks: int, seed: int = 0,
               stride: int = 1, dtype=torch.float32) -> torch.Tensor:
     """A paged pool [num_blocks, ceil(bs / stride), *row]: random rows where a sequence of ``batch`` keeps a

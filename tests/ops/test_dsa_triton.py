@@ -15,7 +15,7 @@ from dayzero.ops.attention import cuda as attn_dev
 from dayzero.ops.attention import paged as attn_ref
 from dayzero.ops.indexer import cuda as idx_dev
 from dayzero.ops.indexer import reference as idx_ref
-from tests.ops.paged_batch import make_batch, make_pool, num_blocks_of
+from tests.ops.paged_batch import make_batch, make_pool, num_blocks_of, on_device
 
 pytest.importorskip("triton")
 from dayzero.ops.attention import triton_mla  # noqa: E402
@@ -38,13 +38,6 @@ def close(a, b, tol):
     err = (a - b).abs().max().item()
     rel = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
     assert err <= tol * (1 + b.abs().max().item()) and rel <= tol, (err, rel)
-
-
-def on_device(b: ForwardBatch, dev: str = DEV) -> ForwardBatch:
-    p = b.plan
-    return ForwardBatch(b.input_ids.to(dev), b.positions.to(dev), p.query_start, p.seq_start, p.seq_lens,
-                        b.slot_mapping.to(dev), b.block_tables.to(dev), b.state_slots.to(dev),
-                        b.logits_indices.to(dev), b.block_size)
 
 
 def poisoned_pool(batch: ForwardBatch, row: tuple[int, ...], seed: int, dtype, num_blocks: int | None = None):
@@ -87,7 +80,7 @@ def causal_selection(batch: ForwardBatch, topk: int, seed: int, width: int | Non
 @pytest.mark.parametrize("block_n", [16, None], ids=["N16", "auto"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_indexer_decode_scores_equal_the_torch_gather(case, block_n, heads, dtype):
-    batch = on_device(decode_step(case, seed=1))
+    batch = on_device(decode_step(case, seed=1), DEV)
     Hi, Di = heads
     k = poisoned_pool(batch, (Di,), 2, dtype)
     q, w = randn(batch.num_seqs, Hi, Di, seed=3, dtype=dtype), randn(batch.num_seqs, Hi, seed=4, scale=Hi**-0.5)
@@ -102,7 +95,7 @@ def test_indexer_decode_scores_equal_the_torch_gather(case, block_n, heads, dtyp
 @pytest.mark.parametrize("topk", [3, 8, 64])
 @pytest.mark.parametrize("case", list(CASES))
 def test_indexer_decode_op_selects_the_reference_keys(case, topk):
-    batch = on_device(decode_step(case, seed=topk))
+    batch = on_device(decode_step(case, seed=topk), DEV)
     k = poisoned_pool(batch, (16,), 5, torch.float32)
     q, w = randn(batch.num_seqs, 4, 16, seed=6), randn(batch.num_seqs, 4, seed=7)
     assert triton_indexer.refusal(q, w, k) is None or DEV == "cuda"  # fp32 pools take the PyTorch path on a GPU
@@ -116,7 +109,7 @@ def prefill_step(bs: int) -> tuple[ForwardBatch, torch.Tensor]:
     """A mixed step: a fresh prompt, a decode row, a chunk continuing a sequence; and each row's sequence."""
     batch = make_batch([0, 9, 3], [7, 1, 20], bs, seed=14)
     news = torch.tensor([7, 1, 20])
-    return on_device(batch), torch.repeat_interleave(torch.arange(3), news).to(DEV)
+    return on_device(batch, DEV), torch.repeat_interleave(torch.arange(3), news).to(DEV)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
@@ -171,7 +164,7 @@ def mla_inputs(batch, H, dtype, seed=20, N=8, P=8, V=6, R=24):
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "topk5"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_mla_decode_equals_the_torch_path(case, sparse, sinks, heads_splits, dtype):
-    batch = on_device(decode_step(case, seed=21))
+    batch = on_device(decode_step(case, seed=21), DEV)
     H, splits = heads_splits
     qn, qp, lat, kv_b, V = mla_inputs(batch, H, dtype)
     s = randn(H, seed=22) if sinks else None
@@ -204,7 +197,7 @@ def latent_attention(q_abs, lat, batch, R, scale, sinks, selection):
 def test_mla_reads_only_valid_selected_keys(sinks):
     """Entries past the row's position (stale rows: ±inf/NaN) and -1 entries count for nothing; a row that
     selects nothing gets 0 (the sink is in the denominator only)."""
-    batch = on_device(decode_step("bs4-edges", seed=25))
+    batch = on_device(decode_step("bs4-edges", seed=25), DEV)
     H, R, P = 4, 24, 8
     lat = poisoned_pool(batch, (R + P,), 26, torch.float32)
     q_abs = randn(batch.num_seqs, H, R + P, seed=27)
@@ -232,7 +225,7 @@ def test_num_splits_depend_on_shapes_only():
 # ---------------------------------------------------------------- on a GPU, at the real model's shapes
 
 def long_step(starts: list[int], bs: int, seed: int) -> ForwardBatch:
-    return on_device(make_batch(starts, [1] * len(starts), bs, seed=seed))
+    return on_device(make_batch(starts, [1] * len(starts), bs, seed=seed), DEV)
 
 
 @gpu

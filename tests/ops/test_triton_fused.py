@@ -8,8 +8,7 @@ import torch
 from dayzero.ops.kda import reference as kda_ref
 from dayzero.ops.norm import reference as norm_ref
 from dayzero.ops.triton_support import triton_refusal
-from dayzero.engine.batch import ForwardBatch
-from tests.ops.paged_batch import make_batch
+from tests.ops.paged_batch import make_batch, on_device
 
 pytest.importorskip("triton")
 from dayzero.ops.kda.conv_kernels import causal_conv1d_pooled_triton, conv_refusal  # noqa: E402
@@ -25,13 +24,6 @@ def close(a, b, tol):
 
 def rand(*shape, dtype=torch.float32, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEV)
-
-
-def on_device(b: ForwardBatch) -> ForwardBatch:
-    p = b.plan
-    return ForwardBatch(b.input_ids.to(DEV), b.positions.to(DEV), p.query_start, p.seq_start, p.seq_lens,
-                        b.slot_mapping.to(DEV), b.block_tables.to(DEV), b.state_slots.to(DEV),
-                        b.logits_indices.to(DEV), b.block_size)
 
 
 def test_the_kernels_can_run_here():
@@ -85,7 +77,7 @@ def test_conv_matches_the_reference_and_updates_the_pool(step, activation, W):
     C = 40  # not a multiple of the channel block
     pool = rand(17, C, W - 1, seed=10)
     x, w = rand(batch.num_tokens, C, seed=11), rand(C, 1, W, seed=12)
-    batch = on_device(batch)
+    batch = on_device(batch, DEV)
     ours = pool.clone()
     y = causal_conv1d_pooled_triton(x, w, ours, batch, activation)
     y_ref = kda_ref.causal_conv1d_pooled(x, w, pool, batch, activation)

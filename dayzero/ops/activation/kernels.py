@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from dayzero.ops.registry import register
-from dayzero.ops.triton_support import HAS_TRITON, next_pow2, tl, triton, triton_refusal
+from dayzero.ops.triton_support import HAS_TRITON, next_pow2, rows_view, tl, triton, triton_refusal
 
 SILU, RELU2, SWIGLU_OAI = 0, 1, 2
 
@@ -43,14 +43,10 @@ def _refusal(x: torch.Tensor, gated: bool) -> str | None:
     why = triton_refusal(x)
     if why is not None:
         return why
-    if x.stride(-1) != 1:
-        return "the rows' channels are not contiguous"
     if gated and x.shape[-1] % 2:
         return f"a gated activation needs an even last dim [gate | up], got {tuple(x.shape)}"
-    try:
-        x.view(-1, x.shape[-1])
-    except RuntimeError:
-        return "the rows cannot be viewed as [N, C] without a copy"
+    if rows_view(x) is None:
+        return "the rows cannot be viewed as [N, C] without a copy (channels not contiguous)"
     return None
 
 
@@ -58,7 +54,7 @@ def act(x: torch.Tensor, kind: int, limit: float | None = None, alpha: float = 1
     """``act(x)`` over the last dim: x [..., 2I] for the gated kinds, [..., I] for relu2 -> [..., I]."""
     gated = kind != RELU2
     C = x.shape[-1] // 2 if gated else x.shape[-1]
-    x2 = x.view(-1, x.shape[-1])
+    x2 = rows_view(x)
     y = torch.empty((*x.shape[:-1], C), dtype=x.dtype, device=x.device)
     if x2.shape[0] and C:
         block = min(1024, next_pow2(C))

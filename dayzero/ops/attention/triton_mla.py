@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from dayzero.ops.triton_support import DOT_F32, HAS_TRITON, next_pow2, tl, triton, triton_refusal
+from dayzero.ops.triton_support import DOT_F32, HAS_TRITON, next_pow2, paged_pool_refusal, tl, triton, triton_refusal
 
 # Heads x keys per tile, and warps: at R=512 this compiles for sm_90 to 252 registers a thread and no spills
 # (M=16 runs on mma.sync; 64 heads would reach wgmma but spill). Not tuned on a GPU yet.
@@ -133,17 +133,9 @@ if HAS_TRITON:
 
 def refusal(q_abs: torch.Tensor, latent_pool, selection: torch.Tensor | None = None) -> str | None:
     """Why the Triton MLA decode cannot run ``q_abs`` [B, H, R+P] over ``latent_pool``, or None when it can."""
-    why = triton_refusal(q_abs)
+    why = triton_refusal(q_abs) or paged_pool_refusal(latent_pool, "latent")
     if why is not None:
         return why
-    if not isinstance(latent_pool, torch.Tensor):
-        return "quantised latent pools are read by the PyTorch path"
-    if latent_pool.dim() != 3 or latent_pool.stride(-1) != 1:
-        return "the latent pool must be [num_blocks, block_size, R+P] with contiguous rows"
-    if latent_pool.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return f"latent pool dtype {latent_pool.dtype} is not bf16, fp16 or fp32"
-    if latent_pool.dtype == torch.float32 and latent_pool.device.type == "cuda":
-        return "fp32 latent pools: the kernel's fp32 (IEEE) dots spill registers on the GPU; the PyTorch path runs them"
     if q_abs.dim() != 3 or q_abs.shape[-1] != latent_pool.shape[-1]:
         return f"q_abs {tuple(q_abs.shape)} does not match latent rows of width {latent_pool.shape[-1]}"
     if q_abs.shape[-1] > MAX_RANK:

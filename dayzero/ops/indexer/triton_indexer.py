@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from dayzero.ops.triton_support import DOT_F32, HAS_TRITON, next_pow2, tl, triton, triton_refusal
+from dayzero.ops.triton_support import DOT_F32, HAS_TRITON, next_pow2, paged_pool_refusal, tl, triton, triton_refusal
 
 # Keys per decode program: 128 halves the query re-reads (q is [Hi, Di], as large as 64 keys) once that still
 # makes about two waves of an H200's 132 SMs; 64 otherwise. A shape choice, fixed for a captured graph.
@@ -109,17 +109,9 @@ if HAS_TRITON:
 
 def refusal(q: torch.Tensor, weights: torch.Tensor, k_pool) -> str | None:
     """Why the Triton indexer cannot score ``q`` [T, Hi, Di] against ``k_pool``, or None when it can."""
-    why = triton_refusal(q)
+    why = triton_refusal(q) or paged_pool_refusal(k_pool, "indexer-key")
     if why is not None:
         return why
-    if not isinstance(k_pool, torch.Tensor):
-        return "quantised indexer-key pools are read by the PyTorch path"
-    if k_pool.dim() != 3 or k_pool.stride(-1) != 1:
-        return "the key pool must be [num_blocks, block_size, Di] with contiguous rows"
-    if k_pool.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return f"key pool dtype {k_pool.dtype} is not bf16, fp16 or fp32"
-    if k_pool.dtype == torch.float32 and k_pool.device.type == "cuda":
-        return "fp32 key pools: the kernel's fp32 (IEEE) dots spill registers on the GPU; the PyTorch path runs them"
     if q.dim() != 3 or q.shape[-1] != k_pool.shape[-1] or weights.shape != q.shape[:2]:
         return f"q {tuple(q.shape)} / weights {tuple(weights.shape)} do not match keys of width {k_pool.shape[-1]}"
     Hi, Di = q.shape[1:]

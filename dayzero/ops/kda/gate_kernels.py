@@ -9,6 +9,9 @@ from dayzero.ops.registry import register
 from dayzero.ops.triton_support import HAS_TRITON, tl, triton, triton_refusal
 
 if HAS_TRITON:
+    from dayzero.ops.triton_support import softplus
+
+if HAS_TRITON:
     @triton.jit
     def _gate_kernel(f_ptr, a_ptr, b_ptr, g_ptr, n, H, K, sft, lower,
                      LOWER: tl.constexpr, BLOCK: tl.constexpr):
@@ -22,7 +25,7 @@ if HAS_TRITON:
         if LOWER:
             g = lower * tl.sigmoid(a * x)
         else:
-            g = -a * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
+            g = -a * softplus(x)
         tl.store(g_ptr + i, g, mask=m)
 
 

@@ -15,6 +15,9 @@ import torch
 from dayzero.ops.registry import register
 from dayzero.ops.triton_support import HAS_TRITON, next_pow2, tl, triton, triton_refusal
 
+if HAS_TRITON:
+    from dayzero.ops.triton_support import softplus
+
 MAX_K = 32
 MAX_GROUPS = 32
 
@@ -28,7 +31,7 @@ if HAS_TRITON:
         valid = e < E
         x = tl.load(logits_ptr + t * E + e, mask=valid, other=0.0).to(tl.float32)
         if SQRT_SOFTPLUS:
-            s = tl.sqrt(tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x))))
+            s = tl.sqrt(softplus(x))
         else:
             s = tl.sigmoid(x)
         sel = s

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from dayzero.ops.registry import register
-from dayzero.ops.triton_support import HAS_TRITON, next_pow2, tl, triton, triton_refusal
+from dayzero.ops.triton_support import HAS_TRITON, next_pow2, rows_view as _rows, tl, triton, triton_refusal
 
 MAX_WIDTH = 16384
 
@@ -63,16 +63,6 @@ if HAS_TRITON:
         if HAS_B:
             y = y + tl.load(b_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + r64 * D + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-def _rows(t: torch.Tensor) -> torch.Tensor | None:
-    """``t`` as [rows, D] without a copy (None when its layout does not allow it)."""
-    if t.stride(-1) != 1:
-        return None
-    try:
-        return t.view(-1, t.shape[-1])
-    except RuntimeError:
-        return None
 
 
 def _launch_shape(n_rows: int, D: int) -> tuple[int, int, int, int]:
