@@ -72,7 +72,7 @@ def bench_decode(s: dict, B: int, context: int, args, bw: float, g: torch.Genera
     r = args.repeats
 
     def mla(selection, torch_path=False):
-        fn = attn.paged_mla_decode_torch if torch_path else attn.paged_mla_decode
+        fn = attn.paged_mla_decode_torch if torch_path else attn.paged_mla_rows
         return fn(qn, qp, lat_pool, kv_b, s["V"], batch, scale, sink, selection)
 
     t = {

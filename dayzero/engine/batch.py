@@ -104,6 +104,7 @@ class ForwardBatch:
         self.selection_set = False  # host flag: an indexer layer ran in this step
         self.graph: tuple[int, int] | None = None  # the captured (batch size, table width) this step replays
         self._key_slots: list[torch.Tensor] | None = None
+        self._seq_of_row: torch.Tensor | None = None
 
     # --- the step's shape (fixed for a captured graph) ---------------------------------------------
     @property
@@ -130,6 +131,15 @@ class ForwardBatch:
     def key_width(self) -> int:
         """Keys per sequence the block tables can address: an upper bound of every sequence's length."""
         return self.block_tables.shape[1] * self.plan.block_size
+
+    @property
+    def seq_of_row(self) -> torch.Tensor:
+        """[T] int64: the sequence (row of ``block_tables``) each query row belongs to, found on the device from
+        ``cu_seqlens`` (no host read; computed once per step, shared by layers)."""
+        if self._seq_of_row is None:
+            rows = torch.arange(self.num_tokens, device=self.cu_seqlens.device)
+            self._seq_of_row = torch.searchsorted(self.cu_seqlens[1:], rows, right=True)
+        return self._seq_of_row
 
     def topk_buffer(self, topk: int) -> torch.Tensor:
         """The step's [T, topk] selection buffer (a view of the runner's persistent one when it gave one)."""

@@ -13,6 +13,7 @@ from dayzero.cache.manager import CacheManager
 from dayzero.cache.planner import CachePlan, available_memory, plan_cache
 from dayzero.cache.spec import PagedSpec, StateSpec
 from dayzero.engine.model_runner import ModelRunner
+from dayzero.ops.indexer.triton_indexer import scratch_bytes as indexer_scratch_bytes
 
 log = logging.getLogger("dayzero")
 
@@ -34,6 +35,13 @@ def prepare_weights(model: torch.nn.Module) -> None:
             fn()
 
 
+def prefill_scratch_bytes(model, rows: int, keys: int) -> int:
+    """Transient bytes a prefill step of ``rows`` query rows over ``keys`` keys holds beside the cache: the DSA
+    indexer's scores, which its varlen form keeps under a budget (``triton_indexer.scratch_bytes``)."""
+    topks = {m.selection_width for m in model.modules() if getattr(m, "selection_width", 0)}
+    return max((indexer_scratch_bytes(rows, keys, k) for k in topks), default=0)
+
+
 def assemble(model, device: torch.device, dtype: torch.dtype, *, block_size: int, max_model_len: int,
              max_num_seqs: int, max_num_batched_tokens: int, budget_bytes: int | None = None,
              memory_fraction: float = 0.5, num_cache_blocks: int | None = None, kv_cache_dtype: str = "auto",
@@ -45,7 +53,8 @@ def assemble(model, device: torch.device, dtype: torch.dtype, *, block_size: int
 
     The cache gets ``budget_bytes``, or with neither it nor ``num_cache_blocks`` given, ``memory_fraction`` of
     the free memory less what the decode graphs will hold (measured by one eager decode step of the largest
-    captured shape before the cache is allocated); the plan records the graphs' memory. With ``prefix_caching``,
+    captured shape before the cache is allocated) and the prefill scratch (:func:`prefill_scratch_bytes`); the
+    plan records both. With ``prefix_caching``,
     models that keep per-sequence states get ``num_snapshots`` state snapshots (default one per sequence seat)
     taken every ``snapshot_interval`` tokens."""
     from dayzero.engine.cuda_graphs import DecodeGraphs, default_sizes, default_widths, measure_step_bytes
@@ -59,12 +68,14 @@ def assemble(model, device: torch.device, dtype: torch.dtype, *, block_size: int
         sizes = sorted(s for s in (cuda_graph_sizes or default_sizes(max_num_seqs)) if 1 <= s <= max_num_seqs)
         widths = default_widths(max_blocks, block_size, min(max_model_len, cuda_graph_max_len))
         graph_bytes = measure_step_bytes(runner, sizes[-1], widths[-1], block_size)
+    scratch = prefill_scratch_bytes(model, max_num_batched_tokens, max_model_len)
     if budget_bytes is None and num_cache_blocks is None:
-        budget_bytes = int(available_memory(device) * memory_fraction) - graph_bytes
+        budget_bytes = int(available_memory(device) * memory_fraction) - graph_bytes - scratch
     uses_slots = any(isinstance(s, StateSpec) for s in runner.specs)
     snapshots = (max_num_seqs if num_snapshots is None else num_snapshots) if prefix_caching and uses_slots else 0
     plan = plan_cache(runner.specs, block_size, max_model_len, max_num_seqs, budget_bytes, num_cache_blocks,
                       kv_cache_dtype, snapshots, index_cache_dtype)
+    plan = replace(plan, scratch_bytes=scratch)
     runner.allocate_cache(plan)
     # a paged row that stands for m tokens (compressed entries) is complete only at multiples of m
     strides = [m for s in runner.specs if isinstance(s, PagedSpec) for m in s.strides.values()]

@@ -12,6 +12,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 
+from dayzero.ops.indexer.triton_indexer import scratch_bytes as indexer_scratch_bytes
 from dayzero.tools import fmt
 from dayzero.tools.devices import DeviceKind, parse_device_spec, parse_devices
 from dayzero.tools.model_info import FORMAT_TORCH, declared_format, load
@@ -33,7 +34,6 @@ class PlanConfig:
     conversion: str = "bf16"  # MXFP4 experts: convert into a bf16 or fp8 workspace, or "fused" (no workspace)
     block_size: int = 16
     prefill_chunk: int = 8192  # tokens per DP rank per prefill step
-    indexer_block: int = 512  # query rows per indexer-logit tile
     moe_imbalance: float = 1.5  # expert receive buffers sized for this multiple of the average load
     memory_fraction: float = 0.92  # of device memory the plan may use
     runtime_gib: float = 2.0  # runtime context, library workspaces, collective-library buffers
@@ -121,7 +121,7 @@ def stage_memory(costs: ModelCosts, cfg: PlanConfig, lay: Layout, layer_ids: ran
     act = chunk * (4 * costs.hidden * a_b + 2 * 4 * width / lay.tp)
     if last:
         act += seqs * costs.vocab / lay.tp * 4  # fp32 logits of the sampled rows
-    idx = (min(chunk, cfg.indexer_block) * tokens * 4) if any(lc.indexer is not None for lc in ls) else 0.0
+    idx = max((indexer_scratch_bytes(chunk, tokens, lc.topk) for lc in ls if lc.indexer is not None), default=0.0)
     moe = [lc for lc in ls if lc.is_moe]
     dispatch = max((moe_buffers(lc, lay, chunk * lay.dp, cfg.moe_imbalance, a_b) for lc in moe), default=0.0)
     comm = 2 * chunk * costs.hidden * a_b * ((lay.tp > 1) + (lay.pp > 1))  # all-reduce / stage send buffers

@@ -106,7 +106,7 @@ def test_paged_mla_decode_equals_reference(starts, sparse):
     sinks = torch.randn(H, generator=g)
     sel = random_selection(batch, 5, 9) if sparse else None
     ref = attn_ref.paged_mla(qn, qp, latent, kv_b, V, batch, 0.35, sinks, sel)
-    close(attn_dev.paged_mla_decode(qn, qp, latent, kv_b, V, batch, 0.35, sinks, sel), ref)
+    close(attn_dev.paged_mla_rows(qn, qp, latent, kv_b, V, batch, 0.35, sinks, sel), ref)
 
 
 def test_paged_mla_mixed_step_equals_each_sequence_alone():

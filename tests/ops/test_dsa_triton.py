@@ -173,7 +173,7 @@ def test_mla_decode_equals_the_torch_path(case, sparse, sinks, heads_splits, dty
     if splits is None:  # through the op, as the layer calls it, against the PyTorch path and the reference
         why = triton_mla.refusal(torch.zeros(batch.num_seqs, H, lat.shape[-1], device=DEV), lat, sel)
         assert why is None or (DEV == "cuda" and dtype == torch.float32)
-        out = attn_dev.paged_mla_decode(qn, qp, lat, kv_b, V, batch, scale, s, sel)
+        out = attn_dev.paged_mla_rows(qn, qp, lat, kv_b, V, batch, scale, s, sel)
         close(out, attn_dev.paged_mla_decode_torch(qn, qp, lat, kv_b, V, batch, scale, s, sel), TOL[dtype])
         if dtype == torch.float32:
             close(out, attn_ref.paged_mla(qn, qp, lat, kv_b, V, batch, scale, s, sel), TOL[dtype])
@@ -222,6 +222,64 @@ def test_num_splits_depend_on_shapes_only():
     assert triton_mla.num_splits(3, 3, 5) == 1
 
 
+# ---------------------------------------------------------------- prefill rows through the ops
+
+def test_seq_of_row_follows_cu_seqlens():
+    batch, seq = prefill_step(4)
+    assert torch.equal(batch.seq_of_row, seq)
+    decode = on_device(decode_step("bs4-edges"), DEV)
+    assert torch.equal(decode.seq_of_row, torch.arange(decode.num_seqs, device=DEV))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "topk5"])
+@pytest.mark.parametrize("bs", [4, 16])
+def test_mla_prefill_rows_equal_the_reference(bs, sparse, sinks, dtype):
+    """A mixed step (a fresh prompt, a decode row, a continued chunk): every row through the absorbed kernel,
+    reading its own sequence's table, against the per-sequence reference (naive form for the chunks)."""
+    batch, _ = prefill_step(bs)
+    T, H, N, P, V, R = batch.num_tokens, 5, 8, 8, 6, 24
+    qn, qp = randn(T, H, N, seed=41, dtype=dtype), randn(T, H, P, seed=42, dtype=dtype)
+    kv_b = randn(H * (N + V), R, seed=43, dtype=dtype, scale=R**-0.5)
+    lat = poisoned_pool(batch, (R + P,), 44, dtype)
+    s = randn(H, seed=45) if sinks else None
+    sel = causal_selection(batch, 5, 46) if sparse else None
+    assert attn_dev._mla_verify(qn, qp, lat, kv_b, V, batch, 0.3, s, sel) is None
+    out = attn_dev.paged_mla_rows(qn, qp, lat, kv_b, V, batch, 0.3, s, sel)
+    ref = attn_ref.paged_mla(qn.float(), qp.float(), lat.float(), kv_b.float(), V, batch, 0.3, s, sel)
+    close(out.float(), ref, TOL[dtype])
+
+
+def test_mla_prefill_refusals_name_the_reason(monkeypatch):
+    batch, _ = prefill_step(4)
+    T, H, N, P, V, R = batch.num_tokens, 2, 8, 8, 6, 24
+    qn, qp, kv_b = randn(T, H, N, seed=1), randn(T, H, P, seed=2), randn(H * (N + V), R, seed=3)
+    lat = poisoned_pool(batch, (R + P,), 4, torch.float32)
+    monkeypatch.setattr(attn_dev, "DENSE_PREFILL_MAX_KEYS", batch.key_width - 1)
+    why = attn_dev._mla_verify(qn, qp, lat, kv_b, V, batch, 1.0)
+    assert "prefill rows" in why and f"over {batch.key_width} keys" in why
+    assert attn_dev._mla_verify(qn, qp, lat, kv_b, V, batch, 1.0, None, causal_selection(batch, 5, 5)) is None
+    decode = on_device(decode_step("bs4-edges"), DEV)
+    assert attn_dev._mla_verify(qn, qp, lat, kv_b, V, decode, 1.0) is None  # decode rows: the PyTorch path at worst
+    why = attn_dev._mla_verify(qn, qp, lat[..., :-1], kv_b, V, batch, 1.0, None, causal_selection(batch, 5, 5))
+    assert "does not match latent rows" in why
+
+
+@pytest.mark.parametrize("topk", [4, 64])
+def test_indexer_op_takes_prefill_rows(topk):
+    """The op's varlen path on a mixed step selects the reference's keys (fp32: no near-tie flips)."""
+    batch, _ = prefill_step(4)
+    T, Hi, Di = batch.num_tokens, 3, 16
+    k = poisoned_pool(batch, (Di,), 47, torch.float32)
+    q, w = randn(T, Hi, Di, seed=48), randn(T, Hi, seed=49)
+    assert idx_dev._verify(q, w, k, batch) is None
+    out = idx_dev.paged_indexer_topk_decode(q, w, k, batch, topk, torch.full((T, topk), 7, dtype=torch.int64, device=DEV))
+    ref = idx_ref.paged_indexer_topk(q, w, k, batch, topk, torch.empty(T, topk, dtype=torch.int64, device=DEV))
+    assert torch.equal(out.sort(-1).values, ref.sort(-1).values)
+    assert "quantised" in idx_dev._verify(q, w, object(), batch)
+
+
 # ---------------------------------------------------------------- on a GPU, at the real model's shapes
 
 def long_step(starts: list[int], bs: int, seed: int) -> ForwardBatch:
@@ -258,7 +316,7 @@ def test_gpu_mla_decode_at_real_shapes(H, sparse):
     lat = poisoned_pool(batch, (R + P,), 38, torch.bfloat16)
     s = randn(H, seed=39)
     sel = causal_selection(batch, 2048, 40) if sparse else None
-    out = attn_dev.paged_mla_decode(qn, qp, lat, kv_b, V, batch, (N + P) ** -0.5, s, sel)
+    out = attn_dev.paged_mla_rows(qn, qp, lat, kv_b, V, batch, (N + P) ** -0.5, s, sel)
     close(out, attn_dev.paged_mla_decode_torch(qn, qp, lat, kv_b, V, batch, (N + P) ** -0.5, s, sel), 2e-2)
 
 
@@ -283,7 +341,7 @@ def test_gpu_decode_step_replays_in_a_cuda_graph():
 
     def step():
         idx_dev.paged_indexer_topk_decode(q, w, k, static, topk, sel)
-        return attn_dev.paged_mla_decode(qn, qp, lat, kv_b, V, static, 0.1, None, sel)
+        return attn_dev.paged_mla_rows(qn, qp, lat, kv_b, V, static, 0.1, None, sel)
 
     def load(batch, kp, lp):
         tables.zero_()[:, : batch.block_tables.shape[1]] = batch.block_tables
@@ -307,4 +365,4 @@ def test_gpu_decode_step_replays_in_a_cuda_graph():
         replayed, chosen = out.clone(), sel.clone()
         assert torch.equal(chosen.sort(-1).values, idx_dev.paged_indexer_topk_decode(
             q, w, k, static, topk, torch.empty_like(sel)).sort(-1).values)
-        close(replayed, attn_dev.paged_mla_decode(qn, qp, lat, kv_b, V, static, 0.1, None, sel), 1e-3)
+        close(replayed, attn_dev.paged_mla_rows(qn, qp, lat, kv_b, V, static, 0.1, None, sel), 1e-3)

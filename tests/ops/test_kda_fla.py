@@ -33,7 +33,7 @@ def to_cuda(batch):
 @pytest.mark.parametrize("H,K", [(2, 64), (4, 128)], ids=["H2-K64", "H4-K128"])
 def test_fla_kernels_equal_the_reference(step, H, K):
     starts, news = STEPS[step]
-    if set(news) != {1} and not kda_dev.fla_chunk_enabled():
+    if set(news) != {1} and not kda_dev.fla_chunk_enabled(torch.bfloat16):
         pytest.skip("fla's chunk kernel is off (DAYZERO_FLA_CHUNK=0)")
     batch = to_cuda(make_batch(starts, news, 16, seed=H))
     g0 = torch.Generator().manual_seed(K)

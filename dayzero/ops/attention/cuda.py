@@ -4,9 +4,10 @@ each sequence brings one query row, its keys are gathered through its block tabl
 and softmaxed in fp32. Nothing depends on a host length, so these run inside captured CUDA graphs.
 
 Same math as the per-sequence references (``paged.py``); rows of a prefill chunk are refused (the reference
-runs them), with that reason in ``dayzero ops``. Absorbed MLA runs the Triton split-K kernel of
-``triton_mla.py`` where it can (its ``refusal`` says why not: no Triton, a quantised pool, ...); the rest are
-plain PyTorch.
+runs them), with that reason in ``dayzero ops``, except by ``paged_mla``: absorbed MLA runs the Triton split-K
+kernel of ``triton_mla.py`` where it can (its ``refusal`` says why not: no Triton, a quantised pool, ...), for
+decode rows and for prefill rows with a DSA selection or a short context, each row reading its sequence's
+table (``batch.seq_of_row``). Decode rows it refuses, and the other ops, are plain PyTorch.
 """
 from __future__ import annotations
 
@@ -61,20 +62,36 @@ def paged_attention_decode(q: torch.Tensor, k_cache, v_cache, batch, scale: floa
     return o.reshape(B, H, -1).to(q.dtype)
 
 
-@register("paged_mla", "cuda", verifier=lambda qn, qp, lc, w, vd, batch, *a, **k: _decode_only(batch),
-          note="absorbed decode rows over the block tables or the DSA selection (Triton split-K kernel, "
-               "else PyTorch)")
-def paged_mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache, kv_b_weight: torch.Tensor,
-                     v_head_dim: int, batch, scale: float, sinks: torch.Tensor | None = None,
-                     selection: torch.Tensor | None = None) -> torch.Tensor:
-    # q_nope: [B, H, N]; q_pe: [B, H, P]; kv_b_weight: [H*(N+V), R]; selection: [B, topk] or None -> [B, H, V]
+# Dense (no selection) prefill rows take the absorbed kernel up to this many keys per sequence: the DSA layers'
+# short-context shortcut (every causal key within the top-k) and short contexts. Past it the naive form's
+# fewer FLOPs per key (H*(N+P+V) against H*(2R+P)) pay for expanding the latents: the reference runs them.
+DENSE_PREFILL_MAX_KEYS = 4096
+
+
+def _mla_verify(q_nope, q_pe, latent_cache, kv_b_weight, v_head_dim, batch, scale, sinks=None, selection=None):
+    if batch.is_decode:
+        return None
+    why = triton_mla.rows_refusal(q_pe, (*q_pe.shape[:2], kv_b_weight.shape[-1] + q_pe.shape[-1]), latent_cache,
+                                  selection)
+    if why is None and selection is None and batch.key_width > DENSE_PREFILL_MAX_KEYS:
+        why = f"dense rows over {batch.key_width} keys (the absorbed kernel takes up to {DENSE_PREFILL_MAX_KEYS})"
+    return None if why is None else f"{NOT_DECODE} ({why})"
+
+
+@register("paged_mla", "cuda", verifier=_mla_verify,
+          note="absorbed rows over the block tables or the DSA selection (Triton split-K kernel; decode rows "
+               "also in PyTorch); long dense prefill rows use the reference")
+def paged_mla_rows(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache, kv_b_weight: torch.Tensor,
+                   v_head_dim: int, batch, scale: float, sinks: torch.Tensor | None = None,
+                   selection: torch.Tensor | None = None) -> torch.Tensor:
+    # q_nope: [T, H, N]; q_pe: [T, H, P]; kv_b_weight: [H*(N+V), R]; selection: [T, topk] or None -> [T, H, V]
     return _mla_decode(q_nope, q_pe, latent_cache, kv_b_weight, v_head_dim, batch, scale, sinks, selection, True)
 
 
 def paged_mla_decode_torch(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache, kv_b_weight: torch.Tensor,
                            v_head_dim: int, batch, scale: float, sinks: torch.Tensor | None = None,
                            selection: torch.Tensor | None = None) -> torch.Tensor:
-    """``paged_mla_decode`` on its PyTorch path whatever the device (tests, benchmarks)."""
+    """``paged_mla_rows`` on decode rows on its PyTorch path whatever the device (tests, benchmarks)."""
     return _mla_decode(q_nope, q_pe, latent_cache, kv_b_weight, v_head_dim, batch, scale, sinks, selection, False)
 
 
@@ -86,9 +103,11 @@ def _mla_decode(q_nope, q_pe, latent_cache, kv_b_weight, v_head_dim, batch, scal
     q_lat = torch.einsum("bhn,hnr->bhr", q_nope.float(), w[:, :N].float())
     q_abs = torch.cat((q_lat, q_pe.float()), dim=-1)  # [B, H, R+P] fp32
     if use_triton and triton_mla.refusal(q_abs, latent_cache, selection) is None:
+        seq_of_row = None if batch.is_decode else batch.seq_of_row  # prefill rows read their sequence's table
         o_lat = triton_mla.mla_decode(q_abs, latent_cache, batch.block_tables, batch.positions, batch.block_size,
-                                      R, scale, sinks, selection)  # [B, H, R] fp32
+                                      R, scale, sinks, selection, seq_of_row=seq_of_row)  # [T, H, R] fp32
     else:
+        assert batch.is_decode, "prefill rows without the Triton kernel are the reference's (the verifier says so)"
         if selection is None:
             kp, ok = key_positions(batch)
         else:

@@ -1,13 +1,16 @@
-"""Absorbed MLA decode over the paged latent pool as Triton kernels: split-K (flash-decoding) and a merge.
+"""Absorbed MLA over the paged latent pool as Triton kernels: split-K (flash-decoding) and a merge, for decode
+rows and for the rows of prefill chunks alike (each query row attends on its own: its sequence's block table,
+its position, its own selection).
 
 The latent pool holds one shared key/value head per token, ``[c (R) | k_pe (P)]``: the key is the whole row,
 the value its first R columns. For the absorbed query q~ = [q_nope W_UK | q_pe] ([B, H, R+P], computed in
-torch by ``paged_mla_decode``) every head h of decode row b gets
+torch by ``paged_mla_rows``) every head h of decode row b gets
 
     o_lat[b, h] = sum_j softmax_j(scale * q~[b, h] . lat_j) c_j      (fp32; a sink adds e^sink to the sum)
 
 over its keys j: the DSA ``selection`` [B, topk] (key positions, -1 = none), or with no selection every
-position 0..positions[b] of its block table. A key counts only if 0 <= position <= positions[b] (and inside
+position 0..positions[b] of its block table. Row b reads the block table of sequence ``seq_of_row[b]`` (the
+rows of a prefill chunk share their sequence's), or row b of the tables when there is no map (decode). A key counts only if 0 <= position <= positions[b] (and inside
 the table); other rows are never loaded (masked loads), since a stale row of a reused block may hold inf/NaN.
 
 - split kernel: one program per (row, split of the key list, block of heads). It walks its split in tiles of
@@ -15,7 +18,8 @@ the table); other rows are never loaded (masked loads), since a stale row of a r
   so exp2), and writes them as partials. The latent tile is loaded once as [keys, R] + [keys, P] (R=512 and
   P=64 in the real model, so R+P=576 needs no padding to 1024) and serves as both the key and the value.
 - merge kernel: one program per (row, head, slice of R) rescales the splits' partials to their common max, adds
-  the sink to the denominator and writes o_lat [B, H, R] fp32.
+  the sink to the denominator and writes o_lat [B, H, R] fp32. With one split (every prefill row: there are
+  rows enough to fill the device) the split kernel normalises and writes o_lat itself, with no partials.
 
 The number of splits is chosen on the host from shapes only (rows, heads, key-list length), never from a
 device value: both kernels run inside captured CUDA graphs. Dots run in the pool's dtype on the tensor cores
@@ -41,9 +45,10 @@ LOG2E = 1.4426950408889634
 
 if HAS_TRITON:
     @triton.jit
-    def _split_kernel(q_ptr, lat_ptr, table_ptr, pos_ptr, sel_ptr, o_ptr, ml_ptr, H, num_keys, key_width,
-                      keys_per_split, qk_scale, s_qb, s_qh, s_lb, s_lr, s_tb, s_sb, s_ob, s_oh, s_os,
-                      R: tl.constexpr, P: tl.constexpr, PAGE: tl.constexpr, SPARSE: tl.constexpr,
+    def _split_kernel(q_ptr, lat_ptr, table_ptr, seq_ptr, pos_ptr, sel_ptr, o_ptr, ml_ptr, sink_ptr, H, num_keys,
+                      key_width, keys_per_split, qk_scale, s_qb, s_qh, s_lb, s_lr, s_tb, s_sb, s_ob, s_oh, s_os,
+                      R: tl.constexpr, P: tl.constexpr, PAGE: tl.constexpr, SPARSE: tl.constexpr, HAS_SEQ: tl.constexpr,
+                      FINAL: tl.constexpr, HAS_SINK: tl.constexpr,
                       BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
                       DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)  # partial offsets b * H * S * R may pass 2^31
@@ -60,6 +65,10 @@ if HAS_TRITON:
         if DOT_F32:
             q_c, q_p = q_c.to(tl.float32), q_p.to(tl.float32)
         pos = tl.load(pos_ptr + b)
+        if HAS_SEQ:
+            table = table_ptr + tl.load(seq_ptr + b).to(tl.int64) * s_tb
+        else:
+            table = table_ptr + b * s_tb
 
         m = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)  # running max, log2 units
         l = tl.zeros((BLOCK_H,), dtype=tl.float32)  # running sum of exp2(s - m)
@@ -77,7 +86,7 @@ if HAS_TRITON:
             else:
                 kp = offs_n
             valid = inside & (kp >= 0) & (kp <= pos) & (kp < key_width)  # [BN]
-            blk = tl.load(table_ptr + b * s_tb + kp // PAGE, mask=valid, other=0).to(tl.int64)
+            blk = tl.load(table + kp // PAGE, mask=valid, other=0).to(tl.int64)
             row = lat_ptr + blk * s_lb + (kp % PAGE).to(tl.int64) * s_lr  # [BN] row pointers
             kc = tl.load(row[:, None] + offs_r[None, :], mask=valid[:, None] & r_ok[None, :], other=0.0)  # [BN, BR]
             kr = tl.load(row[:, None] + R + offs_p[None, :], mask=valid[:, None] & p_ok[None, :], other=0.0)
@@ -97,11 +106,24 @@ if HAS_TRITON:
             acc = acc * alpha[:, None] + tl.dot(p_dot, kc, input_precision=PRECISION)  # value = c
             m = m_new
             n0 += BLOCK_N
+        if FINAL:  # one split: normalise here (the sink joins the denominator) and write o_lat, no merge
+            if HAS_SINK:
+                sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+                m_all = tl.maximum(m, sink)
+            else:
+                m_all = m
+            m_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # no key and no sink: the output is 0
+            wgt = tl.exp2(m - m_all)
+            denom = l * wgt
+            if HAS_SINK:
+                denom += tl.exp2(sink - m_all)
+            acc = acc * (wgt / tl.maximum(denom, 1.1754943508222875e-38))[:, None]
         o = o_ptr + b * s_ob + offs_h[:, None] * s_oh + split * s_os + offs_r[None, :]
         tl.store(o, acc, mask=h_ok[:, None] & r_ok[None, :])
-        ml = ml_ptr + ((b * H + offs_h) * tl.num_programs(1) + split) * 2
-        tl.store(ml, m, mask=h_ok)
-        tl.store(ml + 1, l, mask=h_ok)
+        if not FINAL:
+            ml = ml_ptr + ((b * H + offs_h) * tl.num_programs(1) + split) * 2
+            tl.store(ml, m, mask=h_ok)
+            tl.store(ml + 1, l, mask=h_ok)
 
     @triton.jit
     def _merge_kernel(o_ptr, ml_ptr, sink_ptr, out_ptr, H, s_ob, s_oh, s_os, s_xb, s_xh,
@@ -132,16 +154,22 @@ if HAS_TRITON:
 
 
 def refusal(q_abs: torch.Tensor, latent_pool, selection: torch.Tensor | None = None) -> str | None:
-    """Why the Triton MLA decode cannot run ``q_abs`` [B, H, R+P] over ``latent_pool``, or None when it can."""
-    why = triton_refusal(q_abs) or paged_pool_refusal(latent_pool, "latent")
+    """Why the Triton MLA kernels cannot run ``q_abs`` [B, H, R+P] over ``latent_pool``, or None when they can."""
+    return rows_refusal(q_abs, q_abs.shape, latent_pool, selection)
+
+
+def rows_refusal(like: torch.Tensor, q_abs_shape, latent_pool, selection: torch.Tensor | None = None) -> str | None:
+    """:func:`refusal` from the absorbed query's shape alone (``like``: any tensor on its device), so that a
+    verifier can answer before q~ is computed."""
+    why = triton_refusal(like) or paged_pool_refusal(latent_pool, "latent")
     if why is not None:
         return why
-    if q_abs.dim() != 3 or q_abs.shape[-1] != latent_pool.shape[-1]:
-        return f"q_abs {tuple(q_abs.shape)} does not match latent rows of width {latent_pool.shape[-1]}"
-    if q_abs.shape[-1] > MAX_RANK:
-        return f"latent rows of {q_abs.shape[-1]} values exceed the kernel's {MAX_RANK}"
-    if selection is not None and (selection.dim() != 2 or selection.shape[0] != q_abs.shape[0]):
-        return f"selection {tuple(selection.shape)} is not [B, topk] for {q_abs.shape[0]} rows"
+    if len(q_abs_shape) != 3 or q_abs_shape[-1] != latent_pool.shape[-1]:
+        return f"q_abs {tuple(q_abs_shape)} does not match latent rows of width {latent_pool.shape[-1]}"
+    if q_abs_shape[-1] > MAX_RANK:
+        return f"latent rows of {q_abs_shape[-1]} values exceed the kernel's {MAX_RANK}"
+    if selection is not None and (selection.dim() != 2 or selection.shape[0] != q_abs_shape[0]):
+        return f"selection {tuple(selection.shape)} is not [B, topk] for {q_abs_shape[0]} rows"
     return None
 
 
@@ -155,10 +183,12 @@ def num_splits(rows: int, heads: int, num_keys: int) -> int:
 
 def mla_decode(q_abs: torch.Tensor, latent_pool: torch.Tensor, block_tables: torch.Tensor, positions: torch.Tensor,
                block_size: int, rank: int, scale: float, sinks: torch.Tensor | None = None,
-               selection: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
-    """o_lat [B, H, R] fp32 of the absorbed MLA decode step (see the module docstring); ``rank`` is R.
-    ``splits`` overrides :func:`num_splits` (tests)."""
-    # q_abs: [B, H, R+P]; latent_pool: [num_blocks, block_size, R+P]; block_tables: [B, W]; positions: [B]
+               selection: torch.Tensor | None = None, splits: int | None = None,
+               seq_of_row: torch.Tensor | None = None) -> torch.Tensor:
+    """o_lat [B, H, R] fp32 of absorbed MLA for B query rows (see the module docstring); ``rank`` is R.
+    ``seq_of_row`` [B]: the row of ``block_tables`` each query row reads (None: row b reads row b, a decode
+    step). ``splits`` overrides :func:`num_splits` (tests)."""
+    # q_abs: [B, H, R+P]; latent_pool: [num_blocks, block_size, R+P]; block_tables: [S, W]; positions: [B]
     B, H, RP = q_abs.shape
     R, P = rank, RP - rank
     key_width = block_tables.shape[1] * block_size
@@ -174,17 +204,22 @@ def mla_decode(q_abs: torch.Tensor, latent_pool: torch.Tensor, block_tables: tor
     S = splits or num_splits(B, H, num_keys)
     per_split = math.ceil(math.ceil(num_keys / S) / BLOCK_N) * BLOCK_N
     S = math.ceil(num_keys / per_split)  # no split left empty by the rounding
-    part_o = torch.empty(B, H, S, R, dtype=torch.float32, device=q_abs.device)
-    part_ml = torch.empty(B, H, S, 2, dtype=torch.float32, device=q_abs.device)  # (max, sum) per split
+    final = S == 1  # one split writes o_lat itself: no partials, no merge (every prefill row)
+    part_o = out[:, :, None] if final else torch.empty(B, H, S, R, dtype=torch.float32, device=q_abs.device)
+    part_ml = out if final else torch.empty(B, H, S, 2, dtype=torch.float32, device=q_abs.device)  # (max, sum)
     sel = selection if selection is not None else positions  # any pointer: never read when dense
     precision = "ieee" if latent_pool.dtype == torch.float32 else "tf32"
     BR, BP = max(16, next_pow2(R)), max(16, next_pow2(P))
     _split_kernel[(B, S, triton.cdiv(H, BLOCK_H))](
-        q_abs, latent_pool, block_tables, positions, sel, part_o, part_ml, H, num_keys, key_width, per_split,
+        q_abs, latent_pool, block_tables, positions if seq_of_row is None else seq_of_row, positions, sel, part_o,
+        part_ml, sinks if sinks is not None else part_ml, H, num_keys, key_width, per_split,
         scale * LOG2E, q_abs.stride(0), q_abs.stride(1), latent_pool.stride(0), latent_pool.stride(1),
         block_tables.stride(0), sel.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
-        R=R, P=P, PAGE=block_size, SPARSE=selection is not None, BLOCK_H=BLOCK_H, BLOCK_R=BR, BLOCK_P=BP,
+        R=R, P=P, PAGE=block_size, SPARSE=selection is not None, HAS_SEQ=seq_of_row is not None, FINAL=final,
+        HAS_SINK=sinks is not None, BLOCK_H=BLOCK_H, BLOCK_R=BR, BLOCK_P=BP,
         BLOCK_N=BLOCK_N, DOT_F32=DOT_F32, PRECISION=precision, num_warps=NUM_WARPS, num_stages=2)
+    if final:
+        return out
     BRM = min(BR, MERGE_BLOCK_R)
     _merge_kernel[(B, H, triton.cdiv(R, BRM))](
         part_o, part_ml, sinks if sinks is not None else part_ml, out, H, part_o.stride(0), part_o.stride(1),

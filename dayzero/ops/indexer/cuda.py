@@ -2,25 +2,36 @@
 block table at once ([B, key width] scores, fp32), causal mask by the query's position, top-k into the step's
 selection buffer. The scores come from the Triton kernel of ``triton_indexer.py`` where it can run (its
 ``refusal`` says why not: no Triton, a quantised key pool, ...), else from a PyTorch gather. No host length
-is read, so it runs inside captured CUDA graphs; prefill rows are refused (the per-sequence reference runs
-them)."""
+is read, so it runs inside captured CUDA graphs. Prefill rows take the kernel's varlen form, each row scored
+against its sequence's keys (``batch.seq_of_row``) in chunks whose scratch stays under the budget the cache
+plan counts; where it cannot run the per-sequence reference does."""
 from __future__ import annotations
 
 import torch
 
 from dayzero.cache.rows import read_rows, slots_of
-from dayzero.ops.attention.cuda import _decode_only, key_positions
+from dayzero.ops.attention.cuda import NOT_DECODE, key_positions
 from dayzero.ops.indexer import triton_indexer
 from dayzero.ops.indexer.reference import _scores_rows
 from dayzero.ops.registry import register
 
 
-@register("paged_indexer_topk", "cuda", verifier=lambda q, w, kc, batch, *a, **k: _decode_only(batch),
-          note="decode rows batched over the block tables (Triton scores, else PyTorch); prefill rows use the "
-               "reference")
+def _verify(q, weights, k_cache, batch, *a, **k) -> str | None:
+    if batch.is_decode:
+        return None
+    why = triton_indexer.refusal(q, weights, k_cache)
+    return None if why is None else f"{NOT_DECODE} ({why})"
+
+
+@register("paged_indexer_topk", "cuda", verifier=_verify,
+          note="decode rows batched over the block tables (Triton scores, else PyTorch); prefill rows by the "
+               "Triton varlen form in chunks of bounded scratch (else the reference)")
 def paged_indexer_topk_decode(q: torch.Tensor, weights: torch.Tensor, k_cache, batch, topk: int,
                               out: torch.Tensor) -> torch.Tensor:
-    # q: [B, Hi, Di]; weights: [B, Hi]; out: [B, topk]
+    # q: [T, Hi, Di]; weights: [T, Hi]; out: [T, topk]
+    if not batch.is_decode:  # the verifier let these through only with the Triton kernel
+        return triton_indexer.varlen_topk(q, weights, k_cache, batch.block_tables, batch.seq_of_row,
+                                          batch.positions, batch.block_size, topk, out)
     if triton_indexer.refusal(q, weights, k_cache) is None:
         scores = triton_indexer.decode_scores(q, weights, k_cache, batch.block_tables, batch.positions,
                                               batch.block_size)  # [B, W]

@@ -3,7 +3,9 @@
 ``kda_pooled`` runs fla-core's kernels when fla is installed (the optional ``cuda`` extra): decode rows with
 ``fused_recurrent_kda_fwd``, which reads and writes each sequence's state in the pool in place by its slot in
 one kernel; prefill and mixed chunks with ``chunk_kda`` over the step's packed rows (``cu_seqlens``) from the
-sequences' pooled states (``DAYZERO_FLA_CHUNK=0`` turns the chunk kernel off, for a comparison). Without fla,
+sequences' pooled states. fla's chunk kernel multiplies fp32 operands in TF32 (about 1e-3 relative), so fp32
+activations keep the reference's chunk form unless ``DAYZERO_FLA_CHUNK=tf32`` allows it; ``DAYZERO_FLA_CHUNK=0``
+turns the chunk kernel off for every dtype (a comparison). Without fla,
 decode rows run the recurrent step in PyTorch (a gather, the update, one ``index_copy_`` back); prefill chunks
 run the reference's chunk form. ``fresh`` sequences start from zero state: their slots are zeroed on the
 device first. Fixed shapes and no host round trip on decode rows: they
@@ -32,8 +34,10 @@ except Exception:  # noqa: BLE001 - absent, or a triton it cannot use: the PyTor
     chunk_kda = fused_recurrent_kda_fwd = None
 
 
-def fla_chunk_enabled() -> bool:
-    return os.environ.get("DAYZERO_FLA_CHUNK", "1") != "0"
+def fla_chunk_enabled(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether prefill rows of activations in ``dtype`` may run fla's chunk kernel (``DAYZERO_FLA_CHUNK``)."""
+    mode = os.environ.get("DAYZERO_FLA_CHUNK", "1")
+    return mode != "0" and (dtype != torch.float32 or mode == "tf32")
 
 
 def _uses_fla(q: torch.Tensor, state_pool: torch.Tensor) -> bool:
@@ -42,8 +46,10 @@ def _uses_fla(q: torch.Tensor, state_pool: torch.Tensor) -> bool:
 
 def _kda_verify(q, k, v, g, beta, scale, state_pool, batch, *a, **kw) -> str | None:
     why = _decode_only(batch)
-    if why is None or (_uses_fla(q, state_pool) and fla_chunk_enabled()):
+    if why is None or (_uses_fla(q, state_pool) and fla_chunk_enabled(q.dtype)):
         return None
+    if _uses_fla(q, state_pool) and q.dtype == torch.float32 and fla_chunk_enabled():
+        return f"{why} (fla's chunk kernel multiplies fp32 in TF32; DAYZERO_FLA_CHUNK=tf32 allows it)"
     if _uses_fla(q, state_pool):
         return f"{why} (fla's chunk kernel is off: DAYZERO_FLA_CHUNK=0)"
     return f"{why} (fla-core is not installed, or cannot run this shape)"
@@ -58,7 +64,7 @@ def _zero_fresh(state_pool: torch.Tensor, batch) -> None:
           note="fla-core chunk kernel (prefill) and fused recurrent in place (decode); without fla, decode in PyTorch")
 def kda_pooled_cuda(q, k, v, g, beta, scale: float, state_pool: torch.Tensor, batch, use_qk_l2norm: bool = True):
     # q, k, g: [T, H, K]; v: [T, H, V]; beta: [T, H]; state_pool: [slots, H, K, V] fp32 -> o [T, H, V]
-    if not batch.is_decode and not (_uses_fla(q, state_pool) and fla_chunk_enabled()):
+    if not batch.is_decode and not (_uses_fla(q, state_pool) and fla_chunk_enabled(q.dtype)):
         return kda_pooled(q, k, v, g, beta, scale, state_pool, batch, use_qk_l2norm)  # the reference's chunk form
     if not _uses_fla(q, state_pool):
         return kda_pooled_decode(q, k, v, g, beta, scale, state_pool, batch, use_qk_l2norm)
