@@ -25,6 +25,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+FP32_REFUSED = DEV == "cuda"  # the kernels leave fp32 pools on a GPU to PyTorch (paged_pool_refusal)
 
 # (block size, cached tokens per sequence): each decode row's position is its start. Positions at the end and
 # the start of a block, a sequence with a single key (position 0), key widths that are not a tile multiple.
@@ -245,6 +246,9 @@ def test_mla_prefill_rows_equal_the_reference(bs, sparse, sinks, dtype):
     lat = poisoned_pool(batch, (R + P,), 44, dtype)
     s = randn(H, seed=45) if sinks else None
     sel = causal_selection(batch, 5, 46) if sparse else None
+    if FP32_REFUSED and dtype == torch.float32:
+        assert "fp32" in attn_dev._mla_verify(qn, qp, lat, kv_b, V, batch, 0.3, s, sel)  # the reference runs them
+        return
     assert attn_dev._mla_verify(qn, qp, lat, kv_b, V, batch, 0.3, s, sel) is None
     out = attn_dev.paged_mla_rows(qn, qp, lat, kv_b, V, batch, 0.3, s, sel)
     ref = attn_ref.paged_mla(qn.float(), qp.float(), lat.float(), kv_b.float(), V, batch, 0.3, s, sel)
@@ -254,8 +258,10 @@ def test_mla_prefill_rows_equal_the_reference(bs, sparse, sinks, dtype):
 def test_mla_prefill_refusals_name_the_reason(monkeypatch):
     batch, _ = prefill_step(4)
     T, H, N, P, V, R = batch.num_tokens, 2, 8, 8, 6, 24
-    qn, qp, kv_b = randn(T, H, N, seed=1), randn(T, H, P, seed=2), randn(H * (N + V), R, seed=3)
-    lat = poisoned_pool(batch, (R + P,), 4, torch.float32)
+    dt = torch.bfloat16 if FP32_REFUSED else torch.float32
+    qn, qp = randn(T, H, N, seed=1, dtype=dt), randn(T, H, P, seed=2, dtype=dt)
+    kv_b = randn(H * (N + V), R, seed=3, dtype=dt)
+    lat = poisoned_pool(batch, (R + P,), 4, dt)
     monkeypatch.setattr(attn_dev, "DENSE_PREFILL_MAX_KEYS", batch.key_width - 1)
     why = attn_dev._mla_verify(qn, qp, lat, kv_b, V, batch, 1.0)
     assert "prefill rows" in why and f"over {batch.key_width} keys" in why
@@ -273,6 +279,9 @@ def test_indexer_op_takes_prefill_rows(topk):
     T, Hi, Di = batch.num_tokens, 3, 16
     k = poisoned_pool(batch, (Di,), 47, torch.float32)
     q, w = randn(T, Hi, Di, seed=48), randn(T, Hi, seed=49)
+    if FP32_REFUSED:  # the bf16 varlen kernel is checked above; fp32 pools on a GPU are the reference's
+        assert "fp32" in idx_dev._verify(q, w, k, batch)
+        return
     assert idx_dev._verify(q, w, k, batch) is None
     out = idx_dev.paged_indexer_topk_decode(q, w, k, batch, topk, torch.full((T, topk), 7, dtype=torch.int64, device=DEV))
     ref = idx_ref.paged_indexer_topk(q, w, k, batch, topk, torch.empty(T, topk, dtype=torch.int64, device=DEV))

@@ -185,8 +185,8 @@ def test_refusal_names_the_reason(monkeypatch):
     if xs.device.type == "cpu":
         monkeypatch.setattr(triton_support, "INTERPRET", False)
         assert "not on cpu" in T.refusal(xs, offsets, w1, w2)
-    else:
-        assert "not yet correct" in T.refusal(xs, offsets, to_format(w1.float(), "fp8_block", xs.dtype), w2)
+    else:  # the FP8 paths run on GPUs too
+        assert T.refusal(xs, offsets, to_format(w1.float(), "fp8_block", xs.dtype), w2) is None
 
 
 def test_cuda_module_imports_without_triton():

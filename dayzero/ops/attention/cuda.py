@@ -4,17 +4,18 @@ each sequence brings one query row, its keys are gathered through its block tabl
 and softmaxed in fp32. Nothing depends on a host length, so these run inside captured CUDA graphs.
 
 Same math as the per-sequence references (``paged.py``); rows of a prefill chunk are refused (the reference
-runs them), with that reason in ``dayzero ops``, except by ``paged_mla``: absorbed MLA runs the Triton split-K
-kernel of ``triton_mla.py`` where it can (its ``refusal`` says why not: no Triton, a quantised pool, ...), for
-decode rows and for prefill rows with a DSA selection or a short context, each row reading its sequence's
-table (``batch.seq_of_row``). Decode rows it refuses, and the other ops, are plain PyTorch.
+runs them), with that reason in ``dayzero ops``, except where a Triton kernel takes them: ``paged_attention``
+runs every row through the paged varlen kernel of ``triton_paged.py``, and absorbed MLA the split-K kernel of
+``triton_mla.py``, for decode rows and for prefill rows with a DSA selection or a short context, each row
+reading its sequence's table (``batch.seq_of_row``). Each kernel's ``refusal`` says when it cannot run (no
+Triton, a quantised pool, ...); decode rows then take the plain PyTorch paths here.
 """
 from __future__ import annotations
 
 import torch
 
 from dayzero.cache.rows import read_rows, slots_of
-from dayzero.ops.attention import triton_mla
+from dayzero.ops.attention import triton_mla, triton_paged
 from dayzero.ops.attention.reference import sink_softmax
 from dayzero.ops.registry import register
 
@@ -48,10 +49,29 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ok: torch.Tensor,
     return torch.einsum("bkgn,bnkv->bkgv", p, v) / denom
 
 
-@register("paged_attention", "cuda", verifier=lambda q, kc, vc, batch, *a, **k: _decode_only(batch),
-          note="decode rows batched over the block tables (PyTorch); prefill rows use the reference")
+def _attention_verify(q, k_cache, v_cache, batch, scale, sinks=None, window=None) -> str | None:
+    if batch.is_decode:
+        return None
+    why = triton_paged.refusal(q, k_cache, v_cache, sinks, window)
+    return None if why is None else f"{NOT_DECODE} ({why})"
+
+
+@register("paged_attention", "cuda", verifier=_attention_verify,
+          note="every row by the Triton paged varlen kernel (flash-style, windows and sinks); without it decode "
+               "rows in PyTorch and prefill rows by the reference")
+def paged_attention_rows(q: torch.Tensor, k_cache, v_cache, batch, scale: float, sinks: torch.Tensor | None = None,
+                         window: int | None = None) -> torch.Tensor:
+    # q: [T, H, Dqk] -> [T, H, Dv]
+    if triton_paged.refusal(q, k_cache, v_cache, sinks, window) is None:
+        return triton_paged.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens,
+                                            batch.positions, batch.block_size, scale, sinks, window)
+    assert batch.is_decode, "prefill rows without the Triton kernel are the reference's (the verifier says so)"
+    return paged_attention_decode(q, k_cache, v_cache, batch, scale, sinks, window)
+
+
 def paged_attention_decode(q: torch.Tensor, k_cache, v_cache, batch, scale: float, sinks: torch.Tensor | None = None,
                            window: int | None = None) -> torch.Tensor:
+    """Decode rows in PyTorch, whatever the device (the fallback; tests, benchmarks)."""
     # q: [B, H, D] (one row per sequence) -> [B, H, Dv]
     B, H, D = q.shape
     kp, ok = key_positions(batch, window)
