@@ -1,7 +1,7 @@
 """Offline engine throughput: prefill and decode tokens/s through the real engine path, with a roofline.
 
     python benchmarks/engine_throughput.py --config configs/dayzero-small.json --device cuda \
-        --batch 1 8 32 64 --prompt-len 512 --decode 32 [--baseline DIR] [--busy 32] [--enforce-eager]
+        --batch 1 8 32 64 --prompt-len 512 --decode 32 [--baseline DIR | --compare-async] [--busy 32] [--enforce-eager]
 
 Random weights from the config (``load_format="dummy"``). For each batch size it prefills ``batch`` prompts
 of ``--prompt-len`` tokens, then decodes ``--decode`` steps, timing each phase with the device synchronised.
@@ -12,7 +12,9 @@ token) over the measured matmul rate. Prints a table; ``--json FILE`` writes the
 Prefill is timed over the steps that bring every prompt into the cache, decode over the steps after them.
 ``--baseline DIR`` first runs this script on the package in ``DIR`` (a copy of an earlier version:
 ``git archive REV dayzero | tar -x -C DIR``) in a subprocess with the same arguments, then on this version,
-and prints both side by side with the ratio: only numbers measured in one run are compared. ``--busy B`` profiles a few decode steps at batch B with the torch profiler
+and prints both side by side with the ratio: only numbers measured in one run are compared.
+``--compare-async`` does the same with this version twice: steps not overlapped, then ``--async-scheduling``.
+``--busy B`` profiles a few decode steps at batch B with the torch profiler
 and reports the fraction of each step the GPU spends in kernels.
 """
 from __future__ import annotations
@@ -84,12 +86,13 @@ def timed(eng, prompts: list[list[int]], decode: int, dev) -> tuple[float, float
     while any(s.num_computed < s.num_prompt_tokens for s in seqs):
         eng.step()
     _sync(dev)
-    prefill_s, t, steps = time.perf_counter() - t, time.perf_counter(), 0
+    prefill_s, t = time.perf_counter() - t, time.perf_counter()
     while eng.has_unfinished():
         eng.step()
-        steps += 1
     _sync(dev)
-    return prefill_s, time.perf_counter() - t, max(steps, 1), seqs
+    # every sequence decodes ``decode`` tokens after the prefill's (counted as tokens, not step calls: with
+    # overlapped steps the last call only reads the final step's samples)
+    return prefill_s, time.perf_counter() - t, decode, seqs
 
 
 def gpu_busy(llm, batch: int, prompt_len: int, steps: int, vocab: int, table_file: str | None = None) -> dict:
@@ -136,10 +139,12 @@ def run_baseline(args) -> dict | None:
     cmd = [sys.executable, script, "--config", args.config, "--device", args.device, "--dtype", args.dtype,
            "--batch", *map(str, args.batch), "--prompt-len", str(args.prompt_len), "--decode", str(args.decode),
            "--json", out]
-    # the earlier package first on the path, the rest of the path kept (optional kernel packages such as fla)
-    path = os.pathsep.join(filter(None, (os.path.abspath(args.baseline), os.environ.get("PYTHONPATH", ""))))
-    env = {**os.environ, "PYTHONPATH": path}
-    print(f"baseline ({args.baseline}):", flush=True)
+    if args.enforce_eager:
+        cmd.append("--enforce-eager")
+    env = dict(os.environ)
+    if not args.compare_async:  # the earlier package first on the path, the rest kept (kernel packages: fla)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (os.path.abspath(args.baseline), os.environ.get("PYTHONPATH", ""))))
+    print(f"baseline ({'this version, steps not overlapped' if args.compare_async else args.baseline}):", flush=True)
     if subprocess.run(cmd, env=env).returncode != 0:
         print("baseline run failed", flush=True)
         return None
@@ -160,11 +165,17 @@ def main() -> None:
     ap.add_argument("--busy", type=int, default=None, metavar="B", help="GPU busy fraction of decode steps at batch B")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--profile-table", default=None, metavar="FILE", help="with --busy: the profiler's op tables")
+    ap.add_argument("--async-scheduling", action="store_true", help="overlap each step's host work with the next step")
+    ap.add_argument("--compare-async", action="store_true",
+                    help="the baseline is this version without overlapped steps; this run overlaps them")
     args = ap.parse_args()
-    base = run_baseline(args) if args.baseline else None
+    args.async_scheduling |= args.compare_async
+    base = run_baseline(args) if args.baseline or args.compare_async else None
 
     t0 = time.perf_counter()
     extra = {"enforce_eager": True} if args.enforce_eager else {}
+    if args.async_scheduling:
+        extra["async_scheduling"] = True
     llm = LLM(args.config, device=args.device, dtype=args.dtype, load_format="dummy", max_num_seqs=max(args.batch),
               max_num_batched_tokens=max(args.batch) * args.prompt_len, max_model_len=args.prompt_len + args.decode + 1,
               **extra)

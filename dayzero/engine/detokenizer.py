@@ -27,12 +27,13 @@ class IncrementalText:
         self.prefix = 0  # ids[prefix:read] are the left context of the next decode
         self.read = 0  # ids[:read] are in ``text``
 
-    def update(self, ids: list[int], start: int = 0) -> str:
-        """Extend ``text`` with what the tokens since the last call add; the output is ``ids[start:]`` (a
-        sequence's whole token list and its prompt length, so no step copies the whole output). Returns the
-        text added."""
-        n = len(ids) - start  # output tokens so far
-        window = ids[start + self.prefix:]
+    def update(self, ids: list[int], start: int = 0, end: int | None = None) -> str:
+        """Extend ``text`` with what the tokens since the last call add; the output is ``ids[start:end]`` (a
+        sequence's whole token list, its prompt length and the tokens the host has, so no step copies the whole
+        output). Returns the text added."""
+        end = len(ids) if end is None else end
+        n = end - start  # output tokens so far
+        window = ids[start + self.prefix:end]
         new = self.decode(window)
         if new.endswith(REPLACEMENT) and n - self.read < MAX_PENDING:
             return ""

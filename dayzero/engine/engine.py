@@ -13,6 +13,7 @@ from dayzero.config.model_config import DTYPES
 from dayzero.engine.builder import assemble, prepare_weights
 from dayzero.engine.detokenizer import IncrementalText
 from dayzero.engine.device import configure_threads, resolve_device
+from dayzero.engine.overlap import InFlight, needs_resolved_ids, pending_inputs
 from dayzero.engine.request import CompletionOutput, RequestOutput, Sequence, SeqStatus, reportable_end, sample_seed
 from dayzero.engine.sampler import Sampler, make_generator
 from dayzero.engine.sampling_params import SamplingParams
@@ -55,6 +56,7 @@ class EngineConfig:
     prefix_snapshot_interval: int = 512  # tokens between state snapshots (models with per-sequence states)
     num_prefix_snapshots: int | None = None  # state snapshots kept (default: one per sequence seat)
     num_threads: int | None = None  # torch's CPU threads; None: fewer than torch's default when the machine is loaded
+    async_scheduling: bool = False  # overlap each step's host work with the next step on the device (see step)
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -136,6 +138,8 @@ class LLMEngine:
         self.requests: dict[str, list[Sequence]] = {}
         self.prompts: dict[str, str | None] = {}
         self.num_aborted = 0
+        self.async_scheduling = config.async_scheduling
+        self._inflight: InFlight | None = None  # the queued step whose samples the host has not read yet
 
     def _apply_precision(self, config: EngineConfig) -> None:
         layers = self.model.model.layers
@@ -211,39 +215,76 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     # --- one step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one engine step. Returns, for every request that got a token in it, its outputs so far
         (cumulative token ids and text; for a request added with ``delta``, what is new since its last
         output); ``finished`` is set once all its sequences are done, and a finished request is forgotten
-        by the engine."""
+        by the engine.
+
+        With ``async_scheduling`` the step overlaps with the next one: the tokens sampled in a step stay on the
+        device as the next step's inputs, that step is scheduled and queued, and only then does the host wait
+        for them, to append them, check stops and report. So ``step`` returns the outputs of the step before
+        the one it queued, and a sequence that stops on a token runs one step past it (its row is discarded)."""
+        prev, self._inflight = self._inflight, None
         scheduled = self.scheduler.schedule()
         if not scheduled:
+            if prev is not None:
+                return self._resolve(prev)
             if self.scheduler.has_work():
                 raise RuntimeError("scheduler made no progress: a waiting sequence can never fit in the cache")
             return []
         self.runner.copy_states(self.cache.take_restores())  # prefix hits start from their snapshot's states
         batch = self.runner.build_batch(scheduled, self.cache)
+        if prev is not None:  # inputs still on the device: the previous step's samples
+            self.runner.patch_inputs(batch, *pending_inputs(scheduled, prev))
         logits = self.runner.execute(batch)
         to_sample = [s.seq for s in scheduled if s.samples]
-        snapshots = []
         for s in scheduled:
             s.seq.num_computed += s.num_tokens
+        outputs: list[RequestOutput] = []
+        if prev is not None and (not self.async_scheduling or needs_resolved_ids(to_sample)):
+            outputs, prev = self._resolve(prev), None  # penalties count the ids of every generated token
+        out = None
+        if to_sample:
+            # generated ids only where penalties read them (copying every output list costs O(length) a step)
+            ids = [q.output_ids if needs_resolved_ids([q]) else () for q in to_sample]
+            out = self.sampler(logits, [q.params for q in to_sample], [q.generator for q in to_sample], ids)
+            sampled = InFlight(to_sample, out.token_ids, out.copy_to_host([q.params.logprobs or 0 for q in to_sample]))
+        if out is not None and self.async_scheduling:
+            for q in to_sample:
+                if not q.finished:
+                    q.add_pending(self.max_model_len)
+            self._inflight = sampled
+        if prev is not None:
+            outputs = self._resolve(prev)
+        self._commit(scheduled)
+        if out is not None and not self.async_scheduling:
+            outputs = self._resolve(sampled)
+        return outputs
+
+    def _commit(self, scheduled) -> None:
+        """The step's full blocks join the prefix cache and its snapshot points copy the states out, queued
+        before any later step can change them. Every input token's id is on the host by now."""
+        snapshots = []
+        for s in scheduled:
+            if s.seq.finished:  # ended (a stop, an abort) while the step ran: its cache is gone
+                continue
             snap = self.cache.commit(s.seq.seq_id, s.seq.token_ids, s.seq.num_computed, s.seq.num_prompt_tokens)
             if snap is not None:
                 snapshots.append(snap)
-        self.runner.copy_states(snapshots)  # states after this step, at snapshot points: queued before any reuse
-        if not to_sample:
-            return []
-        out = self.sampler(
-            logits, [q.params for q in to_sample], [q.generator for q in to_sample], [q.output_ids for q in to_sample]
-        )
+        self.runner.copy_states(snapshots)
+
+    def _resolve(self, step: InFlight) -> list[RequestOutput]:
+        """Wait for a step's samples on the host and append them (the step's one device -> host copy)."""
+        host = step.host.result()
+        tops = host.top or [[]] * len(step.seqs)
         touched: dict[str, None] = {}
-        host = out.to_host([q.params.logprobs or 0 for q in to_sample])  # the step's one device -> host copy
-        tops = host.top or [[]] * len(to_sample)
-        for seq, tok, lp, top in zip(to_sample, host.token_ids, host.logprobs, tops):
+        for seq, tok, lp, top in zip(step.seqs, host.token_ids, host.logprobs, tops):
+            if seq.finished:  # aborted, or stopped before this token: the step ran its row for nothing
+                continue
             self._append(seq, tok, lp, top)
             touched[seq.request_id] = None
         return [self._output(r) for r in touched if r in self.requests]
@@ -254,7 +295,7 @@ class LLMEngine:
             seq.finish_reason = "error"
             self.scheduler.finish(seq)
             return
-        seq.token_ids.append(tok)
+        seq.resolve(tok)
         seq.logprobs.append(logprob)
         seq.top_logprobs.append(list(top))
         n_out = seq.num_output
@@ -265,7 +306,7 @@ class LLMEngine:
             if seq.detok is None:
                 seq.detok = IncrementalText(self._decode)
             before = len(seq.detok.text)
-            if seq.detok.update(seq.token_ids, seq.num_prompt_tokens) and p.stop and n_out >= p.min_tokens:
+            if seq.detok.update(seq.token_ids, seq.num_prompt_tokens, seq.num_resolved) and p.stop and n_out >= p.min_tokens:
                 # a stop string the new text completes starts at most (longest stop - 1) characters back
                 text, start = seq.detok.text, max(0, before - max(map(len, p.stop)) + 1)
                 hits = [(at, s) for s in p.stop if (at := text.find(s, start)) >= 0]
@@ -273,7 +314,7 @@ class LLMEngine:
                     at, s = min(hits)
                     seq.text = text[: at + (len(s) if p.include_stop_str_in_output else 0)]
                     reason, seq.stop_reason = "stop", s
-        if reason is None and (n_out >= seq.max_tokens or seq.num_tokens >= self.max_model_len):
+        if reason is None and (n_out >= seq.max_tokens or seq.num_resolved >= self.max_model_len):
             reason = "length"
         if reason is not None:
             seq.finish_reason = reason
@@ -331,7 +372,8 @@ class LLMEngine:
         q.reported_finish = q.finished
         want = q.params.logprobs is not None
         return CompletionOutput(
-            q.index, text, q.token_ids[q.num_prompt_tokens + k:], q.finish_reason, q.logprobs[k:] if want else None,
+            q.index, text, q.token_ids[q.num_prompt_tokens + k:q.num_resolved], q.finish_reason,
+            q.logprobs[k:] if want else None,
             q.stop_reason, q.top_logprobs[k:] if want else None,
         )
 

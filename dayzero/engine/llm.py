@@ -29,7 +29,8 @@ class LLM:
     ``load_format="dummy"`` gives random weights from the config alone (``model`` may then be a config file).
     On CUDA, decode steps run as CUDA graphs captured at load for the batch sizes ``cuda_graph_sizes`` (default
     1, 2, 4, 8, 16, 24, .. ``max_num_seqs``) and contexts up to ``cuda_graph_max_len`` tokens; ``enforce_eager``
-    turns them off.
+    turns them off. ``async_scheduling`` overlaps each step's host work (appending tokens, stop checks, text)
+    with the next step on the device (``LLMEngine.step``); the outputs are the same.
     """
 
     def __init__(
@@ -58,6 +59,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         prefix_snapshot_interval: int = 512,
         num_prefix_snapshots: int | None = None,
+        async_scheduling: bool = False,
     ):
         self.engine = LLMEngine(EngineConfig(
             model=model, device=device, dtype=dtype, block_size=block_size, num_cache_blocks=num_cache_blocks,
@@ -67,7 +69,7 @@ class LLM:
             enforce_eager=enforce_eager, cuda_graph_sizes=cuda_graph_sizes, cuda_graph_max_len=cuda_graph_max_len,
             cache_memory_fraction=cache_memory_fraction, num_threads=num_threads,
             enable_prefix_caching=enable_prefix_caching, prefix_snapshot_interval=prefix_snapshot_interval,
-            num_prefix_snapshots=num_prefix_snapshots,
+            num_prefix_snapshots=num_prefix_snapshots, async_scheduling=async_scheduling,
         ))
         self._ids = itertools.count()
 

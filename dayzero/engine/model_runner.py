@@ -116,6 +116,15 @@ class ModelRunner:
         batch.graph = graph
         return batch
 
+    def patch_inputs(self, batch: ForwardBatch, rows: list[int], src: list[int], tokens: torch.Tensor) -> None:
+        """Rows ``rows`` of the batch's input ids become ``tokens[src]`` on the device (a step overlapped with the
+        previous one takes that step's samples; -1, a row whose logits were not finite, reads token 0: that
+        sequence ends with an error when the host sees it)."""
+        if not rows:
+            return
+        r, j = to_device(rows, torch.int64, self.device), to_device(src, torch.int64, self.device)
+        batch.input_ids.index_copy_(0, r, tokens.index_select(0, j).clamp_min(0))
+
     def padding_batch(self, rows: int, width: int, block_size: int) -> ForwardBatch:
         """A decode step of ``rows`` padding rows over ``width`` table columns, written into the step buffers:
         what a graph is captured with. Its plan has no host lengths (a captured step must not read them)."""

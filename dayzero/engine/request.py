@@ -14,6 +14,7 @@ from dayzero.engine.detokenizer import IncrementalText
 from dayzero.engine.sampling_params import SamplingParams
 
 _seq_ids = itertools.count()
+PENDING_ID = -1  # a sampled token still on its way to the host (never an input: the runner patches it on the device)
 REPLACEMENT = "\ufffd"
 
 
@@ -76,18 +77,50 @@ class Sequence:
     reported_tokens: int = 0  # delta form: the output tokens, characters of text and finish reported so far
     reported_chars: int = 0
     reported_finish: bool = False
+    # Overlapped steps (``async_scheduling``): the last ``num_pending`` entries of ``token_ids`` are tokens sampled
+    # on the device whose ids have not reached the host yet (PENDING_ID in the list); ``hold``: the sequence ends
+    # with them whatever they are (its length limit), so it is not scheduled again.
+    num_pending: int = 0
+    hold: bool = False
 
     @property
     def num_tokens(self) -> int:
+        """Tokens of the sequence, pending ones included (what the scheduler catches the cache up with)."""
         return len(self.token_ids)
 
     @property
+    def num_resolved(self) -> int:
+        """Tokens whose ids the host has."""
+        return len(self.token_ids) - self.num_pending
+
+    @property
     def output_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens:self.num_resolved]
 
     @property
     def num_output(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return self.num_resolved - self.num_prompt_tokens
+
+    def add_pending(self, max_model_len: int) -> None:
+        """A token was sampled for this sequence on the device: hold its place until its id arrives."""
+        self.token_ids.append(PENDING_ID)
+        self.num_pending += 1
+        self.hold = self.num_output + self.num_pending >= self.max_tokens or self.num_tokens >= max_model_len
+
+    def resolve(self, tok: int) -> None:
+        """The oldest pending token's id has arrived (or, with nothing pending, a token is appended)."""
+        if self.num_pending:
+            self.token_ids[self.num_resolved] = tok
+            self.num_pending -= 1
+        else:
+            self.token_ids.append(tok)
+
+    def drop_pending(self) -> None:
+        """The sequence ends: tokens still in flight are not part of it."""
+        if self.num_pending:
+            del self.token_ids[self.num_resolved:]
+            self.num_pending = 0
+        self.hold = False
 
     @property
     def finished(self) -> bool:

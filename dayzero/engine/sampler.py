@@ -59,18 +59,45 @@ class SamplerOutput:
         ``num_top[i]`` trims row ``i``'s alternatives to its own count (default: all ``K``);
         ``top`` is None when the sampler computed no alternatives.
         """
+        return self.copy_to_host(num_top).result()
+
+    def copy_to_host(self, num_top: Sequence[int] | None = None) -> PendingSample:
+        """Start the single device→host copy of :meth:`to_host` without waiting for it: on CUDA it is queued
+        into page-locked memory behind the step's kernels, and :meth:`PendingSample.result` waits for it."""
         K = 0 if self.top_ids is None else self.top_ids.shape[1]
         cols = [self.token_ids[:, None], self.logprobs[:, None]]
         if K:
             cols += [self.top_ids, self.top_logprobs]
         # one fp64 buffer: fp64 holds every fp32 value (NaN and inf included) and every integer
         # below 2**53 exactly, so ids come back unrounded (fp32 would round ids above 2**24)
-        rows = torch.cat([c.to(torch.float64) for c in cols], dim=1).tolist()  # [B, 2 + 2K]
+        dev = torch.cat([c.to(torch.float64) for c in cols], dim=1)  # [B, 2 + 2K]
+        if dev.device.type != "cuda":
+            return PendingSample(dev, None, K, num_top)
+        host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
+        host.copy_(dev, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return PendingSample(host, done, K, num_top)
+
+
+@dataclass
+class PendingSample:
+    """A step's sampled rows on their way to the host (see :meth:`SamplerOutput.copy_to_host`)."""
+
+    rows: torch.Tensor  # [B, 2 + 2K] fp64 on the host (or still being copied there)
+    done: torch.cuda.Event | None
+    K: int
+    num_top: Sequence[int] | None
+
+    def result(self) -> HostSample:
+        if self.done is not None:
+            self.done.synchronize()
+        rows, K = self.rows.tolist(), self.K
         token_ids = [int(r[0]) for r in rows]
         logprobs = [r[1] for r in rows]
         if not K:
             return HostSample(token_ids, logprobs, None)
-        n = [K] * len(rows) if num_top is None else num_top
+        n = [K] * len(rows) if self.num_top is None else self.num_top
         top = [[(int(r[2 + j]), r[2 + K + j]) for j in range(min(k, K))] for r, k in zip(rows, n)]
         return HostSample(token_ids, logprobs, top)
 

@@ -58,6 +58,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.hold:  # ends with the tokens in flight: nothing more to compute
+                i += 1
+                continue
             n = self._chunk(seq, budget)
             while not self.cache.grow(seq.seq_id, seq.num_computed + n):
                 victim = self.running[-1]
@@ -124,6 +127,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.cache.release(seq.seq_id)
+        seq.drop_pending()
         seq.status = SeqStatus.FINISHED
         if self._firsts.get(seq.request_id) is seq:
             del self._firsts[seq.request_id]

@@ -28,6 +28,23 @@ if HAS_TRITON:
     def softplus(x):
         """log(1 + e^x) in fp32, x itself above 20 (torch's threshold)."""
         return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
+
+    @triton.jit
+    def softmax_out(acc, m, l, sink_ptr, heads, ok, HAS_SINK: tl.constexpr):
+        """The attention output ``acc`` [M, D] of an online softmax with running max ``m`` (log2 units) and sum
+        ``l`` [M], divided by its denominator; with a sink, ``e^sink[heads]`` joins the denominator only. A row
+        with no key and no sink gets 0."""
+        if HAS_SINK:
+            sink = tl.load(sink_ptr + heads, mask=ok, other=0.0).to(tl.float32) * 1.4426950408889634  # log2 units
+            m_all = tl.maximum(m, sink)
+        else:
+            m_all = m
+        m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
+        wgt = tl.exp2(m - m_all)
+        denom = l * wgt
+        if HAS_SINK:
+            denom += tl.exp2(sink - m_all)
+        return acc * (wgt / tl.maximum(denom, 1.1754943508222875e-38))[:, None]
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DOT_F32 = INTERPRET
 

@@ -48,6 +48,20 @@ def on_device(b: ForwardBatch, dev: str | torch.device) -> ForwardBatch:
                         b.logits_indices.to(dev), b.block_size)
 
 
+def capture(fn):
+    """(a CUDA graph of ``fn()``, its output): ``fn`` runs once on a side stream first, so that every Triton kernel
+    compiles outside the capture."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def make_pool(batch: ForwardBatch, row: tuple[int, ...], num_blocks: int, seed: int = 0,
               stride: int = 1, dtype=torch.float32) -> torch.Tensor:
     """A paged pool [num_blocks, ceil(bs / stride), *row]: random rows where a sequence of ``batch`` keeps a

@@ -15,7 +15,7 @@ from dayzero.ops.attention import cuda as attn_dev
 from dayzero.ops.attention import paged as attn_ref
 from dayzero.ops.indexer import cuda as idx_dev
 from dayzero.ops.indexer import reference as idx_ref
-from tests.ops.paged_batch import make_batch, make_pool, num_blocks_of, on_device
+from tests.ops.paged_batch import capture, make_batch, make_pool, num_blocks_of, on_device
 
 pytest.importorskip("triton")
 from dayzero.ops.attention import triton_mla  # noqa: E402
@@ -359,14 +359,7 @@ def test_gpu_decode_step_replays_in_a_cuda_graph():
         lat.copy_(lp)
 
     load(first, k, lat)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compiles the kernels outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture(step)
     for batch, kp, lp in ((first, k.clone(), lat.clone()), (second, k2, lat2)):
         load(batch, kp, lp)
         graph.replay()

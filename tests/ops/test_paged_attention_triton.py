@@ -13,7 +13,7 @@ from dayzero.cache.quant import QuantPagedPool
 from dayzero.engine.batch import ForwardBatch
 from dayzero.ops import triton_support
 from dayzero.ops.attention import paged as attn_ref
-from tests.ops.paged_batch import make_batch, make_pool, num_blocks_of, on_device
+from tests.ops.paged_batch import capture, make_batch, make_pool, num_blocks_of, on_device
 
 pytest.importorskip("triton")
 from dayzero.ops.attention import triton_paged  # noqa: E402
@@ -266,14 +266,7 @@ def test_gpu_replays_in_a_cuda_graph(kind):
             dst.copy_(src)
 
     load(0)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()  # compiles the kernel outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
+    graph, out = capture(call)
     for i in (1, 0, 2):
         load(i)
         graph.replay()

@@ -44,6 +44,8 @@ MAX_RANK = 1024  # R + P up to this
 LOG2E = 1.4426950408889634
 
 if HAS_TRITON:
+    from dayzero.ops.triton_support import softmax_out
+
     @triton.jit
     def _split_kernel(q_ptr, lat_ptr, table_ptr, seq_ptr, pos_ptr, sel_ptr, o_ptr, ml_ptr, sink_ptr, H, num_keys,
                       key_width, keys_per_split, qk_scale, s_qb, s_qh, s_lb, s_lr, s_tb, s_sb, s_ob, s_oh, s_os,
@@ -107,17 +109,7 @@ if HAS_TRITON:
             m = m_new
             n0 += BLOCK_N
         if FINAL:  # one split: normalise here (the sink joins the denominator) and write o_lat, no merge
-            if HAS_SINK:
-                sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
-                m_all = tl.maximum(m, sink)
-            else:
-                m_all = m
-            m_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # no key and no sink: the output is 0
-            wgt = tl.exp2(m - m_all)
-            denom = l * wgt
-            if HAS_SINK:
-                denom += tl.exp2(sink - m_all)
-            acc = acc * (wgt / tl.maximum(denom, 1.1754943508222875e-38))[:, None]
+            acc = softmax_out(acc, m, l, sink_ptr, offs_h, h_ok, HAS_SINK)
         o = o_ptr + b * s_ob + offs_h[:, None] * s_oh + split * s_os + offs_r[None, :]
         tl.store(o, acc, mask=h_ok[:, None] & r_ok[None, :])
         if not FINAL:

@@ -56,6 +56,8 @@ MIN_M, MAX_M, MAX_M_WIDE = 16, 128, 64
 BLOCK_N, BLOCK_N_WIDE = 64, 32
 
 if HAS_TRITON:
+    from dayzero.ops.triton_support import softmax_out
+
     @triton.jit
     def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, cu_ptr, pos_ptr, sink_ptr,
                                 B, G, key_width, window, qk_scale,
@@ -142,17 +144,7 @@ if HAS_TRITON:
             m_i = m_new
             n0 += BLOCK_N
 
-        if HAS_SINK:  # the sink joins the denominator: e^sink, in log2 units
-            sink = tl.load(sink_ptr + heads, mask=m_ok, other=0.0).to(tl.float32) * 1.4426950408889634
-            m_all = tl.maximum(m_i, sink)
-        else:
-            m_all = m_i
-        m_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # no key and no sink: the output is 0
-        wgt = tl.exp2(m_i - m_all)
-        denom = l_i * wgt
-        if HAS_SINK:
-            denom += tl.exp2(sink - m_all)
-        o = acc * (wgt / tl.maximum(denom, 1.1754943508222875e-38))[:, None]
+        o = softmax_out(acc, m_i, l_i, sink_ptr, heads, m_ok, HAS_SINK)  # the sink joins the denominator
         tl.store(o_ptr + rows[:, None] * s_ot + heads[:, None] * s_oh + offs_dv[None, :],
                  o.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & dv_ok[None, :])
 
