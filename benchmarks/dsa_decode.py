@@ -1,6 +1,7 @@
 """One DSA layer's attention decode step: lightning-indexer scores + top-k + sparse absorbed MLA (Triton), against
 dense MLA over the whole context (the same Triton kernel, no selection) and the old PyTorch decode paths, side
-by side in one run, with the roofline; then a long prefill of the indexer's varlen form in bounded chunks.
+by side in one run, with the roofline; then a long prefill: the indexer's varlen form in bounded chunks, and
+sparse MLA for the prompt's last chunk of rows.
 
     python benchmarks/dsa_decode.py --config configs/dayzero-2.8t.json --contexts 8192 32768 131072 --batch 1 8
     python benchmarks/dsa_decode.py --device cpu --small      # smoke test through Triton's interpreter
@@ -120,10 +121,37 @@ def bench_prefill(s: dict, tokens: int, args, g: torch.Generator) -> dict:
     flops = tokens * (tokens + 1) / 2 * s["Hi"] * s["Di"] * 2  # causal pairs x heads x 2 Di
     return {"tokens": tokens, "ms": ms, "chunks": -(-tokens // rows), "rows_per_chunk": rows,
             "scratch_bytes": triton_indexer.scratch_bytes(tokens, kw, topk, budget), "budget": budget,
-            "peak_extra_bytes": peak, "causal_tflops": flops / (ms * 1e-3) / 1e12}
+            "peak_extra_bytes": peak, "causal_tflops": flops / (ms * 1e-3) / 1e12,
+            "mla": bench_prefill_mla(s, batch, out, min(tokens, args.prefill_chunk), args, g)}
 
 
-def main() -> None:
+def bench_prefill_mla(s: dict, prompt: ForwardBatch, selection: torch.Tensor, C: int, args, g) -> dict:
+    """Sparse absorbed MLA for the last ``C``-row chunk of the prompt (the engine prefills a long prompt in chunks
+    of ``max_num_batched_tokens``), each row over its own selected keys, through ``paged_mla``'s device path."""
+    dev, bs, bf16 = args.device, args.block_size, torch.bfloat16
+    T = prompt.plan.seq_lens[0]
+    rows = torch.arange(T - C, T, device=dev)
+    chunk = ForwardBatch(torch.zeros(C, dtype=torch.int64, device=dev), rows, [0, C], [T - C], [T],
+                         torch.zeros(C, dtype=torch.int64, device=dev), prompt.block_tables,
+                         torch.zeros(1, dtype=torch.int64, device=dev), torch.tensor([C - 1], device=dev), bs)
+    rnd = lambda *shape, scale=1.0: (torch.randn(*shape, generator=g) * scale).to(bf16).to(dev)  # noqa: E731
+    lat = rnd(int(prompt.block_tables.numel()) + 1, bs, s["R"] + s["P"])
+    qn, qp = rnd(C, s["H"], s["N"]), rnd(C, s["H"], s["P"])
+    kv_b = rnd(s["H"] * (s["N"] + s["V"]), s["R"], scale=s["R"] ** -0.5)
+    sel = selection[T - C:]
+    run = lambda: attn.paged_mla_rows(qn, qp, lat, kv_b, s["V"], chunk, (s["N"] + s["P"]) ** -0.5, None, sel)  # noqa: E731
+    if dev == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    ms = ms_per_call(run, 1, dev)
+    peak = torch.cuda.max_memory_allocated() - base if dev == "cuda" else None
+    keys = (sel >= 0).sum().item()
+    flops = keys * s["H"] * (2 * s["R"] + s["P"]) * 2  # scores over R+P, the weighted sum over R, per selected key
+    return {"rows": C, "ms": ms, "selected_keys": keys, "tflops": flops / (ms * 1e-3) / 1e12, "peak_extra_bytes": peak}
+
+
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/dayzero-2.8t.json")
     ap.add_argument("--contexts", type=int, nargs="+", default=None)
@@ -131,11 +159,12 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--prefill-tokens", type=int, default=None, help="0: skip the prefill timing")
     ap.add_argument("--budget", type=int, default=None, help="varlen scratch budget in bytes")
+    ap.add_argument("--prefill-chunk", type=int, default=8192, help="rows of the sparse MLA prefill chunk timed")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--small", action="store_true", help="tiny shapes and contexts (a smoke test)")
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.small:
         args.contexts = args.contexts or [40, 100]
         args.batch, args.block_size, args.repeats = [b for b in args.batch if b <= 2] or [1], 16, min(args.repeats, 2)
@@ -170,10 +199,15 @@ def main() -> None:
         print(f"indexer prefill (varlen) of {p['tokens']} tokens: {p['ms']:.1f} ms in {p['chunks']} chunks of "
               f"{p['rows_per_chunk']} rows, scratch {p['scratch_bytes'] / 2**20:.2f} MiB (budget "
               f"{p['budget'] / 2**20:.2f} MiB){peak}, {p['causal_tflops']:.1f} causal TFLOP/s")
+        m = p["mla"]
+        peak = "" if m["peak_extra_bytes"] is None else f", peak extra memory {m['peak_extra_bytes'] / 2**20:.0f} MiB"
+        print(f"sparse MLA prefill chunk of {m['rows']} rows at the end of it: {m['ms']:.1f} ms, "
+              f"{m['selected_keys'] / m['rows']:.0f} keys a row, {m['tflops']:.1f} TFLOP/s{peak}")
         result["prefill"] = p
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
+    return result
 
 
 if __name__ == "__main__":
