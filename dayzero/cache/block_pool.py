@@ -23,6 +23,7 @@ class BlockPool:
         self.hash_of: dict[int, bytes] = {}  # the inverse, for the blocks registered
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; least recently used first
         self.num_evicted = 0
+        self.on_evict = None  # (block, prefix hash) -> None, called before an evicted block is handed out
 
     @property
     def num_free(self) -> int:
@@ -42,8 +43,11 @@ class BlockPool:
                 i = self.free.popleft()
             else:  # the least recently used cached block nobody holds
                 i, _ = self.evictable.popitem(last=False)
-                del self.cached[self.hash_of.pop(i)]
+                key = self.hash_of.pop(i)
+                del self.cached[key]
                 self.num_evicted += 1
+                if self.on_evict is not None:
+                    self.on_evict(i, key)
             self.ref_cnt[i] = 1
             ids.append(i)
         return ids

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 
 from dayzero.cache.block_pool import BlockPool, SlotPool
+from dayzero.cache.host_tier import HostTier
 from dayzero.cache.prefix import SnapshotPool, block_hashes
 
 
@@ -47,6 +48,9 @@ class CacheManager:
         self.snapshots = SnapshotPool(num_slots + 1, num_snapshots if self.prefix_caching and uses_slots else 0)
         self.pending_restores: list[tuple[int, int]] = []  # (snapshot row, slot) to copy before the next forward
         self.queried_tokens = self.hit_tokens = 0
+        self.copies = None  # the host tier, once attached: empty tiers until then
+        self.host_blocks, self.host_snapshots = HostTier(0), HostTier(0)
+        self.host_hit_blocks = self.host_hit_snapshots = 0
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size) if self.uses_blocks else 0
@@ -98,24 +102,69 @@ class CacheManager:
         bs, step = self.block_size, self.align // self.block_size
         h = CacheHandle()
         hashes = block_hashes(token_ids, bs, (len(token_ids) - 1) // bs // step * step, h.hashes)
-        blocks = []
+        blocks = []  # each taken as found: fetching one from the host tier may evict an unheld block
         for j in range(len(hashes)):
-            b = self.blocks.lookup(self._key(hashes, j))
-            if b is None:
+            key = self._key(hashes, j)
+            b = self.blocks.lookup(key)
+            if b is not None:
+                self.blocks.acquire(b)
+            elif (b := self._fetch_block(key)) is None:
                 break
             blocks.append(b)
         k = len(blocks) // step * step  # whole aligned units only
         row = None
         if self.uses_slots:  # the last snapshot at or before the shared blocks
-            while k > 0 and (row := self.snapshots.find(hashes[k - 1])) is None:
+            while k > 0 and (row := self._find_snapshot(hashes[k - 1])) is None:
                 k -= step
+        self.blocks.release(blocks[k:])  # past the last aligned unit (or snapshot): cached, unheld again
         if k == 0:
             return 0
-        for b in blocks[:k]:
-            self.blocks.acquire(b)
         h.blocks, h.registered, h.restore_from = blocks[:k], k, row
         self.handles[seq_id] = h
         return k * bs
+
+    # --- the host tier (dayzero.cache.host_tier) ---------------------------------------------------------
+    def attach_host_tier(self, copies, blocks: int, snapshots: int) -> None:
+        """Evicted blocks and snapshots go to ``copies`` (a :class:`HostCopies` of ``blocks`` and ``snapshots``
+        rows) instead of being lost, and come back on a hit."""
+        self.copies = copies
+        self.host_blocks, self.host_snapshots = HostTier(blocks), HostTier(snapshots)
+        self.blocks.on_evict, self.snapshots.on_evict = self._block_evicted, self._snapshot_evicted
+
+    def _block_evicted(self, block: int, key: bytes) -> None:
+        row = self.host_blocks.put(key)
+        if row is not None:
+            self.copies.block_out(block, row)
+
+    def _snapshot_evicted(self, state_row: int, key: bytes) -> None:
+        row = self.host_snapshots.put(key)
+        if row is not None:
+            self.copies.snapshot_out(state_row, row)
+
+    def _fetch_block(self, key: bytes) -> int | None:
+        """A device block holding the host tier's rows of ``key`` (held once, registered), or None."""
+        if key not in self.host_blocks or self.blocks.num_free == 0:
+            return None
+        row = self.host_blocks.take(key)  # out of the tier first: the allocation below may evict into it
+        b = self.blocks.allocate(1)[0]
+        self.copies.block_in(row, b)
+        self.host_blocks.free(row)
+        self.blocks.register(b, key)
+        self.host_hit_blocks += 1
+        return b
+
+    def _find_snapshot(self, prefix_hash: bytes) -> int | None:
+        """The snapshot row of ``prefix_hash`` on the device, fetched from the host tier if only it has one."""
+        row = self.snapshots.find(prefix_hash)
+        if row is not None or prefix_hash not in self.host_snapshots:
+            return row
+        host_row = self.host_snapshots.take(prefix_hash)
+        row = self.snapshots.take(prefix_hash)  # may evict (offload) the least recently used device snapshot
+        if row is not None:
+            self.copies.snapshot_in(host_row, row)
+            self.host_hit_snapshots += 1
+        self.host_snapshots.free(host_row)
+        return row
 
     def _key(self, hashes: list[bytes], j: int) -> bytes:
         """The prefix-cache key of block j: the prefix hash at the end of its aligned unit, and j's place in the
@@ -172,4 +221,7 @@ class CacheManager:
             "slots_total": self.slots.num_slots, "slots_free": self.slots.num_free,
             "blocks_cached": len(self.blocks.cached), "snapshots": len(self.snapshots),
             "prefix_queried_tokens": self.queried_tokens, "prefix_hit_tokens": self.hit_tokens,
+            "host_blocks_total": self.host_blocks.capacity, "host_blocks_cached": len(self.host_blocks),
+            "host_snapshots_total": self.host_snapshots.capacity, "host_snapshots_cached": len(self.host_snapshots),
+            "host_hit_blocks": self.host_hit_blocks, "host_hit_snapshots": self.host_hit_snapshots,
         }

@@ -32,6 +32,8 @@ class CachePlan:
     graph_bytes: int = 0  # what the decode CUDA graphs hold beside the cache (taken from the budget)
     scratch_bytes: int = 0  # transient prefill scratch beside the cache (the DSA indexer's scores; from the budget)
     num_snapshots: int = 0  # prefix-cache state snapshots: rows of the state tensors after the slots
+    host_blocks: int = 0  # the prefix cache's host tier: evicted blocks and snapshots kept in pinned host memory
+    host_snapshots: int = 0
 
     @property
     def total_bytes(self) -> int:

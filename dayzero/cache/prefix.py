@@ -39,6 +39,7 @@ class SnapshotPool:
         self.free = list(range(first, first + count))[::-1]
         self.rows: OrderedDict[bytes, int] = OrderedDict()  # prefix hash -> row; least recently used first
         self.num_evicted = 0
+        self.on_evict = None  # (row, prefix hash) -> None, called before an evicted row is reused
 
     def find(self, prefix_hash: bytes) -> int | None:
         row = self.rows.get(prefix_hash)
@@ -56,8 +57,10 @@ class SnapshotPool:
         if self.free:
             row = self.free.pop()
         else:
-            _, row = self.rows.popitem(last=False)
+            old, row = self.rows.popitem(last=False)
             self.num_evicted += 1
+            if self.on_evict is not None:
+                self.on_evict(row, old)
         self.rows[prefix_hash] = row
         return row
 

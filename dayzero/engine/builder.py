@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from dayzero.cache.host_tier import HostCopies
 from dayzero.cache.manager import CacheManager
 from dayzero.cache.planner import CachePlan, available_memory, plan_cache
 from dayzero.cache.spec import PagedSpec, StateSpec
@@ -42,12 +43,23 @@ def prefill_scratch_bytes(model, rows: int, keys: int) -> int:
     return max((indexer_scratch_bytes(rows, keys, k) for k in topks), default=0)
 
 
+def attach_host_tier(runner, cache: CacheManager, plan: CachePlan, host_bytes: int) -> CachePlan:
+    """Give the prefix cache a host tier of ``host_bytes`` pinned bytes: half for state snapshots when the model
+    keeps states, the rest for blocks; the plan records both counts."""
+    per_block = HostCopies.bytes_per_row(runner.block_tensors)
+    per_snap = HostCopies.bytes_per_row(runner.state_tensors) if runner.state_tensors else 0
+    snaps = host_bytes // 2 // per_snap if per_snap and plan.num_snapshots else 0
+    blocks = (host_bytes - snaps * per_snap) // per_block if per_block else 0
+    cache.attach_host_tier(HostCopies(runner.block_tensors, runner.state_tensors, blocks, snaps), blocks, snaps)
+    return replace(plan, host_blocks=int(blocks), host_snapshots=int(snaps))
+
+
 def assemble(model, device: torch.device, dtype: torch.dtype, *, block_size: int, max_model_len: int,
              max_num_seqs: int, max_num_batched_tokens: int, budget_bytes: int | None = None,
              memory_fraction: float = 0.5, num_cache_blocks: int | None = None, kv_cache_dtype: str = "auto",
              cuda_graphs: bool = False, cuda_graph_sizes: list[int] | None = None,
              cuda_graph_max_len: int = 8192, prefix_caching: bool = False, snapshot_interval: int = 512,
-             num_snapshots: int | None = None, index_cache_dtype: str = "auto") -> Assembled:
+             num_snapshots: int | None = None, index_cache_dtype: str = "auto", host_cache_bytes: int = 0) -> Assembled:
     """Plan and allocate the cache, build the runner and cache manager, and (``cuda_graphs`` on a CUDA device)
     capture the decode graphs. The model's weights must be loaded and prepared.
 
@@ -56,7 +68,8 @@ def assemble(model, device: torch.device, dtype: torch.dtype, *, block_size: int
     captured shape before the cache is allocated) and the prefill scratch (:func:`prefill_scratch_bytes`); the
     plan records both. With ``prefix_caching``,
     models that keep per-sequence states get ``num_snapshots`` state snapshots (default one per sequence seat)
-    taken every ``snapshot_interval`` tokens."""
+    taken every ``snapshot_interval`` tokens, and ``host_cache_bytes`` of pinned host memory keep what the device
+    evicts (:func:`attach_host_tier`)."""
     from dayzero.engine.cuda_graphs import DecodeGraphs, default_sizes, default_widths, measure_step_bytes
 
     runner = ModelRunner(model, device, dtype, kv_cache_dtype, index_cache_dtype)
@@ -83,6 +96,8 @@ def assemble(model, device: torch.device, dtype: torch.dtype, *, block_size: int
                          uses_blocks=any(isinstance(s, PagedSpec) for s in runner.specs), uses_slots=uses_slots,
                          prefix_caching=prefix_caching, snapshot_interval=snapshot_interval,
                          num_snapshots=plan.num_snapshots, align=math.lcm(block_size, *strides))
+    if host_cache_bytes and cache.prefix_caching:
+        plan = attach_host_tier(runner, cache, plan, host_cache_bytes)
     max_seqs = min(max_num_seqs, plan.num_slots)
     runner.reserve_buffers(max(max_num_batched_tokens, max_seqs), max_seqs, max_blocks)
     note = "eager"

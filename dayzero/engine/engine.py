@@ -57,6 +57,7 @@ class EngineConfig:
     num_prefix_snapshots: int | None = None  # state snapshots kept (default: one per sequence seat)
     num_threads: int | None = None  # torch's CPU threads; None: fewer than torch's default when the machine is loaded
     async_scheduling: bool = False  # overlap each step's host work with the next step on the device (see step)
+    host_cache_gib: float = 0.0  # pinned host memory for what the prefix cache evicts from the device (0: none)
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -95,6 +96,9 @@ class EngineConfig:
         if self.num_prefix_snapshots is not None and (not isinstance(self.num_prefix_snapshots, int)
                                                       or self.num_prefix_snapshots < 0):
             raise ValueError(f"num_prefix_snapshots must be an int >= 0 or None, got {self.num_prefix_snapshots!r}")
+        if isinstance(self.host_cache_gib, bool) or not isinstance(self.host_cache_gib, (int, float)) \
+                or not 0 <= self.host_cache_gib < float("inf"):
+            raise ValueError(f"host_cache_gib must be a number >= 0, got {self.host_cache_gib!r}")
 
 
 class LLMEngine:
@@ -130,7 +134,7 @@ class LLMEngine:
             cuda_graphs=not config.enforce_eager, cuda_graph_sizes=config.cuda_graph_sizes,
             cuda_graph_max_len=config.cuda_graph_max_len, prefix_caching=config.enable_prefix_caching,
             snapshot_interval=config.prefix_snapshot_interval, num_snapshots=config.num_prefix_snapshots,
-            index_cache_dtype=config.index_cache_dtype,
+            index_cache_dtype=config.index_cache_dtype, host_cache_bytes=int(config.host_cache_gib * 2**30),
         )
         self.runner, self.cache, self.cache_plan, self.decode_mode = built.runner, built.cache, built.plan, built.graph_note
         self.scheduler = Scheduler(self.cache, min(config.max_num_seqs, self.cache_plan.num_slots), config.max_num_batched_tokens)

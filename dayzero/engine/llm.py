@@ -30,7 +30,8 @@ class LLM:
     On CUDA, decode steps run as CUDA graphs captured at load for the batch sizes ``cuda_graph_sizes`` (default
     1, 2, 4, 8, 16, 24, .. ``max_num_seqs``) and contexts up to ``cuda_graph_max_len`` tokens; ``enforce_eager``
     turns them off. ``async_scheduling`` overlaps each step's host work (appending tokens, stop checks, text)
-    with the next step on the device (``LLMEngine.step``); the outputs are the same.
+    with the next step on the device (``LLMEngine.step``); the outputs are the same. ``host_cache_gib`` of pinned
+    host memory keep the prefix-cache blocks and snapshots the device evicts, for later hits.
     """
 
     def __init__(
@@ -60,6 +61,7 @@ class LLM:
         prefix_snapshot_interval: int = 512,
         num_prefix_snapshots: int | None = None,
         async_scheduling: bool = False,
+        host_cache_gib: float = 0.0,
     ):
         self.engine = LLMEngine(EngineConfig(
             model=model, device=device, dtype=dtype, block_size=block_size, num_cache_blocks=num_cache_blocks,
@@ -69,7 +71,7 @@ class LLM:
             enforce_eager=enforce_eager, cuda_graph_sizes=cuda_graph_sizes, cuda_graph_max_len=cuda_graph_max_len,
             cache_memory_fraction=cache_memory_fraction, num_threads=num_threads,
             enable_prefix_caching=enable_prefix_caching, prefix_snapshot_interval=prefix_snapshot_interval,
-            num_prefix_snapshots=num_prefix_snapshots, async_scheduling=async_scheduling,
+            num_prefix_snapshots=num_prefix_snapshots, async_scheduling=async_scheduling, host_cache_gib=host_cache_gib,
         ))
         self._ids = itertools.count()
 

@@ -39,6 +39,7 @@ class ModelRunner:
 
     def allocate_cache(self, plan: CachePlan) -> None:
         self.state_tensors = []  # every state tensor of every layer: rows are slots, the null slot, snapshots
+        self.block_tensors = []  # every paged tensor of every layer: [num_blocks, ...] (quantised pools: data, scale)
         for (_, layer), specs in zip(self.layers, self.layer_specs):
             tensors = {}
             for spec in specs:
@@ -47,6 +48,9 @@ class ModelRunner:
                 part = allocate(spec, count, plan.block_size, self.device, self.kv_cache_dtype, self.index_cache_dtype)
                 if not isinstance(spec, PagedSpec):
                     self.state_tensors += part.values()
+                else:
+                    self.block_tensors += [t for p in part.values()
+                                           for t in ((p,) if isinstance(p, torch.Tensor) else (p.data, p.scale))]
                 tensors.update(part)
             layer.bind_cache(tensors)
 

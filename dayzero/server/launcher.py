@@ -120,6 +120,9 @@ def serve(args) -> int:
              "at once; platform %s", str(engine.dtype).removeprefix("torch."), plan.capacity_tokens, plan.num_blocks - 1,
              plan.block_size, plan.num_slots, engine.max_model_len, engine.scheduler.max_num_seqs, _platform(engine))
     log.info("decode steps: %s", engine.decode_mode)
+    if plan.host_blocks or plan.host_snapshots:
+        log.info("host cache tier: %d blocks (%d tokens) and %d state snapshots", plan.host_blocks,
+                 plan.host_blocks * plan.block_size, plan.host_snapshots)
 
     api_key = args.api_key or os.environ.get("DAYZERO_API_KEY") or None
     if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):

@@ -37,6 +37,10 @@ class _EngineCollector:
             ("dayzero_prefix_cache_blocks", "Blocks the prefix cache can hand to a request with a shared prefix",
              s.get("blocks_cached", 0)),
             ("dayzero_prefix_cache_snapshots", "State snapshots kept for prefix hits", s.get("snapshots", 0)),
+            ("dayzero_host_cache_blocks", "Evicted prefix-cache blocks kept in host memory (--host-cache-gib)",
+             s.get("host_blocks_cached", 0)),
+            ("dayzero_host_cache_snapshots", "Evicted state snapshots kept in host memory",
+             s.get("host_snapshots_cached", 0)),
         ]
         for name, doc, value in gauges:
             g = GaugeMetricFamily(name, doc)
@@ -49,6 +53,10 @@ class _EngineCollector:
              "prefix_queried_tokens"),
             ("dayzero_prefix_cache_hit_tokens", "Of those, tokens taken from the prefix cache (not computed)",
              "prefix_hit_tokens"),
+            ("dayzero_host_cache_hit_blocks", "Prefix-cache blocks copied back from host memory for a hit",
+             "host_hit_blocks"),
+            ("dayzero_host_cache_hit_snapshots", "State snapshots copied back from host memory for a hit",
+             "host_hit_snapshots"),
         ]:
             c = CounterMetricFamily(name, doc)
             c.add_metric([], s.get(key, 0))

@@ -135,6 +135,8 @@ def add_engine_options(p) -> None:
                    help="tokens between state snapshots of models with per-sequence states")
     e.add_argument("--num-prefix-snapshots", type=int, default=None, metavar="N",
                    help="state snapshots kept (default: one per sequence seat)")
+    e.add_argument("--host-cache-gib", type=float, default=0.0, metavar="GIB",
+                   help="pinned host memory for the prefix-cache blocks and snapshots the device evicts")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -1,0 +1,101 @@
+"""The prefix cache's second tier, in host memory: what the device evicts goes there, and comes back on a hit.
+
+When an allocation evicts a cached block (no sequence holds it, its prefix hash names it), or a new snapshot
+evicts the least recently used one, its rows are copied into a pinned host pool instead of being lost, keyed
+by the same prefix-cache key. A later request whose prefix the device no longer has but the host does takes a
+fresh device block (or snapshot row) and the rows are copied back before its first step; from then on it is
+an ordinary device hit. Each tier is least-recently-used on its own.
+
+:class:`HostTier` is the bookkeeping (key -> host row, LRU, counters); :class:`HostCopies` holds the pinned host
+mirrors of the device's paged and state tensors and queues the copies. The copies are non-blocking copies on
+the current stream, queued when the cache manager decides them (while the next step is being scheduled): a
+block's rows leave before its new owner's first write, and come back before the step that reads them, in
+stream order, and the host never waits for them. (They do not overlap with the device's compute on that
+stream; on a CPU they are plain copies.)
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+
+class HostTier:
+    """Rows 0 .. capacity-1 of a host pool, each holding one evicted entry, by prefix-cache key."""
+
+    def __init__(self, capacity: int):
+        self.capacity = max(0, int(capacity))
+        self.free_rows = list(range(self.capacity))[::-1]
+        self.rows: OrderedDict[bytes, int] = OrderedDict()  # key -> host row; least recently stored first
+        self.num_stored = self.num_fetched = self.num_dropped = 0
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.rows
+
+    def put(self, key: bytes) -> int | None:
+        """A host row to copy an evicted entry into (dropping the least recently stored one when full), or None
+        when the tier has no rows or already holds ``key``."""
+        if self.capacity == 0 or key in self.rows:
+            return None
+        if self.free_rows:
+            row = self.free_rows.pop()
+        else:
+            _, row = self.rows.popitem(last=False)
+            self.num_dropped += 1
+        self.rows[key] = row
+        self.num_stored += 1
+        return row
+
+    def take(self, key: bytes) -> int | None:
+        """The host row holding ``key``, which leaves the tier; None when it is not here. The row stays out of
+        use until :meth:`free` (after its copy back is queued: a later copy into it then runs after, in
+        stream order)."""
+        row = self.rows.pop(key, None)
+        if row is not None:
+            self.num_fetched += 1
+        return row
+
+    def free(self, row: int) -> None:
+        self.free_rows.append(row)
+
+
+class HostCopies:
+    """Pinned host mirrors of the device's block tensors (every paged tensor: [num_blocks, ...]) and state
+    tensors ([rows, ...]), ``blocks`` and ``snapshots`` rows of them, and the copies between the two."""
+
+    def __init__(self, block_tensors: list[torch.Tensor], state_tensors: list[torch.Tensor], blocks: int,
+                 snapshots: int):
+        self.block_tensors, self.state_tensors = block_tensors, state_tensors
+        self.pin = any(t.device.type == "cuda" for t in block_tensors + state_tensors)
+        self.host_blocks = [self._host(t, blocks) for t in block_tensors] if blocks else []
+        self.host_states = [self._host(t, snapshots) for t in state_tensors] if snapshots else []
+
+    def _host(self, t: torch.Tensor, rows: int) -> torch.Tensor:
+        return torch.empty((rows, *t.shape[1:]), dtype=t.dtype, pin_memory=self.pin)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.host_blocks + self.host_states)
+
+    @staticmethod
+    def bytes_per_row(tensors: list[torch.Tensor]) -> int:
+        return sum(t[0].numel() * t.element_size() for t in tensors)
+
+    def block_out(self, block: int, row: int) -> None:
+        for dev, host in zip(self.block_tensors, self.host_blocks):
+            host[row].copy_(dev[block], non_blocking=self.pin)
+
+    def block_in(self, row: int, block: int) -> None:
+        for dev, host in zip(self.block_tensors, self.host_blocks):
+            dev[block].copy_(host[row], non_blocking=self.pin)
+
+    def snapshot_out(self, state_row: int, row: int) -> None:
+        for dev, host in zip(self.state_tensors, self.host_states):
+            host[row].copy_(dev[state_row], non_blocking=self.pin)
+
+    def snapshot_in(self, row: int, state_row: int) -> None:
+        for dev, host in zip(self.state_tensors, self.host_states):
+            dev[state_row].copy_(host[row], non_blocking=self.pin)
