@@ -37,10 +37,14 @@ def prepare_weights(model: torch.nn.Module) -> None:
 
 
 def prefill_scratch_bytes(model, rows: int, keys: int) -> int:
-    """Transient bytes a prefill step of ``rows`` query rows over ``keys`` keys holds beside the cache: the DSA
-    indexer's scores, which its varlen form keeps under a budget (``triton_indexer.scratch_bytes``)."""
+    """Transient bytes a prefill step of ``rows`` query rows over ``keys`` keys holds beside the cache, at its
+    largest layer: the DSA indexer's scores, which its varlen form keeps under a budget
+    (``triton_indexer.scratch_bytes``), and absorbed MLA's fp32 query and latent output ([rows, H, R+P] and
+    [rows, H, R]), which the device path of prefill rows holds while it attends."""
     topks = {m.selection_width for m in model.modules() if getattr(m, "selection_width", 0)}
-    return max((indexer_scratch_bytes(rows, keys, k) for k in topks), default=0)
+    indexer = max((indexer_scratch_bytes(rows, keys, k) for k in topks), default=0)
+    mla = max((rows * m.H * (2 * m.R + m.P) * 4 for m in model.modules() if hasattr(m, "kv_b_weight")), default=0)
+    return indexer + mla
 
 
 def attach_host_tier(runner, cache: CacheManager, plan: CachePlan, host_bytes: int) -> CachePlan:
