@@ -22,6 +22,19 @@ class CacheMemoryError(RuntimeError):
     pass
 
 
+DEFAULT_BLOCK_SIZE = 16
+MAX_AUTO_BLOCK_SIZE = 256
+
+
+def auto_block_size(specs: list[PagedSpec | StateSpec]) -> int:
+    """The block size when none is given: 16 tokens, or, when a paged row stands for m > 16 tokens (a compressed
+    entry: DeepSeek-V4's HCA pools one row per 128), the least common multiple of those strides, so that such a
+    pool holds exactly one row per m tokens instead of one per block (up to 256 tokens)."""
+    strides = [m for s in specs if isinstance(s, PagedSpec) for m in s.strides.values()]
+    size = math.lcm(DEFAULT_BLOCK_SIZE, *strides)
+    return size if max(strides, default=1) > DEFAULT_BLOCK_SIZE and size <= MAX_AUTO_BLOCK_SIZE else DEFAULT_BLOCK_SIZE
+
+
 @dataclass(frozen=True)
 class CachePlan:
     block_size: int

@@ -11,7 +11,7 @@ import torch
 
 from dayzero.cache.host_tier import HostCopies
 from dayzero.cache.manager import CacheManager
-from dayzero.cache.planner import CachePlan, available_memory, plan_cache
+from dayzero.cache.planner import CachePlan, auto_block_size, available_memory, plan_cache
 from dayzero.cache.spec import PagedSpec, StateSpec
 from dayzero.engine.model_runner import ModelRunner
 from dayzero.ops.indexer.triton_indexer import scratch_bytes as indexer_scratch_bytes
@@ -58,7 +58,7 @@ def attach_host_tier(runner, cache: CacheManager, plan: CachePlan, host_bytes: i
     return replace(plan, host_blocks=int(blocks), host_snapshots=int(snaps))
 
 
-def assemble(model, device: torch.device, dtype: torch.dtype, *, block_size: int, max_model_len: int,
+def assemble(model, device: torch.device, dtype: torch.dtype, *, block_size: int | None, max_model_len: int,
              max_num_seqs: int, max_num_batched_tokens: int, budget_bytes: int | None = None,
              memory_fraction: float = 0.5, num_cache_blocks: int | None = None, kv_cache_dtype: str = "auto",
              cuda_graphs: bool = False, cuda_graph_sizes: list[int] | None = None,
@@ -67,7 +67,7 @@ def assemble(model, device: torch.device, dtype: torch.dtype, *, block_size: int
     """Plan and allocate the cache, build the runner and cache manager, and (``cuda_graphs`` on a CUDA device)
     capture the decode graphs. The model's weights must be loaded and prepared.
 
-    The cache gets ``budget_bytes``, or with neither it nor ``num_cache_blocks`` given, ``memory_fraction`` of
+    ``block_size`` None takes :func:`~dayzero.cache.planner.auto_block_size`. The cache gets ``budget_bytes``, or with neither it nor ``num_cache_blocks`` given, ``memory_fraction`` of
     the free memory less what the decode graphs will hold (measured by one eager decode step of the largest
     captured shape before the cache is allocated) and the prefill scratch (:func:`prefill_scratch_bytes`); the
     plan records both. With ``prefix_caching``,
@@ -77,6 +77,7 @@ def assemble(model, device: torch.device, dtype: torch.dtype, *, block_size: int
     from dayzero.engine.cuda_graphs import DecodeGraphs, default_sizes, default_widths, measure_step_bytes
 
     runner = ModelRunner(model, device, dtype, kv_cache_dtype, index_cache_dtype)
+    block_size = block_size or auto_block_size(runner.specs)
     max_blocks = -(-max_model_len // block_size)
     graphs_on = cuda_graphs and device.type == "cuda"
     sizes = widths = None

@@ -36,7 +36,7 @@ class EngineConfig:
     model: str | None = None
     device: str = "auto"
     dtype: str = "auto"
-    block_size: int = 16
+    block_size: int | None = None  # tokens per cache block; None: 16, or the compressed rows' stride when larger
     num_cache_blocks: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -62,7 +62,9 @@ class EngineConfig:
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
+            if v is None and name == "block_size":
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if self.num_cache_blocks is not None and self.num_cache_blocks < 2:
             raise ValueError(f"num_cache_blocks must be >= 2 (block 0 is reserved), got {self.num_cache_blocks}")

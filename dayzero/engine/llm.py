@@ -40,7 +40,7 @@ class LLM:
         *,
         device: str = "auto",
         dtype: str = "auto",
-        block_size: int = 16,
+        block_size: int | None = None,
         num_cache_blocks: int | None = None,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,

@@ -105,7 +105,9 @@ def add_engine_options(p) -> None:
     e.add_argument("--max-model-len", type=int, default=None, metavar="L", help="context length (default: the model's)")
     e.add_argument("--max-num-batched-tokens", type=int, default=2048, metavar="N",
                    help="tokens per engine step, and so the prefill chunk")
-    e.add_argument("--block-size", type=int, default=16, metavar="N", help="tokens per cache block")
+    e.add_argument("--block-size", type=int, default=None, metavar="N",
+                   help="tokens per cache block (default: 16, or the stride of compressed rows when larger, e.g. 128 "
+                        "for DeepSeek-V4)")
     e.add_argument("--num-cache-blocks", type=int, default=None, metavar="N",
                    help="cache blocks (default: as many as the cache memory holds)")
     e.add_argument("--cache-memory-bytes", type=byte_size, default=None, metavar="SIZE",

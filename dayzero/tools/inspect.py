@@ -16,7 +16,7 @@ from dayzero.cache.spec import PagedSpec, StateSpec
 from dayzero.config.spec import GQASpec, KDASpec, LayerSpec, MLASpec, ModelSpec, MoESpec, RopeSpec
 from dayzero.tools import fmt
 from dayzero.tools.model_info import (
-    ModelInfo, cache_specs, count_params, declared_format, load, paged_bytes_per_token, stored_bytes,
+    ModelInfo, block_size_of, cache_specs, count_params, declared_format, load, paged_bytes_per_token, stored_bytes,
 )
 
 CONTEXTS = (4096, 131072, 1048576)
@@ -148,8 +148,9 @@ def _asdict(x):
 
 
 # --- caches ---------------------------------------------------------------------------------------------
-def cache_report(info: ModelInfo, kv_cache_dtype: str = "auto", block_size: int = 16) -> dict:
+def cache_report(info: ModelInfo, kv_cache_dtype: str = "auto", block_size: int | None = None) -> dict:
     dtype = info.spec.dtype
+    block_size = block_size_of(info, block_size)
     by_kind: dict[str, dict] = defaultdict(lambda: {"layers": 0, "bytes_per_token": 0.0, "state_bytes_per_seq": 0})
     seen = set()
     for i, kind, s in cache_specs(info, dtype):  # a layer may declare paged rows and a state

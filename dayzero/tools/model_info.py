@@ -228,6 +228,13 @@ def paged_bytes_per_token(spec, kv_cache_dtype: str = "auto", block_size: int = 
     return spec.bytes_per_token(kv_cache_dtype, block_size)
 
 
+def block_size_of(info: ModelInfo, block_size: int | None = None) -> int:
+    """``block_size``, or the one the engine takes when none is given (``cache.planner.auto_block_size``)."""
+    from dayzero.cache.planner import auto_block_size
+
+    return block_size or auto_block_size([s for _, _, s in cache_specs(info)])
+
+
 def cache_specs(info: ModelInfo, dtype: torch.dtype | None = None):
     """(layer index, attention kind, cache spec) of every layer that keeps a cache."""
     from dayzero.cache.spec import PagedSpec, StateSpec, parts

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
+from dayzero.cache.planner import DEFAULT_BLOCK_SIZE
 from dayzero.ops.indexer.triton_indexer import scratch_bytes as indexer_scratch_bytes
 from dayzero.tools import fmt
 from dayzero.tools.devices import DeviceKind, parse_device_spec, parse_devices
-from dayzero.tools.model_info import FORMAT_TORCH, declared_format, load
+from dayzero.tools.model_info import FORMAT_TORCH, block_size_of, declared_format, load
 from dayzero.tools.plan_costs import LayerCost, ModelCosts, attn_flops, expert_format, model_costs
 
 MEMORY_TERMS = ("weights", "workspace", "kv_cache", "state", "activations", "indexer_scratch", "moe_dispatch",
@@ -32,7 +33,7 @@ class PlanConfig:
     dtype: str = "bf16"  # activations and unquantised weights
     experts: str = "auto"  # routed-expert storage: auto (as the checkpoint/config says) | bf16 | fp8 | mxfp4
     conversion: str = "bf16"  # MXFP4 experts: convert into a bf16 or fp8 workspace, or "fused" (no workspace)
-    block_size: int = 16
+    block_size: int | None = None  # None: the engine's default (16, or compressed rows' stride when larger)
     prefill_chunk: int = 8192  # tokens per DP rank per prefill step
     moe_imbalance: float = 1.5  # expert receive buffers sized for this multiple of the average load
     memory_fraction: float = 0.92  # of device memory the plan may use
@@ -106,7 +107,8 @@ def stage_memory(costs: ModelCosts, cfg: PlanConfig, lay: Layout, layer_ids: ran
     g, a_b = lay.tp * lay.dp, _act_bytes(cfg)
     ls = [costs.layers[i] for i in layer_ids]
     seqs = math.ceil(cfg.batch / lay.dp)
-    tokens = -(-context // cfg.block_size) * cfg.block_size
+    bs = cfg.block_size or DEFAULT_BLOCK_SIZE  # plan() resolves it per model; direct callers get the default
+    tokens = -(-context // bs) * bs
     weights = sum(lc.tp_bytes / lay.tp + lc.rep_bytes + lc.expert_bytes / g for lc in ls)
     if first:
         weights += costs.embed_bytes / lay.tp
@@ -173,7 +175,7 @@ def longest_context(costs: ModelCosts, cfg: PlanConfig, lay: Layout, budget: flo
     """The largest context (a block multiple, at most the model's maximum) whose memory fits ``budget``;
     memory is affine in the context for a fixed prefill chunk, so two evaluations give the line."""
     parts = stages(len(costs.layers), lay.pp)
-    bs, cap = cfg.block_size, costs.max_position
+    bs, cap = cfg.block_size or DEFAULT_BLOCK_SIZE, costs.max_position
     best = cap
     for s, r in enumerate(parts):
         m = lambda L: sum(stage_memory(costs, cfg, lay, r, s == 0, s == lay.pp - 1, L, chunk).values())  # noqa: E731
@@ -261,16 +263,19 @@ def roofline(costs: ModelCosts, cfg: PlanConfig, lay: Layout, context: int) -> d
 
 
 # --- the plan -------------------------------------------------------------------------------------------
-def predict_allocation(model: str | None, dtype: str, context: int, batch: int, block_size: int = 16,
+def predict_allocation(model: str | None, dtype: str, context: int, batch: int, block_size: int | None = None,
                        kv_cache_dtype: str = "auto") -> dict[str, float]:
     """Weights and cache bytes of a one-device load (what the engine allocates for ``batch`` sequences of
     ``context`` tokens), from the same terms every layout's plan is built from."""
     info = load(model, FORMAT_TORCH[dtype])
+    block_size = block_size_of(info, block_size)
     cfg = PlanConfig(batch=batch, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size, workspace_slots=1)
     override, workspace, _ = expert_storage(info, cfg)
     costs = model_costs(info, override, workspace, kv_cache_dtype, block_size, FORMAT_TORCH[dtype])
     m = memory(costs, cfg, Layout(1, 1, 1, 1), context)
-    return {"weights": m["weights"] + m["workspace"], "cache": m["kv_cache"] + m["state"]}
+    # the engine also allocates the null block and the null state slot that padding rows use
+    null = block_size * sum(kv_bytes_per_token(lc, 1) for lc in costs.layers) + sum(state_bytes(lc, 1) for lc in costs.layers)
+    return {"weights": m["weights"] + m["workspace"], "cache": m["kv_cache"] + m["state"] + null}
 
 
 
@@ -291,6 +296,7 @@ def expert_storage(info, cfg: PlanConfig) -> tuple[str | None, str | None, str]:
 
 def plan(model: str | None, cfg: PlanConfig) -> dict:
     info = load(model, FORMAT_TORCH[cfg.dtype])
+    cfg = replace(cfg, block_size=block_size_of(info, cfg.block_size))
     override, workspace, desc = expert_storage(info, cfg)
     costs = model_costs(info, override, workspace, cfg.kv_cache_dtype, cfg.block_size, FORMAT_TORCH[cfg.dtype])
     context = cfg.context or costs.max_position

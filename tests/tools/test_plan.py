@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dayzero import LLM
-from dayzero.cache.planner import plan_cache
+from dayzero.cache.planner import auto_block_size, plan_cache
 from dayzero.cli import main as cli
 from dayzero.engine.model_runner import ModelRunner
 from dayzero.models.registry import load_config
@@ -87,7 +87,9 @@ def test_prediction_matches_the_engine_allocation_of_deepseek_v4():
     path = CONFIGS / "deepseek-v4-small.json"
     model = build_uninitialised(load_config(path), torch.bfloat16, "meta")
     runner = ModelRunner(model, torch.device("meta"), torch.bfloat16)
-    runner.allocate_cache(plan_cache(runner.specs, 16, L, B, 1 << 50))
+    bs = auto_block_size(runner.specs)  # what the engine takes: 128, one row per HCA entry
+    assert bs == 128
+    runner.allocate_cache(plan_cache(runner.specs, bs, L, B, 1 << 50))
     cache = sum(_nbytes(t) for _, layer in runner.layers for t in layer.cache.values())
     pred = predict_allocation(str(path), "bf16", L, B)
     assert pred["cache"] == pytest.approx(cache, rel=0.10)
