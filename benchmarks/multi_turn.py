@@ -2,13 +2,16 @@
 
     python benchmarks/multi_turn.py [--model MODEL] --device cpu --users 4 --turns 10
     python benchmarks/multi_turn.py --model configs/dayzero-small.json --load-format dummy --device cuda
+    python benchmarks/multi_turn.py --device cpu --device-blocks 160 --num-snapshots 4   # + the host tier
 
 Several users each hold a conversation of ``--turns`` turns that share one system prompt: turn t's prompt is
 the system prompt, every earlier message and reply of that user, and a new message. All users send turn t at
 once (one engine step loop), and each reply joins the history. Per setting: the prompt tokens the engine was
 asked for and those it took from the prefix cache (hit rate), the prefill tokens it computed, TTFT (from
-adding a request to its first token) at p50 / p90, and the total time. The engines see the same token ids,
-and greedy outputs of both are checked to be equal.
+adding a request to its first token) at p50 / p90, and the total time. ``--device-blocks N`` adds two runs with
+a device cache of only N blocks, without and with the prefix cache's host tier (``--host-cache-gib``), and
+counts the blocks and snapshots that came back from host memory. The engines see the same token ids, and
+greedy outputs of all are checked to be equal.
 """
 from __future__ import annotations
 
@@ -71,13 +74,23 @@ def main(argv=None) -> dict:
     ap.add_argument("--message-len", type=int, nargs=2, default=[16, 64], metavar=("MIN", "MAX"))
     ap.add_argument("--reply-len", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device-blocks", type=int, default=None, metavar="N",
+                    help="also run with a device cache of only N blocks, without and with the host tier")
+    ap.add_argument("--num-snapshots", type=int, default=None, metavar="N", help="device state snapshots kept")
+    ap.add_argument("--host-cache-gib", type=float, default=0.25, help="the host tier of the small-cache run")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     longest = args.system_len + args.turns * (args.message_len[1] + args.reply_len) + 1
     results = {}
-    for name, cached in (("off", False), ("on", True)):
+    settings = [("off", dict(enable_prefix_caching=False)), ("on", {})]
+    if args.device_blocks:
+        settings += [("small", dict(num_cache_blocks=args.device_blocks)),
+                     ("small+host", dict(num_cache_blocks=args.device_blocks, host_cache_gib=args.host_cache_gib))]
+    for name, kw in settings:
+        if args.num_snapshots is not None and kw.get("enable_prefix_caching", True):
+            kw = {**kw, "num_prefix_snapshots": args.num_snapshots}
         llm = LLM(args.model, device=args.device, dtype=args.dtype, load_format=args.load_format,
-                  max_num_seqs=args.users, max_model_len=longest, enable_prefix_caching=cached)
+                  max_num_seqs=args.users, max_model_len=longest, **kw)
         vocab = llm.engine.model_config.vocab_size
         gen = torch.Generator().manual_seed(args.seed)  # the same conversations for both
         system = torch.randint(3, vocab, (args.system_len,), generator=gen).tolist()
@@ -85,17 +98,22 @@ def main(argv=None) -> dict:
         print(f"prefix caching {name}: {args.users} users x {args.turns} turns ...", flush=True)
         results[name] = conversation(llm, users, args.turns, gen, tuple(args.message_len), args.reply_len, vocab)
         results[name]["device"] = str(llm.engine.device)
+        u = llm.engine.cache_usage()
+        results[name].update(blocks=llm.engine.cache_plan.num_blocks - 1, host_hit_blocks=u["host_hit_blocks"],
+                             host_hit_snapshots=u["host_hit_snapshots"])
         del llm
-    same = results["on"].pop("outputs") == results["off"].pop("outputs")
+    outs = [r.pop("outputs") for r in results.values()]
+    same = all(o == outs[0] for o in outs)
     print(f"\n{args.users} users x {args.turns} turns, system prompt {args.system_len} tokens, messages "
           f"{args.message_len[0]}-{args.message_len[1]}, replies {args.reply_len}, on {results['on']['device']}; "
           f"greedy outputs equal: {same}")
-    print(f"{'cache':>6} {'asked tok':>10} {'from cache':>11} {'hit rate':>9} {'computed':>9} {'TTFT p50 ms':>12} "
-          f"{'p90 ms':>8} {'total s':>8}")
+    print(f"{'cache':>10} {'blocks':>7} {'asked tok':>10} {'from cache':>11} {'hit rate':>9} {'computed':>9} "
+          f"{'from host':>10} {'TTFT p50 ms':>12} {'p90 ms':>8} {'total s':>8}")
     for name, r in results.items():
-        print(f"{name:>6} {r['asked_tokens']:>10} {r['hit_tokens']:>11} {r['hit_tokens'] / r['asked_tokens']:>8.1%} "
-              f"{r['asked_tokens'] - r['hit_tokens']:>9} {r['ttft_p50_ms']:>12.1f} {r['ttft_p90_ms']:>8.1f} "
-              f"{r['seconds']:>8.2f}")
+        host = f"{r['host_hit_blocks']}b/{r['host_hit_snapshots']}s" if name.endswith("host") else "-"
+        print(f"{name:>10} {r['blocks']:>7} {r['asked_tokens']:>10} {r['hit_tokens']:>11} "
+              f"{r['hit_tokens'] / r['asked_tokens']:>8.1%} {r['asked_tokens'] - r['hit_tokens']:>9} {host:>10} "
+              f"{r['ttft_p50_ms']:>12.1f} {r['ttft_p90_ms']:>8.1f} {r['seconds']:>8.2f}")
     on, off = results["on"], results["off"]
     print(f"with the cache: {off['ttft_p50_ms'] / on['ttft_p50_ms']:.2f}x lower TTFT p50, "
           f"{off['seconds'] / on['seconds']:.2f}x faster in all")
