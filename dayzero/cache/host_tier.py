@@ -15,22 +15,22 @@ stream; on a CPU they are plain copies.)
 """
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
 
+from dayzero.cache.prefix import SnapshotPool
 
-class HostTier:
-    """Rows 0 .. capacity-1 of a host pool, each holding one evicted entry, by prefix-cache key."""
+
+class HostTier(SnapshotPool):
+    """Rows 0 .. capacity-1 of a host pool, each holding one evicted entry, by prefix-cache key: the snapshot
+    pool's least-recently-used rows, with a way out (:meth:`fetch`) for an entry that goes back to the device."""
 
     def __init__(self, capacity: int):
-        self.capacity = max(0, int(capacity))
-        self.free_rows = list(range(self.capacity))[::-1]
-        self.rows: OrderedDict[bytes, int] = OrderedDict()  # key -> host row; least recently stored first
-        self.num_stored = self.num_fetched = self.num_dropped = 0
+        super().__init__(0, max(0, int(capacity)))
+        self.num_stored = self.num_fetched = 0
 
-    def __len__(self) -> int:
-        return len(self.rows)
+    @property
+    def capacity(self) -> int:
+        return self.count
 
     def __contains__(self, key: bytes) -> bool:
         return key in self.rows
@@ -38,28 +38,20 @@ class HostTier:
     def put(self, key: bytes) -> int | None:
         """A host row to copy an evicted entry into (dropping the least recently stored one when full), or None
         when the tier has no rows or already holds ``key``."""
-        if self.capacity == 0 or key in self.rows:
-            return None
-        if self.free_rows:
-            row = self.free_rows.pop()
-        else:
-            _, row = self.rows.popitem(last=False)
-            self.num_dropped += 1
-        self.rows[key] = row
-        self.num_stored += 1
+        row = self.take(key)
+        self.num_stored += row is not None
         return row
 
-    def take(self, key: bytes) -> int | None:
+    def fetch(self, key: bytes) -> int | None:
         """The host row holding ``key``, which leaves the tier; None when it is not here. The row stays out of
-        use until :meth:`free` (after its copy back is queued: a later copy into it then runs after, in
+        use until :meth:`release` (after its copy back is queued: a later copy into it then runs after, in
         stream order)."""
         row = self.rows.pop(key, None)
-        if row is not None:
-            self.num_fetched += 1
+        self.num_fetched += row is not None
         return row
 
-    def free(self, row: int) -> None:
-        self.free_rows.append(row)
+    def release(self, row: int) -> None:
+        self.free.append(row)
 
 
 class HostCopies:
@@ -84,18 +76,19 @@ class HostCopies:
     def bytes_per_row(tensors: list[torch.Tensor]) -> int:
         return sum(t[0].numel() * t.element_size() for t in tensors)
 
+    def _move(self, devs, hosts, dev_row: int, host_row: int, out: bool) -> None:
+        for dev, host in zip(devs, hosts):
+            dst, src = (host[host_row], dev[dev_row]) if out else (dev[dev_row], host[host_row])
+            dst.copy_(src, non_blocking=self.pin)
+
     def block_out(self, block: int, row: int) -> None:
-        for dev, host in zip(self.block_tensors, self.host_blocks):
-            host[row].copy_(dev[block], non_blocking=self.pin)
+        self._move(self.block_tensors, self.host_blocks, block, row, out=True)
 
     def block_in(self, row: int, block: int) -> None:
-        for dev, host in zip(self.block_tensors, self.host_blocks):
-            dev[block].copy_(host[row], non_blocking=self.pin)
+        self._move(self.block_tensors, self.host_blocks, block, row, out=False)
 
     def snapshot_out(self, state_row: int, row: int) -> None:
-        for dev, host in zip(self.state_tensors, self.host_states):
-            host[row].copy_(dev[state_row], non_blocking=self.pin)
+        self._move(self.state_tensors, self.host_states, state_row, row, out=True)
 
     def snapshot_in(self, row: int, state_row: int) -> None:
-        for dev, host in zip(self.state_tensors, self.host_states):
-            dev[state_row].copy_(host[row], non_blocking=self.pin)
+        self._move(self.state_tensors, self.host_states, state_row, row, out=False)

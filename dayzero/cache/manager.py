@@ -145,10 +145,10 @@ class CacheManager:
         """A device block holding the host tier's rows of ``key`` (held once, registered), or None."""
         if key not in self.host_blocks or self.blocks.num_free == 0:
             return None
-        row = self.host_blocks.take(key)  # out of the tier first: the allocation below may evict into it
+        row = self.host_blocks.fetch(key)  # out of the tier first: the allocation below may evict into it
         b = self.blocks.allocate(1)[0]
         self.copies.block_in(row, b)
-        self.host_blocks.free(row)
+        self.host_blocks.release(row)
         self.blocks.register(b, key)
         self.host_hit_blocks += 1
         return b
@@ -158,12 +158,12 @@ class CacheManager:
         row = self.snapshots.find(prefix_hash)
         if row is not None or prefix_hash not in self.host_snapshots:
             return row
-        host_row = self.host_snapshots.take(prefix_hash)
+        host_row = self.host_snapshots.fetch(prefix_hash)
         row = self.snapshots.take(prefix_hash)  # may evict (offload) the least recently used device snapshot
         if row is not None:
             self.copies.snapshot_in(host_row, row)
             self.host_hit_snapshots += 1
-        self.host_snapshots.free(host_row)
+        self.host_snapshots.release(host_row)
         return row
 
     def _key(self, hashes: list[bytes], j: int) -> bytes:

@@ -15,17 +15,17 @@ from tests.engine.test_engine import assert_cache_empty
 SP = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
 
 
-def test_tier_is_lru_and_keeps_a_taken_row_until_freed():
+def test_tier_is_lru_and_keeps_a_fetched_row_until_released():
     t = HostTier(2)
     a, b = t.put(b"a"), t.put(b"b")
-    assert {a, b} == {0, 1} and t.put(b"a") is None  # already there
-    c = t.put(b"c")  # full: drops the least recently stored, "a"
-    assert c == a and b"a" not in t and t.num_dropped == 1
-    row = t.take(b"b")
-    assert row == b and b"b" not in t
-    assert t.put(b"d") != row  # not reusable until freed: a copy back from it may still be queued
-    t.free(row)
+    assert {a, b} == {0, 1} and t.put(b"a") is None  # already there (and now the most recent)
+    assert t.put(b"c") == b and b"b" not in t and t.num_evicted == 1  # full: the least recent, "b", goes
+    row = t.fetch(b"a")
+    assert row == a and b"a" not in t and t.fetch(b"a") is None
+    assert t.put(b"d") == b  # the fetched row is not free yet (its copy back may still be queued): "c" goes
+    t.release(row)
     assert t.put(b"e") == row
+    assert (t.num_stored, t.num_fetched) == (5, 1)
     assert HostTier(0).put(b"x") is None
 
 
@@ -63,7 +63,7 @@ def test_a_hit_from_host_memory_equals_the_device_cache_and_no_cache(tiny_ckpt, 
     assert u["host_hit_blocks"] > 0 and u["host_hit_snapshots"] > 0
     assert 0 < u["host_blocks_cached"] <= u["host_blocks_total"]
     for tier in (host.engine.cache.host_blocks, host.engine.cache.host_snapshots):  # every host row accounted for
-        assert len(tier.rows) + len(tier.free_rows) == tier.capacity
+        assert len(tier.rows) + len(tier.free) == tier.capacity
     assert host.engine.cache_plan.host_blocks == u["host_blocks_total"]
     assert_cache_empty(host)
 
