@@ -143,7 +143,8 @@ def run_baseline(args) -> dict | None:
         cmd.append("--enforce-eager")
     env = dict(os.environ)
     if not args.compare_async:  # the earlier package first on the path, the rest kept (kernel packages: fla)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, (os.path.abspath(args.baseline), os.environ.get("PYTHONPATH", ""))))
+        path = (os.path.abspath(args.baseline), os.environ.get("PYTHONPATH", ""))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, path))
     print(f"baseline ({'this version, steps not overlapped' if args.compare_async else args.baseline}):", flush=True)
     if subprocess.run(cmd, env=env).returncode != 0:
         print("baseline run failed", flush=True)

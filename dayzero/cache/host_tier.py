@@ -61,16 +61,13 @@ class HostCopies:
     def __init__(self, block_tensors: list[torch.Tensor], state_tensors: list[torch.Tensor], blocks: int,
                  snapshots: int):
         self.block_tensors, self.state_tensors = block_tensors, state_tensors
+        self.blocks, self.snapshots = blocks, snapshots
         self.pin = any(t.device.type == "cuda" for t in block_tensors + state_tensors)
         self.host_blocks = [self._host(t, blocks) for t in block_tensors] if blocks else []
         self.host_states = [self._host(t, snapshots) for t in state_tensors] if snapshots else []
 
     def _host(self, t: torch.Tensor, rows: int) -> torch.Tensor:
         return torch.empty((rows, *t.shape[1:]), dtype=t.dtype, pin_memory=self.pin)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.host_blocks + self.host_states)
 
     @staticmethod
     def bytes_per_row(tensors: list[torch.Tensor]) -> int:

@@ -124,11 +124,11 @@ class CacheManager:
         return k * bs
 
     # --- the host tier (dayzero.cache.host_tier) ---------------------------------------------------------
-    def attach_host_tier(self, copies, blocks: int, snapshots: int) -> None:
-        """Evicted blocks and snapshots go to ``copies`` (a :class:`HostCopies` of ``blocks`` and ``snapshots``
-        rows) instead of being lost, and come back on a hit."""
+    def attach_host_tier(self, copies) -> None:
+        """Evicted blocks and snapshots go to ``copies`` (a :class:`HostCopies`, with its rows of each) instead of
+        being lost, and come back on a hit."""
         self.copies = copies
-        self.host_blocks, self.host_snapshots = HostTier(blocks), HostTier(snapshots)
+        self.host_blocks, self.host_snapshots = HostTier(copies.blocks), HostTier(copies.snapshots)
         self.blocks.on_evict, self.snapshots.on_evict = self._block_evicted, self._snapshot_evicted
 
     def _block_evicted(self, block: int, key: bytes) -> None:

@@ -54,7 +54,7 @@ def attach_host_tier(runner, cache: CacheManager, plan: CachePlan, host_bytes: i
     per_snap = HostCopies.bytes_per_row(runner.state_tensors) if runner.state_tensors else 0
     snaps = host_bytes // 2 // per_snap if per_snap and plan.num_snapshots else 0
     blocks = (host_bytes - snaps * per_snap) // per_block if per_block else 0
-    cache.attach_host_tier(HostCopies(runner.block_tensors, runner.state_tensors, blocks, snaps), blocks, snaps)
+    cache.attach_host_tier(HostCopies(runner.block_tensors, runner.state_tensors, blocks, snaps))
     return replace(plan, host_blocks=int(blocks), host_snapshots=int(snaps))
 
 
@@ -67,13 +67,13 @@ def assemble(model, device: torch.device, dtype: torch.dtype, *, block_size: int
     """Plan and allocate the cache, build the runner and cache manager, and (``cuda_graphs`` on a CUDA device)
     capture the decode graphs. The model's weights must be loaded and prepared.
 
-    ``block_size`` None takes :func:`~dayzero.cache.planner.auto_block_size`. The cache gets ``budget_bytes``, or with neither it nor ``num_cache_blocks`` given, ``memory_fraction`` of
-    the free memory less what the decode graphs will hold (measured by one eager decode step of the largest
-    captured shape before the cache is allocated) and the prefill scratch (:func:`prefill_scratch_bytes`); the
-    plan records both. With ``prefix_caching``,
-    models that keep per-sequence states get ``num_snapshots`` state snapshots (default one per sequence seat)
-    taken every ``snapshot_interval`` tokens, and ``host_cache_bytes`` of pinned host memory keep what the device
-    evicts (:func:`attach_host_tier`)."""
+    ``block_size`` None takes :func:`~dayzero.cache.planner.auto_block_size`. The cache gets ``budget_bytes``,
+    or with neither it nor ``num_cache_blocks`` given, ``memory_fraction`` of the free memory less what the
+    decode graphs will hold (measured by one eager decode step of the largest captured shape before the cache is
+    allocated) and the prefill scratch (:func:`prefill_scratch_bytes`); the plan records both. With
+    ``prefix_caching``, models that keep per-sequence states get ``num_snapshots`` state snapshots (default one
+    per sequence seat) taken every ``snapshot_interval`` tokens, and ``host_cache_bytes`` of pinned host memory
+    keep what the device evicts (:func:`attach_host_tier`)."""
     from dayzero.engine.cuda_graphs import DecodeGraphs, default_sizes, default_widths, measure_step_bytes
 
     runner = ModelRunner(model, device, dtype, kv_cache_dtype, index_cache_dtype)

@@ -256,7 +256,7 @@ class LLMEngine:
         out = None
         if to_sample:
             # generated ids only where penalties read them (copying every output list costs O(length) a step)
-            ids = [q.output_ids if needs_resolved_ids([q]) else () for q in to_sample]
+            ids = [q.output_ids if q.params.penalised else () for q in to_sample]
             out = self.sampler(logits, [q.params for q in to_sample], [q.generator for q in to_sample], ids)
             sampled = InFlight(to_sample, out.token_ids, out.copy_to_host([q.params.logprobs or 0 for q in to_sample]))
         if out is not None and self.async_scheduling:

@@ -46,5 +46,4 @@ def pending_inputs(scheduled, prev: InFlight) -> tuple[list[int], list[int], tor
 
 def needs_resolved_ids(seqs: list[Sequence]) -> bool:
     """Whether sampling these sequences reads the ids of the tokens they generated (penalties)."""
-    return any(q.params.repetition_penalty != 1.0 or q.params.presence_penalty != 0.0 or q.params.frequency_penalty != 0.0
-               for q in seqs)
+    return any(q.params.penalised for q in seqs)

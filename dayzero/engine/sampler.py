@@ -118,9 +118,7 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
     """
     if output_token_ids is None:
         return logits
-    rows = [i for i, p in enumerate(params)
-            if output_token_ids[i] and (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
-                                        or p.frequency_penalty != 0.0)]
+    rows = [i for i, p in enumerate(params) if output_token_ids[i] and p.penalised]
     if not rows:
         return logits
     V = logits.shape[1]

@@ -79,6 +79,11 @@ class SamplingParams:
             self.logprobs = self._int("logprobs", self.logprobs, lo=0, or_none=True)
 
     @property
+    def penalised(self) -> bool:
+        """True when repetition, presence or frequency penalties read the ids generated so far."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
     def greedy(self) -> bool:
         """True when sampling reduces to argmax: temperature 0, or only the top token allowed."""
         return self.temperature == 0 or self.top_k == 1

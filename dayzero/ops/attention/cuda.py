@@ -105,17 +105,17 @@ def paged_mla_rows(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache, kv_b_
                    v_head_dim: int, batch, scale: float, sinks: torch.Tensor | None = None,
                    selection: torch.Tensor | None = None) -> torch.Tensor:
     # q_nope: [T, H, N]; q_pe: [T, H, P]; kv_b_weight: [H*(N+V), R]; selection: [T, topk] or None -> [T, H, V]
-    return _mla_decode(q_nope, q_pe, latent_cache, kv_b_weight, v_head_dim, batch, scale, sinks, selection, True)
+    return _mla_rows(q_nope, q_pe, latent_cache, kv_b_weight, v_head_dim, batch, scale, sinks, selection, True)
 
 
 def paged_mla_decode_torch(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache, kv_b_weight: torch.Tensor,
                            v_head_dim: int, batch, scale: float, sinks: torch.Tensor | None = None,
                            selection: torch.Tensor | None = None) -> torch.Tensor:
     """``paged_mla_rows`` on decode rows on its PyTorch path whatever the device (tests, benchmarks)."""
-    return _mla_decode(q_nope, q_pe, latent_cache, kv_b_weight, v_head_dim, batch, scale, sinks, selection, False)
+    return _mla_rows(q_nope, q_pe, latent_cache, kv_b_weight, v_head_dim, batch, scale, sinks, selection, False)
 
 
-def _mla_decode(q_nope, q_pe, latent_cache, kv_b_weight, v_head_dim, batch, scale, sinks, selection, use_triton):
+def _mla_rows(q_nope, q_pe, latent_cache, kv_b_weight, v_head_dim, batch, scale, sinks, selection, use_triton):
     B, H, N = q_nope.shape
     w = kv_b_weight.view(H, N + v_head_dim, -1)  # per head: N rows of W_UK, then V rows of W_UV
     R = w.shape[-1]
