@@ -26,7 +26,7 @@ if any(a == "--device" and b == "cpu" for a, b in zip(_argv, _argv[1:])):
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
-from benchmarks.timing import copy_bandwidth, ms_per_call  # noqa: E402
+from benchmarks.timing import copy_bandwidth, ms_per_call, ms_per_replay  # noqa: E402
 from dayzero.engine.batch import ForwardBatch  # noqa: E402
 from dayzero.ops.attention import cuda as attn  # noqa: E402
 from dayzero.ops.indexer import cuda as idx  # noqa: E402
@@ -88,6 +88,14 @@ def bench_decode(s: dict, B: int, context: int, args, bw: float, g: torch.Genera
     t["torch_step"] = ms_per_call(lambda: (idx.paged_indexer_topk_decode_torch(q, w, k_pool, batch, topk, sel),
                                      mla(sel, True)), r, dev)
     t["torch_dense"] = ms_per_call(lambda: mla(None, True), r, dev)
+    if dev == "cuda":  # the same calls replayed from CUDA graphs, as the engine's decode steps run them
+        t["graph"] = {
+            "step": ms_per_replay(lambda: (idx.paged_indexer_topk_decode(q, w, k_pool, batch, topk, sel), mla(sel)), r),
+            "indexer": ms_per_replay(lambda: idx.paged_indexer_topk_decode(q, w, k_pool, batch, topk, sel), r),
+            "dense_mla": ms_per_replay(lambda: mla(None), r),
+            "torch_step": ms_per_replay(lambda: (idx.paged_indexer_topk_decode_torch(q, w, k_pool, batch, topk, sel),
+                                                 mla(sel, True)), r),
+        }
     keys = min(topk, context)
     bytes_ = {"indexer": B * context * s["Di"] * 2, "sparse_mla": B * keys * (s["R"] + s["P"]) * 2,
               "dense_mla": B * context * (s["R"] + s["P"]) * 2}
@@ -151,6 +159,27 @@ def bench_prefill_mla(s: dict, prompt: ForwardBatch, selection: torch.Tensor, C:
     return {"rows": C, "ms": ms, "selected_keys": keys, "tflops": flops / (ms * 1e-3) / 1e12, "peak_extra_bytes": peak}
 
 
+def print_graphed(rows: list[dict]) -> None:
+    """The decode table again, from the CUDA-graph replays."""
+    graphed = [r for r in rows if "graph" in r["ms"]]
+    if not graphed:
+        return
+    print("\nthe same, replayed from CUDA graphs (ms; sparse / dense = dense MLA time over the sparse step's)")
+    print(f"{'ctx':>7} {'B':>3} | {'indexer':>8} {'step':>7} {'idx %':>6} {'of roof':>7} | {'dense':>7} "
+          f"{'of roof':>7} | {'sparse / dense':>14} {'physical':>8} | {'torch step':>10} {'speedup':>7}")
+    for r in graphed:
+        g_, roof = r["ms"]["graph"], r["roofline_ms"]
+        fmt = lambda v, w=7: f"{v:>{w}.3f}" if v else f"{'-':>{w}}"  # noqa: E731
+        ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "-"  # noqa: E731
+        pct = lambda a, b: f"{a / b:.0%}" if a and b else "-"  # noqa: E731
+        print(f"{r['context']:>7} {r['batch']:>3} | {fmt(g_['indexer'], 8)} {fmt(g_['step'])} "
+              f"{pct(g_['indexer'], g_['step']):>6} "
+              f"{pct(r['step_roofline_ms'], g_['step']):>7} | {fmt(g_['dense_mla'])} "
+              f"{pct(roof['dense_mla'], g_['dense_mla']):>7} | {ratio(g_['dense_mla'], g_['step']):>14} "
+              f"{roof['dense_mla'] / r['step_roofline_ms']:>7.2f}x | {fmt(g_['torch_step'], 10)} "
+              f"{ratio(g_['torch_step'], g_['step']):>7}")
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/dayzero-2.8t.json")
@@ -192,6 +221,7 @@ def main(argv=None) -> dict:
                   f"{roof['dense_mla']:>7.3f} {roof['dense_mla'] / t['dense_mla']:>7.0%} | {t['torch_step']:>10.3f} "
                   f"{t['torch_dense']:>11.3f} {t['torch_step'] / t['step']:>6.1f}x")
             rows.append(r)
+    print_graphed(rows)
     result = {"args": vars(args), "shapes": s, "bandwidth": bw, "decode": rows}
     if args.prefill_tokens:
         p = bench_prefill(s, args.prefill_tokens, args, g)

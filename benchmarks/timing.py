@@ -1,6 +1,7 @@
 """What the benchmark scripts share: milliseconds per call after a warm-up call (CUDA events on a GPU, the wall
 clock elsewhere), and the ceilings a table's percentages are of, measured in the same run: the copy bandwidth
-(read + write of a large buffer) and the matmul rate (bf16 on a GPU, fp32 on a CPU)."""
+(read + write of a large buffer) and the matmul rate (bf16 on a GPU, fp32 on a CPU); on a GPU also the time of
+a call replayed from a CUDA graph."""
 from __future__ import annotations
 
 import time
@@ -23,6 +24,26 @@ def ms_per_call(fn, repeats: int, device: str = "cuda") -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / repeats
+
+
+def ms_per_replay(fn, repeats: int) -> float | None:
+    """Milliseconds per call of ``fn`` captured once in a CUDA graph and replayed (what a decode step pays inside
+    the engine's graphs: no launch or host cost per kernel); None where ``fn`` cannot be captured."""
+    fn()  # compile and allocate outside the capture
+    torch.cuda.synchronize()
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(side):
+            fn()  # a warm call on the capture stream, as torch's graph notes ask
+            with torch.cuda.graph(graph, stream=side):
+                fn()
+    except RuntimeError as exc:  # a host synchronisation or an unsupported op inside fn
+        print(f"  (not capturable: {str(exc).splitlines()[0][:100]})")
+        torch.cuda.synchronize()
+        return None
+    torch.cuda.current_stream().wait_stream(side)
+    return ms_per_call(graph.replay, repeats, "cuda")
 
 
 def timer(device: str, repeats: int):
