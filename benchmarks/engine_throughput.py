@@ -141,6 +141,12 @@ def run_baseline(args) -> dict | None:
            "--json", out]
     if args.enforce_eager:
         cmd.append("--enforce-eager")
+    if args.compare_async:
+        cmd.append("--no-async-scheduling")
+    elif args.async_scheduling is not None:  # the same setting on both sides
+        cmd.append("--async-scheduling" if args.async_scheduling else "--no-async-scheduling")
+    if args.expert_compute:
+        cmd += ["--expert-compute", args.expert_compute]
     env = dict(os.environ)
     if not args.compare_async:  # the earlier package first on the path, the rest kept (kernel packages: fla)
         path = (os.path.abspath(args.baseline), os.environ.get("PYTHONPATH", ""))
@@ -166,17 +172,23 @@ def main() -> None:
     ap.add_argument("--busy", type=int, default=None, metavar="B", help="GPU busy fraction of decode steps at batch B")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--profile-table", default=None, metavar="FILE", help="with --busy: the profiler's op tables")
-    ap.add_argument("--async-scheduling", action="store_true", help="overlap each step's host work with the next step")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                    help="overlap each step's host work with the next step (default: the engine's, on for CUDA)")
+    ap.add_argument("--expert-compute", default=None, choices=["bf16", "fp8", "fused"],
+                    help="packed MXFP4 experts: the workspace format they are converted into, or read packed")
     ap.add_argument("--compare-async", action="store_true",
                     help="the baseline is this version without overlapped steps; this run overlaps them")
     args = ap.parse_args()
-    args.async_scheduling |= args.compare_async
+    if args.compare_async:
+        args.async_scheduling = True
     base = run_baseline(args) if args.baseline or args.compare_async else None
 
     t0 = time.perf_counter()
     extra = {"enforce_eager": True} if args.enforce_eager else {}
-    if args.async_scheduling:
-        extra["async_scheduling"] = True
+    if args.async_scheduling is not None:  # else the version's own default (earlier ones lack the option)
+        extra["async_scheduling"] = args.async_scheduling
+    if args.expert_compute:
+        extra["expert_compute"] = args.expert_compute
     llm = LLM(args.config, device=args.device, dtype=args.dtype, load_format="dummy", max_num_seqs=max(args.batch),
               max_num_batched_tokens=max(args.batch) * args.prompt_len, max_model_len=args.prompt_len + args.decode + 1,
               **extra)

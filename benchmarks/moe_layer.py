@@ -200,7 +200,7 @@ def main(argv=None) -> dict:
 
     timed = timer(args.device, args.repeats)
     bw, flops = ceilings(args.device, args.small)
-    device_name = torch.cuda.get_device_name(args.device) if args.device != "cpu" else "cpu"
+    device_name = T.device_name(torch.device(args.device))
     print(f"{device_name}: copy {bw / 1e9:.0f} GB/s, matmul {flops / 1e12:.1f} TFLOP/s "
           f"({'fp32' if args.device == 'cpu' else 'bf16'})")
     path = Path(args.tune_out) if args.tune_out else T.CONFIGS

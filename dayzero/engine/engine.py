@@ -56,7 +56,8 @@ class EngineConfig:
     prefix_snapshot_interval: int = 512  # tokens between state snapshots (models with per-sequence states)
     num_prefix_snapshots: int | None = None  # state snapshots kept (default: one per sequence seat)
     num_threads: int | None = None  # torch's CPU threads; None: fewer than torch's default when the machine is loaded
-    async_scheduling: bool = False  # overlap each step's host work with the next step on the device (see step)
+    # overlap each step's host work with the next step on the device (see step); None: on for CUDA devices
+    async_scheduling: bool | None = None
     host_cache_gib: float = 0.0  # pinned host memory for what the prefix cache evicts from the device (0: none)
 
     def __post_init__(self):
@@ -144,7 +145,8 @@ class LLMEngine:
         self.requests: dict[str, list[Sequence]] = {}
         self.prompts: dict[str, str | None] = {}
         self.num_aborted = 0
-        self.async_scheduling = config.async_scheduling
+        overlap = config.async_scheduling
+        self.async_scheduling = self.device.type == "cuda" if overlap is None else overlap
         self._inflight: InFlight | None = None  # the queued step whose samples the host has not read yet
 
     def _apply_precision(self, config: EngineConfig) -> None:

@@ -30,7 +30,8 @@ class LLM:
     On CUDA, decode steps run as CUDA graphs captured at load for the batch sizes ``cuda_graph_sizes`` (default
     1, 2, 4, 8, 16, 24, .. ``max_num_seqs``) and contexts up to ``cuda_graph_max_len`` tokens; ``enforce_eager``
     turns them off. ``async_scheduling`` overlaps each step's host work (appending tokens, stop checks, text)
-    with the next step on the device (``LLMEngine.step``); the outputs are the same. ``host_cache_gib`` of pinned
+    with the next step on the device (``LLMEngine.step``); the outputs are the same. By default (None) it is on
+    for CUDA devices, where the device runs ahead of the host, and off on CPUs, where it would gain nothing. ``host_cache_gib`` of pinned
     host memory keep the prefix-cache blocks and snapshots the device evicts, for later hits.
     """
 
@@ -60,7 +61,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         prefix_snapshot_interval: int = 512,
         num_prefix_snapshots: int | None = None,
-        async_scheduling: bool = False,
+        async_scheduling: bool | None = None,
         host_cache_gib: float = 0.0,
     ):
         self.engine = LLMEngine(EngineConfig(

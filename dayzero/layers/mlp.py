@@ -18,12 +18,15 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden, rows, bias=spec.bias)  # [gate; up] rows, or [up] for relu2
         self.down_proj = nn.Linear(I, hidden, bias=spec.bias)
 
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The rest of the MLP after ``gate_up_proj`` (computed by the caller, e.g. in a fused GEMM)."""
+        if self.activation == "silu":
+            return self.down_proj(ops.call("silu_and_mul", gate_up, **self.clamp))
+        return self.down_proj(ops.call("relu2", gate_up))
+
     def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
         # ``batch`` is unused: every MLP kind takes the step's batch (hash-routed MoE reads its token ids)
         plain = type(self.gate_up_proj) is nn.Linear and type(self.down_proj) is nn.Linear
         if plain and self.gate_up_proj.bias is None:
             return ops.call("mlp", x, self.gate_up_proj.weight, self.down_proj.weight, self.activation, **self.clamp)
-        # biases, or block-FP8 linears that dequantise their own weights
-        if self.activation == "silu":
-            return self.down_proj(ops.call("silu_and_mul", self.gate_up_proj(x), **self.clamp))
-        return self.down_proj(ops.call("relu2", self.gate_up_proj(x)))
+        return self.down(self.gate_up_proj(x))  # biases, or block-FP8 linears that dequantise their own weights

@@ -18,6 +18,7 @@ from torch import nn
 
 from dayzero import ops
 from dayzero.config.spec import MLPSpec, MoESpec
+from dayzero.layers.fused import fuse, project
 from dayzero.layers.mlp import MLP
 from dayzero.layers.norm import RMSNorm
 from dayzero.quant.fp8 import TileScaled
@@ -72,9 +73,18 @@ class MoE(nn.Module):
             if spec.n_shared else None
         )
         self.shared_expert_gate = nn.Linear(D, 1, bias=False) if spec.shared_gate else None
+        # LatentMoE: the latent down-projection and the shared expert's input projections read the same x, one
+        # GEMM once fused (dayzero.layers.fused)
+        self.in_proj_members = []
+        if self.latent and self.shared_experts is not None:
+            self.in_proj_members = ["fc1_latent_proj", "shared_experts.gate_up_proj"]
+            self.in_proj_members += ["shared_expert_gate"] * (self.shared_expert_gate is not None)
 
     def process_weights_after_loading(self) -> None:
-        """Check the hash-routing table once, after loading, so that routing never reads ids back to the host."""
+        """Fuse the input projections; check the hash-routing table once, after loading, so that routing never
+        reads ids back to the host."""
+        if self.in_proj_members:
+            fuse(self, "fused_in", self.in_proj_members)
         if self.tid2eid is None:
             return
         E, k = self.spec.n_experts, self.spec.top_k
@@ -89,18 +99,26 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
         # x: [T, D]; ``batch`` gives hash routing its token ids
         s = self.spec
-        bias = None if self.gate.bias is None else self.gate.bias.float()
-        logits = torch.nn.functional.linear(x.float(), self.gate.weight.float(), bias)  # [T, E] fp32
+        logits = ops.call("linear_fp32", x, self.gate.weight, self.gate.bias)  # [T, E] fp32
         fixed = None
         if self.tid2eid is not None:
             if batch is None:
                 raise ValueError("a hash-routed MoE layer needs the step's batch (its token ids)")
             fixed = self.tid2eid[batch.input_ids]  # [T, k]
+        # The routed scale multiplies the routed output: it commutes with the sum over experts and the bias-free
+        # fc2, so it rides on the routing weights, except after a latent norm (which would cancel it) where it
+        # multiplies the output below.
+        scale_in_weights = self.latent_norm is None if self.latent else True
         weights, ids = ops.call(
             "moe_route", logits, s.top_k, s.router, self.e_score_correction_bias, s.n_group, s.topk_group,
-            s.norm_topk_prob, 1.0, fixed,
+            s.norm_topk_prob, s.routed_scaling_factor if scale_in_weights else 1.0, fixed,
         )
-        h = self.fc1_latent_proj(x) if self.latent else x  # [T, L]
+        fused = {}  # member name -> its output, when the input projections run as one GEMM
+        if "fused_in" in self._modules:
+            fused = dict(zip(self.in_proj_members, project(self, "fused_in", self.in_proj_members, x)))
+        h = x  # [T, L]
+        if self.latent:
+            h = fused["fc1_latent_proj"] if fused else self.fc1_latent_proj(x)
         if self.packed:
             if self.workspace is None:
                 raise RuntimeError("packed MXFP4 experts need an ExpertWorkspace (attach_workspace)")
@@ -112,8 +130,9 @@ class MoE(nn.Module):
             w1, w2 = self.w1, self.w2
         clamp = {} if s.swiglu_limit is None else {"limit": s.swiglu_limit}
         order, offsets = ops.call("moe_permute", ids, s.n_experts)  # [T*k] pairs by expert, [E] row ends
-        hs = h[order // s.top_k]  # [T*k, L] rows in expert order
-        ys = ops.call("moe_experts_grouped", hs, offsets, w1, w2, s.activation, self.b1, self.b2, **clamp)
+        # [T*k, L] rows in expert order, each read from its token's row of h (order[r] // top_k)
+        ys = ops.call("moe_experts_grouped", h, offsets, w1, w2, s.activation, self.b1, self.b2, **clamp, order=order,
+                      top_k=s.top_k)
         y = ops.call("moe_unpermute", ys, order, weights, x.shape[0])  # [T, L]
         if self.packed:
             self.workspace.release(self)
@@ -121,14 +140,13 @@ class MoE(nn.Module):
             if self.latent_norm is not None:
                 y = self.latent_norm(y)
             y = self.fc2_latent_proj(y)
-        # The routed scale is applied to the routed output (it commutes with the bias-free fc2, and must
-        # come after the optional latent norm, which would otherwise cancel it).
-        if s.routed_scaling_factor != 1.0:
+        if not scale_in_weights and s.routed_scaling_factor != 1.0:
             y = y * s.routed_scaling_factor
         if self.shared_experts is not None:
-            shared = self.shared_experts(x)
+            shared = self.shared_experts.down(fused["shared_experts.gate_up_proj"]) if fused else self.shared_experts(x)
             if self.shared_expert_gate is not None:
-                shared = shared * torch.sigmoid(self.shared_expert_gate(x))
+                g = fused["shared_expert_gate"] if fused else self.shared_expert_gate(x)
+                shared = shared * torch.sigmoid(g)
             y = y + shared
         return y
 

@@ -1,6 +1,6 @@
-"""The MXFP4 -> workspace conversion as one Triton kernel: each program unpacks a run of packed bytes (two E2M1
-codes each) and writes the two values, scaled by their 32-block's E8M0 scale (bf16 workspace), or as E4M3
-codes with the scale beside them (FP8 workspace: every E2M1 value is exact in E4M3). The PyTorch form
+"""The MXFP4 -> workspace conversion as one Triton kernel: each program unpacks a run of 32-value blocks (16
+packed bytes of two E2M1 codes each) and writes their values with contiguous stores, scaled by the block's E8M0
+scale (bf16 workspace), or as E4M3 codes with the scale beside them (FP8 workspace: every E2M1 value is exact in E4M3). The PyTorch form
 (``workspace._convert``) builds int64 indices and fp32 temporaries for the whole layer, about 20 bytes of
 traffic per weight where this moves 0.53 in and 1–2 out.
 
@@ -14,7 +14,7 @@ import torch
 
 from dayzero.ops.triton_support import HAS_TRITON, tl, triton, triton_refusal
 
-BYTES_PER_PROGRAM = 2048
+GROUPS_PER_PROGRAM = 128  # 32-value blocks: 2 KiB of packed codes in, 4,096 values out
 
 if HAS_TRITON:
     @triton.jit
@@ -26,23 +26,25 @@ if HAS_TRITON:
         return tl.where(code >= 8, -mag, mag)
 
     @triton.jit
-    def _convert_kernel(blocks_ptr, scales_ptr, out_ptr, scale_out_ptr, n_bytes,
-                        FP8: tl.constexpr, BLOCK: tl.constexpr):
-        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # byte index; 16 bytes per 32-block
-        m = i < n_bytes
-        byte = tl.load(blocks_ptr + i, mask=m, other=0).to(tl.int32)
-        lo, hi = _e2m1(byte & 15), _e2m1(byte >> 4)
-        g = i // 16
-        s = tl.load(scales_ptr + g, mask=m, other=127).to(tl.int32)
+    def _convert_kernel(blocks_ptr, scales_ptr, out_ptr, scale_out_ptr, n_groups,
+                        FP8: tl.constexpr, GROUPS: tl.constexpr):
+        """GROUPS 32-value blocks per program: their 16 bytes each as one [GROUPS, 16] tile, the two nibbles
+        interleaved back into [GROUPS, 32] values so that every store is contiguous."""
+        g = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
+        ok = g < n_groups
+        byte = tl.load(blocks_ptr + g[:, None] * 16 + tl.arange(0, 16)[None, :], mask=ok[:, None],
+                       other=0).to(tl.int32)
+        lo, hi = _e2m1(byte & 15), _e2m1(byte >> 4)  # value 2j is byte j's low nibble, 2j + 1 its high one
+        s = tl.load(scales_ptr + g, mask=ok, other=127).to(tl.int32)
         bits = tl.where(s == 0, 1 << 22, s << 23)  # 2^(s-127); s = 0 is the subnormal 2^-127
         scale = tl.where(s == 255, float("nan"), bits.to(tl.float32, bitcast=True))
+        if not FP8:
+            lo, hi = lo * scale[:, None], hi * scale[:, None]
+        vals = tl.reshape(tl.join(lo, hi), (GROUPS, 32))
+        tl.store(out_ptr + g[:, None] * 32 + tl.arange(0, 32)[None, :], vals.to(out_ptr.dtype.element_ty),
+                 mask=ok[:, None])
         if FP8:
-            tl.store(out_ptr + 2 * i, lo.to(out_ptr.dtype.element_ty), mask=m)
-            tl.store(out_ptr + 2 * i + 1, hi.to(out_ptr.dtype.element_ty), mask=m)
-            tl.store(scale_out_ptr + g, scale, mask=m & (i % 16 == 0))
-        else:
-            tl.store(out_ptr + 2 * i, (lo * scale).to(out_ptr.dtype.element_ty), mask=m)
-            tl.store(out_ptr + 2 * i + 1, (hi * scale).to(out_ptr.dtype.element_ty), mask=m)
+            tl.store(scale_out_ptr + g, scale, mask=ok)
 
 
 def convert_refusal(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, scale_out) -> str | None:
@@ -59,8 +61,8 @@ def convert_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
                   scale_out: torch.Tensor | None) -> None:
     """Unpack [E, N, K/32, 16] codes into ``out`` [E, N, K] (bf16 values, or e4m3 codes with ``scale_out``
     [E, N, K/32] fp32), as ``workspace._convert`` does."""
-    n = blocks.numel()
+    n = scales.numel()  # 32-value blocks
     if n:
-        _convert_kernel[(triton.cdiv(n, BYTES_PER_PROGRAM),)](
+        _convert_kernel[(triton.cdiv(n, GROUPS_PER_PROGRAM),)](
             blocks, scales, out, scale_out if scale_out is not None else out, n, FP8=scale_out is not None,
-            BLOCK=BYTES_PER_PROGRAM, num_warps=4)
+            GROUPS=GROUPS_PER_PROGRAM, num_warps=4)

@@ -125,8 +125,9 @@ def add_engine_options(p) -> None:
     e.add_argument("--high-precision-layers", type=int, nargs="+", default=(), metavar="I",
                    help="layers whose packed experts are dequantised once at load")
     e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly")
-    e.add_argument("--async-scheduling", action="store_true",
-                   help="overlap each step's host work with the next step on the device (same outputs)")
+    e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="overlap each step's host work with the next step on the device (same outputs; default: on "
+                        "for CUDA devices)")
     e.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
                    help="decode batch sizes captured as CUDA graphs (default 1 2 4 8 16 24 .. --max-num-seqs)")
     e.add_argument("--cuda-graph-max-len", type=int, default=8192, metavar="L",

@@ -31,7 +31,9 @@ def test_tune_writes_a_table_the_kernels_read(tmp_path, monkeypatch):
     T._table.cache_clear()
     try:
         (entry,) = configs["mxfp4,E4,L64,I32"].values()
-        got = T.config_for("mxfp4", 2, 4, 64, 32)
+        got = T.config_for("mxfp4", 2, 4, 64, 32, device="cpu")
         assert [list(vars(got.up).values()), list(vars(got.down).values())] == [entry["up"], entry["down"]]
+        # a table tuned on another device model is not applied here
+        assert T.config_for("mxfp4", 2, 4, 64, 32, device="NVIDIA H200") == T.default_config(2, 4)
     finally:
         T._table.cache_clear()

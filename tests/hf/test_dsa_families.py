@@ -39,8 +39,8 @@ def topk_cut_gap(llm: LLM, sequences) -> float:
     captured = []
 
     def spy(project):
-        def wrapped(x, c_q, positions):
-            q, k, w = project(x, c_q, positions)
+        def wrapped(x, c_q, positions, k=None):
+            q, k, w = project(x, c_q, positions, k)
             captured.append(ops.call("indexer_scores", q, w, k, positions))  # [T, T] after one full prefill
             return q, k, w
         return wrapped

@@ -31,9 +31,11 @@ def compile_kernel(kernel, types: dict, constants: dict, num_warps: int, num_sta
 def compile_pair(fmt: int, act: int, bm: int, bn: int, bk: int, warps: int, stages: int, L=2048, I=512):
     common = dict(L=L, I=I, FMT=fmt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, E_POW2=64, DOT_F32=False, PRECISION=None)
     ptrs = {"offs_ptr": "*i32", "w_ptr": WEIGHT[fmt], "ws_ptr": SCALE[fmt], "b_ptr": "*fp32"}
-    up = compile_kernel(K.moe_up_kernel, {**ptrs, "x_ptr": "*bf16", "h_ptr": "*bf16", "limit": "fp32"},
-                        {**common, "ACT": act, "GATED": act != K.RELU2.value, "HAS_BIAS": True, "HAS_LIMIT": act == 0},
-                        warps, stages)
+    gather = fmt in (0, 3)  # tokens read through the pair order (the engine's path), else rows already sorted
+    up = compile_kernel(K.moe_up_kernel, {**ptrs, "x_ptr": "*bf16", "ord_ptr": "*i64", "h_ptr": "*bf16",
+                                          "limit": "fp32"},
+                        {**common, "ACT": act, "GATED": act != K.RELU2.value, "HAS_BIAS": True, "HAS_LIMIT": act == 0,
+                         "GATHER": gather, "TOP_K": 8}, warps, stages)
     down = compile_kernel(K.moe_down_kernel, {**ptrs, "h_ptr": "*bf16", "y_ptr": "*bf16"}, {**common, "HAS_BIAS": True},
                           warps, stages)
     return up, down

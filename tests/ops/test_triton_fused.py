@@ -202,16 +202,18 @@ from dayzero.quant import workspace as ws_mod  # noqa: E402
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_mxfp4_conversion_kernel_equals_the_pytorch_conversion(fp8):
+@pytest.mark.parametrize("rows", [5, 50], ids=["one-program", "several-programs"])
+def test_mxfp4_conversion_kernel_equals_the_pytorch_conversion(fp8, rows):
     g = torch.Generator().manual_seed(34)
-    blocks = torch.randint(0, 256, (3, 5, 4, 16), generator=g, dtype=torch.uint8).to(DEV)
-    scales = torch.randint(100, 140, (3, 5, 4), generator=g, dtype=torch.uint8)
+    blocks = torch.randint(0, 256, (3, rows, 4, 16), generator=g, dtype=torch.uint8).to(DEV)
+    scales = torch.randint(100, 140, (3, rows, 4), generator=g, dtype=torch.uint8)
     scales[0, 0, 0], scales[2, 4, 1] = 0xFF, 127  # NaN, and 1.0
     scales = scales.to(DEV)
     dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
-    ours, want = torch.empty(3, 5, 128, dtype=dtype, device=DEV), torch.empty(3, 5, 128, dtype=dtype, device=DEV)
-    s_ours = torch.empty(3, 5, 4, device=DEV) if fp8 else None
-    s_want = torch.empty(3, 5, 4, device=DEV) if fp8 else None
+    ours = torch.empty(3, rows, 128, dtype=dtype, device=DEV)
+    want = torch.empty(3, rows, 128, dtype=dtype, device=DEV)
+    s_ours = torch.empty(3, rows, 4, device=DEV) if fp8 else None
+    s_want = torch.empty(3, rows, 4, device=DEV) if fp8 else None
     assert conv_k.convert_refusal(blocks, scales, ours, s_ours) is None
     conv_k.convert_mxfp4(blocks, scales, ours, s_ours)
     ws_mod._convert_torch(blocks, scales, want, s_want)

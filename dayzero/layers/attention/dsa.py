@@ -25,6 +25,7 @@ from dayzero import ops
 from dayzero.cache.spec import PagedSpec
 from dayzero.config.spec import IndexerSpec, MLASpec
 from dayzero.layers.attention.base import CachedLayer
+from dayzero.layers.fused import fuse, project
 from dayzero.layers.norm import LayerNorm, RMSNorm
 from dayzero.layers.rotary import RotaryEmbedding
 from dayzero.quant.fp8 import dense_weight
@@ -42,12 +43,14 @@ class Indexer(nn.Module):
         self.weight_scale = self.H**-0.5 * self.Dh**-0.5
         self.rotary = RotaryEmbedding(spec.rope)  # rotates the first rope.dim dims, or the last with rope.last
 
-    def project(self, x, c_q, positions):
+    def project(self, x, c_q, positions, k=None):
+        """(q, k, weights) of the indexer; ``k``: ``wk(x)`` when the caller computed it (in a fused GEMM)."""
         T = x.shape[0]
         cos, sin = self.rotary.cos_sin(positions)
         q = self.rotary(self.wq_b(c_q).view(T, self.H, self.Dh), cos, sin)  # [T, Hi, Di]
-        k = self.rotary(self.k_norm(self.wk(x)).view(T, 1, self.Dh), cos, sin)[:, 0]  # [T, Di]
-        w = torch.nn.functional.linear(x.float(), self.weights_proj.weight.float()) * self.weight_scale  # [T, Hi]
+        k = self.wk(x) if k is None else k
+        k = self.rotary(self.k_norm(k).view(T, 1, self.Dh), cos, sin)[:, 0]  # [T, Di]
+        w = ops.call("linear_fp32", x, self.weights_proj.weight, None, self.weight_scale)  # [T, Hi] fp32
         return q, k, w
 
 
@@ -78,6 +81,10 @@ class MLAAttention(CachedLayer):
         self.shares_selection = ispec is not None and ispec.shared
         self.rotary = RotaryEmbedding(spec.rope) if spec.rope is not None else None
         self.scale = spec.scale
+        # the projections of the layer's input, one GEMM once fused (dayzero.layers.fused); biases only on the first two
+        self.in_proj_members = ["q_a_proj" if spec.q_lora_rank else "q_proj", "kv_a_proj_with_mqa"]
+        if not spec.bias:
+            self.in_proj_members += ["indexer.wk"] * (self.indexer is not None) + ["g_proj"] * (self.g_proj is not None)
 
     @property
     def selection_width(self) -> int:
@@ -86,6 +93,7 @@ class MLAAttention(CachedLayer):
 
     def process_weights_after_loading(self) -> None:
         self.kv_b_weight()  # a block-FP8 kv_b is dequantised here, once, not in a step
+        fuse(self, "fused_in", self.in_proj_members)
 
     def kv_b_weight(self) -> torch.Tensor:
         """kv_b_proj's weight [H*(N+V), R] dense, in the model dtype (that of the latent norm's weight)."""
@@ -99,17 +107,21 @@ class MLAAttention(CachedLayer):
 
     def forward(self, x: torch.Tensor, batch) -> torch.Tensor:
         T = x.shape[0]
-        c_q = self.q_a_layernorm(self.q_a_proj(x)) if self.spec.q_lora_rank else x
-        q = (self.q_b_proj(c_q) if self.spec.q_lora_rank else self.q_proj(x)).view(T, self.H, self.N + self.P)
-        q_nope, q_pe = q.split([self.N, self.P], dim=-1)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.R, self.P], dim=-1)
+        proj = dict(zip(self.in_proj_members, project(self, "fused_in", self.in_proj_members, x)))
+        if self.spec.q_lora_rank:
+            c_q = self.q_a_layernorm(proj["q_a_proj"])
+            q = self.q_b_proj(c_q)
+        else:
+            c_q, q = x, proj["q_proj"]
+        q_nope, q_pe = q.view(T, self.H, self.N + self.P).split([self.N, self.P], dim=-1)
+        c_kv, k_pe = proj["kv_a_proj_with_mqa"].split([self.R, self.P], dim=-1)
         k_pe = k_pe.reshape(T, 1, self.P)
         if self.rotary is not None:
             cos, sin = self.rotary.cos_sin(batch.positions)
             q_pe, k_pe = self.rotary(q_pe, cos, sin), self.rotary(k_pe, cos, sin)
         self.write_rows("latent", batch.slot_mapping, torch.cat((self.kv_a_layernorm(c_kv), k_pe[:, 0]), dim=-1))
         if self.indexer is not None:
-            iq, ik, iw = self.indexer.project(x, c_q, batch.positions)
+            iq, ik, iw = self.indexer.project(x, c_q, batch.positions, proj.get("indexer.wk"))
             self.write_rows("index_k", batch.slot_mapping, ik)
 
         if self.indexer is not None:
@@ -126,6 +138,7 @@ class MLAAttention(CachedLayer):
         out = ops.call("paged_mla", q_nope, q_pe, self.cache["latent"], self.kv_b_weight(), self.V, batch,
                        self.scale, self.sinks, selection)  # [T, H, V]
         if self.g_proj is not None:
-            gate = self.g_proj(x).float().view(T, self.H, self.gate_width)  # per channel, or per head (width 1)
+            gate = proj["g_proj"] if "g_proj" in proj else self.g_proj(x)
+            gate = gate.float().view(T, self.H, self.gate_width)  # per channel, or per head (width 1)
             out = (out.float() * torch.sigmoid(gate)).to(out.dtype)
         return self.o_proj(out.reshape(T, self.H * self.V))

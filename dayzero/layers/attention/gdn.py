@@ -24,6 +24,7 @@ from dayzero import ops
 from dayzero.cache.spec import StateSpec
 from dayzero.config.spec import GDNSpec  # noqa: F401  (re-exported for adapters)
 from dayzero.layers.attention.kda import DeltaRuleLayer
+from dayzero.layers.fused import fuse, project
 from dayzero.layers.norm import RMSNorm
 
 
@@ -51,6 +52,8 @@ def ungroup_ba(spec: GDNSpec):
 
 
 class GatedDeltaNet(DeltaRuleLayer):
+    in_proj_members = ["in_proj_qkvz", "in_proj_ba"]  # one GEMM once fused (dayzero.layers.fused)
+
     def __init__(self, hidden: int, spec: GDNSpec, eps: float = 1e-6):
         super().__init__()
         if spec.num_v_heads % spec.num_k_heads:
@@ -72,15 +75,19 @@ class GatedDeltaNet(DeltaRuleLayer):
         return StateSpec({"state": ((s.num_v_heads, s.head_k_dim, s.head_v_dim), torch.float32),
                           "conv": ((s.conv_dim, s.conv_size - 1), dtype)})
 
+    def process_weights_after_loading(self) -> None:
+        fuse(self, "fused_in", self.in_proj_members)
+
     def forward(self, x: torch.Tensor, batch) -> torch.Tensor:
         s, T = self.spec, x.shape[0]
         Hk, Hv, K, V = s.num_k_heads, s.num_v_heads, s.head_k_dim, s.head_v_dim
-        qkv, z = self.in_proj_qkvz(x).split([s.conv_dim, Hv * V], dim=-1)
+        qkvz, ba = project(self, "fused_in", self.in_proj_members, x)
+        qkv, z = qkvz.split([s.conv_dim, Hv * V], dim=-1)
         q, k, v = self.conv("conv", qkv, self.conv1d.weight, batch).split([Hk * K, Hk * K, Hv * V], dim=-1)
         r = Hv // Hk
         q = q.reshape(T, Hk, K).repeat_interleave(r, dim=1)  # [T, Hv, K]: key head h serves value heads h*r..
         k = k.reshape(T, Hk, K).repeat_interleave(r, dim=1)
-        b, a = self.in_proj_ba(x).split([Hv, Hv], dim=-1)
+        b, a = ba.split([Hv, Hv], dim=-1)
         g = ops.call("kda_gate", a.reshape(T, Hv, 1), self.A_log, self.dt_bias).expand(T, Hv, K)  # fp32, <= 0
         beta = torch.sigmoid(b.float())  # [T, Hv]
         o = self.delta_rule(q, k, v.reshape(T, Hv, V), g, beta, K**-0.5, batch)  # [T, Hv, V]

@@ -13,11 +13,14 @@ from dayzero import ops
 from dayzero.cache.spec import PagedSpec
 from dayzero.config.spec import GQASpec
 from dayzero.layers.attention.base import CachedLayer
+from dayzero.layers.fused import fuse, project
 from dayzero.layers.norm import RMSNorm
 from dayzero.layers.rotary import RotaryEmbedding
 
 
 class GQAAttention(CachedLayer):
+    in_proj_members = ["q_proj", "k_proj", "v_proj"]  # one GEMM once fused (dayzero.layers.fused)
+
     def __init__(self, hidden: int, spec: GQASpec, eps: float = 1e-6, norm_offset: bool = False):
         super().__init__()
         self.spec = spec
@@ -38,15 +41,18 @@ class GQAAttention(CachedLayer):
         row = ((self.Hkv, self.Dh), dtype)
         return PagedSpec({"k": row, "v": row}, roles={"k": "key", "v": "value"})
 
+    def process_weights_after_loading(self) -> None:
+        fuse(self, "fused_in", self.in_proj_members)
+
     def forward(self, x: torch.Tensor, batch) -> torch.Tensor:
         T, H, Dh = x.shape[0], self.H, self.Dh
-        q = self.q_proj(x)
+        q, k, v = project(self, "fused_in", self.in_proj_members, x)
         gate = None
         if self.spec.output_gate == "q_interleaved":
             q, gate = q.view(T, H, 2 * Dh).chunk(2, dim=-1)  # per head: [q | gate]
         q = q.reshape(T, H, Dh)
-        k = self.k_proj(x).view(T, self.Hkv, Dh)
-        v = self.v_proj(x).view(T, self.Hkv, Dh)
+        k = k.view(T, self.Hkv, Dh)
+        v = v.view(T, self.Hkv, Dh)
         if self.spec.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:

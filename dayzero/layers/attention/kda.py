@@ -18,6 +18,7 @@ from dayzero import ops
 from dayzero.cache.spec import StateSpec
 from dayzero.config.spec import KDASpec
 from dayzero.layers.attention.base import CachedLayer
+from dayzero.layers.fused import fuse, project
 from dayzero.layers.norm import RMSNorm
 
 
@@ -36,6 +37,9 @@ class DeltaRuleLayer(CachedLayer):
 
 
 class KDAAttention(DeltaRuleLayer):
+    # the projections of the layer's input, one GEMM once fused (dayzero.layers.fused)
+    in_proj_members = ["q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj", "g_a_proj"]
+
     def __init__(self, hidden: int, spec: KDASpec, eps: float = 1e-6):
         super().__init__()
         D, self.H, self.K = hidden, spec.num_heads, spec.head_dim
@@ -65,15 +69,19 @@ class KDAAttention(DeltaRuleLayer):
         # the recurrent state is fp32 whatever the model dtype: it accumulates over the whole sequence
         return StateSpec({"state": ((self.H, self.K, self.K), torch.float32), "q_conv": win, "k_conv": win, "v_conv": win})
 
+    def process_weights_after_loading(self) -> None:
+        fuse(self, "fused_in", self.in_proj_members)
+
     def forward(self, x: torch.Tensor, batch) -> torch.Tensor:
         T, H, K = x.shape[0], self.H, self.K
-        q = self.conv("q_conv", self.q_proj(x), self.q_conv1d.weight, batch).view(T, H, K)
-        k = self.conv("k_conv", self.k_proj(x), self.k_conv1d.weight, batch).view(T, H, K)
-        v = self.conv("v_conv", self.v_proj(x), self.v_conv1d.weight, batch).view(T, H, K)
-        g = ops.call("kda_gate", self.f_b_proj(self.f_a_proj(x)).view(T, H, K), self.A_log, self.dt_bias, self.lower_bound)
-        beta = torch.sigmoid(self.b_proj(x).float())  # [T, H] fp32
+        q, k, v, f_a, b, g_a = project(self, "fused_in", self.in_proj_members, x)
+        q = self.conv("q_conv", q, self.q_conv1d.weight, batch).view(T, H, K)
+        k = self.conv("k_conv", k, self.k_conv1d.weight, batch).view(T, H, K)
+        v = self.conv("v_conv", v, self.v_conv1d.weight, batch).view(T, H, K)
+        g = ops.call("kda_gate", self.f_b_proj(f_a).view(T, H, K), self.A_log, self.dt_bias, self.lower_bound)
+        beta = torch.sigmoid(b.float())  # [T, H] fp32
         o = self.delta_rule(q, k, v, g, beta, K**-0.5, batch)
 
-        gate = self.g_b_proj(self.g_a_proj(x)).view(T, H, K)
+        gate = self.g_b_proj(g_a).view(T, H, K)
         o = ops.call("rms_norm_gated", o, self.o_norm.weight, gate, self.eps)  # [T, H, V]
         return self.o_proj(o.reshape(T, H * K))

@@ -119,10 +119,17 @@ def _mla_rows(q_nope, q_pe, latent_cache, kv_b_weight, v_head_dim, batch, scale,
     B, H, N = q_nope.shape
     w = kv_b_weight.view(H, N + v_head_dim, -1)  # per head: N rows of W_UK, then V rows of W_UV
     R = w.shape[-1]
+    use_triton = use_triton and triton_mla.rows_refusal(q_pe, (B, H, R + q_pe.shape[-1]), latent_cache,
+                                                        selection) is None
+    # The kernel rounds q~ to the pool's dtype for its dots, so with a bf16 / fp16 model q~ is computed in that
+    # dtype (its GEMM accumulates in fp32) from the weights as stored, and the output's latent rows meet W_UV in
+    # it too: no fp32 copy of the weights per call, half the transient bytes. fp32 models, and the PyTorch
+    # path, stay in fp32.
+    ct = q_nope.dtype if use_triton else torch.float32
     # the absorbed query q~ = [q_nope W_UK | q_pe], one shared latent key/value head
-    q_lat = torch.einsum("bhn,hnr->bhr", q_nope.float(), w[:, :N].float())
-    q_abs = torch.cat((q_lat, q_pe.float()), dim=-1)  # [B, H, R+P] fp32
-    if use_triton and triton_mla.refusal(q_abs, latent_cache, selection) is None:
+    q_lat = torch.einsum("bhn,hnr->bhr", q_nope.to(ct), w[:, :N].to(ct))
+    q_abs = torch.cat((q_lat, q_pe.to(ct)), dim=-1)  # [B, H, R+P]
+    if use_triton:
         seq_of_row = None if batch.is_decode else batch.seq_of_row  # prefill rows read their sequence's table
         o_lat = triton_mla.mla_decode(q_abs, latent_cache, batch.block_tables, batch.positions, batch.block_size,
                                       R, scale, sinks, selection, seq_of_row=seq_of_row)  # [T, H, R] fp32
@@ -134,4 +141,4 @@ def _mla_rows(q_nope, q_pe, latent_cache, kv_b_weight, v_head_dim, batch, scale,
             kp, ok = selection, selection >= 0
         lat = read_rows(latent_cache, slots_of(batch.block_tables, kp, batch.block_size)).float()  # [B, K, R+P]
         o_lat = _attend(q_abs[:, None], lat[:, :, None], lat[:, :, None, :R], ok, scale, sinks)[:, 0]  # [B, H, R]
-    return torch.einsum("bhr,hvr->bhv", o_lat, w[:, N:].float()).to(q_nope.dtype)
+    return torch.einsum("bhr,hvr->bhv", o_lat.to(ct), w[:, N:].to(ct)).to(q_nope.dtype)

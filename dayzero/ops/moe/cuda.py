@@ -104,11 +104,15 @@ def _log_once(message: str, why: str) -> None:
           note="Triton grouped-expert kernels; else torch grouped_mm for bf16; else every expert over all rows, masked")
 def grouped_mlp(xs: torch.Tensor, offsets: torch.Tensor, w1, w2, activation: str = "silu",
                 b1: torch.Tensor | None = None, b2: torch.Tensor | None = None,
-                limit: float | None = None) -> torch.Tensor:
-    why = triton_moe.refusal(xs, offsets, w1, w2, activation, b1, b2, limit)
+                limit: float | None = None, order: torch.Tensor | None = None, top_k: int = 1) -> torch.Tensor:
+    # with ``order``, xs is the tokens and sorted row r is token order[r] // top_k (reference.grouped_mlp)
+    why = triton_moe.refusal(xs, offsets, w1, w2, activation, b1, b2, limit, order)
     if why is None:
-        return triton_moe.moe_experts_grouped(xs, offsets, w1, w2, activation, b1, b2, limit)
+        return triton_moe.moe_experts_grouped(xs, offsets, w1, w2, activation, b1, b2, limit, order=order,
+                                              top_k=top_k)
     _log_once("no Triton kernels", why)
+    if order is not None:
+        xs = xs[order // top_k]
     why = grouped_mm_refusal(xs, w1, w2)
     if why is not None:
         _log_once("every expert over all rows", why)
@@ -126,5 +130,5 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
                     limit: float | None = None) -> torch.Tensor:
     # x: [T, D]; ids, weights: [T, k]; w1: [E, r*I, D]; w2: [E, D, I]
     order, offsets = permute(ids, w1.shape[0])
-    ys = grouped_mlp(x[order // ids.shape[1]], offsets, w1, w2, activation, b1, b2, limit)  # [T*k, D]
+    ys = grouped_mlp(x, offsets, w1, w2, activation, b1, b2, limit, order, ids.shape[1])  # [T*k, D]
     return unpermute(ys, order, weights, x.shape[0])

@@ -151,8 +151,11 @@ def permute(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Te
 @register("moe_experts_grouped")
 def grouped_mlp(xs: torch.Tensor, offsets: torch.Tensor, w1, w2, activation: str = "silu",
                 b1: torch.Tensor | None = None, b2: torch.Tensor | None = None,
-                limit: float | None = None) -> torch.Tensor:
+                limit: float | None = None, order: torch.Tensor | None = None, top_k: int = 1) -> torch.Tensor:
     """Rows sorted by expert, each through its expert: ``ys[r] = w2_e · act(w1_e · xs[r] + b1_e) + b2_e``.
+
+    With ``order`` (``moe_permute``'s pair order) ``xs`` holds the tokens [T, L] instead, and sorted row r is
+    token ``order[r] // top_k`` (a device implementation reads it in place rather than gathering the rows).
 
     Expert e owns rows ``offsets[e-1]:offsets[e]`` (``moe_permute``'s layout); rows past ``offsets[-1]``
     are padding and come out zero here. ``w1`` / ``w2`` are stacked tensors or expert-indexable
@@ -161,6 +164,8 @@ def grouped_mlp(xs: torch.Tensor, offsets: torch.Tensor, w1, w2, activation: str
     the offsets on the host.
     """
     # xs: [N, L]; offsets: [E] int32; w1: [E, r*I, L] (r=2 gated: rows [gate; up]); w2: [E, L, I] -> [N, L]
+    if order is not None:
+        xs = xs[order // top_k]
     act = _activation(activation, w1, w2, limit)
     E, N = w1.shape[0], xs.shape[0]
     if offsets.shape != (E,) or xs.dim() != 2 or xs.shape[1] != w1.shape[-1]:

@@ -100,8 +100,9 @@ def route(logits: torch.Tensor, top_k: int, kind: str = "sigmoid", correction_bi
     ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
     if T:
         bias = correction_bias if correction_bias is not None else logits
+        # one warp up to 256 experts: a token's ~50 arg-max / max reductions stay within warp shuffles
         _route_kernel[(T,)](logits, bias, weights, ids, E, float(routed_scaling_factor), GS=E // n_group,
                             SQRT_SOFTPLUS=kind == "sqrtsoftplus", HAS_BIAS=correction_bias is not None,
                             NORM=norm_topk_prob, G=n_group, TOPG=topk_group, K=top_k, BE=next_pow2(E),
-                            BG=next_pow2(n_group), num_warps=4)
+                            BG=next_pow2(n_group), num_warps=1 if E <= 256 else 4)
     return weights, ids

@@ -81,13 +81,20 @@ def table_key(fmt: str, num_experts: int, L: int, I: int) -> str:
     return f"{fmt},E{num_experts},L{L},I{I}"
 
 
-@functools.lru_cache(maxsize=1)
-def _table() -> dict:
-    """The tuning table {key: {bucket: {"up": [BM, BN, BK, warps, stages], "down": [...]}}}, read once."""
+def device_name(device: torch.device) -> str:
+    """The name the tuning table records its device by: the GPU's model name, or "cpu"."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+@functools.lru_cache(maxsize=4)
+def _table(device: str) -> dict:
+    """The tuning table {key: {bucket: {"up": [BM, BN, BK, warps, stages], "down": [...]}}}, read once per device
+    name; empty unless it was tuned on that device model (another GPU may lack the shared memory its tiles need)."""
     try:
-        return json.loads(CONFIGS.read_text()).get("configs", {})
+        table = json.loads(CONFIGS.read_text())
     except (OSError, ValueError):
         return {}
+    return table.get("configs", {}) if table.get("device") == device else {}
 
 
 # fp32 (the exact-comparison mode): one config whatever the row count, so a row's result does not depend on how
@@ -96,11 +103,12 @@ FP32_CONFIG = Config(KernelConfig(16, 64, 32, 4, 2), KernelConfig(16, 64, 32, 4,
 
 
 def config_for(fmt: str, rows: int, num_experts: int, L: int, I: int, gated: bool = True,
-               dtype: torch.dtype = torch.bfloat16) -> Config:
-    """The tuned config of the nearest row bucket for this format and shape, else :func:`default_config`."""
+               dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> Config:
+    """The config tuned on this ``device`` model for the nearest row bucket of this format and shape, else
+    :func:`default_config`."""
     if dtype == torch.float32:
         return FP32_CONFIG
-    entry = _table().get(table_key(fmt, num_experts, L, I))
+    entry = _table(device).get(table_key(fmt, num_experts, L, I))
     if not entry:
         return default_config(rows, num_experts, gated)
     b = math.log2(row_bucket(rows))
@@ -165,8 +173,9 @@ def _weight_refusal(name: str, w, shape: tuple[int, int, int], device: torch.dev
     return None
 
 
-def refusal(xs, offsets, w1, w2, activation: str = "silu", b1=None, b2=None, limit=None) -> str | None:
-    """Why the Triton expert kernels cannot run these rows and weights, or None when they can."""
+def refusal(xs, offsets, w1, w2, activation: str = "silu", b1=None, b2=None, limit=None, order=None) -> str | None:
+    """Why the Triton expert kernels cannot run these rows (or tokens read through ``order``) and weights, or None
+    when they can."""
     why = triton_refusal(xs)
     if why is not None:
         return why
@@ -187,6 +196,8 @@ def refusal(xs, offsets, w1, w2, activation: str = "silu", b1=None, b2=None, lim
     (N, L), E, I = xs.shape, w1.shape[0], w2.shape[-1]
     if not 0 < E <= MAX_EXPERTS:
         return f"{E} experts: the schedule takes 1 to {MAX_EXPERTS}"
+    if order is not None and (order.dim() != 1 or order.device != xs.device or order.is_floating_point()):
+        return f"order must be a 1-D integer tensor on {xs.device}, got {order.dtype} {tuple(order.shape)}"
     if offsets.shape != (E,) or offsets.dtype not in (torch.int32, torch.int64) or offsets.device != xs.device:
         return f"offsets must be int32 [{E}] on {xs.device}, got {offsets.dtype} {tuple(offsets.shape)}"
     r = 1 if activation == "relu2" else 2
@@ -231,17 +242,21 @@ def _empty(rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
 
 def moe_experts_grouped(xs: torch.Tensor, offsets: torch.Tensor, w1, w2, activation: str = "silu",
                         b1: torch.Tensor | None = None, b2: torch.Tensor | None = None,
-                        limit: float | None = None, config: Config | None = None) -> torch.Tensor:
+                        limit: float | None = None, config: Config | None = None, order: torch.Tensor | None = None,
+                        top_k: int = 1) -> torch.Tensor:
     """``ys[r] = w2_e · act(w1_e · xs[r] + b1_e) + b2_e`` for rows sorted by expert; padding rows come out 0.
+    With ``order``, xs holds the tokens and the first kernel reads sorted row r from token ``order[r] // top_k``
+    (no gathered copy of the rows).
 
     Call only when :func:`refusal` is None. ``config`` overrides the block sizes (tests, tuning)."""
-    # xs: [N, L]; offsets: [E] int32 row ends; w1: [E, r*I, L]; w2: [E, L, I] -> [N, L] in xs.dtype
-    (N, L), E, I = xs.shape, w1.shape[0], w2.shape[-1]
+    # xs: [N, L] (or [T, L] with order [N]); offsets: [E] int32 row ends; w1: [E, r*I, L]; w2: [E, L, I] -> [N, L]
+    L, E, I = xs.shape[1], w1.shape[0], w2.shape[-1]
+    N = xs.shape[0] if order is None else order.shape[0]
     y = _empty(N, L, xs)
     if N == 0:
         return y
     gated = activation != "relu2"
-    cfg = config or config_for(format_key(w1, w2), N, E, L, I, gated, xs.dtype)
+    cfg = config or config_for(format_key(w1, w2), N, E, L, I, gated, xs.dtype, device_name(xs.device))
     h = _empty(N, I, xs)  # [N, I]: rounded to xs.dtype between the kernels
     offsets = offsets.contiguous()
     common = dict(E_POW2=next_pow2(E), DOT_F32=DOT_F32, PRECISION="ieee" if xs.dtype == torch.float32 else None)
@@ -251,9 +266,11 @@ def moe_experts_grouped(xs: torch.Tensor, offsets: torch.Tensor, w1, w2, activat
     c = _fit(cfg.up, fmt)
     m_tiles = row_tiles(N, E, c.block_m)
     K.moe_up_kernel[(m_tiles * -(-I // c.block_n),)](
-        xs, offsets, data, scale, xs if b1 is None else b1, h, 0.0 if limit is None else float(limit), N, m_tiles, L, I, E,
+        xs, offsets if order is None else order, offsets, data, scale, xs if b1 is None else b1, h,
+        0.0 if limit is None else float(limit), N, m_tiles, L, I, E,
         *xs.stride(), *st, *ss, *((0, 0) if b1 is None else b1.stride()), h.stride(0),
         FMT=fmt, ACT=act, GATED=gated, HAS_BIAS=b1 is not None, HAS_LIMIT=limit is not None,
+        GATHER=order is not None, TOP_K=top_k,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, num_warps=c.num_warps,
         num_stages=c.num_stages, **common)
 

@@ -141,16 +141,17 @@ def _activate(a, b, limit, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["N", "m_tiles", "limit"])
-def moe_up_kernel(x_ptr, offs_ptr, w_ptr, ws_ptr, b_ptr, h_ptr, limit, N, m_tiles, L: tl.constexpr, I: tl.constexpr, E,
-                  s_xm, s_xk, s_we, s_wn, s_wk, s_se, s_sn, s_sk, s_be, s_bn, s_hm,
+def moe_up_kernel(x_ptr, ord_ptr, offs_ptr, w_ptr, ws_ptr, b_ptr, h_ptr, limit, N, m_tiles, L: tl.constexpr,
+                  I: tl.constexpr, E, s_xm, s_xk, s_we, s_wn, s_wk, s_se, s_sn, s_sk, s_be, s_bn, s_hm,
                   FMT: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  HAS_LIMIT: tl.constexpr, GATHER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP_M: tl.constexpr, E_POW2: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
     """h[rows, cols] = act(x[rows] @ w1[e]^T + b1[e]) for one row tile of expert e and BLOCK_N columns of I.
 
     Gated activations keep two accumulators, gate rows ``cols`` and up rows ``I + cols`` of w1, so h is
-    written [N, I] and never [N, 2I]. h is stored in the dtype of its pointer (the activations' dtype)."""
-    # x: [N, L]; w1: [E, r*I, L]; b1: [E, r*I]; h: [N, I]; grid: m_tiles (a bound) x cdiv(I, BLOCK_N) programs
+    written [N, I] and never [N, 2I]. h is stored in the dtype of its pointer (the activations' dtype). With
+    GATHER, x holds the tokens and sorted row r is token ord[r] // TOP_K."""
+    # x: [N, L] (GATHER: [T, L]); w1: [E, r*I, L]; b1: [E, r*I]; h: [N, I]; grid: m_tiles x cdiv(I, BLOCK_N)
     pid_m, pid_n = _swizzle(tl.program_id(0), m_tiles, tl.cdiv(I, BLOCK_N), GROUP_M)
     e, row0, row_end, n_tiles, _ = _tile(offs_ptr, E, N, pid_m, BLOCK_M, E_POW2)
     if pid_m < n_tiles:
@@ -158,13 +159,16 @@ def moe_up_kernel(x_ptr, offs_ptr, w_ptr, ws_ptr, b_ptr, h_ptr, limit, N, m_tile
         rows = row0 + tl.arange(0, BLOCK_M)
         row_ok = rows < row_end
         rows = rows.to(tl.int64)
+        src = rows  # the rows of x this tile reads
+        if GATHER:
+            src = (tl.load(ord_ptr + rows, mask=row_ok, other=0) // TOP_K).to(tl.int64)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < I
         acc_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # gate (or relu2's only) half
         acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # up half
         for k0 in range(0, L, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + rows[:, None] * s_xm + k[None, :] * s_xk,
+            x = tl.load(x_ptr + src[:, None] * s_xm + k[None, :] * s_xk,
                         mask=row_ok[:, None] & (k[None, :] < L), other=0.0)  # [BLOCK_M, BLOCK_K]
             acc_a = _mma(acc_a, x, w_ptr, ws_ptr, ex, cols, col_ok, k0, L, s_we, s_wn, s_wk, s_se, s_sn, s_sk,
                          FMT, BLOCK_N, BLOCK_K, DOT_F32, PRECISION)
