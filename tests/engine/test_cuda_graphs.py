@@ -21,7 +21,9 @@ def engine(path: str, dtype: str, **kw) -> LLM:
 
 
 def test_decode_step_has_no_host_sync(model_dir):
-    llm = engine(model_dir, "bfloat16", enforce_eager=True)
+    # the step is driven by hand below (schedule, build, run, sample): the engine must not hold a queued step, whose
+    # sequences end in tokens still on the device
+    llm = engine(model_dir, "bfloat16", enforce_eager=True, async_scheduling=False)
     eng = llm.engine
     for i, p in enumerate(prompts(5, eng.model_config.vocab_size, 0)):
         eng.add_request(f"r{i}", p["prompt_token_ids"], SamplingParams(max_tokens=8, temperature=0.7, seed=i))
