@@ -99,7 +99,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
         # x: [T, D]; ``batch`` gives hash routing its token ids
         s = self.spec
-        logits = ops.call("linear_fp32", x, self.gate.weight, self.gate.bias)  # [T, E] fp32
+        bias = None if self.gate.bias is None else self.gate.bias.float()
+        logits = torch.nn.functional.linear(x.float(), self.gate.weight.float(), bias)  # [T, E] fp32
         fixed = None
         if self.tid2eid is not None:
             if batch is None:

@@ -7,7 +7,6 @@ from dayzero.ops.attention import reference as _attention  # noqa: F401,E402
 from dayzero.ops.hyper import reference as _hyper  # noqa: F401,E402
 from dayzero.ops.indexer import reference as _indexer  # noqa: F401,E402
 from dayzero.ops.kda import reference as _kda  # noqa: F401,E402
-from dayzero.ops.linear import reference as _linear  # noqa: F401,E402
 from dayzero.ops.moe import reference as _moe  # noqa: F401,E402
 from dayzero.ops.moe import cuda as _moe_cuda  # noqa: F401,E402
 from dayzero.ops.norm import reference as _norm  # noqa: F401,E402
@@ -30,4 +29,3 @@ from dayzero.ops.moe import route_kernels as _route_kernels  # noqa: F401,E402
 from dayzero.ops.moe import unpermute_kernels as _unpermute_kernels  # noqa: F401,E402
 from dayzero.ops.moe import permute_kernels as _permute_kernels  # noqa: F401,E402
 from dayzero.ops.kda import gate_kernels as _gate_kernels  # noqa: F401,E402
-from dayzero.ops.linear import kernels as _linear_kernels  # noqa: F401,E402

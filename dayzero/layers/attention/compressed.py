@@ -82,7 +82,7 @@ class CompressedIndexer(nn.Module):
     def project(self, x: torch.Tensor, c_q: torch.Tensor, positions: torch.Tensor):
         cos, sin = self.rotary.cos_sin(positions)
         q = self.rotary(self.q_b_proj(c_q).view(x.shape[0], self.H, self.Dh), cos, sin)  # [T, Hi, Di]
-        w = ops.call("linear_fp32", x, self.weights_proj.weight, None, self.weight_scale)  # [T, Hi] fp32
+        w = torch.nn.functional.linear(x.float(), self.weights_proj.weight.float()) * self.weight_scale  # [T, Hi]
         return q, w
 
 

@@ -50,7 +50,7 @@ class Indexer(nn.Module):
         q = self.rotary(self.wq_b(c_q).view(T, self.H, self.Dh), cos, sin)  # [T, Hi, Di]
         k = self.wk(x) if k is None else k
         k = self.rotary(self.k_norm(k).view(T, 1, self.Dh), cos, sin)[:, 0]  # [T, Di]
-        w = ops.call("linear_fp32", x, self.weights_proj.weight, None, self.weight_scale)  # [T, Hi] fp32
+        w = torch.nn.functional.linear(x.float(), self.weights_proj.weight.float()) * self.weight_scale  # [T, Hi]
         return q, k, w
 
 
