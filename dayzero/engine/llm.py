@@ -31,8 +31,9 @@ class LLM:
     1, 2, 4, 8, 16, 24, .. ``max_num_seqs``) and contexts up to ``cuda_graph_max_len`` tokens; ``enforce_eager``
     turns them off. ``async_scheduling`` overlaps each step's host work (appending tokens, stop checks, text)
     with the next step on the device (``LLMEngine.step``); the outputs are the same. By default (None) it is on
-    for CUDA devices, where the device runs ahead of the host, and off on CPUs, where it would gain nothing. ``host_cache_gib`` of pinned
-    host memory keep the prefix-cache blocks and snapshots the device evicts, for later hits.
+    for CUDA devices, where the device runs ahead of the host, and off on CPUs, where it would gain nothing.
+    ``host_cache_gib`` of pinned host memory keep the prefix-cache blocks and snapshots the device evicts, for
+    later hits.
     """
 
     def __init__(

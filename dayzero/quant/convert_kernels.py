@@ -1,8 +1,8 @@
 """The MXFP4 -> workspace conversion as one Triton kernel: each program unpacks a run of 32-value blocks (16
 packed bytes of two E2M1 codes each) and writes their values with contiguous stores, scaled by the block's E8M0
-scale (bf16 workspace), or as E4M3 codes with the scale beside them (FP8 workspace: every E2M1 value is exact in E4M3). The PyTorch form
-(``workspace._convert``) builds int64 indices and fp32 temporaries for the whole layer, about 20 bytes of
-traffic per weight where this moves 0.53 in and 1–2 out.
+scale (bf16 workspace), or as E4M3 codes with the scale beside them (FP8 workspace: every E2M1 value is exact in
+E4M3). The PyTorch form (``workspace._convert``) builds int64 indices and fp32 temporaries for the whole layer,
+about 20 bytes of traffic per weight where this moves 0.53 in and 1–2 out.
 
 E2M1 is decoded arithmetically (sign, 2-bit exponent, 1-bit mantissa: 0, 0.5, 1, 1.5, 2, 3, 4, 6) and the
 E8M0 scale built from its bits (2^(s-127); 0xFF is NaN), so the kernel needs no table in memory. Products

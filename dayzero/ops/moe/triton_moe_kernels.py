@@ -144,8 +144,9 @@ def _activate(a, b, limit, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr):
 def moe_up_kernel(x_ptr, ord_ptr, offs_ptr, w_ptr, ws_ptr, b_ptr, h_ptr, limit, N, m_tiles, L: tl.constexpr,
                   I: tl.constexpr, E, s_xm, s_xk, s_we, s_wn, s_wk, s_se, s_sn, s_sk, s_be, s_bn, s_hm,
                   FMT: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  HAS_LIMIT: tl.constexpr, GATHER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP_M: tl.constexpr, E_POW2: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+                  HAS_LIMIT: tl.constexpr, GATHER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, E_POW2: tl.constexpr,
+                  DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
     """h[rows, cols] = act(x[rows] @ w1[e]^T + b1[e]) for one row tile of expert e and BLOCK_N columns of I.
 
     Gated activations keep two accumulators, gate rows ``cols`` and up rows ``I + cols`` of w1, so h is
