@@ -137,6 +137,9 @@ def build_parser() -> Parser:
     from dayzero.tools.bench import add_parser as add_bench
 
     add_bench(sub)
+    from dayzero.tools.eval_cli import add_parser as add_eval
+
+    add_eval(sub)
     return ap
 
 

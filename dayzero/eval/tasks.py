@@ -1,0 +1,126 @@
+"""Synthetic tasks with one right answer, generated from a seed: arithmetic, string reversal and sorting,
+key–value recall from far back in filler text, and copying a passage.
+
+Every instance is drawn from its own ``random.Random`` seeded by (split, task, seed, index), so the ``eval``
+split never replays the ``train`` split's stream and any instance can be regenerated alone. A prompt ends where
+the answer starts; the answer is followed by a newline, where generation stops. ``recall`` sizes its filler with
+a token counter (the model's tokenizer) so that the prompt is about ``context_len`` tokens long and the key sits
+in its first half: more tokens back than a DSA top-k and many KDA chunks.
+"""
+from __future__ import annotations
+
+import random
+import string
+from dataclasses import dataclass
+from typing import Callable
+
+SPLITS = ("train", "eval")
+# filler and passage words: short, common, one or two tokens each in most vocabularies
+WORDS = ("the a of to and in is it for on was with as at by be this from or one had not but what all were when we "
+         "there can an your which their said if do will each about how up out them then she many some so these "
+         "would other into has more her two like him see time could no make than first been its who now people my "
+         "made over did down only way find use may water long little very after words called just where most know "
+         "get through back much before go good new write our used me man too any day same right look think also "
+         "around another came come work three word must because does part even place well such here take why help "
+         "put different away again off went old number great tell men say small every found still between name "
+         "should home big give air line set own under read last never us left end along while might next sound "
+         "below saw something thought both few those always looked show large often together asked house world "
+         "going want school important until form food keep children feet land side without boy once animals life "
+         "enough took sometimes four head above kind began almost live page got earth need far hand high year "
+         "mother light parts country father let night following picture being study second eyes soon times story "
+         "boys since white days ever paper hard near sentence better best across during today others however sure "
+         "means knew try told young miles sun ways thing whole hear example heard several change answer room sea "
+         "against top turned learn point city play toward five using himself usually").split()
+
+
+@dataclass(frozen=True)
+class Instance:
+    task: str
+    prompt: str
+    answer: str
+
+
+def _rng(split: str, task: str, seed: int, index: int) -> random.Random:
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    return random.Random(f"{split}/{task}/{seed}/{index}")
+
+
+def _number(r: random.Random, max_digits: int) -> int:
+    d = r.randint(1, max_digits)
+    return r.randint(10 ** (d - 1) if d > 1 else 0, 10**d - 1)
+
+
+def addition(r: random.Random, max_digits: int = 5, **_) -> tuple[str, str]:
+    a, b = _number(r, max_digits), _number(r, max_digits)
+    return f"{a}+{b}=", str(a + b)
+
+
+def subtraction(r: random.Random, max_digits: int = 5, **_) -> tuple[str, str]:
+    a, b = _number(r, max_digits), _number(r, max_digits)
+    return f"{a}-{b}=", str(a - b)
+
+
+def _letters(r: random.Random, n: int) -> str:
+    return "".join(r.choice(string.ascii_lowercase) for _ in range(n))
+
+
+def reversal(r: random.Random, max_chars: int = 24, **_) -> tuple[str, str]:
+    s = _letters(r, r.randint(1, max_chars))
+    return f"reverse {s} =", s[::-1]
+
+
+def sorting(r: random.Random, max_chars: int = 16, **_) -> tuple[str, str]:
+    s = _letters(r, r.randint(1, max_chars))
+    return f"sort {s} =", "".join(sorted(s))
+
+
+def copying(r: random.Random, words: int = 32, **_) -> tuple[str, str]:
+    passage = " ".join(r.choice(WORDS) for _ in range(words))
+    return f"copy: {passage}\n=", passage
+
+
+def recall(r: random.Random, context_len: int = 2048, count: Callable[[str], int] | None = None,
+           **_) -> tuple[str, str]:
+    """Key–value pairs (four-letter keys, four-digit values) scattered through filler sentences; the question asks
+    for one whose pair sits in the first half of the prompt. ``count`` gives a text's length in tokens (default:
+    words, about a token each)."""
+    count = count or (lambda text: len(text.split()))
+    pairs, seen = [], set()
+    while len(pairs) < 8:
+        k = _letters(r, 4)
+        if k not in seen:
+            seen.add(k)
+            pairs.append((k, f"{r.randint(0, 9999):04d}"))
+    asked = r.randrange(len(pairs))
+    sentence = lambda: " ".join(r.choice(WORDS) for _ in range(12)) + "."  # noqa: E731
+    question = f"\nWhat is the value of {pairs[asked][0]}? The value of {pairs[asked][0]} is "
+    facts = [f"The value of {k} is {v}." for k, v in pairs]
+    per = count(" ".join(sentence() for _ in range(64))) / 64  # tokens per filler sentence, joined as below
+    reserve = count(question) + count(" ".join(facts))
+    n = max(2, int((context_len - reserve) / per))
+    filler = [sentence() for _ in range(n)]
+    # the asked pair in the first half, the others anywhere
+    spots = {asked: r.randrange(0, max(1, n // 2))}
+    for i in range(len(pairs)):
+        spots.setdefault(i, r.randrange(0, n))
+    for i, at in sorted(spots.items(), key=lambda kv: -kv[1]):
+        filler.insert(at, facts[i])
+    return " ".join(filler) + question, pairs[asked][1]
+
+
+TASKS: dict[str, Callable[..., tuple[str, str]]] = {
+    "addition": addition, "subtraction": subtraction, "reversal": reversal, "sorting": sorting,
+    "recall": recall, "copy": copying,
+}
+
+
+def instances(task: str, n: int, split: str = "eval", seed: int = 0, **options) -> list[Instance]:
+    """``n`` instances of ``task`` from the ``split`` stream; ``options`` go to the generator (e.g. max_digits,
+    context_len and count for recall)."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; the tasks are {', '.join(TASKS)}")
+    if n < 1:
+        raise ValueError(f"n must be at least 1, got {n}")
+    gen = TASKS[task]
+    return [Instance(task, *gen(_rng(split, task, seed, i), **options)) for i in range(n)]

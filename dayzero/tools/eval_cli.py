@@ -1,0 +1,167 @@
+"""``dayzero eval [MODEL] [--tasks ...] [--n N] [--context-len L] [--url URL] [--json]``: exact-match accuracy of
+the model on seeded held-out instances of the synthetic tasks (:mod:`dayzero.eval.tasks`), each task with its
+95% interval (Wilson's score interval).
+
+Without ``--url`` the instances run through ``LLM.generate`` in this process (continuous batching over all of
+them); with it they go to a running server's ``/v1/completions``, ``--concurrency`` at a time. Greedy decoding,
+stopping at the newline that ends an answer; the answer counts when the completion, stripped, equals it. The
+table goes to stdout (or one JSON object with ``--json``, with every instance's answer and output), the progress
+bar and the model line to stderr.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+from dayzero.eval.tasks import TASKS, Instance, instances
+from dayzero.tools.cli_options import Help, add_engine_options, engine_kwargs
+from dayzero.tools.progress import bar, note
+
+DESCRIPTION = (
+    "Exact-match accuracy per task on seeded held-out instances (the eval seed stream, never the training one): "
+    "multi-digit addition and subtraction, string reversal and sorting, key-value recall from far back in filler "
+    "text (--context-len tokens), copying a passage. Greedy decoding through the engine in this process, or "
+    "against a running server with --url. Prints each task's accuracy with a 95% interval.")
+
+
+def add_parser(sub) -> None:
+    e = sub.add_parser("eval", help="exact-match accuracy on seeded synthetic tasks (arithmetic, reversal, sorting, "
+                                    "long-context recall, copying)", description=DESCRIPTION, formatter_class=Help)
+    e.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: the bundled model); with "
+                                                          "--url only its tokenizer is used, to size recall prompts")
+    e.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, from: {', '.join(TASKS)}")
+    e.add_argument("--n", type=int, default=100, help="instances per task")
+    e.add_argument("--context-len", type=int, default=2048, metavar="L", help="tokens of a recall prompt")
+    e.add_argument("--max-digits", type=int, default=5, help="operand digits of addition and subtraction")
+    e.add_argument("--task-seed", type=int, default=0, help="which held-out instances (the eval stream's seed)")
+    e.add_argument("--url", default=None, help="a running server, e.g. http://127.0.0.1:8000 (default: the engine "
+                                               "in this process)")
+    e.add_argument("--api-key", default=None, metavar="KEY", help="bearer key for --url (default: $DAYZERO_API_KEY)")
+    e.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="model name in requests to --url (default: the first the server lists)")
+    e.add_argument("--concurrency", type=int, default=16, help="requests in flight with --url")
+    e.add_argument("--timeout", type=float, default=600.0, metavar="S", help="seconds per HTTP request")
+    e.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    add_engine_options(e)
+    e.set_defaults(func=run, runs_model=True, needs_weights=True)
+
+
+def wilson(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% score interval of a binomial proportion (sound at 0% and 100%, unlike the normal approximation)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = correct / n
+    centre, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    d = 1 + z * z / n
+    return max(0.0, (centre - half) / d), min(1.0, (centre + half) / d)
+
+
+def _task_names(spec: str) -> list[str]:
+    names = [t.strip() for t in spec.split(",") if t.strip()]
+    bad = [t for t in names if t not in TASKS]
+    if bad or not names:
+        raise ValueError(f"--tasks: unknown task {', '.join(bad) or '(none given)'}; the tasks are {', '.join(TASKS)}")
+    return names
+
+
+def build(args, tokenizer) -> list[Instance]:
+    if args.n < 1:
+        raise ValueError(f"--n must be at least 1, got {args.n}")
+    if args.context_len < 64:
+        raise ValueError(f"--context-len must be at least 64 tokens, got {args.context_len}")
+    count = (lambda text: len(tokenizer.encode(text, add_special_tokens=False))) if tokenizer is not None else None
+    out = []
+    for task in _task_names(args.tasks):
+        out += instances(task, args.n, "eval", args.task_seed, max_digits=args.max_digits, context_len=args.context_len,
+                         count=count)
+    return out
+
+
+def _max_tokens(inst: Instance) -> int:
+    return len(inst.answer) + 8  # a token is at least one character; room for the newline that stops it
+
+
+def _in_process(args) -> tuple[list[Instance], list[str], str]:
+    from dayzero import LLM, SamplingParams
+
+    llm = LLM(**engine_kwargs(args))
+    eng = llm.engine
+    if llm.tokenizer is None:
+        raise ValueError(f"{eng.path} has no tokenizer: the tasks are text")
+    note(f"model {eng.path} on {eng.device} in {str(eng.dtype).removeprefix('torch.')}")
+    insts = build(args, llm.tokenizer)  # recall prompts sized by the engine's own tokenizer
+    params = [SamplingParams(max_tokens=_max_tokens(i), temperature=0.0, stop=["\n"]) for i in insts]
+    outs = llm.generate([i.prompt for i in insts], params, use_tqdm=sys.stderr.isatty())
+    return insts, [o.outputs[0].text for o in outs], str(eng.path)
+
+
+def _over_http(args) -> tuple[list[Instance], list[str], str]:
+    import os
+    from pathlib import Path
+
+    from dayzero.engine.engine import DEFAULT_MODEL
+    from dayzero.engine.tokenizer import load_tokenizer
+    from dayzero.tools.bench_http import _httpx, served_model
+
+    httpx = _httpx()
+    url = args.url.rstrip("/")
+    key = args.api_key or os.environ.get("DAYZERO_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    model = args.served_model_name or served_model(url, headers, args.timeout)
+    path = Path(args.model) if args.model else DEFAULT_MODEL
+    insts = build(args, load_tokenizer(path if path.is_dir() else path.parent))  # None: recall counts words
+    progress = bar(len(insts), "eval", unit="req")
+
+    def one(inst: Instance) -> str:
+        body = {"model": model, "prompt": inst.prompt, "max_tokens": _max_tokens(inst), "temperature": 0.0,
+                "stop": ["\n"]}
+        try:
+            r = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=args.timeout)
+        except httpx.HTTPError as e:
+            raise ValueError(f"--url {url}: a completion request failed: {type(e).__name__}: {e}") from None
+        if r.status_code != 200:
+            raise ValueError(f"--url {url}: a completion request failed with HTTP {r.status_code}: {r.text[:200]}")
+        progress.update()
+        return r.json()["choices"][0]["text"]
+
+    with ThreadPoolExecutor(max(1, args.concurrency)) as pool:
+        texts = list(pool.map(one, insts))
+    progress.close()
+    return insts, texts, f"{url} ({model})"
+
+
+def correct(inst: Instance, text: str) -> bool:
+    """Exact match: the completion, stripped of the whitespace around it, is the answer."""
+    return text.strip() == inst.answer
+
+
+def score(insts: list[Instance], texts: list[str]) -> list[dict]:
+    rows = []
+    for task in dict.fromkeys(i.task for i in insts):
+        got = [correct(i, t) for i, t in zip(insts, texts) if i.task == task]
+        lo, hi = wilson(sum(got), len(got))
+        rows.append({"task": task, "n": len(got), "correct": sum(got), "accuracy": sum(got) / len(got),
+                     "low": lo, "high": hi})
+    return rows
+
+
+def run(args) -> int:
+    if args.url is not None and not args.url.startswith(("http://", "https://")):
+        raise ValueError(f"--url must be an http:// or https:// address, got {args.url!r}")
+    _task_names(args.tasks)  # a bad --tasks fails before anything loads
+    insts, texts, target = (_in_process if args.url is None else _over_http)(args)
+    rows = score(insts, texts)
+    if args.json:
+        outputs = [{"task": i.task, "answer": i.answer, "output": t, "correct": correct(i, t)}
+                   for i, t in zip(insts, texts)]
+        print(json.dumps({"target": target, "task_seed": args.task_seed, "context_len": args.context_len,
+                          "tasks": rows, "outputs": outputs}))
+        return 0
+    print(f"{target}: exact match, greedy, task seed {args.task_seed}")
+    print(f"{'task':<12} {'n':>5} {'correct':>8} {'accuracy':>9}  {'95% interval':>15}")
+    for r in rows:
+        print(f"{r['task']:<12} {r['n']:>5} {r['correct']:>8} {r['accuracy']:>9.1%}  "
+              f"{r['low']:>6.1%} – {r['high']:>6.1%}")
+    return 0

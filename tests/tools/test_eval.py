@@ -1,0 +1,114 @@
+"""``dayzero eval`` and its tasks: seeded instances whose answers are right by construction, held-out streams
+apart from the training one, recall prompts sized by the tokenizer with the key far back, the 95% interval, the
+scoring through the engine (answers planted in the engine's output), a run in process and against a server, and
+the inputs it refuses."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from dayzero import LLM
+from dayzero.cli import main
+from dayzero.eval import tasks as T
+from dayzero.tools import eval_cli
+from tests.server.conftest import API_KEY, ServerProcess
+
+
+def test_instances_are_seeded_and_their_answers_right():
+    for task in T.TASKS:
+        a = T.instances(task, 20, "eval", seed=3, context_len=300)
+        assert a == T.instances(task, 20, "eval", seed=3, context_len=300)  # regenerated alike
+        assert a != T.instances(task, 20, "train", seed=3, context_len=300)  # another stream
+        assert a != T.instances(task, 20, "eval", seed=4, context_len=300)
+    for inst in T.instances("addition", 50, max_digits=5):
+        x, y = map(int, re.fullmatch(r"(\d+)\+(\d+)=", inst.prompt).groups())
+        assert int(inst.answer) == x + y and max(len(str(x)), len(str(y))) <= 5
+    for inst in T.instances("subtraction", 50):
+        x, y = map(int, re.fullmatch(r"(\d+)-(\d+)=", inst.prompt).groups())
+        assert int(inst.answer) == x - y
+    for inst in T.instances("reversal", 50):
+        s = re.fullmatch(r"reverse ([a-z]+) =", inst.prompt).group(1)
+        assert inst.answer == s[::-1] and len(s) <= 24
+    for inst in T.instances("sorting", 50):
+        s = re.fullmatch(r"sort ([a-z]+) =", inst.prompt).group(1)
+        assert inst.answer == "".join(sorted(s))
+    for inst in T.instances("copy", 10):
+        assert inst.prompt == f"copy: {inst.answer}\n="
+
+
+def test_recall_puts_the_asked_pair_in_the_first_half_of_a_prompt_of_about_the_asked_length(tiny_ckpt):
+    tok = LLM(str(tiny_ckpt), device="cpu", dtype="float32", num_cache_blocks=8).tokenizer
+    count = lambda text: len(tok.encode(text, add_special_tokens=False))  # noqa: E731
+    for inst in T.instances("recall", 10, context_len=1024, count=count):
+        key = re.search(r"What is the value of ([a-z]{4})\?", inst.prompt).group(1)
+        at = inst.prompt.index(f"The value of {key} is {inst.answer}.")
+        assert at < len(inst.prompt) / 2
+        assert 0.8 * 1024 <= count(inst.prompt) <= 1.2 * 1024
+
+
+def test_wilson_interval_matches_published_values():
+    assert eval_cli.wilson(0, 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
+    assert eval_cli.wilson(10, 10) == pytest.approx((0.7225, 1.0), abs=1e-4)
+    assert eval_cli.wilson(5, 10) == pytest.approx((0.2366, 0.7634), abs=1e-4)
+    assert eval_cli.wilson(81, 263) == pytest.approx((0.2553, 0.3662), abs=1e-4)
+
+
+def test_scores_count_exact_answers_through_the_engine(tiny_ckpt, monkeypatch, capsys):
+    """The engine's outputs replaced by the right answer for every other instance (and a near miss for the
+    rest): accuracy is exactly half per task, a trailing space or newline still counts."""
+    real = LLM.generate
+
+    def planted(self, prompts, params, use_tqdm=False):
+        outs = real(self, prompts, params)
+        by_prompt = {i.prompt: i.answer for i in eval_cli.build(args, self.tokenizer)}
+        for k, (p, o) in enumerate(zip(prompts, outs)):
+            o.outputs[0].text = by_prompt[p] + " " if k % 2 == 0 else by_prompt[p] + "0"
+        return outs
+
+    monkeypatch.setattr(LLM, "generate", planted)
+    argv = ["eval", str(tiny_ckpt), "--device", "cpu", "--dtype", "float32", "--n", "6", "--tasks",
+            "addition,reversal,recall", "--context-len", "128", "--json"]
+    from dayzero.cli import build_parser
+
+    args = build_parser().parse_args(argv)
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [r["task"] for r in report["tasks"]] == ["addition", "reversal", "recall"]
+    for r in report["tasks"]:
+        assert (r["n"], r["correct"], r["accuracy"]) == (6, 3, 0.5)
+        assert r["low"] < 0.5 < r["high"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = ServerProcess(tmp_path_factory.mktemp("eval-serve"), "--num-cache-blocks", "512", api_key=API_KEY)
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+def test_against_a_server_as_in_process(server, capsys):
+    """The same held-out instances through a running server's completions API (the bundled model, greedy) and
+    through the engine in this process score the same."""
+    common = ["--n", "3", "--tasks", "addition,sorting", "--json"]
+    assert main(["eval", "--url", server.url, "--api-key", API_KEY, *common]) == 0
+    remote = json.loads(capsys.readouterr().out)
+    assert main(["eval", "--device", "cpu", *common]) == 0
+    local = json.loads(capsys.readouterr().out)
+    assert remote["target"].startswith(server.url)
+    assert remote["tasks"] == local["tasks"]
+    assert remote["outputs"] == local["outputs"] and len(local["outputs"]) == 6
+    server.wait_idle()
+
+
+@pytest.mark.parametrize("argv,what", [
+    (["--tasks", "addition,nonsense"], "--tasks"),
+    (["--n", "0"], "--n"),
+    (["--context-len", "8"], "--context-len"),
+    (["--url", "127.0.0.1:8000"], "--url"),
+])
+def test_bad_options_are_refused_with_the_option_named(argv, what, capsys):
+    assert main(["eval", "--device", "cpu", *argv]) == 2
+    err = capsys.readouterr().err
+    assert what in err and err.count("\n") <= 2, err
