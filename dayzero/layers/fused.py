@@ -27,8 +27,10 @@ class FusedLinear(nn.Module):
         object.__setattr__(self, "weight", weight)
         object.__setattr__(self, "bias", bias)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return torch.nn.functional.linear(x, self.weight, self.bias).split(self.widths, dim=-1)
+    def forward(self, x: torch.Tensor, split: bool = True) -> tuple[torch.Tensor, ...] | torch.Tensor:
+        """Each member's output (column slices of one result), or with ``split=False`` the whole [.., sum N]."""
+        y = torch.nn.functional.linear(x, self.weight, self.bias)
+        return y.split(self.widths, dim=-1) if split else y
 
     def extra_repr(self) -> str:
         return f"{' + '.join(self.members)}: in_features={self.in_features}, out_features={self.out_features}"
@@ -47,17 +49,23 @@ def fuse(owner: nn.Module, name: str, members: list[str]) -> bool:
     if any(lin.weight.dtype != w0.dtype or lin.weight.device != w0.device or lin.in_features != lins[0].in_features
            or (lin.bias is None) != (lins[0].bias is None) for lin in lins):
         return False
-    weight = torch.cat([lin.weight for lin in lins])
-    bias = torch.cat([lin.bias for lin in lins]) if lins[0].bias is not None else None
-    start = 0
-    for lin in lins:
-        n = lin.out_features
-        lin.weight = nn.Parameter(weight[start:start + n], requires_grad=lin.weight.requires_grad)
-        if bias is not None:
-            lin.bias = nn.Parameter(bias[start:start + n], requires_grad=lin.bias.requires_grad)
-        start += n
+    weight = concat_as_views(lins, "weight")
+    bias = concat_as_views(lins, "bias") if lins[0].bias is not None else None
     owner.add_module(name, FusedLinear(weight, bias, [lin.out_features for lin in lins], members))
     return True
+
+
+@torch.no_grad()
+def concat_as_views(modules: list[nn.Module], attr: str) -> torch.Tensor:
+    """One tensor of the modules' ``attr`` parameters concatenated along dim 0, each parameter replaced by its
+    slice (a view) of it: an in-place load of a member still reaches the whole."""
+    params = [getattr(m, attr) for m in modules]
+    whole = torch.cat(params)
+    start = 0
+    for m, p in zip(modules, params):
+        setattr(m, attr, nn.Parameter(whole[start:start + p.shape[0]], requires_grad=p.requires_grad))
+        start += p.shape[0]
+    return whole
 
 
 def project(owner: nn.Module, name: str, members: list[str], x: torch.Tensor) -> tuple[torch.Tensor, ...]:

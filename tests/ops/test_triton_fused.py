@@ -88,6 +88,26 @@ def test_conv_matches_the_reference_and_updates_the_pool(step, activation, W):
     close(ours[keep], pool[keep], 1e-6)
 
 
+@pytest.mark.parametrize("step", ["decode", "mixed"])
+def test_conv_in_groups_from_strided_rows(step):
+    """Three equal channel groups (KDA's q, k, v) read from a column slice of wider rows (the fused projection's
+    output) and written group by group: the ungrouped output's columns, and the same pool updates."""
+    starts, news = CONV_STEPS[step]
+    batch = on_device(make_batch(starts, news, 4, seed=13), DEV)
+    C, W = 3 * 24, 4
+    pool = rand(17, C, W - 1, seed=14)
+    wide = rand(batch.num_tokens, C + 10, seed=15)
+    x, w = wide[:, 2:2 + C], rand(C, 1, W, seed=16)  # rows strided by C + 10
+    ours, theirs = pool.clone(), pool.clone()
+    y = causal_conv1d_pooled_triton(x, w, ours, batch, "silu", groups=3)
+    assert y.shape == (3, batch.num_tokens, C // 3) and y.is_contiguous()
+    want = kda_ref.causal_conv1d_pooled(x.contiguous(), w, theirs, batch, "silu")
+    close(y, want.view(-1, 3, C // 3).transpose(0, 1), 1e-5)
+    close(ours, theirs, 1e-6)
+    close(kda_ref.causal_conv1d_pooled(x, w, pool.clone(), batch, "silu", groups=3), y, 1e-5)
+    assert "groups" in conv_refusal(x, w, pool, groups=5)
+
+
 def test_conv_refuses_with_a_reason():
     x = torch.zeros(3, 8, device=DEV)
     assert conv_refusal(x, torch.zeros(8, 4), torch.zeros(4, 8, 3, device=DEV)) is None

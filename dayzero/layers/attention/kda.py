@@ -18,7 +18,7 @@ from dayzero import ops
 from dayzero.cache.spec import StateSpec
 from dayzero.config.spec import KDASpec
 from dayzero.layers.attention.base import CachedLayer
-from dayzero.layers.fused import fuse, project
+from dayzero.layers.fused import concat_as_views, fuse, project
 from dayzero.layers.norm import RMSNorm
 
 
@@ -26,9 +26,10 @@ class DeltaRuleLayer(CachedLayer):
     """A mixer whose cache is one state slot per sequence: short causal convs plus a delta-rule state
     (KDA, Gated DeltaNet). Subclasses name their cache tensors; the recurrent state is ``"state"``."""
 
-    def conv(self, name: str, u: torch.Tensor, weight: torch.Tensor, batch) -> torch.Tensor:
-        """SiLU(causal depthwise conv) of ``u`` [T, C], continuing each sequence's window ``name`` (in place)."""
-        return ops.call("causal_conv1d_pooled", u, weight, self.cache[name], batch, "silu")
+    def conv(self, name: str, u: torch.Tensor, weight: torch.Tensor, batch, groups: int = 1) -> torch.Tensor:
+        """SiLU(causal depthwise conv) of ``u`` [T, C], continuing each sequence's window ``name`` (in place);
+        with ``groups`` G, [G, T, C/G] (each group of channels contiguous)."""
+        return ops.call("causal_conv1d_pooled", u, weight, self.cache[name], batch, "silu", groups)
 
     def delta_rule(self, q, k, v, g, beta, scale: float, batch) -> torch.Tensor:
         """The gated delta rule from each sequence's state; q, k, g: [T, H, K], v: [T, H, V], beta: [T, H].
@@ -65,19 +66,31 @@ class KDAAttention(DeltaRuleLayer):
         self.o_proj = nn.Linear(P, D, bias=False)
 
     def cache_spec(self, dtype):
-        win = ((self.P, self.W - 1), dtype)
-        # the recurrent state is fp32 whatever the model dtype: it accumulates over the whole sequence
-        return StateSpec({"state": ((self.H, self.K, self.K), torch.float32), "q_conv": win, "k_conv": win, "v_conv": win})
+        # the recurrent state is fp32 whatever the model dtype: it accumulates over the whole sequence; one window
+        # for the q, k and v convs, [q | k | v] channels
+        return StateSpec({"state": ((self.H, self.K, self.K), torch.float32), "conv": ((3 * self.P, self.W - 1), dtype)})
 
     def process_weights_after_loading(self) -> None:
         fuse(self, "fused_in", self.in_proj_members)
+        # the three conv weights as views of one [3P, 1, W]: the q, k and v convs run as one call
+        self._conv_weight = concat_as_views([self.q_conv1d, self.k_conv1d, self.v_conv1d], "weight")
+
+    def conv_weight(self) -> torch.Tensor:
+        """The q, k and v conv weights as one [3P, 1, W] (fused once after loading)."""
+        fused = getattr(self, "_conv_weight", None)
+        if fused is not None:
+            return fused
+        return torch.cat((self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight))
 
     def forward(self, x: torch.Tensor, batch) -> torch.Tensor:
-        T, H, K = x.shape[0], self.H, self.K
-        q, k, v, f_a, b, g_a = project(self, "fused_in", self.in_proj_members, x)
-        q = self.conv("q_conv", q, self.q_conv1d.weight, batch).view(T, H, K)
-        k = self.conv("k_conv", k, self.k_conv1d.weight, batch).view(T, H, K)
-        v = self.conv("v_conv", v, self.v_conv1d.weight, batch).view(T, H, K)
+        T, H, K, P = x.shape[0], self.H, self.K, self.P
+        fused = self._modules.get("fused_in")
+        if fused is not None:  # [q | k | v | f_a | b | g_a] columns of one GEMM: q, k, v side by side already
+            qkv, f_a, b, g_a = fused(x, split=False).split([3 * P, K, H, K], dim=-1)
+        else:
+            q, k, v, f_a, b, g_a = project(self, "fused_in", self.in_proj_members, x)
+            qkv = torch.cat((q, k, v), dim=-1)
+        q, k, v = (t.view(T, H, K) for t in self.conv("conv", qkv, self.conv_weight(), batch, groups=3))
         g = ops.call("kda_gate", self.f_b_proj(f_a).view(T, H, K), self.A_log, self.dt_bias, self.lower_bound)
         beta = torch.sigmoid(b.float())  # [T, H] fp32
         o = self.delta_rule(q, k, v, g, beta, K**-0.5, batch)

@@ -18,12 +18,13 @@ from dayzero.ops.triton_support import HAS_TRITON, next_pow2, tl, triton, triton
 
 if HAS_TRITON:
     @triton.jit
-    def _conv_kernel(x_ptr, w_ptr, pool_ptr, y_ptr, cu_ptr, slot_ptr, fresh_ptr, C, sx, s_slot, s_chan,
+    def _conv_kernel(x_ptr, w_ptr, pool_ptr, y_ptr, cu_ptr, slot_ptr, fresh_ptr, C, CG, sx, s_yg, s_slot, s_chan,
                      W: tl.constexpr, BW: tl.constexpr, SILU: tl.constexpr, DECODE: tl.constexpr,
                      BT: tl.constexpr, BC: tl.constexpr):
         b = tl.program_id(0)
         cols = tl.program_id(1) * BC + tl.arange(0, BC)
         cmask = cols < C
+        y_cols = (cols // CG) * s_yg + cols % CG  # y is [C/CG groups, T, CG]: group g's channels contiguous
         if DECODE:  # row b is sequence b's one token
             start = b.to(tl.int64)
             end = start + 1
@@ -51,7 +52,7 @@ if HAS_TRITON:
                 acc += u * tl.load(w_ptr + cols * W + j, mask=cmask, other=0.0).to(tl.float32)[None, :]
             if SILU:
                 acc = acc * tl.sigmoid(acc)
-            tl.store(y_ptr + t[:, None] * C + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+            tl.store(y_ptr + t[:, None] * CG + y_cols[None, :], acc.to(y_ptr.dtype.element_ty),
                      mask=tmask[:, None] & cmask[None, :])
             t0 += BT
         # the new window: the last W-1 inputs of [old window | this step's rows]
@@ -70,13 +71,15 @@ if HAS_TRITON:
 MAX_TAPS = 16
 
 
-def conv_refusal(x: torch.Tensor, weight: torch.Tensor, window_pool: torch.Tensor) -> str | None:
+def conv_refusal(x: torch.Tensor, weight: torch.Tensor, window_pool: torch.Tensor, groups: int = 1) -> str | None:
     """Why the Triton conv cannot run these operands, or None."""
     why = triton_refusal(x)
     if why is not None:
         return why
     if x.dim() != 2 or x.stride(-1) != 1:
         return "x must be [T, C] with contiguous channels"
+    if groups < 1 or x.shape[1] % groups:
+        return f"{x.shape[1]} channels do not cut into {groups} equal groups"
     W = window_pool.shape[-1] + 1
     if W > MAX_TAPS:
         return f"{W} taps exceed the kernel's {MAX_TAPS}"
@@ -86,8 +89,9 @@ def conv_refusal(x: torch.Tensor, weight: torch.Tensor, window_pool: torch.Tenso
 
 
 def causal_conv1d_pooled_triton(x: torch.Tensor, weight: torch.Tensor, window_pool: torch.Tensor, batch,
-                                activation: str | None = "silu") -> torch.Tensor:
-    # x: [T, C]; weight: [C, W] (or [C, 1, W]); window_pool: [slots, C, W-1] -> y [T, C]
+                                activation: str | None = "silu", groups: int = 1) -> torch.Tensor:
+    # x: [T, C] (rows may be strided); weight: [C, W] (or [C, 1, W]); window_pool: [slots, C, W-1]
+    # -> y [T, C], or [groups, T, C / groups] written group by group
     if activation not in ("silu", None):
         raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
     T, C = x.shape
@@ -95,13 +99,14 @@ def causal_conv1d_pooled_triton(x: torch.Tensor, weight: torch.Tensor, window_po
     w = weight.reshape(C, W)
     if not w.is_contiguous():
         w = w.contiguous()
-    y = torch.empty_like(x)
+    CG = C // groups
+    y = torch.empty((groups, T, CG) if groups > 1 else (T, C), dtype=x.dtype, device=x.device)
     B = batch.state_slots.shape[0]
     if T and B:
         BC = min(128, next_pow2(C))
         BT = 1 if batch.is_decode else 16
         _conv_kernel[(B, triton.cdiv(C, BC))](
-            x, w, window_pool, y, batch.cu_seqlens, batch.state_slots, batch.fresh, C, x.stride(0),
+            x, w, window_pool, y, batch.cu_seqlens, batch.state_slots, batch.fresh, C, CG, x.stride(0), T * CG,
             window_pool.stride(0), window_pool.stride(1), W=W, BW=next_pow2(W - 1),
             SILU=activation == "silu", DECODE=batch.is_decode, BT=BT, BC=BC,
             num_warps=4)

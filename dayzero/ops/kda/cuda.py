@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from dayzero.ops.attention.cuda import _decode_only
 from dayzero.ops.kda.conv_kernels import causal_conv1d_pooled_triton, conv_refusal
-from dayzero.ops.kda.reference import _prep, kda_pooled, pooled_state
+from dayzero.ops.kda.reference import _prep, grouped, kda_pooled, pooled_state
 from dayzero.ops.registry import register
 
 try:  # fla-core: Triton kernels for KDA / Gated DeltaNet (optional, GPU only)
@@ -95,8 +95,8 @@ def kda_pooled_decode(q, k, v, g, beta, scale: float, state_pool: torch.Tensor, 
     return torch.einsum("bhkv,bhk->bhv", S, q).to(out_dtype)
 
 
-def _conv_verify(x, weight, pool, batch, *a, **kw) -> str | None:
-    if conv_refusal(x, weight, pool) is None:
+def _conv_verify(x, weight, pool, batch, activation="silu", groups=1) -> str | None:
+    if conv_refusal(x, weight, pool, groups) is None:
         return None
     return _decode_only(batch)
 
@@ -104,11 +104,12 @@ def _conv_verify(x, weight, pool, batch, *a, **kw) -> str | None:
 @register("causal_conv1d_pooled", "cuda", verifier=_conv_verify,
           note="Triton kernel for decode and prefill rows, window updated in the pool in place; without Triton, "
                "decode rows in PyTorch")
-def causal_conv1d_pooled_cuda(x, weight, window_pool: torch.Tensor, batch, activation: str | None = "silu"):
-    # x: [T, C]; weight: [C, W] (or [C, 1, W]); window_pool: [slots, C, W-1] -> y [T, C]
-    if conv_refusal(x, weight, window_pool) is None:
-        return causal_conv1d_pooled_triton(x, weight, window_pool, batch, activation)
-    return causal_conv1d_pooled_decode(x, weight, window_pool, batch, activation)
+def causal_conv1d_pooled_cuda(x, weight, window_pool: torch.Tensor, batch, activation: str | None = "silu",
+                              groups: int = 1):
+    # x: [T, C]; weight: [C, W] (or [C, 1, W]); window_pool: [slots, C, W-1] -> y [T, C] (groups G: [G, T, C/G])
+    if conv_refusal(x, weight, window_pool, groups) is None:
+        return causal_conv1d_pooled_triton(x, weight, window_pool, batch, activation, groups)
+    return grouped(causal_conv1d_pooled_decode(x, weight, window_pool, batch, activation), groups)
 
 
 def causal_conv1d_pooled_decode(x, weight, window_pool: torch.Tensor, batch, activation: str | None = "silu"):

@@ -211,9 +211,22 @@ def kda_pooled(q, k, v, g, beta, scale: float, state_pool: torch.Tensor, batch, 
 
 
 @register("causal_conv1d_pooled")
-def causal_conv1d_pooled(x, weight, window_pool: torch.Tensor, batch, activation: str | None = "silu"):
+def causal_conv1d_pooled(x, weight, window_pool: torch.Tensor, batch, activation: str | None = "silu",
+                         groups: int = 1):
     """:func:`causal_conv1d` for the whole step over the window pool [num_slots + 1, C, W-1]: each sequence
-    continues its slot's window (zeros when ``batch.fresh``) and leaves its new window there. Returns y [T, C]."""
+    continues its slot's window (zeros when ``batch.fresh``) and leaves its new window there. Returns y [T, C],
+    or with ``groups`` G > 1 the channels cut into G equal groups, [G, T, C/G], each group contiguous (KDA's q, k
+    and v convolved in one call and handed on as three contiguous tensors)."""
     y, window = causal_conv1d(x, weight, pooled_state(window_pool, batch), batch.cu_seqlens, activation)
     window_pool[batch.state_slots] = window.to(window_pool.dtype)
-    return y
+    return grouped(y, groups)
+
+
+def grouped(y: torch.Tensor, groups: int) -> torch.Tensor:
+    """[T, C] -> [G, T, C/G], contiguous (``groups`` 1: y itself)."""
+    if groups == 1:
+        return y
+    T, C = y.shape
+    if C % groups:
+        raise ValueError(f"{C} channels do not cut into {groups} equal groups")
+    return y.view(T, groups, C // groups).transpose(0, 1).contiguous()
