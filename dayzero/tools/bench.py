@@ -11,7 +11,6 @@ import argparse
 import functools
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -168,9 +167,7 @@ def _in_process(args):
 def _server(args):
     from dayzero.tools import bench_http
 
-    url = args.url.rstrip("/")
-    key = args.api_key or os.environ.get("DAYZERO_API_KEY")
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    url, headers = bench_http.target(args.url, args.api_key)
     jobs = make_jobs(args, lambda: _local_source(args.model))
     listed = bench_http.served_model(url, headers, min(args.timeout, 30.0))  # also: is it there, is the key right
     model = args.served_model_name or listed

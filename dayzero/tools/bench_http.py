@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 
 from dayzero.tools.bench_report import Result
@@ -24,6 +25,12 @@ def _httpx():
     except ImportError:
         raise ValueError("--url needs the httpx package (pip install httpx)") from None
     return httpx
+
+
+def target(url: str, api_key: str | None) -> tuple[str, dict]:
+    """The server's base address and the request headers: the bearer key given, else $DAYZERO_API_KEY."""
+    key = api_key or os.environ.get("DAYZERO_API_KEY")
+    return url.rstrip("/"), {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def served_model(url: str, headers: dict, timeout: float) -> str:

@@ -66,11 +66,20 @@ def _task_names(spec: str) -> list[str]:
     return names
 
 
-def build(args, tokenizer) -> list[Instance]:
+def check_options(args) -> None:
+    """Every option checked before anything loads; raises ``ValueError`` naming the one at fault."""
+    _task_names(args.tasks)
     if args.n < 1:
         raise ValueError(f"--n must be at least 1, got {args.n}")
     if args.context_len < 64:
         raise ValueError(f"--context-len must be at least 64 tokens, got {args.context_len}")
+    if args.max_digits < 1:
+        raise ValueError(f"--max-digits must be at least 1, got {args.max_digits}")
+    if args.url is not None and not args.url.startswith(("http://", "https://")):
+        raise ValueError(f"--url must be an http:// or https:// address, got {args.url!r}")
+
+
+def build(args, tokenizer) -> list[Instance]:
     count = (lambda text: len(tokenizer.encode(text, add_special_tokens=False))) if tokenizer is not None else None
     out = []
     for task in _task_names(args.tasks):
@@ -98,17 +107,14 @@ def _in_process(args) -> tuple[list[Instance], list[str], str]:
 
 
 def _over_http(args) -> tuple[list[Instance], list[str], str]:
-    import os
     from pathlib import Path
 
     from dayzero.engine.engine import DEFAULT_MODEL
     from dayzero.engine.tokenizer import load_tokenizer
-    from dayzero.tools.bench_http import _httpx, served_model
+    from dayzero.tools.bench_http import _httpx, served_model, target
 
     httpx = _httpx()
-    url = args.url.rstrip("/")
-    key = args.api_key or os.environ.get("DAYZERO_API_KEY")
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    url, headers = target(args.url, args.api_key)
     model = args.served_model_name or served_model(url, headers, args.timeout)
     path = Path(args.model) if args.model else DEFAULT_MODEL
     insts = build(args, load_tokenizer(path if path.is_dir() else path.parent))  # None: recall counts words
@@ -148,9 +154,7 @@ def score(insts: list[Instance], texts: list[str]) -> list[dict]:
 
 
 def run(args) -> int:
-    if args.url is not None and not args.url.startswith(("http://", "https://")):
-        raise ValueError(f"--url must be an http:// or https:// address, got {args.url!r}")
-    _task_names(args.tasks)  # a bad --tasks fails before anything loads
+    check_options(args)
     insts, texts, target = (_in_process if args.url is None else _over_http)(args)
     rows = score(insts, texts)
     if args.json:

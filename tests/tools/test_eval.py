@@ -106,6 +106,7 @@ def test_against_a_server_as_in_process(server, capsys):
     (["--tasks", "addition,nonsense"], "--tasks"),
     (["--n", "0"], "--n"),
     (["--context-len", "8"], "--context-len"),
+    (["--max-digits", "0"], "--max-digits"),
     (["--url", "127.0.0.1:8000"], "--url"),
 ])
 def test_bad_options_are_refused_with_the_option_named(argv, what, capsys):

@@ -88,11 +88,17 @@ def paged_attention_decode(q: torch.Tensor, k_cache, v_cache, batch, scale: floa
 DENSE_PREFILL_MAX_KEYS = 4096
 
 
+def _kernel_refusal(q_pe, kv_b_weight, latent_cache, selection) -> str | None:
+    """Why the Triton MLA kernel cannot take these rows, judged from the absorbed query's shape [T, H, R+P]
+    before it is computed."""
+    return triton_mla.rows_refusal(q_pe, (*q_pe.shape[:2], kv_b_weight.shape[-1] + q_pe.shape[-1]), latent_cache,
+                                   selection)
+
+
 def _mla_verify(q_nope, q_pe, latent_cache, kv_b_weight, v_head_dim, batch, scale, sinks=None, selection=None):
     if batch.is_decode:
         return None
-    why = triton_mla.rows_refusal(q_pe, (*q_pe.shape[:2], kv_b_weight.shape[-1] + q_pe.shape[-1]), latent_cache,
-                                  selection)
+    why = _kernel_refusal(q_pe, kv_b_weight, latent_cache, selection)
     if why is None and selection is None and batch.key_width > DENSE_PREFILL_MAX_KEYS:
         why = f"dense rows over {batch.key_width} keys (the absorbed kernel takes up to {DENSE_PREFILL_MAX_KEYS})"
     return None if why is None else f"{NOT_DECODE} ({why})"
@@ -119,8 +125,7 @@ def _mla_rows(q_nope, q_pe, latent_cache, kv_b_weight, v_head_dim, batch, scale,
     B, H, N = q_nope.shape
     w = kv_b_weight.view(H, N + v_head_dim, -1)  # per head: N rows of W_UK, then V rows of W_UV
     R = w.shape[-1]
-    use_triton = use_triton and triton_mla.rows_refusal(q_pe, (B, H, R + q_pe.shape[-1]), latent_cache,
-                                                        selection) is None
+    use_triton = use_triton and _kernel_refusal(q_pe, kv_b_weight, latent_cache, selection) is None
     # The kernel rounds q~ to the pool's dtype for its dots, so with a bf16 / fp16 model q~ is computed in that
     # dtype (its GEMM accumulates in fp32) from the weights as stored, and the output's latent rows meet W_UV in
     # it too: no fp32 copy of the weights per call, half the transient bytes. fp32 models, and the PyTorch

@@ -81,8 +81,10 @@ def table_key(fmt: str, num_experts: int, L: int, I: int) -> str:
     return f"{fmt},E{num_experts},L{L},I{I}"
 
 
+@functools.lru_cache(maxsize=8)
 def device_name(device: torch.device) -> str:
-    """The name the tuning table records its device by: the GPU's model name, or "cpu"."""
+    """The name the tuning table records its device by: the GPU's model name, or "cpu" (asked once per device,
+    not on every expert call)."""
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
