@@ -14,6 +14,7 @@ its own error, and the engine then decodes eagerly and says why. Prefill and mix
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from contextlib import contextmanager
@@ -97,6 +98,10 @@ class DecodeGraphs:
         t0 = time.perf_counter()
         dev = self.runner.device
         torch.cuda.synchronize(dev)
+        # cached blocks, and the pools of graphs already destroyed, released first: what the capture reserves is
+        # then new segments, so the difference is what these graphs hold
+        gc.collect()
+        torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(dev)
         self.pool = torch.cuda.graph_pool_handle()
         model = self.runner.model

@@ -147,7 +147,7 @@ class MoE(nn.Module):
             shared = self.shared_experts.down(fused["shared_experts.gate_up_proj"]) if fused else self.shared_experts(x)
             if self.shared_expert_gate is not None:
                 g = fused["shared_expert_gate"] if fused else self.shared_expert_gate(x)
-                shared = shared * torch.sigmoid(g)
+                shared = ops.call("sigmoid_gate", shared[:, None], g[:, None])[:, 0]
             y = y + shared
         return y
 

@@ -51,11 +51,24 @@ class RotaryEmbedding(nn.Module):
         else:
             inv, self.cos_scale = _yarn(spec.dim, spec.theta, spec.scaling)
         self.register_buffer("inv_freq", inv, persistent=False)
+        # what the frequencies depend on: rotaries with equal keys share one cos/sin per step
+        self.key = (spec.dim, spec.theta, spec.scaling)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T] -> cos, sin: [T, dim/2] fp32
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
         return freqs.cos() * self.cos_scale, freqs.sin() * self.cos_scale
+
+    def step_cos_sin(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos_sin of the step's positions, computed once per forward pass for every rotary with these
+        frequencies (the MLA and indexer rotaries of all layers: six kernels each, otherwise per layer)."""
+        memo = getattr(batch, "rope_memo", None)
+        if memo is None:
+            return self.cos_sin(batch.positions)
+        got = memo.get(self.key)
+        if got is None:
+            got = memo[self.key] = self.cos_sin(batch.positions)
+        return got
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotates the first (or, with ``spec.last``, the last) ``dim`` channels of each head of x: [T, H, D];

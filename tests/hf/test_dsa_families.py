@@ -39,9 +39,9 @@ def topk_cut_gap(llm: LLM, sequences) -> float:
     captured = []
 
     def spy(project):
-        def wrapped(x, c_q, positions, k=None):
-            q, k, w = project(x, c_q, positions, k)
-            captured.append(ops.call("indexer_scores", q, w, k, positions))  # [T, T] after one full prefill
+        def wrapped(x, c_q, batch, k=None):
+            q, k, w = project(x, c_q, batch, k)
+            captured.append(ops.call("indexer_scores", q, w, k, batch.positions))  # [T, T] after one full prefill
             return q, k, w
         return wrapped
 

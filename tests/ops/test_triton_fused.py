@@ -147,6 +147,21 @@ def test_activations_match_the_reference(name, limit, dtype, tol):
         close(act_k.swiglu_oai(x), act_ref.swiglu_oai(x), tol)
 
 
+@pytest.mark.parametrize("kind", ["per channel", "per head", "interleaved with q"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_sigmoid_gate_matches_the_reference(kind, dtype, tol):
+    x = rand(6, 3, 40, dtype=dtype, seed=20)
+    if kind == "per channel":  # a column slice of a fused projection's rows
+        gate = rand(6, 3 * 40 + 8, dtype=dtype, seed=21)[:, 8:].view(6, 3, 40)
+    elif kind == "per head":
+        gate = rand(6, 3, dtype=dtype, seed=22)[:, :, None]
+    else:  # GQA's q_proj rows [q | gate] per head
+        gate = rand(6, 3, 80, dtype=dtype, seed=23).chunk(2, dim=-1)[1]
+    assert act_k._gate_refusal(x, gate) is None
+    close(act_k.sigmoid_gate(x, gate), act_ref.sigmoid_gate(x, gate), tol)
+    assert "[T, H, 1]" in act_k._gate_refusal(x, gate[:, :2])
+
+
 @pytest.mark.parametrize("name", ["silu", "relu2"])
 def test_device_mlp_matches_the_reference_in_bf16(name):
     D, I = 64, 48

@@ -130,7 +130,7 @@ class CompressedAttention(CachedLayer):
         T, H, D = x.shape[0], self.H, self.D
         c_q = self.q_a_norm(self.q_a_proj(x))
         q, _ = ops.call("rms_norm", self.q_b_proj(c_q).view(T, H, D), None, self.eps)  # per head, no weight
-        cos, sin = self.rotary.cos_sin(batch.positions)
+        cos, sin = self.rotary.step_cos_sin(batch)
         q = self.rotary(q, cos, sin)
         kv = self.rotary(self.kv_norm(self.kv_proj(x))[:, None], cos, sin)[:, 0]  # [T, D]
         if self.compressor is not None:

@@ -43,10 +43,11 @@ class Indexer(nn.Module):
         self.weight_scale = self.H**-0.5 * self.Dh**-0.5
         self.rotary = RotaryEmbedding(spec.rope)  # rotates the first rope.dim dims, or the last with rope.last
 
-    def project(self, x, c_q, positions, k=None):
-        """(q, k, weights) of the indexer; ``k``: ``wk(x)`` when the caller computed it (in a fused GEMM)."""
+    def project(self, x, c_q, batch, k=None):
+        """(q, k, weights) of the indexer at the step's positions; ``k``: ``wk(x)`` when the caller computed it
+        (in a fused GEMM)."""
         T = x.shape[0]
-        cos, sin = self.rotary.cos_sin(positions)
+        cos, sin = self.rotary.step_cos_sin(batch)
         q = self.rotary(self.wq_b(c_q).view(T, self.H, self.Dh), cos, sin)  # [T, Hi, Di]
         k = self.wk(x) if k is None else k
         k = self.rotary(self.k_norm(k).view(T, 1, self.Dh), cos, sin)[:, 0]  # [T, Di]
@@ -117,11 +118,11 @@ class MLAAttention(CachedLayer):
         c_kv, k_pe = proj["kv_a_proj_with_mqa"].split([self.R, self.P], dim=-1)
         k_pe = k_pe.reshape(T, 1, self.P)
         if self.rotary is not None:
-            cos, sin = self.rotary.cos_sin(batch.positions)
+            cos, sin = self.rotary.step_cos_sin(batch)
             q_pe, k_pe = self.rotary(q_pe, cos, sin), self.rotary(k_pe, cos, sin)
         self.write_rows("latent", batch.slot_mapping, torch.cat((self.kv_a_layernorm(c_kv), k_pe[:, 0]), dim=-1))
         if self.indexer is not None:
-            iq, ik, iw = self.indexer.project(x, c_q, batch.positions, proj.get("indexer.wk"))
+            iq, ik, iw = self.indexer.project(x, c_q, batch, proj.get("indexer.wk"))
             self.write_rows("index_k", batch.slot_mapping, ik)
 
         if self.indexer is not None:
@@ -139,6 +140,6 @@ class MLAAttention(CachedLayer):
                        self.scale, self.sinks, selection)  # [T, H, V]
         if self.g_proj is not None:
             gate = proj["g_proj"] if "g_proj" in proj else self.g_proj(x)
-            gate = gate.float().view(T, self.H, self.gate_width)  # per channel, or per head (width 1)
-            out = (out.float() * torch.sigmoid(gate)).to(out.dtype)
+            # per channel, or per head (width 1)
+            out = ops.call("sigmoid_gate", out, gate.view(T, self.H, self.gate_width))
         return self.o_proj(out.reshape(T, self.H * self.V))

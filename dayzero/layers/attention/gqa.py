@@ -56,12 +56,12 @@ class GQAAttention(CachedLayer):
         if self.spec.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
-            cos, sin = self.rotary.cos_sin(batch.positions)
+            cos, sin = self.rotary.step_cos_sin(batch)
             q, k = self.rotary(q, cos, sin), self.rotary(k, cos, sin)
         self.write_rows("k", batch.slot_mapping, k)
         self.write_rows("v", batch.slot_mapping, v)
         out = ops.call("paged_attention", q, self.cache["k"], self.cache["v"], batch, self.scale, self.sinks,
                        self.spec.sliding_window)  # [T, H, Dh]
         if gate is not None:
-            out = (out.float() * torch.sigmoid(gate.float())).to(out.dtype)
+            out = ops.call("sigmoid_gate", out, gate)
         return self.o_proj(out.reshape(T, H * Dh))

@@ -39,6 +39,18 @@ if HAS_TRITON:
         tl.store(y_ptr + row * n_cols + cols, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
+    @triton.jit
+    def _sigmoid_gate_kernel(x_ptr, g_ptr, y_ptr, HV, V, s_gt, s_gh, s_gc, BLOCK: tl.constexpr):
+        """Row t of x [T, H*V] times sigmoid of its gate: head h = c // V reads gate column (c % V) * s_gc
+        (s_gc = 0 for one gate per head)."""
+        t = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = c < HV
+        x = tl.load(x_ptr + t * HV + c, mask=m, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + t * s_gt + (c // V) * s_gh + (c % V) * s_gc, mask=m, other=0.0).to(tl.float32)
+        tl.store(y_ptr + t * HV + c, (x * tl.sigmoid(g)).to(y_ptr.dtype.element_ty), mask=m)
+
+
 def _refusal(x: torch.Tensor, gated: bool) -> str | None:
     why = triton_refusal(x)
     if why is not None:
@@ -107,3 +119,27 @@ def dense_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: s
     else:
         h = act(F.linear(x, w1), kind, limit)
     return F.linear(h, w2)
+
+
+def _gate_refusal(x: torch.Tensor, gate: torch.Tensor) -> str | None:
+    why = triton_refusal(x)
+    if why is not None:
+        return why
+    if x.dim() != 3 or gate.dim() != 3 or gate.shape[:2] != x.shape[:2] or gate.shape[2] not in (1, x.shape[2]):
+        return f"x [T, H, V] with a gate [T, H, V] or [T, H, 1], got {tuple(x.shape)} and {tuple(gate.shape)}"
+    if not x.is_contiguous():
+        return "x must be contiguous"
+    return None
+
+
+@register("sigmoid_gate", "cuda", verifier=_gate_refusal, note="Triton, the gate read through its strides")
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    T, H, V = x.shape
+    y = torch.empty_like(x)
+    if x.numel():
+        per_channel = gate.shape[2] == V and V > 1
+        block = min(1024, next_pow2(H * V))
+        _sigmoid_gate_kernel[(T, triton.cdiv(H * V, block))](
+            x, gate, y, H * V, V, gate.stride(0), gate.stride(1), gate.stride(2) if per_channel else 0,
+            BLOCK=block, num_warps=4)
+    return y

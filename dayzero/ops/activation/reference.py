@@ -40,3 +40,11 @@ def swiglu_oai(x: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> tor
     gate = gate.clamp(max=limit)
     up = up.clamp(-limit, limit)
     return (gate * torch.sigmoid(alpha * gate) * (up + 1)).to(x.dtype)
+
+
+@register("sigmoid_gate")
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(gate)``: the output gate of gated attention (per channel, or per head with a gate of width
+    1) and of a shared expert; fp32 math, the result in x's dtype."""
+    # x: [T, H, V]; gate: [T, H, V] or [T, H, 1] (any strides) -> [T, H, V]
+    return (x.float() * torch.sigmoid(gate.float())).to(x.dtype)
