@@ -102,8 +102,9 @@ class ForwardBatch:
         # by the first layer that runs its indexer, read by the shared-index layers after it; None: dense.
         self.selection: torch.Tensor | None = None
         self.selection_set = False  # host flag: an indexer layer ran in this step
-        # per forward pass (cleared as each starts): cos/sin of the positions, one per rotary frequency set
-        self.rope_memo: dict = {}
+        # what a forward pass computes once for all its layers (cleared as each pass starts, a captured one
+        # too): cos/sin of the positions per rotary frequency set, the slots to zero for fresh sequences
+        self.memo: dict = {}
         self.graph: tuple[int, int] | None = None  # the captured (batch size, table width) this step replays
         self._key_slots: list[torch.Tensor] | None = None
         self._seq_of_row: torch.Tensor | None = None

@@ -62,12 +62,13 @@ class RotaryEmbedding(nn.Module):
     def step_cos_sin(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """cos_sin of the step's positions, computed once per forward pass for every rotary with these
         frequencies (the MLA and indexer rotaries of all layers: six kernels each, otherwise per layer)."""
-        memo = getattr(batch, "rope_memo", None)
+        memo = getattr(batch, "memo", None)
         if memo is None:
             return self.cos_sin(batch.positions)
-        got = memo.get(self.key)
+        key = ("cos_sin", self.key)
+        got = memo.get(key)
         if got is None:
-            got = memo[self.key] = self.cos_sin(batch.positions)
+            got = memo[key] = self.cos_sin(batch.positions)
         return got
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -94,7 +94,7 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, batch) -> torch.Tensor:
-        memo = getattr(batch, "rope_memo", None)
+        memo = getattr(batch, "memo", None)
         if memo is not None:  # what a forward pass computes once for all its layers (a captured one included)
             memo.clear()
         return self.model(batch)

@@ -54,3 +54,28 @@ def test_fla_kernels_equal_the_reference(step, H, K):
     others[used] = False
     others[0] = False  # the null slot: written by rows that are not fresh, read by nothing
     assert torch.equal(pool[others].nan_to_num(7.0), ref_pool[others].nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("step", ["decode-B1", "decode-B7", "mixed"])
+@pytest.mark.parametrize("lower", [None, -5.0], ids=["softplus", "lower-bound"])
+def test_the_gate_applied_by_the_op_equals_the_reference(step, lower):
+    """``gate=(A_log, dt_bias, lower_bound)``: g is the gate's input and beta its logits; decode steps activate
+    both inside fla's kernel, other steps before it; both equal the reference's activation."""
+    starts, news = STEPS[step]
+    if set(news) != {1} and not kda_dev.fla_chunk_enabled(torch.bfloat16):
+        pytest.skip("fla's chunk kernel is off (DAYZERO_FLA_CHUNK=0)")
+    H, K = 4, 128
+    batch = to_cuda(make_batch(starts, news, 16, seed=3))
+    gen = torch.Generator().manual_seed(11)
+    pool = (torch.randn(17, H, K, K, generator=gen) * 0.1).cuda()
+    q, k, v, _, _ = (x.cuda() for x in delta_inputs(batch.num_tokens, H, K, K, 6))
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    f = torch.randn(batch.num_tokens, H, K, generator=gen).bfloat16().cuda()
+    logits = torch.randn(batch.num_tokens, H + 3, generator=gen).bfloat16().cuda()[:, 1:H + 1]  # a strided slice
+    gate = ((torch.randn(H, generator=gen) * 0.3).cuda(), (torch.randn(H * K, generator=gen) * 0.5).cuda(), lower)
+    ref_pool = pool.clone()
+    ref = kda_ref.kda_pooled(q, k, v, f, logits, K**-0.5, ref_pool, batch, gate=gate).float()
+    out = kda_dev.kda_pooled_cuda(q, k, v, f, logits, K**-0.5, pool, batch, gate=gate)
+    assert_close(out.float(), ref, RTOL[torch.bfloat16], "o")
+    used = batch.state_slots
+    assert_close(pool[used], ref_pool[used], RTOL[torch.bfloat16], "states")

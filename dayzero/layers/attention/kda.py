@@ -31,10 +31,11 @@ class DeltaRuleLayer(CachedLayer):
         with ``groups`` G, [G, T, C/G] (each group of channels contiguous)."""
         return ops.call("causal_conv1d_pooled", u, weight, self.cache[name], batch, "silu", groups)
 
-    def delta_rule(self, q, k, v, g, beta, scale: float, batch) -> torch.Tensor:
+    def delta_rule(self, q, k, v, g, beta, scale: float, batch, gate: tuple | None = None) -> torch.Tensor:
         """The gated delta rule from each sequence's state; q, k, g: [T, H, K], v: [T, H, V], beta: [T, H].
-        Returns o [T, H, V]; the new states are written to the state pool in place."""
-        return ops.call("kda_pooled", q, k, v, g, beta, scale, self.cache["state"], batch, True)
+        Returns o [T, H, V]; the new states are written to the state pool in place. With ``gate`` (A_log,
+        dt_bias, lower bound), g and beta are the gate's input and beta's logits, activated by the op."""
+        return ops.call("kda_pooled", q, k, v, g, beta, scale, self.cache["state"], batch, True, gate=gate)
 
 
 class KDAAttention(DeltaRuleLayer):
@@ -91,9 +92,9 @@ class KDAAttention(DeltaRuleLayer):
             q, k, v, f_a, b, g_a = project(self, "fused_in", self.in_proj_members, x)
             qkv = torch.cat((q, k, v), dim=-1)
         q, k, v = (t.view(T, H, K) for t in self.conv("conv", qkv, self.conv_weight(), batch, groups=3))
-        g = ops.call("kda_gate", self.f_b_proj(f_a).view(T, H, K), self.A_log, self.dt_bias, self.lower_bound)
-        beta = torch.sigmoid(b.float())  # [T, H] fp32
-        o = self.delta_rule(q, k, v, g, beta, K**-0.5, batch)
+        # the forget gate's input [T, H, K] and beta's logits [T, H]: the op applies kda_gate and the sigmoid
+        f = self.f_b_proj(f_a).view(T, H, K)
+        o = self.delta_rule(q, k, v, f, b, K**-0.5, batch, gate=(self.A_log, self.dt_bias, self.lower_bound))
 
         gate = self.g_b_proj(g_a).view(T, H, K)
         o = ops.call("rms_norm_gated", o, self.o_norm.weight, gate, self.eps)  # [T, H, V]

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from dayzero.ops.attention.cuda import _decode_only
 from dayzero.ops.kda.conv_kernels import causal_conv1d_pooled_triton, conv_refusal
 from dayzero.ops.kda.reference import _prep, grouped, kda_pooled, pooled_state
-from dayzero.ops.registry import register
+from dayzero.ops.registry import call, register
 
 try:  # fla-core: Triton kernels for KDA / Gated DeltaNet (optional, GPU only)
     from fla.ops.kda import chunk_kda
@@ -56,25 +56,46 @@ def _kda_verify(q, k, v, g, beta, scale, state_pool, batch, *a, **kw) -> str | N
 
 
 def _zero_fresh(state_pool: torch.Tensor, batch) -> None:
-    """Zero the slots of sequences that start this step (the others write the null slot, never read)."""
-    state_pool.index_fill_(0, torch.where(batch.fresh, batch.state_slots, 0), 0.0)
+    """Zero the slots of sequences that start this step (the others write the null slot, never read); the
+    slot list is made once per forward pass for every layer."""
+    memo = getattr(batch, "memo", None)
+    slots = None if memo is None else memo.get("fresh_slots")
+    if slots is None:
+        slots = torch.where(batch.fresh, batch.state_slots, 0)
+        if memo is not None:
+            memo["fresh_slots"] = slots
+    state_pool.index_fill_(0, slots, 0.0)
 
 
 @register("kda_pooled", "cuda", verifier=_kda_verify,
           note="fla-core chunk kernel (prefill) and fused recurrent in place (decode); without fla, decode in PyTorch")
-def kda_pooled_cuda(q, k, v, g, beta, scale: float, state_pool: torch.Tensor, batch, use_qk_l2norm: bool = True):
+def kda_pooled_cuda(q, k, v, g, beta, scale: float, state_pool: torch.Tensor, batch, use_qk_l2norm: bool = True,
+                    gate: tuple | None = None):
     # q, k, g: [T, H, K]; v: [T, H, V]; beta: [T, H]; state_pool: [slots, H, K, V] fp32 -> o [T, H, V]
+    # gate (A_log, dt_bias, lower_bound): g and beta are the gate's input and beta's logits (reference.kda_pooled)
+    in_kernel = gate is not None and batch.is_decode and _uses_fla(q, state_pool)
+    if gate is not None and not in_kernel:
+        g, beta = call("kda_gate", g, *gate), torch.sigmoid(beta.float())
     if not batch.is_decode and not (_uses_fla(q, state_pool) and fla_chunk_enabled(q.dtype)):
         return kda_pooled(q, k, v, g, beta, scale, state_pool, batch, use_qk_l2norm)  # the reference's chunk form
     if not _uses_fla(q, state_pool):
         return kda_pooled_decode(q, k, v, g, beta, scale, state_pool, batch, use_qk_l2norm)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # the kernels index rows as packed [T, H, D]
-    g, beta = g.float().contiguous(), beta.float().contiguous()
+    if in_kernel:  # fla reads f and the logits in their dtype and activates them as it loads them
+        g, beta = g.contiguous(), beta.contiguous()
+        A_log, dt_bias, lower = gate
+        activate = dict(A_log=A_log.reshape(-1), dt_bias=dt_bias.reshape(-1), lower_bound=lower,
+                        use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    else:
+        g, beta = g.float().contiguous(), beta.float().contiguous()
+        activate = {}
     if batch.is_decode:  # one token per sequence: [B, 1, H, *], the state read and written in its slot
         _zero_fresh(state_pool, batch)
-        o, _ = fused_recurrent_kda_fwd(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None],
+        v1 = v[:, None]
+        o, _ = fused_recurrent_kda_fwd(q[:, None], k[:, None], v1, g[:, None], beta[:, None],
                                        initial_state=state_pool, scale=scale, inplace_final_state=True,
-                                       ssm_state_indices=batch.state_slots, use_qk_l2norm_in_kernel=use_qk_l2norm)
+                                       ssm_state_indices=batch.state_slots, use_qk_l2norm_in_kernel=use_qk_l2norm,
+                                       out=torch.empty_like(v1), **activate)  # every row is written: no zeros
         return o[:, 0]
     cu_host = torch.tensor(batch.query_start, dtype=torch.int64)  # host lengths: no device read for the chunk list
     o, state = chunk_kda(q[None], k[None], v[None], g[None], beta[None], scale=scale,

@@ -199,11 +199,16 @@ def pooled_state(pool: torch.Tensor, batch) -> torch.Tensor:
 
 
 @register("kda_pooled")
-def kda_pooled(q, k, v, g, beta, scale: float, state_pool: torch.Tensor, batch, use_qk_l2norm: bool = True):
+def kda_pooled(q, k, v, g, beta, scale: float, state_pool: torch.Tensor, batch, use_qk_l2norm: bool = True,
+               gate: tuple | None = None):
     """KDA for the whole step over the state pool: each sequence starts from its slot's state (zero when
     ``batch.fresh``), runs the recurrent form when every sequence brings one token and the chunk form
     otherwise, and its final state is written back to its slot in place. Returns o [T, H, V] in v.dtype.
-    state_pool: [num_slots + 1, H, K, V] fp32."""
+    state_pool: [num_slots + 1, H, K, V] fp32. With ``gate`` = (A_log, dt_bias, lower_bound), ``g`` is the
+    gate's input f and ``beta`` its logits: the op applies :func:`kda_gate` and the sigmoid itself (the device
+    runs both inside its decode kernel)."""
+    if gate is not None:
+        g, beta = kda_gate(g, *gate), torch.sigmoid(beta.float())
     form = kda_recurrent if batch.is_decode else kda_chunk
     o, state = form(q, k, v, g, beta, scale, pooled_state(state_pool, batch), batch.cu_seqlens, use_qk_l2norm)
     state_pool[batch.state_slots] = state
