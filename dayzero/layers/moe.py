@@ -137,19 +137,23 @@ class MoE(nn.Module):
         y = ops.call("moe_unpermute", ys, order, weights, x.shape[0])  # [T, L]
         if self.packed:
             self.workspace.release(self)
-        if self.latent:
-            if self.latent_norm is not None:
-                y = self.latent_norm(y)
-            y = self.fc2_latent_proj(y)
-        if not scale_in_weights and s.routed_scaling_factor != 1.0:
-            y = y * s.routed_scaling_factor
+        shared = None
         if self.shared_experts is not None:
             shared = self.shared_experts.down(fused["shared_experts.gate_up_proj"]) if fused else self.shared_experts(x)
             if self.shared_expert_gate is not None:
                 g = fused["shared_expert_gate"] if fused else self.shared_expert_gate(x)
                 shared = ops.call("sigmoid_gate", shared[:, None], g[:, None])[:, 0]
-            y = y + shared
-        return y
+        out_scale = 1.0 if scale_in_weights else s.routed_scaling_factor
+        if self.latent:
+            if self.latent_norm is not None:
+                y = self.latent_norm(y)
+            fc2 = self.fc2_latent_proj
+            if shared is not None and out_scale == 1.0 and type(fc2) is nn.Linear and fc2.bias is None:
+                return torch.addmm(shared, y, fc2.weight.t())  # the shared expert added in the GEMM's epilogue
+            y = fc2(y)
+        if out_scale != 1.0:
+            y = y * out_scale
+        return y if shared is None else y + shared
 
 
 def attach_workspace(model: nn.Module, workspace) -> list[MoE]:

@@ -72,7 +72,15 @@ def test_the_engine_fuses_each_mixer_and_latent_moe(tiny_ckpt):
 
     llm = LLM(str(tiny_ckpt), device="cpu", dtype="float32", block_size=4, num_cache_blocks=64)
     kinds = {tuple(m.members) for m in llm.engine.model.modules() if isinstance(m, FusedLinear)}
-    assert ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj", "g_a_proj") in kinds  # KDA
+    assert ("q_proj", "k_proj", "v_proj", "f_a_proj", "g_a_proj", "b_proj") in kinds  # KDA
+    kda = next(m for _, m in llm.engine.model.cached_layers() if hasattr(m, "gate_ups"))
+    # the two gate up-projections: views of one [2, P, K], applied as one batched GEMM
+    assert kda._gate_up_weight.shape == (2, kda.P, kda.K)
+    assert kda.f_b_proj.weight.data_ptr() == kda._gate_up_weight.data_ptr()
+    fa, ga = torch.randn(3, kda.K), torch.randn(3, kda.K)
+    got = kda.gate_ups(fa, ga, torch.cat((fa, ga), dim=-1))
+    for g, w in zip(got, (kda.f_b_proj(fa), kda.g_b_proj(ga))):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
     assert ("q_a_proj", "kv_a_proj_with_mqa", "indexer.wk", "g_proj") in kinds  # gated DSA
     assert ("q_proj", "k_proj", "v_proj") in kinds  # GQA
     assert ("fc1_latent_proj", "shared_experts.gate_up_proj") in kinds  # LatentMoE with a shared expert

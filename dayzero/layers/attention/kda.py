@@ -40,7 +40,7 @@ class DeltaRuleLayer(CachedLayer):
 
 class KDAAttention(DeltaRuleLayer):
     # the projections of the layer's input, one GEMM once fused (dayzero.layers.fused)
-    in_proj_members = ["q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj", "g_a_proj"]
+    in_proj_members = ["q_proj", "k_proj", "v_proj", "f_a_proj", "g_a_proj", "b_proj"]
 
     def __init__(self, hidden: int, spec: KDASpec, eps: float = 1e-6):
         super().__init__()
@@ -75,6 +75,10 @@ class KDAAttention(DeltaRuleLayer):
         fuse(self, "fused_in", self.in_proj_members)
         # the three conv weights as views of one [3P, 1, W]: the q, k and v convs run as one call
         self._conv_weight = concat_as_views([self.q_conv1d, self.k_conv1d, self.v_conv1d], "weight")
+        # the forget gate's and the output gate's up-projections as views of one [2, P, K]: one batched GEMM
+        ups = [self.f_b_proj, self.g_b_proj]
+        if all(type(m) is nn.Linear and m.bias is None for m in ups) and ups[0].weight.dtype == ups[1].weight.dtype:
+            self._gate_up_weight = concat_as_views(ups, "weight").view(2, self.P, self.K)
 
     def conv_weight(self) -> torch.Tensor:
         """The q, k and v conv weights as one [3P, 1, W] (fused once after loading)."""
@@ -83,19 +87,31 @@ class KDAAttention(DeltaRuleLayer):
             return fused
         return torch.cat((self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight))
 
+    def gate_ups(self, f_a: torch.Tensor, g_a: torch.Tensor, both: torch.Tensor | None = None):
+        """(f_b(f_a), g_b(g_a)), each [T, P]: one batched GEMM over ``both`` = [f_a | g_a] columns [T, 2K] once
+        the two weights are fused, else one GEMM each."""
+        w = getattr(self, "_gate_up_weight", None)
+        if w is None or both is None:
+            return self.f_b_proj(f_a), self.g_b_proj(g_a)
+        fg = torch.bmm(both.view(-1, 2, self.K).transpose(0, 1), w.transpose(1, 2))  # [2, T, P]
+        return fg[0], fg[1]
+
     def forward(self, x: torch.Tensor, batch) -> torch.Tensor:
         T, H, K, P = x.shape[0], self.H, self.K, self.P
         fused = self._modules.get("fused_in")
-        if fused is not None:  # [q | k | v | f_a | b | g_a] columns of one GEMM: q, k, v side by side already
-            qkv, f_a, b, g_a = fused(x, split=False).split([3 * P, K, H, K], dim=-1)
+        both = None
+        if fused is not None:  # [q | k | v | f_a | g_a | b] columns of one GEMM: q, k, v side by side already
+            qkv, both, b = fused(x, split=False).split([3 * P, 2 * K, H], dim=-1)
+            f_a, g_a = both.split([K, K], dim=-1)
         else:
-            q, k, v, f_a, b, g_a = project(self, "fused_in", self.in_proj_members, x)
+            q, k, v, f_a, g_a, b = project(self, "fused_in", self.in_proj_members, x)
             qkv = torch.cat((q, k, v), dim=-1)
         q, k, v = (t.view(T, H, K) for t in self.conv("conv", qkv, self.conv_weight(), batch, groups=3))
+        f, gate = self.gate_ups(f_a, g_a, both)
         # the forget gate's input [T, H, K] and beta's logits [T, H]: the op applies kda_gate and the sigmoid
-        f = self.f_b_proj(f_a).view(T, H, K)
-        o = self.delta_rule(q, k, v, f, b, K**-0.5, batch, gate=(self.A_log, self.dt_bias, self.lower_bound))
+        o = self.delta_rule(q, k, v, f.view(T, H, K), b, K**-0.5, batch,
+                            gate=(self.A_log, self.dt_bias, self.lower_bound))
 
-        gate = self.g_b_proj(g_a).view(T, H, K)
+        gate = gate.view(T, H, K)
         o = ops.call("rms_norm_gated", o, self.o_norm.weight, gate, self.eps)  # [T, H, V]
         return self.o_proj(o.reshape(T, H * K))
