@@ -1,11 +1,13 @@
 """The MXFP4 -> workspace conversion as one Triton kernel: each program unpacks a run of 32-value blocks (16
 packed bytes of two E2M1 codes each) and writes their values with contiguous stores, scaled by the block's E8M0
 scale (bf16 workspace), or as E4M3 codes with the scale beside them (FP8 workspace: every E2M1 value is exact in
-E4M3). The PyTorch form (``workspace._convert``) builds int64 indices and fp32 temporaries for the whole layer,
-about 20 bytes of traffic per weight where this moves 0.53 in and 1–2 out.
+E4M3, so each packed byte becomes its two E4M3 codes through a 256-entry table, one 16-bit store, and the
+kernel moves bytes at the copy rate; decoding arithmetically, as the bf16 path must to scale, costs the FP8
+path 2.5× its time). The PyTorch form (``workspace._convert``) builds int64 indices and fp32 temporaries for
+the whole layer, about 20 bytes of traffic per weight where this moves 0.53 in and 1–2 out.
 
-E2M1 is decoded arithmetically (sign, 2-bit exponent, 1-bit mantissa: 0, 0.5, 1, 1.5, 2, 3, 4, 6) and the
-E8M0 scale built from its bits (2^(s-127); 0xFF is NaN), so the kernel needs no table in memory. Products
+For the bf16 workspace E2M1 is decoded arithmetically (sign, 2-bit exponent, 1-bit mantissa: 0, 0.5, 1, 1.5,
+2, 3, 4, 6); the E8M0 scale is built from its bits in both (2^(s-127); 0xFF is NaN). Products
 below fp32's normal range (a scale byte of 0, 2^-127, that no checkpoint uses) may flush to zero.
 """
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from dayzero.ops.triton_support import HAS_TRITON, tl, triton, triton_refusal
+from dayzero.quant.mxfp4 import e4m3_pair_table
 
 GROUPS_PER_PROGRAM = 256  # 32-value blocks: 4 KiB of packed codes in, 8,192 values out
 
@@ -46,6 +49,20 @@ if HAS_TRITON:
         if FP8:
             tl.store(scale_out_ptr + g, scale, mask=ok)
 
+    @triton.jit
+    def _fp8_pairs_kernel(blocks_ptr, scales_ptr, out_ptr, scale_out_ptr, n_groups, table_ptr, GROUPS: tl.constexpr):
+        """FP8 workspace: each packed byte -> its two E4M3 codes, one int16 from ``table_ptr`` [256]; the block's
+        scale written beside as fp32."""
+        g = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
+        ok = g < n_groups
+        j = tl.arange(0, 16)
+        byte = tl.load(blocks_ptr + g[:, None] * 16 + j[None, :], mask=ok[:, None], other=0).to(tl.int32)
+        pairs = tl.load(table_ptr + byte)
+        tl.store(out_ptr.to(tl.pointer_type(tl.int16)) + g[:, None] * 16 + j[None, :], pairs, mask=ok[:, None])
+        s = tl.load(scales_ptr + g, mask=ok, other=127).to(tl.int32)
+        bits = tl.where(s == 0, 1 << 22, s << 23)  # 2^(s-127), as in _convert_kernel
+        tl.store(scale_out_ptr + g, tl.where(s == 255, float("nan"), bits.to(tl.float32, bitcast=True)), mask=ok)
+
 
 def convert_refusal(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, scale_out) -> str | None:
     why = triton_refusal(blocks)
@@ -54,8 +71,8 @@ def convert_refusal(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tenso
     tensors = [blocks, scales, out] + ([scale_out] if scale_out is not None else [])
     if not all(t.is_contiguous() for t in tensors):
         return "the packed weights and the workspace buffers must be contiguous"
-    if blocks.data_ptr() % 4:
-        return "the packed weights must start on a 4-byte boundary (they are read as int32 words)"
+    if blocks.data_ptr() % 4 or out.data_ptr() % 2:
+        return "the packed weights must start on a 4-byte boundary and the workspace on a 2-byte one"
     return None
 
 
@@ -64,7 +81,10 @@ def convert_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
     """Unpack [E, N, K/32, 16] codes into ``out`` [E, N, K] (bf16 values, or e4m3 codes with ``scale_out``
     [E, N, K/32] fp32), as ``workspace._convert`` does."""
     n = scales.numel()  # 32-value blocks
-    if n:
+    if n and scale_out is not None:
+        _fp8_pairs_kernel[(triton.cdiv(n, GROUPS_PER_PROGRAM),)](
+            blocks, scales, out, scale_out, n, e4m3_pair_table(blocks.device), GROUPS=GROUPS_PER_PROGRAM, num_warps=4)
+    elif n:
         _convert_kernel[(triton.cdiv(n, GROUPS_PER_PROGRAM),)](
             blocks, scales, out, scale_out if scale_out is not None else out, n, FP8=scale_out is not None,
             GROUPS=GROUPS_PER_PROGRAM, num_warps=4)

@@ -14,6 +14,7 @@ FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2
 _MAGNITUDES = torch.tensor(FP4_VALUES[:8])
 _EMAX_ELEM = 2  # exponent of the largest E2M1 value (6 = 1.5 * 2^2)
 _LUTS: dict[torch.device, torch.Tensor] = {}  # device -> FP4_VALUES there (see fp4_lut)
+_PAIRS: dict[torch.device, torch.Tensor] = {}  # device -> the byte -> E4M3 pair table there (see e4m3_pair_table)
 
 
 def fp4_lut(device: torch.device | str) -> torch.Tensor:
@@ -26,6 +27,21 @@ def fp4_lut(device: torch.device | str) -> torch.Tensor:
     if lut is None:
         lut = _LUTS[device] = torch.tensor(FP4_VALUES, dtype=torch.float32, device=device)
     return lut
+
+
+def e4m3_pair_table(device: torch.device | str) -> torch.Tensor:
+    """Packed byte -> its two E2M1 values as E4M3 codes in one int16 (the low nibble's in the low byte), [256]
+    on ``device``, built once per device (as :func:`fp4_lut`): every E2M1 value is exact in E4M3, so the FP8
+    workspace conversion is one table lookup per byte."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    table = _PAIRS.get(device)
+    if table is None:
+        codes = torch.tensor(FP4_VALUES).to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int32)
+        byte = torch.arange(256)
+        table = _PAIRS[device] = (codes[byte & 15] | (codes[byte >> 4] << 8)).to(torch.int16).to(device)
+    return table
 
 
 def _round_to_e2m1(x: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from dayzero.quant.convert_kernels import convert_mxfp4, convert_refusal
-from dayzero.quant.mxfp4 import BLOCK, dequantize_mxfp4, fp4_lut
+from dayzero.quant.mxfp4 import BLOCK, dequantize_mxfp4, e4m3_pair_table, fp4_lut
 
 COMPUTE = ("bf16", "fp8", "fused")
 
@@ -95,6 +95,7 @@ class ExpertWorkspace:
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" and self.num_slots > 1 else None
         self.conversions = 0
         fp4_lut(self.device)  # built now, before any capture
+        e4m3_pair_table(self.device)
 
     # --- sizing --------------------------------------------------------------------------------------
     def reserve(self, layers) -> None:
