@@ -76,8 +76,6 @@ class RotaryEmbedding(nn.Module):
         the rest pass through. ``-sin`` rotates back (DeepSeek-V4 un-rotates its attention output)."""
         if x.shape[-1] == self.dim:
             return ops.call("rotary", x, cos, sin, self.interleaved)
-        if self.last:
-            rest, rot = x.split([x.shape[-1] - self.dim, self.dim], dim=-1)
-            return torch.cat((rest, ops.call("rotary", rot, cos, sin, self.interleaved)), dim=-1)
-        rot, rest = x.split([self.dim, x.shape[-1] - self.dim], dim=-1)
-        return torch.cat((ops.call("rotary", rot, cos, sin, self.interleaved), rest), dim=-1)
+        # a partial rotary: the other channels pass through in the same call
+        start = x.shape[-1] - self.dim if self.last else 0
+        return ops.call("rotary", x, cos, sin, self.interleaved, start=start)

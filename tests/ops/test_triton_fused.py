@@ -133,6 +133,14 @@ def test_rotary_matches_the_reference(interleaved, dtype, tol):
     close(rope_k.apply_rotary(x, cos, sin, interleaved), rope_ref.apply_rotary(x, cos, sin, interleaved), tol)
     part = rand(5, 3, 40, dtype=dtype, seed=15)[..., 16:]  # the rotated tail of wider heads: a strided view
     close(rope_k.apply_rotary(part, cos, sin, interleaved), rope_ref.apply_rotary(part, cos, sin, interleaved), tol)
+    wide = rand(5, 3, 40, dtype=dtype, seed=16)
+    for start in (0, 5, 16):  # the first 24 channels, a middle run, the last 24: the others pass through unchanged
+        got = rope_k.apply_rotary(wide, cos, sin, interleaved, start=start)
+        close(got, rope_ref.apply_rotary(wide, cos, sin, interleaved, start=start), tol)
+        keep = torch.ones(40, dtype=torch.bool)
+        keep[start:start + 24] = False
+        assert torch.equal(got[..., keep], wide[..., keep])
+    assert "inside it" in rope_k._verify(wide, cos, sin, interleaved, start=17)
 
 
 @pytest.mark.parametrize("name,limit", [("silu", None), ("silu", 0.5), ("relu2", None), ("swiglu_oai", None)])

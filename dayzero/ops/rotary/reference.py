@@ -11,8 +11,14 @@ from dayzero.ops.registry import register
 
 
 @register("rotary")
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    # x: [T, H, D]; cos, sin: [T, D/2]
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,
+                 start: int | None = None) -> torch.Tensor:
+    """x: [T, H, D]; cos, sin: [T, D/2]. With ``start``, only channels start .. start + R of each head are rotated
+    (R = 2 · cos.shape[-1], a partial rotary) and the others pass through."""
+    if start is not None:
+        R = 2 * cos.shape[-1]
+        head, rot, tail = x.split([start, R, x.shape[-1] - start - R], dim=-1)
+        return torch.cat((head, apply_rotary(rot, cos, sin, interleaved), tail), dim=-1)
     xf = x.float()
     c, s = cos[:, None, :], sin[:, None, :]
     if interleaved:
