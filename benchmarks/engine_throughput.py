@@ -115,21 +115,51 @@ def gpu_busy(llm, batch: int, prompt_len: int, steps: int, vocab: int, table_fil
             eng.step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
-    busy, end = 0.0, -1.0
-    for a, b in spans:  # union of kernel intervals, in microseconds
-        if b > end:
-            busy += b - max(a, end)
-            end = b
+    busy, kernels = kernel_spans(prof)
     while eng.has_unfinished():
         eng.step()
     if table_file:
         with open(table_file, "w") as f:
             for key in ("self_cuda_time_total", "self_cpu_time_total"):
                 f.write(prof.key_averages().table(sort_by=key, row_limit=40) + "\n\n")
-    return {"batch": batch, "busy_fraction": busy * 1e-6 / wall, "kernels_per_step": len(spans) / steps,
+    return {"batch": batch, "busy_fraction": busy * 1e-6 / wall, "kernels_per_step": kernels / steps,
             "step_ms": 1e3 * wall / steps}
+
+
+def kernel_spans(prof) -> tuple[float, int]:
+    """(microseconds the GPU spent in kernels, the union of their intervals; how many kernels) of a profile."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    busy, end = 0.0, -1.0
+    for a, b in spans:
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return busy, len(spans)
+
+
+def prefill_profile(llm, prompt_len: int, vocab: int, table_file: str) -> dict:
+    """One batch-1 prefill step of ``prompt_len`` tokens under the profiler (after a warm one): its wall time,
+    the GPU's busy share of it, kernels launched, and the profiler's tables (GPU and host time) in ``table_file``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    eng = llm.engine
+    g = torch.Generator().manual_seed(2)
+    sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for run in range(2):
+        eng.add_request(f"prefill{run}", torch.randint(0, vocab, (prompt_len,), generator=g).tolist(), sp)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t = time.perf_counter()
+            while eng.has_unfinished():
+                eng.step()
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t
+    busy, kernels = kernel_spans(prof)
+    with open(table_file, "w") as f:
+        for key in ("self_cuda_time_total", "cpu_time_total"):
+            f.write(prof.key_averages().table(sort_by=key, row_limit=50) + "\n\n")
+    return {"prompt_len": prompt_len, "wall_ms": 1e3 * wall, "busy_fraction": busy * 1e-6 / wall, "kernels": kernels}
 
 
 def run_baseline(args) -> dict | None:
@@ -172,6 +202,8 @@ def main() -> None:
     ap.add_argument("--busy", type=int, default=None, metavar="B", help="GPU busy fraction of decode steps at batch B")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--profile-table", default=None, metavar="FILE", help="with --busy: the profiler's op tables")
+    ap.add_argument("--prefill-profile", default=None, metavar="FILE",
+                    help="profile one batch-1 prefill step (CUDA): wall time, GPU busy share, kernels; tables in FILE")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                     help="overlap each step's host work with the next step (default: the engine's, on for CUDA)")
     ap.add_argument("--expert-compute", default=None, choices=["bf16", "fp8", "fused"],
@@ -229,6 +261,11 @@ def main() -> None:
                         args.profile_table)
         print(f"decode at batch {busy['batch']}: GPU busy {busy['busy_fraction']:.1%} of the step "
               f"({busy['step_ms']:.2f} ms, {busy['kernels_per_step']:.0f} kernels per step)")
+    prefill = None
+    if args.prefill_profile and dev.type == "cuda":
+        prefill = prefill_profile(llm, args.prompt_len, spec.vocab_size, args.prefill_profile)
+        print(f"prefill of {prefill['prompt_len']} tokens at batch 1: {prefill['wall_ms']:.1f} ms, GPU busy "
+              f"{prefill['busy_fraction']:.1%} of it, {prefill['kernels']} kernels (tables: {args.prefill_profile})")
     if base is not None:
         print("\nside by side (same run): baseline -> this version")
         print(f"{'batch':>5} {'prefill tok/s':>22} {'ratio':>6} {'decode tok/s':>20} {'ratio':>6} {'of roofline':>16}")
@@ -240,7 +277,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": args.config, "device": str(dev), "bandwidth": bw, "flops": flops, "rows": rows,
-                       "decode_mode": getattr(eng, "decode_mode", "eager"), "busy": busy, "baseline": base}, f, indent=2)
+                       "decode_mode": getattr(eng, "decode_mode", "eager"), "busy": busy, "prefill": prefill,
+                       "baseline": base}, f, indent=2)
 
 
 if __name__ == "__main__":
