@@ -5,9 +5,14 @@ accumulation. A platform (``cpu``, ``cuda``, ...) may register faster implementa
 verifier that can refuse a call's shapes and say why; the refusal falls back to the reference.
 The choice for each (op, platform) is logged once. ``DAYZERO_OPS="kda_pooled=reference,paged_mla=cuda"``
 (or :func:`override`) forces a choice; the variable is checked whole (see :func:`env_overrides`).
+
+:func:`use_platform` makes every call inside it pick another platform's implementations whatever the tensors'
+device: ``dayzero.train`` runs the model under ``"train"``, whose implementations are autograd-safe and start
+every sequence from zero state (ops it does not implement fall back to their references).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -40,6 +45,8 @@ _LOGGED: set[tuple[str, str]] = set()
 # Wraps every op call while set (profilers, op tracing): hook(op, chosen, reason, fn, args, kwargs) runs
 # ``fn(*args, **kwargs)`` itself and returns its result. None (the default) costs one comparison per call.
 _HOOK: Callable | None = None
+# The platform every call picks while :func:`use_platform` is active (None: the tensors' device decides).
+_PLATFORM: str | None = None
 
 
 def register(op: str, platform: str = REFERENCE, verifier=None, note: str = ""):
@@ -107,6 +114,24 @@ def platform_of(device: torch.device | str) -> str:
     return torch.device(device).type
 
 
+@contextlib.contextmanager
+def use_platform(platform: str):
+    """Inside the block every :func:`call` chooses ``platform``'s implementations (falling back to the reference
+    where it has none), whatever device its tensors are on; forced choices (:func:`override`, ``DAYZERO_OPS``)
+    still win."""
+    global _PLATFORM
+    prev, _PLATFORM = _PLATFORM, platform
+    try:
+        yield
+    finally:
+        _PLATFORM = prev
+
+
+def active_platform() -> str | None:
+    """The platform :func:`use_platform` has set, or None."""
+    return _PLATFORM
+
+
 def choose(op: str, platform: str, *args, **kwargs) -> tuple[str, Impl, str | None]:
     """Pick the implementation of ``op`` for ``platform``; returns (platform chosen, impl, why not faster)."""
     entry = _OPS.get(op)
@@ -127,10 +152,14 @@ def choose(op: str, platform: str, *args, **kwargs) -> tuple[str, Impl, str | No
 
 
 def call(op: str, *args, device: torch.device | str | None = None, **kwargs):
-    """Run ``op`` with the implementation for ``device`` (taken from the first tensor argument if None)."""
-    if device is None:
-        device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
-    plat = platform_of(device)
+    """Run ``op`` with the implementation for ``device`` (taken from the first tensor argument if None), or for
+    the platform :func:`use_platform` has set."""
+    if _PLATFORM is not None:
+        plat = _PLATFORM
+    else:
+        if device is None:
+            device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+        plat = platform_of(device)
     chosen, impl, reason = choose(op, plat, *args, **kwargs)
     key = (op, plat)
     if key not in _LOGGED:

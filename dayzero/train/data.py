@@ -1,0 +1,179 @@
+"""Training data: the synthetic tasks of :mod:`dayzero.eval.tasks` (the ``train`` split only, so no held-out
+instance is trained on), tokenized by the checkpoint's tokenizer and packed into one step's sequences.
+
+Every instance is one fresh sequence, in one of two formats, the loss on the answer tokens only:
+
+- plain, as ``dayzero eval`` prompts the model: ``prompt`` then ``answer`` ``"\\n"`` EOS;
+- chat, through the checkpoint's chat template: ``<|bos|><|user|>prompt<|end|><|assistant|>`` then ``answer``
+  ``<|end|>`` (the end-of-turn token the engine stops a chat at).
+
+A step holds about ``tokens`` tokens: ``recall_share`` of them key-value recall prompts, the rest the short
+tasks drawn by ``weights``. The recall context lengths follow a curriculum: uniform between ``recall_min`` and
+a bound growing from ``recall_start`` to ``recall_max`` over the first ``recall_ramp`` of training.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from dayzero.eval.tasks import TASKS, Instance, instances
+from dayzero.engine.tokenizer import chat_end_of_turn_ids
+
+IGNORE = -100  # target of a row whose next token is not an answer token
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    tokens: int = 65536  # tokens per step
+    weights: dict[str, float] = field(default_factory=lambda: {
+        "addition": 0.3, "subtraction": 0.25, "reversal": 0.17, "sorting": 0.13, "copy": 0.15})
+    recall_share: float = 0.4  # of the step's tokens
+    recall_min: int = 128
+    recall_start: int = 384
+    recall_max: int = 2560
+    recall_ramp: float = 0.5  # fraction of training over which the recall bound grows
+    chat_share: float = 0.2
+    max_digits: int = 5
+    max_chars: int = 24  # reversal
+    sort_chars: int = 16
+    copy_words: int = 32
+
+    def __post_init__(self):
+        bad = sorted(set(self.weights) - set(TASKS))
+        if bad:
+            raise ValueError(f"unknown task {', '.join(bad)}; the tasks are {', '.join(TASKS)}")
+        if "recall" in self.weights:
+            raise ValueError("recall takes its share of tokens from recall_share, not from weights")
+        if self.tokens < 64:
+            raise ValueError(f"tokens per step must be at least 64, got {self.tokens}")
+        if not 0 <= self.recall_share < 1 or not 0 <= self.chat_share <= 1:
+            raise ValueError("recall_share must be in [0, 1) and chat_share in [0, 1]")
+        if not 0 < self.recall_min <= self.recall_start <= self.recall_max:
+            raise ValueError("recall lengths must satisfy 0 < recall_min <= recall_start <= recall_max")
+
+    def recall_bound(self, progress: float) -> int:
+        ramp = min(1.0, progress / self.recall_ramp) if self.recall_ramp > 0 else 1.0
+        return int(self.recall_start + ramp * (self.recall_max - self.recall_start))
+
+    def options(self, task: str) -> dict:
+        return {"addition": {"max_digits": self.max_digits}, "subtraction": {"max_digits": self.max_digits},
+                "reversal": {"max_chars": self.max_chars}, "sorting": {"max_chars": self.sort_chars},
+                "copy": {"words": self.copy_words}}.get(task, {})
+
+
+class Encoder:
+    """Prompt and answer token ids in both formats, with the rows the loss is taken on."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.eos = tokenizer.eos_token_id
+        marker = "\x00"
+        text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=True,
+                                             tokenize=False)
+        head, tail = text.split(marker)
+        self.chat_head = tokenizer.encode(head, add_special_tokens=False)
+        self.chat_tail = tokenizer.encode(tail, add_special_tokens=False)
+        end = chat_end_of_turn_ids(tokenizer)
+        self.chat_end = list(end) if end else [self.eos]
+
+    def count(self, text: str) -> int:
+        return len(self.tok.encode(text, add_special_tokens=False))
+
+    def encode(self, insts: list[Instance], chat: list[bool]) -> list[tuple[list[int], int]]:
+        """(token ids, answer start) per instance: the answer is ids[start:]."""
+        texts = [i.prompt for i in insts] + [i.answer + ("" if c else "\n") for i, c in zip(insts, chat)]
+        ids = self.tok(texts, add_special_tokens=False)["input_ids"]
+        out = []
+        for n, c in enumerate(chat):
+            prompt, answer = ids[n], ids[len(insts) + n]
+            if c:
+                prompt, answer = self.chat_head + prompt + self.chat_tail, answer + self.chat_end
+            else:
+                answer = answer + [self.eos]
+            out.append((prompt + answer, len(prompt)))
+        return out
+
+
+@dataclass
+class StepData:
+    """One step's sequences in order of length: ``ids`` and ``targets`` [T] (target t is token t+1 where that is
+    an answer token, else IGNORE), ``lens`` the sequence lengths."""
+
+    ids: torch.Tensor
+    targets: torch.Tensor
+    lens: list[int]
+    tasks: dict[str, int]
+
+    def pin_memory(self) -> "StepData":
+        return StepData(self.ids.pin_memory(), self.targets.pin_memory(), self.lens, self.tasks)
+
+
+def pack(seqs: list[tuple[list[int], int]]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    seqs = sorted(seqs, key=lambda s: len(s[0]))
+    ids, targets, lens = [], [], []
+    for toks, start in seqs:
+        ids += toks
+        targets += [IGNORE] * (start - 1) + toks[start:] + [IGNORE]
+        lens.append(len(toks))
+    return torch.tensor(ids, dtype=torch.int64), torch.tensor(targets, dtype=torch.int64), lens
+
+
+class TaskStream:
+    """Steps of training data; step s of a stream with seed ``seed`` is the same on every run."""
+
+    def __init__(self, config: DataConfig, tokenizer, seed: int = 0):
+        self.config = config
+        self.enc = Encoder(tokenizer)
+        self.seed = seed
+        self._avg = {t: self._mean_len(t) for t in config.weights}
+
+    def _mean_len(self, task: str) -> float:
+        insts = instances(task, 64, "train", seed=-1 - self.seed, **self.config.options(task))
+        return sum(len(s) for s, _ in self.enc.encode(insts, [False] * len(insts))) / len(insts)
+
+    def step(self, step: int, progress: float) -> StepData:
+        c = self.config
+        r = random.Random(f"{self.seed}/{step}")
+        seed = self.seed * 1_000_003 + step  # per step instances of the train split, never the eval split
+        seqs, tasks = [], {}
+        recall_tokens = int(c.tokens * c.recall_share)
+        hi = c.recall_bound(progress)
+        n = 0
+        while recall_tokens > c.recall_min:
+            length = min(recall_tokens, r.randint(c.recall_min, max(c.recall_min, hi)))
+            if length < c.recall_min:
+                break
+            inst = instances("recall", 1, "train", seed=seed * 64 + n, context_len=length, count=self.enc.count)
+            seqs += self.enc.encode(inst, [r.random() < c.chat_share])
+            recall_tokens -= len(seqs[-1][0])
+            n += 1
+        tasks["recall"] = n
+        rest = c.tokens - sum(len(s) for s, _ in seqs)
+        total = sum(c.weights.values())
+        for task, w in c.weights.items():
+            k = max(1, int(rest * w / total / self._avg[task]))
+            insts = instances(task, k, "train", seed=seed, **c.options(task))
+            seqs += self.enc.encode(insts, [r.random() < c.chat_share for _ in insts])
+            tasks[task] = k
+        ids, targets, lens = pack(seqs)
+        return StepData(ids, targets, lens, tasks)
+
+
+class StreamDataset(torch.utils.data.IterableDataset):
+    """Steps ``first, first + workers, ...`` of a :class:`TaskStream` per worker, so that the workers together
+    yield every step in order. ``progress`` is shared memory (``multiprocessing.Value``) the trainer keeps at
+    its fraction of training done: the recall curriculum of a step follows it."""
+
+    def __init__(self, config: DataConfig, tokenizer, seed: int, progress, first: int = 0):
+        self.config, self.tokenizer, self.seed, self.progress, self.first = config, tokenizer, seed, progress, first
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        stream = TaskStream(self.config, self.tokenizer, self.seed)
+        s = self.first + wid
+        while True:
+            yield stream.step(s, self.progress.value)
+            s += nw

@@ -1,0 +1,41 @@
+"""Held-out accuracy of a saved checkpoint through the real engine (``dayzero.LLM``), as ``dayzero eval``
+scores it: the eval split's instances, greedy decoding stopped at the newline, exact match."""
+from __future__ import annotations
+
+import gc
+from types import SimpleNamespace
+
+import torch
+
+from dayzero.eval.tasks import TASKS
+from dayzero.tools import eval_cli
+
+
+def evaluate(path, n: int = 100, tasks=tuple(TASKS), context_len: int = 2048, max_digits: int = 5,
+             task_seed: int = 0, device: str = "auto", **engine) -> list[dict]:
+    """Rows of ``eval_cli.score`` (task, n, correct, accuracy, 95% interval) for the checkpoint at ``path``;
+    ``engine`` goes to ``LLM`` (e.g. ``enforce_eager``, ``cache_memory_bytes``)."""
+    from dayzero import LLM, SamplingParams
+
+    args = SimpleNamespace(tasks=",".join(tasks), n=n, task_seed=task_seed, max_digits=max_digits,
+                           context_len=context_len, url=None)
+    eval_cli.check_options(args)
+    llm = LLM(str(path), device=device, **engine)
+    try:
+        insts = eval_cli.build(args, llm.tokenizer)
+        params = [SamplingParams(max_tokens=eval_cli._max_tokens(i), temperature=0.0, stop=["\n"]) for i in insts]
+        outs = llm.generate([i.prompt for i in insts], params)
+        return eval_cli.score(insts, [o.outputs[0].text for o in outs])
+    finally:
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'task':<12} {'n':>5} {'correct':>8} {'accuracy':>9}  {'95% interval':>15}"]
+    for r in rows:
+        lines.append(f"{r['task']:<12} {r['n']:>5} {r['correct']:>8} {r['accuracy']:>9.1%}  "
+                     f"{r['low']:>6.1%} – {r['high']:>6.1%}")
+    return "\n".join(lines)

@@ -1,0 +1,151 @@
+"""Training implementations of the KDA layer's pooled ops (the ``train`` platform): every sequence of a
+:class:`~dayzero.train.batch.TrainBatch` starts from zero state, nothing is written back, autograd runs through.
+
+- ``causal_conv1d_pooled``: the depthwise causal conv over the flat rows as W shifted taps, each tap masked
+  where it would reach before its sequence's first token (the zero window of a fresh sequence).
+- ``kda_pooled``: fla-core's ``chunk_kda`` over the packed rows (``cu_seqlens``) on CUDA, which has a backward;
+  elsewhere (or without fla) the chunk form of ``dayzero/ops/kda/reference.py`` batched over the batch's length
+  buckets, with the forward substitution done by a triangular solve (the reference's substitution writes its
+  rows in place, which autograd cannot differentiate).
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from dayzero.ops.kda.reference import _prep, grouped, kda_gate
+from dayzero.ops.registry import register
+
+try:  # fla-core: Triton kernels with a backward (optional, GPU only)
+    from fla.ops.kda import chunk_kda
+except Exception:  # noqa: BLE001 - absent, or a triton it cannot use: the PyTorch chunk form runs
+    chunk_kda = None
+
+
+@register("causal_conv1d_pooled", "train", note="shifted taps over the packed rows, zero window, autograd-safe")
+def causal_conv1d_train(x, weight, window_pool, batch, activation: str | None = "silu", groups: int = 1):
+    # x: [T, C]; weight: [C, W] (or [C, 1, W]) -> y [T, C] in x.dtype (groups G: [G, T, C/G])
+    if activation not in ("silu", None):
+        raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
+    T, C = x.shape
+    w = weight.reshape(C, -1).float()
+    W = w.shape[1]
+    xp = F.pad(x.float(), (0, 0, W - 1, 0))  # [W-1+T, C]: row t+W-1 is token t
+    y = xp[W - 1:] * w[:, W - 1]
+    for j in range(W - 1):  # tap j reads the token W-1-j rows back, absent before the sequence's start
+        back = W - 1 - j
+        y = y + (xp[j:j + T] * w[:, j]) * (batch.positions >= back)[:, None]
+    if activation == "silu":
+        y = F.silu(y)
+    return grouped(y.to(x.dtype), groups)
+
+
+def fla_available(t: torch.Tensor) -> bool:
+    return chunk_kda is not None and t.is_cuda
+
+
+def _autotuners(obj):
+    """The Triton autotuners inside a kernel object (``triton.heuristics`` may wrap them)."""
+    from triton.runtime.autotuner import Autotuner
+
+    for _ in range(4):
+        if obj is None:
+            return
+        if isinstance(obj, Autotuner):
+            yield obj
+        obj = getattr(obj, "fn", None)
+
+
+def _pick(configs: list, keep: int) -> list:
+    """A moderate config (4 warps, few stages, large blocks) and the most conservative one."""
+    ints = lambda c: [v for v in c.kwargs.values() if isinstance(v, int)]  # noqa: E731
+    moderate = min(configs, key=lambda c: (abs(math.log2(c.num_warps / 4)), abs(c.num_stages - 2),
+                                           -min(ints(c), default=0)))
+    small = min(configs, key=lambda c: (c.num_warps, c.num_stages, max(ints(c), default=0)))
+    return [moderate] + ([small] if keep > 1 and small is not moderate else [])
+
+
+_LIMITED = False
+
+
+def limit_fla_autotuning(keep: int = 2) -> int:
+    """Cut every fla kernel's autotuning to ``keep`` configs (the full search compiles and times about 200
+    kernels on a fresh machine, minutes of a short training run); ``DAYZERO_FLA_AUTOTUNE=full`` keeps it whole.
+    Returns the number of kernels cut."""
+    global _LIMITED
+    if _LIMITED or os.environ.get("DAYZERO_FLA_AUTOTUNE", "") == "full":
+        return 0
+    _LIMITED, n = True, 0
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("fla.") or mod is None:
+            continue
+        for obj in list(vars(mod).values()):
+            for tuner in _autotuners(obj):
+                if len(tuner.configs) > keep:
+                    tuner.configs = _pick(list(tuner.configs), keep)
+                    n += 1
+    return n
+
+
+@register("kda_pooled", "train", note="fla-core chunk_kda (CUDA) or the batched chunk form, zero initial state")
+def kda_train(q, k, v, g, beta, scale: float, state_pool, batch, use_qk_l2norm: bool = True,
+              gate: tuple | None = None):
+    # q, k, g: [T, H, K]; v: [T, H, V]; beta: [T, H] -> o [T, H, V] in v.dtype; gate: as the reference's
+    if gate is not None:
+        g, beta = kda_gate(g, *gate), torch.sigmoid(beta.float())
+    if fla_available(q):
+        limit_fla_autotuning()
+        cu_host = getattr(batch, "cu_seqlens_cpu", None)
+        if cu_host is None:
+            cu_host = torch.tensor(batch.query_start, dtype=torch.int64)
+        o, _ = chunk_kda(q[None].contiguous(), k[None].contiguous(), v[None].contiguous().to(q.dtype),
+                         g[None].float().contiguous(), beta[None].float().contiguous(), scale=scale,
+                         initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=use_qk_l2norm,
+                         cu_seqlens=batch.cu_seqlens, cu_seqlens_cpu=cu_host)
+        return o[0].to(v.dtype)
+    xs = _prep(q, k, v, g, beta, scale, use_qk_l2norm)
+    pieces = zip(*(batch.split(x) for x in xs))
+    outs = [b.unpad(kda_chunk_batched(*(b.pad(x) for x in piece))) for b, piece in zip(batch.buckets, pieces)]
+    return torch.cat(outs).to(v.dtype)
+
+
+def kda_chunk_batched(q, k, v, g, beta, C: int = 64) -> torch.Tensor:
+    """KDA from zero state in chunk form for B sequences of one width, autograd-safe.
+    q, k, g: [B, L, H, K] (q scaled and q, k normalised already); v: [B, L, H, V]; beta: [B, L, H]; fp32.
+    Returns o [B, L, H, V] fp32. Each sequence's padding comes after its real tokens, so it changes nothing
+    they compute."""
+    B, L, H, K = q.shape
+    V = v.shape[-1]
+    C = min(C, L)  # short sequences: one chunk of their own length, not padded to a full one
+    n = -(-L // C)
+
+    def chunks(x):  # [B, L, H, *] -> [B, H, n, C, *]; zero padding: k = beta = 0 adds nothing, g = 0 keeps S
+        x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, n * C - L))
+        return x.reshape(B, n, C, *x.shape[2:]).movedim(3, 1)
+
+    q, k, v, g = map(chunks, (q, k, v, g))  # [B, H, n, C, K|V]
+    beta = chunks(beta[..., None])[..., 0]  # [B, H, n, C]
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    G = g.cumsum(3)  # Γ_r within each chunk
+    # e^{Γ_r - Γ_c} for c <= r (differences <= 0, never overflowing), 0 above the diagonal
+    D = (G[..., :, None, :] - G[..., None, :, :]).masked_fill(~causal[..., None], float("-inf")).exp()
+    A_kk = torch.einsum("bhnrk,bhnrck,bhnck->bhnrc", k, D, k).tril(-1) * beta[..., None]  # L
+    A_qk = torch.einsum("bhnrk,bhnrck,bhnck->bhnrc", q, D, k)
+    eye = torch.eye(C, dtype=q.dtype, device=q.device)
+    rhs = beta[..., None] * torch.cat((G.exp() * k, v), -1)  # Diag(beta) [e^Γ k | v]
+    X = torch.linalg.solve_triangular(eye + A_kk, rhs, upper=False, unitriangular=True)
+    Wm, U = X.split([K, V], -1)
+    G_C = G[..., -1, :]  # [B, H, n, K]
+    S = q.new_zeros(B, H, K, V)
+    outs = []
+    for j in range(n):
+        Vp = U[:, :, j] - Wm[:, :, j] @ S  # V' = U - W S
+        outs.append((q[:, :, j] * G[:, :, j].exp()) @ S + A_qk[:, :, j] @ Vp)
+        decay = (G_C[:, :, j, None] - G[:, :, j]).exp() * k[:, :, j]  # e^{Γ_C - Γ_c} k_c
+        S = G_C[:, :, j].exp()[..., None] * S + decay.transpose(-1, -2) @ Vp
+    o = torch.stack(outs, 2)  # [B, H, n, C, V]
+    return o.movedim(1, 3).reshape(B, n * C, H, V)[:, :L]

@@ -1,0 +1,171 @@
+"""Train the bundled default model (a small ``dayzero_hybrid``: KDA, gated DSA, LatentMoE) on the synthetic tasks
+of ``dayzero eval`` (their train split), write it as a checkpoint and score it on held-out instances.
+
+    python scripts/train_default.py --device cuda --minutes 8 --out trained
+    python scripts/train_default.py --tiny --steps 20 --out /tmp/tiny     # CPU smoke run
+
+``--minutes`` is the whole job's budget: training stops by the clock early enough to save the checkpoint and
+run the final evaluation (``--eval-seconds`` are kept for those). The checkpoint in ``--out`` has the files of
+``dayzero/assets/default`` (routed experts in MXFP4 unless ``--expert-format bf16``) and loads with
+``dayzero.LLM(out)``; the final table is ``dayzero eval``'s (``--eval-n`` instances per task through the engine).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CONFIGS = ROOT / "configs"
+DEFAULT_CONFIG = CONFIGS / "dayzero-default-train.json"
+TINY_CONFIG = CONFIGS / "dayzero-train-tiny.json"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="auto", help="auto (CUDA when present) | cpu | cuda | cuda:N")
+    ap.add_argument("--minutes", type=float, default=None,
+                    help="time budget of the whole job (default 8; none with --steps)")
+    ap.add_argument("--steps", type=int, default=None, help="stop after this many steps (or the clock, first)")
+    ap.add_argument("--out", required=True, help="checkpoint directory to write")
+    ap.add_argument("--overwrite", action="store_true", help="write into --out even when it holds files")
+    ap.add_argument("--tiny", action="store_true", help="a tiny model and small steps (CPU smoke runs)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--config", default=None, help=f"model config (default {DEFAULT_CONFIG.relative_to(ROOT)})")
+    ap.add_argument("--tasks", default=None, help="comma-separated training tasks (default: all of dayzero eval's)")
+    ap.add_argument("--tokens", type=int, default=None, help="tokens per step (default 98304; --tiny 2048)")
+    ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default 2e-3)")
+    ap.add_argument("--expert-format", default="mxfp4", choices=["mxfp4", "bf16"], help="routed experts on disk")
+    ap.add_argument("--workers", type=int, default=None, help="data worker processes (default 6 on CUDA, 0 on CPU)")
+    ap.add_argument("--eval-n", type=int, default=100, help="held-out instances per task in the final table (0: none)")
+    ap.add_argument("--eval-every", type=float, default=150.0, metavar="S",
+                    help="seconds between quick held-out evaluations during training (0: none)")
+    ap.add_argument("--eval-seconds", type=float, default=None, metavar="S",
+                    help="seconds of the budget kept for saving and the final evaluation (default 75 on CUDA)")
+    ap.add_argument("--log-every", type=int, default=None, help="steps between progress lines")
+    return ap.parse_args(argv)
+
+
+def check(args) -> None:
+    """Every option checked before anything is built; ValueError naming the one at fault."""
+    from dayzero.eval.tasks import TASKS
+
+    if args.minutes is None and args.steps is None:
+        args.minutes = 8.0
+    if args.minutes is not None and not args.minutes > 0:
+        raise ValueError(f"--minutes must be positive, got {args.minutes}")
+    if args.steps is not None and args.steps < 1:
+        raise ValueError(f"--steps must be at least 1, got {args.steps}")
+    if args.tasks is not None:
+        names = [t.strip() for t in args.tasks.split(",") if t.strip()]
+        bad = [t for t in names if t not in TASKS]
+        if bad or not names:
+            raise ValueError(f"--tasks: unknown task {', '.join(bad) or '(none given)'}; "
+                             f"the tasks are {', '.join(TASKS)}")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
+        raise ValueError(f"--out {out} exists and is not empty; pass --overwrite to write into it")
+    for name in ("tokens", "workers", "log_every"):
+        v = getattr(args, name)
+        if v is not None and v < (0 if name == "workers" else 1):
+            need = ">= 0" if name == "workers" else "positive"
+            raise ValueError(f"--{name.replace('_', '-')} must be {need}, got {v}")
+    if args.lr is not None and not args.lr > 0:
+        raise ValueError(f"--lr must be positive, got {args.lr}")
+    if args.eval_n < 0 or args.eval_every < 0:
+        raise ValueError("--eval-n and --eval-every must be >= 0")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    check(args)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the data workers fork after the tokenizer loads
+    # every step has other shapes: growable segments keep the allocator from freeing and re-allocating
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    import torch
+
+    from dayzero.config.model_config import HybridConfig
+    from dayzero.engine.device import configure_threads, resolve_device
+    from dayzero.engine.engine import DEFAULT_MODEL
+    from dayzero.engine.tokenizer import load_tokenizer
+    from dayzero.eval.tasks import TASKS
+    from dayzero.train.checkpoint import new_model, save_checkpoint
+    from dayzero.train.data import DataConfig
+    from dayzero.train.evaluate import evaluate, table
+    from dayzero.train.loop import TrainConfig, Trainer
+
+    t0 = time.monotonic()
+    device = resolve_device(args.device)
+    cuda = device.type == "cuda"
+    if not cuda:
+        configure_threads()  # fewer threads than cores on a loaded machine: torch's would wait on each other
+    config = HybridConfig.from_file(args.config or (TINY_CONFIG if args.tiny else DEFAULT_CONFIG))
+    tokenizer = load_tokenizer(DEFAULT_MODEL)
+    tasks = [t.strip() for t in (args.tasks or ",".join(TASKS)).split(",") if t.strip()]
+    data = DataConfig()
+    weights = {t: w for t, w in data.weights.items() if t in tasks}
+    recall_share = data.recall_share if "recall" in tasks else 0.0
+    if not weights:  # recall alone
+        recall_share = 0.95
+    data = replace(data, weights=weights or {"copy": 1.0}, recall_share=recall_share,
+                   tokens=args.tokens or (2048 if args.tiny else 98304))
+    if args.tiny:
+        data = replace(data, recall_min=64, recall_start=96, recall_max=160, max_digits=3, max_chars=8, sort_chars=6,
+                       copy_words=6)
+    reserve = args.eval_seconds if args.eval_seconds is not None else (75.0 if cuda else 30.0)
+    seconds = None
+    if args.minutes is not None:
+        seconds = args.minutes * 60 - reserve - (time.monotonic() - t0)
+        if seconds <= 0:
+            raise ValueError(f"--minutes {args.minutes} leaves no time to train after the {reserve:.0f} s kept for "
+                             "saving and evaluating (--eval-seconds)")
+    out = Path(args.out)
+    train_config = TrainConfig(
+        seconds=seconds, steps=args.steps, lr=args.lr or 2e-3, seed=args.seed, data=data,
+        workers=args.workers if args.workers is not None else (6 if cuda else 0),
+        log_every=args.log_every or (20 if cuda else 1), warmup_steps=5 if args.tiny else 30,
+        eval_every=(args.eval_every or None) if cuda else None,
+        fake_mxfp4=args.expert_format == "mxfp4")
+    torch.manual_seed(args.seed)
+    model = new_model(config, device, args.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: dayzero_hybrid {config.hidden_size}x{config.num_hidden_layers} ({', '.join(config.layer_types)}), "
+          f"{n_params / 1e6:.1f}M parameters, on {device}; {data.tokens} tokens a step; tasks {', '.join(tasks)}",
+          flush=True)
+
+    def quick_eval(step: int) -> None:
+        save_checkpoint(model, config, out, DEFAULT_MODEL, args.expert_format)
+        rows = evaluate(out, n=16, tasks=tasks, device=str(device), enforce_eager=True,
+                        cache_memory_bytes=2 << 30, max_model_len=4096)
+        print(f"eval at step {step}: " + "  ".join(f"{r['task']} {r['accuracy']:.0%}" for r in rows), flush=True)
+
+    trainer = Trainer(model, tokenizer, train_config, device, log=lambda s: print(s, flush=True), on_eval=quick_eval)
+    summary = trainer.train()
+    save_checkpoint(model, config, out, DEFAULT_MODEL, args.expert_format)
+    size = (out / "model.safetensors").stat().st_size
+    print(f"trained {summary['steps']} steps, {summary['tokens'] / 1e6:.1f}M tokens in {summary['seconds']:.0f} s; "
+          f"wrote {out} (model.safetensors {size / 2**20:.1f} MiB, experts {args.expert_format})", flush=True)
+    if args.eval_n:
+        ctx = 2048 if not args.tiny else 128
+        rows = evaluate(out, n=args.eval_n, tasks=tasks, context_len=ctx, max_digits=data.max_digits,
+                        device=str(device), cache_memory_bytes=4 << 30 if cuda else 1 << 28)
+        print(f"{out}: exact match, greedy, held-out (eval split), recall at {ctx} tokens")
+        print(table(rows))
+    print(f"total {time.monotonic() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

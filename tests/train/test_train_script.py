@@ -1,0 +1,76 @@
+"""scripts/train_default.py: a tiny CPU run writes a checkpoint that ``dayzero.LLM`` loads and generates from;
+bad options stop it before anything is built, with the option named."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dayzero import LLM, SamplingParams
+from dayzero.config.model_config import HybridConfig
+from dayzero.train.checkpoint import checkpoint_tensors, new_model
+
+ROOT = Path(__file__).resolve().parents[2]
+ASSET_FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+               "generation_config.json"}
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("train_default", ROOT / "scripts" / "train_default.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_tiny_run_writes_a_checkpoint_the_engine_loads(tmp_path, capsys):
+    out = tmp_path / "ckpt"
+    assert _script().main(["--tiny", "--device", "cpu", "--steps", "3", "--out", str(out), "--eval-n", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "step      3" in printed and "addition" in printed  # progress lines, then the held-out table
+    assert ASSET_FILES <= {p.name for p in out.iterdir()}
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "dayzero_hybrid" and config["quantization_config"]["quant_method"] == "mxfp4"
+    llm = LLM(str(out), device="cpu")
+    o = llm.generate(["12+34="], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0].outputs[0]
+    assert len(o.token_ids) == 4
+    chat = llm.chat([{"role": "user", "content": "reverse abc ="}], SamplingParams(max_tokens=2))
+    assert chat[0].outputs[0].token_ids
+
+
+def test_bf16_experts_checkpoint_loads(tmp_path):
+    out = tmp_path / "ckpt"
+    _script().main(["--tiny", "--device", "cpu", "--steps", "1", "--out", str(out), "--eval-n", "0",
+                    "--expert-format", "bf16", "--tasks", "addition,recall"])
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    LLM(str(out), device="cpu").generate(["1+1="], SamplingParams(max_tokens=2, temperature=0.0))
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--tasks", "addition,multiplication"], "--tasks: unknown task multiplication"),
+    (["--minutes", "0"], "--minutes must be positive"),
+    (["--minutes", "-1"], "--minutes must be positive"),
+    (["--steps", "0"], "--steps must be at least 1"),
+    (["--tokens", "0"], "--tokens must be positive"),
+], ids=["task", "minutes-zero", "minutes-negative", "steps", "tokens"])
+def test_bad_options_name_the_option(tmp_path, argv, match):
+    with pytest.raises(ValueError, match=match):
+        _script().main(["--tiny", "--device", "cpu", "--out", str(tmp_path / "x"), *argv])
+    assert not (tmp_path / "x").exists()
+
+
+def test_output_dir_with_files_needs_overwrite(tmp_path):
+    (tmp_path / "keep.txt").write_text("mine")
+    with pytest.raises(ValueError, match="exists and is not empty; pass --overwrite"):
+        _script().main(["--tiny", "--device", "cpu", "--steps", "1", "--out", str(tmp_path)])
+    assert (tmp_path / "keep.txt").read_text() == "mine"
+
+
+def test_default_training_config_fits_16_mib_with_mxfp4_experts():
+    config = HybridConfig.from_file(ROOT / "configs" / "dayzero-default-train.json")
+    assert config.index_topk < 2048  # the recall contexts reach past the DSA top-k
+    tensors = checkpoint_tensors(new_model(config, "cpu"), config, "mxfp4")
+    assert sum(t.numel() * t.element_size() for t in tensors.values()) <= 16 * 2**20
+    assert any(name.endswith("w1_blocks") and t.dtype == torch.uint8 for name, t in tensors.items())
