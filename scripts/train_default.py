@@ -49,6 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--eval-seconds", type=float, default=None, metavar="S",
                     help="seconds of the budget kept for saving and the final evaluation (default 75 on CUDA)")
     ap.add_argument("--log-every", type=int, default=None, help="steps between progress lines")
+    ap.add_argument("--profile", default=None, metavar="FILE",
+                    help="write the profiler's tables of the third step (GPU and host time) to FILE")
     return ap.parse_args(argv)
 
 
@@ -133,7 +135,7 @@ def main(argv=None) -> int:
         workers=args.workers if args.workers is not None else (6 if cuda else 0),
         log_every=args.log_every or (20 if cuda else 1), warmup_steps=5 if args.tiny else 30,
         eval_every=(args.eval_every or None) if cuda else None,
-        fake_mxfp4=args.expert_format == "mxfp4")
+        fake_mxfp4=args.expert_format == "mxfp4", profile_file=args.profile)
     torch.manual_seed(args.seed)
     model = new_model(config, device, args.seed)
     n_params = sum(p.numel() for p in model.parameters())

@@ -49,6 +49,8 @@ class TrainConfig:
     seed: int = 0
     workers: int = 0
     data: DataConfig = field(default_factory=DataConfig)
+    profile_file: str | None = None  # the profiler's tables of step ``profile_step`` (GPU and host time) go here
+    profile_step: int = 3
 
     def __post_init__(self):
         if self.seconds is None and self.steps is None:
@@ -87,6 +89,26 @@ class _Clock:
 
     def summary(self) -> str:
         return "  [" + " ".join(f"{n} {s * 1e3:.0f}ms" for n, s in self.marks) + "]" if self.marks else ""
+
+
+class _StepProfile:
+    """The torch profiler over one whole step (data to optimizer), started on construction."""
+
+    def __init__(self, device: torch.device):
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        self.device, self.prof = device, profile(activities=acts)
+        self.prof.__enter__()
+
+    def write(self, path: str, step: int) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.prof.__exit__(None, None, None)
+        keys = (["self_cuda_time_total"] if self.device.type == "cuda" else []) + ["self_cpu_time_total"]
+        with open(path, "w") as f:
+            for key in keys:
+                f.write(f"step {step}, by {key}\n{self.prof.key_averages().table(sort_by=key, row_limit=50)}\n\n")
 
 
 def _one_thread(_worker: int) -> None:
@@ -157,6 +179,7 @@ class Trainer:
             self.progress.value = p
             timed = (self.step + 1) % c.log_every == 0  # a logged step times its phases (synchronising)
             clock = _Clock(dev, timed)
+            prof = _StepProfile(dev) if c.profile_file and self.step + 1 == c.profile_step else None
             step = next(data)
             clock.mark("data")
             batch = TrainBatch(step.ids.to(dev, non_blocking=True), step.lens, sparse=p >= c.sparse_from,
@@ -180,6 +203,9 @@ class Trainer:
             self.opt.zero_grad(set_to_none=True)
             imbalance = routing.update_bias(moes, out.routes, c.bias_rate)
             clock.mark("opt")
+            if prof is not None:
+                prof.write(c.profile_file, self.step + 1)
+                self.log(f"profiled step {self.step + 1}: tables in {c.profile_file}")
             routing.set_fake_mxfp4(False)
             self.step += 1
             tokens += step.ids.numel()

@@ -27,9 +27,12 @@ def _script():
 
 def test_tiny_run_writes_a_checkpoint_the_engine_loads(tmp_path, capsys):
     out = tmp_path / "ckpt"
-    assert _script().main(["--tiny", "--device", "cpu", "--steps", "3", "--out", str(out), "--eval-n", "2"]) == 0
+    profile = tmp_path / "step.txt"
+    assert _script().main(["--tiny", "--device", "cpu", "--steps", "3", "--out", str(out), "--eval-n", "2",
+                           "--profile", str(profile)]) == 0
     printed = capsys.readouterr().out
     assert "step      3" in printed and "addition" in printed  # progress lines, then the held-out table
+    assert "step 3, by self_cpu_time_total" in profile.read_text() and "aten::" in profile.read_text()
     assert ASSET_FILES <= {p.name for p in out.iterdir()}
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "dayzero_hybrid" and config["quantization_config"]["quant_method"] == "mxfp4"
