@@ -92,8 +92,18 @@ def _max_tokens(inst: Instance) -> int:
     return len(inst.answer) + 8  # a token is at least one character; room for the newline that stops it
 
 
+def answers(llm, insts: list[Instance], progress: bool = False) -> list[str]:
+    """The engine's completions of ``insts``, as ``dayzero eval`` asks for them: greedy, up to the newline that
+    ends an answer, all in one ``generate`` (continuous batching)."""
+    from dayzero import SamplingParams
+
+    params = [SamplingParams(max_tokens=_max_tokens(i), temperature=0.0, stop=["\n"]) for i in insts]
+    outs = llm.generate([i.prompt for i in insts], params, use_tqdm=progress)
+    return [o.outputs[0].text for o in outs]
+
+
 def _in_process(args) -> tuple[list[Instance], list[str], str]:
-    from dayzero import LLM, SamplingParams
+    from dayzero import LLM
 
     llm = LLM(**engine_kwargs(args))
     eng = llm.engine
@@ -101,9 +111,7 @@ def _in_process(args) -> tuple[list[Instance], list[str], str]:
         raise ValueError(f"{eng.path} has no tokenizer: the tasks are text")
     note(f"model {eng.path} on {eng.device} in {str(eng.dtype).removeprefix('torch.')}")
     insts = build(args, llm.tokenizer)  # recall prompts sized by the engine's own tokenizer
-    params = [SamplingParams(max_tokens=_max_tokens(i), temperature=0.0, stop=["\n"]) for i in insts]
-    outs = llm.generate([i.prompt for i in insts], params, use_tqdm=sys.stderr.isatty())
-    return insts, [o.outputs[0].text for o in outs], str(eng.path)
+    return insts, answers(llm, insts, sys.stderr.isatty()), str(eng.path)
 
 
 def _over_http(args) -> tuple[list[Instance], list[str], str]:
