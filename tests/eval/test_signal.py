@@ -2,14 +2,28 @@
 only in how they schedule and cache (chunked prefill of 16 tokens, forced preemption, one sequence at a time,
 overlapped steps, the second pass served from the prefix cache), give exactly the completions of the plain
 fp32 engine. A scheduler that feeds a chunk twice or a prefix cache that restores the wrong state changes them.
-On the bundled model (fp32, CPU)."""
+Likewise MXFP4 experts give the same completions through the bf16 workspace, the FP8 workspace and read packed
+(each holds the MXFP4 values exactly). On the bundled model (fp32, CPU)."""
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 
 from dayzero import LLM
 from dayzero.eval.tasks import instances
+from dayzero.ops import triton_support
 from dayzero.tools.eval_cli import answers, score
+
+
+@pytest.fixture(scope="module", autouse=True)
+def users_cpu_path():
+    """The CPU path users get: the suite runs Triton's interpreter for its kernel tests, which would, e.g., convert
+    every MXFP4 expert through the interpreted kernel at every step."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(triton_support, "INTERPRET", False)
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -53,3 +67,15 @@ def test_a_second_pass_from_the_prefix_cache_answers_as_the_first(insts, plain):
     second = answers(llm, insts)
     assert llm.engine.cache.usage()["prefix_hit_tokens"] > hits  # the second pass reused cached prefixes
     assert first == plain and second == plain
+
+
+def test_mxfp4_experts_answer_alike_through_each_workspace(insts, tmp_path):
+    from dayzero.engine.engine import DEFAULT_MODEL
+
+    mx = tmp_path / "mxfp4"
+    done = subprocess.run([sys.executable, "-m", "dayzero", "quantize", str(DEFAULT_MODEL), str(mx), "--format",
+                           "mxfp4"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    some = insts[:12]
+    got = {mode: answers(LLM(str(mx), dtype="float32", expert_compute=mode), some) for mode in ("bf16", "fp8", "fused")}
+    assert got["fp8"] == got["bf16"] and got["fused"] == got["bf16"]
