@@ -10,6 +10,7 @@ import torch
 
 from dayzero.cache.quant import KV_CACHE_DTYPES
 from dayzero.config.model_config import DTYPES
+from dayzero.distributed import SINGLE, ParallelState
 from dayzero.engine.builder import assemble, prepare_weights
 from dayzero.engine.detokenizer import IncrementalText
 from dayzero.engine.device import configure_threads, resolve_device
@@ -105,8 +106,12 @@ class EngineConfig:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, parallel: ParallelState = SINGLE):
+        """``parallel``: this process's rank of a tensor-parallel job (:func:`dayzero.distributed.init_parallel`);
+        every rank builds the engine with the same config and is given the same requests, loads only its slices
+        of the weights, and samples the same tokens from the gathered logits."""
         self.config = config
+        self.parallel = parallel
         path = Path(config.model) if config.model else DEFAULT_MODEL
         self.device = resolve_device(config.device)
         ops_registry.env_overrides()  # a bad DAYZERO_OPS stops the start, not the first step
@@ -117,7 +122,7 @@ class LLMEngine:
         raw, cfg_file = read_config(path)
         adapter = adapter_for(raw, cfg_file)
         self.model_config = adapter.to_spec(raw)
-        self.model = build_model(self.model_config, self.dtype, self.device)
+        self.model = build_model(self.model_config, self.dtype, self.device, parallel)
         if config.load_format == "dummy":
             init_random_weights(self.model, config.seed)
         else:

@@ -6,14 +6,17 @@ MLA its query and latent down-projections with the indexer key and the output ga
 down-projection with the shared expert's gate/up. :func:`fuse` runs such a group as one: the members' weights are
 copied into one [sum of N, K] weight and each member's weight becomes a row slice (a view) of it, so their names,
 loading rules and ``state_dict`` stay as they were and an in-place load (``load_state_dict``) still reaches the
-fused weight. Only plain ``nn.Linear`` members of one dtype and device, all with biases or none, fuse; a group
-with a quantised member (block FP8) keeps its separate linears. Moving the model after fusing leaves the fused
+fused weight. Only plain ``nn.Linear`` members (or column-parallel ones that keep their output split: a rank then
+fuses its own shards) of one dtype and device, all with biases or none, fuse; a group with a quantised member
+(block FP8) keeps its separate linears. Moving the model after fusing leaves the fused
 weight behind (the next forward then fails on the device mismatch), so the engine fuses on the final device.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from dayzero.layers.parallel import ColumnParallelLinear
 
 
 class FusedLinear(nn.Module):
@@ -43,7 +46,7 @@ def fuse(owner: nn.Module, name: str, members: list[str]) -> bool:
     if name in owner._modules:
         del owner._modules[name]
     lins = [owner.get_submodule(m) for m in members]
-    if len(lins) < 2 or any(type(lin) is not nn.Linear for lin in lins):
+    if len(lins) < 2 or not all(local_gemm(lin) for lin in lins):
         return False
     w0 = lins[0].weight
     if any(lin.weight.dtype != w0.dtype or lin.weight.device != w0.device or lin.in_features != lins[0].in_features
@@ -53,6 +56,11 @@ def fuse(owner: nn.Module, name: str, members: list[str]) -> bool:
     bias = concat_as_views(lins, "bias") if lins[0].bias is not None else None
     owner.add_module(name, FusedLinear(weight, bias, [lin.out_features for lin in lins], members))
     return True
+
+
+def local_gemm(lin: nn.Module) -> bool:
+    """Whether ``lin``'s forward is one GEMM of its own weight and nothing else (no collective, no dequantising)."""
+    return type(lin) is nn.Linear or (type(lin) is ColumnParallelLinear and not lin.gather)
 
 
 @torch.no_grad()

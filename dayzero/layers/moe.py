@@ -10,6 +10,10 @@ With ``latent_size`` set (LatentMoE, ARCHITECTURE.md 3.3) routing still reads th
 routed experts run at width L between a shared down-projection ``fc1_latent_proj`` [L, D] and
 up-projection ``fc2_latent_proj`` [D, L]; an optional RMSNorm on the experts' latent output (the Kimi K3
 variant) sits before the up-projection.
+
+Under tensor parallelism only the shared experts are split (as a dense :class:`MLP`: gate/up column-parallel,
+down row-parallel, one all-reduce); the router, the routed experts and the latent projections stay whole on every
+rank, which computes the same routed output (expert parallelism will spread the routed experts instead).
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from torch import nn
 
 from dayzero import ops
 from dayzero.config.spec import MLPSpec, MoESpec
+from dayzero.distributed import SINGLE, ParallelState
 from dayzero.layers.fused import fuse, project
 from dayzero.layers.mlp import MLP
 from dayzero.layers.norm import RMSNorm
@@ -25,7 +30,8 @@ from dayzero.quant.fp8 import TileScaled
 
 
 class MoE(nn.Module):
-    def __init__(self, hidden: int, spec: MoESpec, eps: float = 1e-6, vocab_size: int = 0):
+    def __init__(self, hidden: int, spec: MoESpec, eps: float = 1e-6, vocab_size: int = 0,
+                 parallel: ParallelState = SINGLE):
         super().__init__()
         D, I, E = hidden, spec.intermediate_size, spec.n_experts
         L = spec.latent_size or D
@@ -69,7 +75,7 @@ class MoE(nn.Module):
         shared_limit = spec.swiglu_limit if spec.shared_clamp else None
         self.shared_experts = (
             MLP(D, MLPSpec(spec.shared_intermediate_size, "relu2" if spec.activation == "relu2" else "silu",
-                           swiglu_limit=shared_limit))
+                           swiglu_limit=shared_limit), parallel, what="shared_intermediate_size")
             if spec.n_shared else None
         )
         self.shared_expert_gate = nn.Linear(D, 1, bias=False) if spec.shared_gate else None

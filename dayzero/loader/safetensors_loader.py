@@ -5,6 +5,10 @@ Every failure names the file and the tensor: a missing shard, a file safetensors
 with the wrong shape or dtype, a tensor the model needs that no file holds, a tensor the model does not
 use. :func:`check_headers` runs the same mapping over the headers alone (no tensor data is read), so a
 checkpoint of terabytes is checked against its config in seconds.
+
+Under tensor parallelism a parameter holds one rank's slice and declares how (``shards``, see
+:mod:`dayzero.layers.parallel`): after its rule's transform each checkpoint tensor is narrowed to that slice, and
+a tensor with no transform is read as the slice alone, so a rank reads and keeps only its part.
 """
 from __future__ import annotations
 
@@ -18,7 +22,8 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from dayzero.loader.rules import Rule
+from dayzero.layers.parallel import Shard, parameter_shards
+from dayzero.loader.rules import Rule, same
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -71,11 +76,42 @@ def read_header(file: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from e
 
 
+@dataclass(frozen=True)
+class _Cut:
+    """The rank's slice of a (transformed) checkpoint tensor: along ``dim`` (negative, counted from the end: a view
+    and the stored tensor share their trailing dims) the stored tensor is ``len(pieces)`` equal parts, and part j
+    gives rows ``pieces[j]`` = (start, length) to rows [j·held, j·held + length) of the view; the rest of each
+    ``held`` rows is padding, zero-filled."""
+
+    dim: int
+    pieces: tuple[tuple[int, int], ...]
+    held: int
+
+
+def _cut(shard: Shard, param: torch.Tensor, view: torch.Tensor, stored: torch.Size) -> _Cut | str:
+    """The :class:`_Cut` of a stored tensor of shape ``stored`` into ``view`` of a parameter sharded by ``shard``,
+    or why it does not fit."""
+    d = shard.dim - param.dim()
+    if len(stored) < -d or view.dim() < -d:
+        return f"has {len(stored)} dims, too few to cut along dim {shard.dim} of the parameter"
+    parts = shard.parts * view.shape[d] // param.shape[d]  # the parts of the sharded tensor this view spans
+    n = stored[d]
+    if parts < 1 or n % parts or shard.parts * view.shape[d] % param.shape[d]:
+        return f"cannot be cut into {max(parts, 1)} parts along dim {shard.dim}"
+    step = n // parts
+    start, length, held = shard.span(step)
+    expected = list(stored)
+    expected[d] = held * parts
+    if tuple(expected) != tuple(view.shape):
+        return f"gives {held * parts} rows along dim {shard.dim} to tp rank {shard.rank} of {shard.size}"
+    return _Cut(d, tuple((j * step + start, length) for j in range(parts)), held)
+
+
 @dataclass
 class _Plan:
-    """Where each checkpoint tensor goes, and what the model still misses."""
+    """Where each checkpoint tensor goes (and the rank's slice of it), and what the model still misses."""
 
-    assignments: list[tuple[Path, str, Rule, re.Match, str]] = field(default_factory=list)
+    assignments: list[tuple[Path, str, Rule, re.Match, str, _Cut | None]] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
@@ -90,6 +126,7 @@ def _first_match(rules: Iterable[Rule], name: str):
 
 def _plan(model: torch.nn.Module, path: Path, rules: list[Rule], ignore: list[str]) -> _Plan:
     params = dict(model.named_parameters())
+    shards = parameter_shards(model)
     ignore_re = [re.compile(p) for p in ignore]
     plan = _Plan()
     covered: dict[str, int] = {n: 0 for n in params}
@@ -104,7 +141,14 @@ def _plan(model: torch.nn.Module, path: Path, rules: list[Rule], ignore: list[st
             param = params[target]
             view = rule.view(param, m)
             stored = rule.transform(torch.empty(shape, dtype=dtype, device="meta"))  # as the parameter receives it
-            got = tuple(stored.shape)
+            got, cut = tuple(stored.shape), None
+            if target in shards:
+                cut = _cut(shards[target], param, view, stored.shape)
+                if isinstance(cut, str):
+                    plan.problems.append(f"{file}: tensor {name!r} of shape {shape} {cut}; {target} holds "
+                                         f"{tuple(view.shape)}")
+                    continue
+                got = tuple(view.shape)  # checked by the cut, the slice has the view's shape
             if got != tuple(view.shape):
                 plan.problems.append(
                     f"{file}: tensor {name!r} has shape {shape}, the model built from config.json expects "
@@ -114,7 +158,7 @@ def _plan(model: torch.nn.Module, path: Path, rules: list[Rule], ignore: list[st
                 plan.problems.append(f"{file}: tensor {name!r} has dtype {dtype}, {target} is {param.dtype}")
                 continue
             covered[target] += view.numel()
-            plan.assignments.append((file, name, rule, m, target))
+            plan.assignments.append((file, name, rule, m, target, cut))
     missing = [n for n, c in covered.items() if c < params[n].numel()]
     if missing:
         plan.problems.append(f"tensors the model needs are missing from the checkpoint: {missing}")
@@ -142,12 +186,37 @@ def load_weights(model: torch.nn.Module, path: str | Path, rules: list[Rule], ig
     show = progress if progress is not None else len(plan.assignments) > 200
     handles: dict[Path, object] = {}
     with torch.no_grad():
-        for file, name, rule, m, target in tqdm(plan.assignments, desc=f"loading {path.name}", unit="tensor", disable=not show):
+        for file, name, rule, m, target, cut in tqdm(plan.assignments, desc=f"loading {path.name}", unit="tensor",
+                                                     disable=not show):
             if file not in handles:
                 handles[file] = safe_open(str(file), framework="pt", device="cpu")
+            param = params[target]
+            view = rule.view(param, m)
+            sliced = cut is not None and rule.transform is same and len(cut.pieces) == 1
             try:
-                t = handles[file].get_tensor(name)
+                t = _read_slice(handles[file].get_slice(name), cut) if sliced else handles[file].get_tensor(name)
             except Exception as e:  # safetensors raises its own error types for damaged data
                 raise CheckpointError(f"{file}: tensor {name!r} cannot be read ({e}); the file may be truncated") from e
-            param = params[target]
-            rule.view(param, m).copy_(rule.transform(t).to(param.dtype))
+            if cut is None:
+                view.copy_(rule.transform(t).to(param.dtype))
+            else:  # the slice read alone starts at its first stored row
+                _copy_cut(view, rule.transform(t), cut, offset=cut.pieces[0][0] if sliced else 0)
+
+
+def _read_slice(handle, cut: _Cut) -> torch.Tensor:
+    """The rows of the cut's one piece, read from the file without the rest of the tensor."""
+    start, length = cut.pieces[0]
+    ndim = len(handle.get_shape())
+    index = [slice(None)] * ndim
+    index[ndim + cut.dim] = slice(start, start + length)
+    return handle[tuple(index)]
+
+
+def _copy_cut(view: torch.Tensor, t: torch.Tensor, cut: _Cut, offset: int = 0) -> None:
+    """Copy the cut's pieces of ``t`` (whose rows start at stored row ``offset``) into ``view``, padding zeroed."""
+    d, held = cut.dim, cut.held
+    for j, (start, length) in enumerate(cut.pieces):
+        dst = view.narrow(d, j * held, held)
+        dst.narrow(d, 0, length).copy_(t.narrow(d, start - offset, length).to(view.dtype))
+        if length < held:
+            dst.narrow(d, length, held - length).zero_()

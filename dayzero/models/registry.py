@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 
 from dayzero.config.spec import ModelSpec
+from dayzero.distributed import SINGLE, ParallelState
 from dayzero.loader.rules import Rule, identity_rules
 from dayzero.models.decoder import CausalLM
 
@@ -80,11 +81,15 @@ def default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(prev)
 
 
-def build_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device | str = "cpu") -> CausalLM:
-    """The model with uninitialised weights, built directly on ``device`` (``"meta"`` reads nothing).
+def build_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device | str = "cpu",
+                parallel: ParallelState = SINGLE) -> CausalLM:
+    """The model with uninitialised weights, built directly on ``device`` (``"meta"`` reads nothing), holding
+    this rank's slices under ``parallel`` (an impossible layout raises ``ValueError`` naming the setting).
     Parameters that must stay fp32 (router, A_log/dt_bias, indexer weights_proj, sinks) say so themselves."""
+    if spec.linear_format == "fp8_block":
+        parallel.require_single("block-FP8 linear format")
     with torch.device(device), default_dtype(dtype):
-        model = CausalLM(spec).eval()
+        model = CausalLM(spec, parallel).eval()
         if spec.linear_format == "fp8_block":
             from dayzero.quant.fp8 import convert_linears_to_fp8
 
