@@ -41,7 +41,7 @@ def _tp1(what: str, build):
 # spec type -> builder(hidden, spec, model spec, parallel state): every mixer kind, listed here and nowhere else
 MIXERS = {
     GQASpec: lambda D, s, m, p: GQAAttention(D, s, m.rms_norm_eps, m.norm_offset, p),
-    MLASpec: _tp1("MLA/DSA", lambda D, s, m: MLAAttention(D, s, m.rms_norm_eps)),
+    MLASpec: lambda D, s, m, p: MLAAttention(D, s, m.rms_norm_eps, p),
     KDASpec: _tp1("KDA", lambda D, s, m: KDAAttention(D, s, m.rms_norm_eps)),
     GDNSpec: _tp1("GatedDeltaNet", lambda D, s, m: GatedDeltaNet(D, s, m.rms_norm_eps)),
     Mamba2Spec: _tp1("Mamba-2", lambda D, s, m: Mamba2Mixer(D, s, m.rms_norm_eps)),

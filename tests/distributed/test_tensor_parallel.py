@@ -2,8 +2,9 @@
 
 - the parallel linears and embedding, loaded from one checkpoint through the loader's narrowing (a fused
   [gate; up] of two tensors, an odd vocabulary that pads the last rank), equal their unsharded versions;
-- whole GQA + MoE models (qwen3_moe: dense and MoE layers; glm4_moe: shared experts, partial RoPE) made by
-  transformers give prompt and decode logits within 1e-4 relative of tp=1 and the same greedy tokens;
+- whole models made by transformers (qwen3_moe: GQA, dense and MoE layers; glm4_moe: shared experts, partial
+  RoPE; deepseek_v3: MLA, shared experts) give prompt and decode logits within 1e-4 relative of tp=1 and the
+  same greedy tokens;
 - impossible layouts stop with a message naming the setting, and tp=1 builds plain modules.
 """
 from __future__ import annotations
@@ -123,7 +124,7 @@ def test_tp1_builds_plain_modules():
 
 
 # --- whole models ---------------------------------------------------------------------------------------
-MODELS = ("qwen3_moe", "glm4_moe")
+MODELS = ("qwen3_moe", "glm4_moe", "deepseek_v3")  # GQA + MoE, GQA + shared experts, MLA + shared experts
 
 
 def run_model(path: Path, state: ParallelState | None = None) -> dict:
@@ -131,8 +132,9 @@ def run_model(path: Path, state: ParallelState | None = None) -> dict:
     engine = LLMEngine(EngineConfig(model=str(path), **ENGINE), *([state] if state else []))
     if state is not None:  # the rank holds its slices, and still runs q/k/v as one GEMM of them
         tp, attn = state.tp_size, engine.model.model.layers[0].self_attn
-        assert (attn.H, attn.Hkv) == (COMMON["num_attention_heads"] // tp,
-                                      max(1, FAMILIES[path.name]["num_key_value_heads"] // tp))
+        assert attn.H == COMMON["num_attention_heads"] // tp
+        if hasattr(attn, "Hkv"):  # GQA (MLA's latent row serves every head, whole on every rank)
+            assert attn.Hkv == max(1, FAMILIES[path.name]["num_key_value_heads"] // tp)
         assert "fused_in" in attn._modules and isinstance(attn.o_proj, RowParallelLinear)
         assert engine.model.lm_head.weight.shape[0] == -(-COMMON["vocab_size"] // tp)
         shared = [m.shared_experts for m in engine.model.modules() if isinstance(m, MoE) and m.shared_experts]
@@ -205,8 +207,14 @@ def test_heads_not_divisible_names_the_setting(tmp_path):
 
 
 def test_mixers_without_tp_refuse(tiny_ckpt):
-    with pytest.raises(ValueError, match=r"tp=2: the (KDA|MLA/DSA) mixer has no tensor-parallel form yet"):
+    with pytest.raises(ValueError, match=r"tp=2: the (KDA mixer|DSA indexer) has no tensor-parallel form yet"):
         build_model(load_config(tiny_ckpt), torch.float32, "meta", ParallelState(0, 2))
+    from dayzero.config.spec import MLASpec
+    from dayzero.layers.attention.dsa import MLAAttention
+
+    dsa = next(l.attn for l in load_config(tiny_ckpt).layers if isinstance(l.attn, MLASpec) and l.attn.indexer)
+    with pytest.raises(ValueError, match="tp=2: the DSA indexer has no tensor-parallel form yet"):
+        MLAAttention(64, dsa, parallel=ParallelState(0, 2))
 
 
 def test_impossible_process_layouts():

@@ -15,6 +15,11 @@ in the same step. That choice is the step's declared ``batch.selection``, so not
 
 Options HY-V4 uses: a per-head learned sink logit in the softmax denominator (``sinks``), a head-wise output
 gate (one sigmoid per head, ``g_proj`` [H, D]), and an indexer whose RoPE covers its LAST dims.
+
+Under tensor parallelism a rank holds H/tp heads: ``q_b_proj`` (or ``q_proj``), ``kv_b_proj`` and ``g_proj`` are
+column-parallel by head, ``o_proj`` row-parallel (one all-reduce of [T, D] per layer), the sinks cut by head;
+the down-projections, their norms and the latent cache are whole on every rank (the latent row serves all
+heads). A layer with an indexer (DSA) has no tensor-parallel form yet and refuses tp>1.
 """
 from __future__ import annotations
 
@@ -24,9 +29,11 @@ from torch import nn
 from dayzero import ops
 from dayzero.cache.spec import PagedSpec
 from dayzero.config.spec import IndexerSpec, MLASpec
+from dayzero.distributed import SINGLE, ParallelState, divide
 from dayzero.layers.attention.base import CachedLayer
 from dayzero.layers.fused import fuse, project
 from dayzero.layers.norm import LayerNorm, RMSNorm
+from dayzero.layers.parallel import Shard, column_linear, row_linear
 from dayzero.layers.rotary import RotaryEmbedding
 from dayzero.quant.fp8 import dense_weight
 
@@ -56,27 +63,36 @@ class Indexer(nn.Module):
 
 
 class MLAAttention(CachedLayer):
-    def __init__(self, hidden: int, spec: MLASpec, eps: float = 1e-6):
+    def __init__(self, hidden: int, spec: MLASpec, eps: float = 1e-6, parallel: ParallelState = SINGLE):
         super().__init__()
         self.spec = spec
-        H = spec.num_heads
-        self.H, self.N, self.P, self.V, self.R = H, spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim, spec.kv_lora_rank
+        if spec.indexer is not None:
+            parallel.require_single("DSA indexer")
+        H = spec.num_heads  # all heads; self.H is the rank's
+        heads = "num_attention_heads"
+        self.H = divide(H, parallel, heads)
+        self.N, self.P = spec.qk_nope_head_dim, spec.qk_rope_head_dim
+        self.V, self.R = spec.v_head_dim, spec.kv_lora_rank
         if spec.q_lora_rank:
             self.q_a_proj = nn.Linear(hidden, spec.q_lora_rank, bias=spec.bias)
             self.q_a_layernorm = RMSNorm(spec.q_lora_rank, spec.latent_norm_eps or eps)
-            self.q_b_proj = nn.Linear(spec.q_lora_rank, H * (self.N + self.P), bias=False)
+            self.q_b_proj = column_linear(spec.q_lora_rank, H * (self.N + self.P), False, parallel, what=heads)
         else:
-            self.q_proj = nn.Linear(hidden, H * (self.N + self.P), bias=False)
+            self.q_proj = column_linear(hidden, H * (self.N + self.P), False, parallel, what=heads)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, self.R + self.P, bias=spec.bias)
         self.kv_a_layernorm = RMSNorm(self.R, spec.latent_norm_eps or eps)
-        self.kv_b_proj = nn.Linear(self.R, H * (self.N + self.V), bias=False)
-        self.o_proj = nn.Linear(H * self.V, hidden, bias=spec.bias)
+        self.kv_b_proj = column_linear(self.R, H * (self.N + self.V), False, parallel, what=heads)
+        self.o_proj = row_linear(H * self.V, hidden, spec.bias, parallel, what=heads)
         if spec.output_gate_kind not in ("elementwise", "headwise"):
             raise ValueError(f"output_gate_kind {spec.output_gate_kind!r}: expected 'elementwise' or 'headwise'")
         self.gate_width = self.V if spec.output_gate_kind == "elementwise" else 1
-        self.g_proj = nn.Linear(hidden, H * self.gate_width, bias=False) if spec.output_gate else None
+        self.g_proj = None
+        if spec.output_gate:
+            self.g_proj = column_linear(hidden, H * self.gate_width, False, parallel, what=heads)
         # sink logits stay fp32, as the softmax they join
-        self.sinks = nn.Parameter(torch.zeros(H, dtype=torch.float32)) if spec.sinks else None
+        self.sinks = nn.Parameter(torch.zeros(self.H, dtype=torch.float32)) if spec.sinks else None
+        if parallel.tp_size > 1 and self.sinks is not None:
+            self.shards = {"sinks": Shard(0, parallel.tp_rank, parallel.tp_size)}  # one sink per head
         ispec = spec.indexer
         self.indexer = Indexer(hidden, spec.q_lora_rank or hidden, ispec) if ispec and not ispec.shared else None
         self.shares_selection = ispec is not None and ispec.shared
