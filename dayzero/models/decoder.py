@@ -42,7 +42,7 @@ def _tp1(what: str, build):
 MIXERS = {
     GQASpec: lambda D, s, m, p: GQAAttention(D, s, m.rms_norm_eps, m.norm_offset, p),
     MLASpec: lambda D, s, m, p: MLAAttention(D, s, m.rms_norm_eps, p),
-    KDASpec: _tp1("KDA", lambda D, s, m: KDAAttention(D, s, m.rms_norm_eps)),
+    KDASpec: lambda D, s, m, p: KDAAttention(D, s, m.rms_norm_eps, p),
     GDNSpec: _tp1("GatedDeltaNet", lambda D, s, m: GatedDeltaNet(D, s, m.rms_norm_eps)),
     Mamba2Spec: _tp1("Mamba-2", lambda D, s, m: Mamba2Mixer(D, s, m.rms_norm_eps)),
     CompressedAttnSpec: _tp1("compressed attention", lambda D, s, m: CompressedAttention(D, s)),

@@ -3,8 +3,8 @@
 - the parallel linears and embedding, loaded from one checkpoint through the loader's narrowing (a fused
   [gate; up] of two tensors, an odd vocabulary that pads the last rank), equal their unsharded versions;
 - whole models made by transformers (qwen3_moe: GQA, dense and MoE layers; glm4_moe: shared experts, partial
-  RoPE; deepseek_v3: MLA, shared experts) give prompt and decode logits within 1e-4 relative of tp=1 and the
-  same greedy tokens;
+  RoPE; deepseek_v3: MLA, shared experts; kimi_linear: KDA with its state slots, NoPE MLA) give prompt and decode
+  logits within 1e-4 relative of tp=1 and the same greedy tokens;
 - impossible layouts stop with a message naming the setting, and tp=1 builds plain modules.
 """
 from __future__ import annotations
@@ -31,7 +31,12 @@ from dayzero.loader.safetensors_loader import load_weights
 from dayzero.models.registry import build_model, load_config
 from tests.engine.test_incremental import run_chunks
 from tests.hf.harness import make_hf_checkpoint, prompt_batch
+from tests.hf import test_linear_families as linear
 from tests.hf.test_moe_families import COMMON, FAMILIES
+
+# the transformers configs of the whole-model cases
+CONFIGS = {**{name: {**COMMON, **fam} for name, fam in FAMILIES.items()},
+           "kimi_linear": {**linear.COMMON, **linear.FAMILIES["kimi_linear"]}}
 
 TP = 2
 RTOL = 1e-4
@@ -124,23 +129,25 @@ def test_tp1_builds_plain_modules():
 
 
 # --- whole models ---------------------------------------------------------------------------------------
-MODELS = ("qwen3_moe", "glm4_moe", "deepseek_v3")  # GQA + MoE, GQA + shared experts, MLA + shared experts
+# GQA + MoE, GQA + shared experts, MLA + shared experts, KDA + MLA (NoPE) + shared experts
+MODELS = ("qwen3_moe", "glm4_moe", "deepseek_v3", "kimi_linear")
 
 
 def run_model(path: Path, state: ParallelState | None = None) -> dict:
     """Prompt logits, decode-step logits and greedy tokens of the model at ``path`` (tp=1 without ``state``)."""
     engine = LLMEngine(EngineConfig(model=str(path), **ENGINE), *([state] if state else []))
     if state is not None:  # the rank holds its slices, and still runs q/k/v as one GEMM of them
-        tp, attn = state.tp_size, engine.model.model.layers[0].self_attn
-        assert attn.H == COMMON["num_attention_heads"] // tp
-        if hasattr(attn, "Hkv"):  # GQA (MLA's latent row serves every head, whole on every rank)
-            assert attn.Hkv == max(1, FAMILIES[path.name]["num_key_value_heads"] // tp)
-        assert "fused_in" in attn._modules and isinstance(attn.o_proj, RowParallelLinear)
-        assert engine.model.lm_head.weight.shape[0] == -(-COMMON["vocab_size"] // tp)
+        tp, config = state.tp_size, CONFIGS[path.name]
+        for (_, attn), layer in zip(engine.model.cached_layers(), engine.model_config.layers):
+            assert attn.H * tp == layer.attn.num_heads  # the rank's heads
+            if hasattr(attn, "Hkv"):  # GQA (MLA's latent row serves every head, whole on every rank)
+                assert attn.Hkv == max(1, config["num_key_value_heads"] // tp)
+            assert "fused_in" in attn._modules and isinstance(attn.o_proj, RowParallelLinear)
+        assert engine.model.lm_head.weight.shape[0] == -(-config["vocab_size"] // tp)
         shared = [m.shared_experts for m in engine.model.modules() if isinstance(m, MoE) and m.shared_experts]
         assert all(isinstance(e.down_proj, RowParallelLinear) for e in shared)
-        assert bool(shared) == bool(FAMILIES[path.name].get("n_shared_experts"))
-    prompts = prompt_batch(COMMON["vocab_size"], lengths=(5, 23, 12))
+        assert bool(shared) == bool(config.get("n_shared_experts"))
+    prompts = prompt_batch(CONFIGS[path.name]["vocab_size"], lengths=(5, 23, 12))
     out = {"prompt": [run_chunks(engine, ids, [len(ids)]) for ids in prompts],
            "decode": run_chunks(engine, prompts[1], [20, 1, 1, 1])}
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -164,7 +171,7 @@ def compare_with_one_process(tmp_path: Path, model_types: tuple[str, ...], tp: i
     paths = []
     for model_type in model_types:
         path = tmp_path / model_type
-        make_hf_checkpoint(path, model_type, **COMMON, **FAMILIES[model_type])
+        make_hf_checkpoint(path, model_type, **CONFIGS[model_type])
         paths.append(path)
     spawn(model_rank, [str(p) for p in paths], str(tmp_path), tp=tp)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(tp)]

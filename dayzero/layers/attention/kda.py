@@ -6,6 +6,10 @@ state, so slots need no clearing when they are reused. The ops (``kda_pooled``, 
 read and write the pool in place by the batch's state slots: the recurrent form when every sequence brings
 one token, the chunk form otherwise.
 
+Under tensor parallelism a rank holds H/tp heads: q, k, v, beta's projection, the gates' up-projections, the
+convs, ``A_log`` and ``dt_bias`` are cut by head, the gates' low-rank down-projections and the output norm are
+whole, ``o_proj`` is row-parallel (one all-reduce of [T, D] per layer), and the state slots hold the rank's heads.
+
 Checkpoint layouts (Kimi-Linear, as vLLM and transformers store it): ``A_log`` may be [1, 1, H, 1] and
 loads into our [H] through the name table; the three convs are separate [P, 1, W] weights.
 """
@@ -18,8 +22,10 @@ from dayzero import ops
 from dayzero.cache.spec import StateSpec
 from dayzero.config.spec import KDASpec
 from dayzero.layers.attention.base import CachedLayer
-from dayzero.layers.fused import concat_as_views, fuse, project
+from dayzero.distributed import SINGLE, ParallelState, divide
+from dayzero.layers.fused import concat_as_views, fuse, local_gemm, project
 from dayzero.layers.norm import RMSNorm
+from dayzero.layers.parallel import Shard, column_linear, row_linear
 
 
 class DeltaRuleLayer(CachedLayer):
@@ -42,29 +48,35 @@ class KDAAttention(DeltaRuleLayer):
     # the projections of the layer's input, one GEMM once fused (dayzero.layers.fused)
     in_proj_members = ["q_proj", "k_proj", "v_proj", "f_a_proj", "g_a_proj", "b_proj"]
 
-    def __init__(self, hidden: int, spec: KDASpec, eps: float = 1e-6):
+    def __init__(self, hidden: int, spec: KDASpec, eps: float = 1e-6, parallel: ParallelState = SINGLE):
         super().__init__()
-        D, self.H, self.K = hidden, spec.num_heads, spec.head_dim
+        heads = "the KDA layers' num_heads"
+        D, self.H, self.K = hidden, divide(spec.num_heads, parallel, heads), spec.head_dim  # self.H: the rank's
+        full = spec.num_heads * self.K  # q, k, v channels of all heads; self.P: the rank's
         P, W = self.H * self.K, spec.conv_size
         self.P, self.W = P, W
         self.lower_bound = spec.gate_lower_bound
         self.eps = eps
-        self.q_proj = nn.Linear(D, P, bias=False)
-        self.k_proj = nn.Linear(D, P, bias=False)
-        self.v_proj = nn.Linear(D, P, bias=False)
+        self.q_proj = column_linear(D, full, False, parallel, what=heads)
+        self.k_proj = column_linear(D, full, False, parallel, what=heads)
+        self.v_proj = column_linear(D, full, False, parallel, what=heads)
         # depthwise causal conv weights [P, 1, W], as checkpoints store them
         self.q_conv1d = nn.Conv1d(P, P, W, groups=P, bias=False)
         self.k_conv1d = nn.Conv1d(P, P, W, groups=P, bias=False)
         self.v_conv1d = nn.Conv1d(P, P, W, groups=P, bias=False)
-        self.f_a_proj = nn.Linear(D, self.K, bias=False)
-        self.f_b_proj = nn.Linear(self.K, P, bias=False)
-        self.b_proj = nn.Linear(D, self.H, bias=False)
+        self.f_a_proj = nn.Linear(D, self.K, bias=False)  # the low-rank gate inputs: whole on every rank
+        self.f_b_proj = column_linear(self.K, full, False, parallel, what=heads)
+        self.b_proj = column_linear(D, spec.num_heads, False, parallel, what=heads)
         self.A_log = nn.Parameter(torch.zeros(self.H, dtype=torch.float32))
         self.dt_bias = nn.Parameter(torch.zeros(P, dtype=torch.float32))
         self.g_a_proj = nn.Linear(D, self.K, bias=False)
-        self.g_b_proj = nn.Linear(self.K, P, bias=False)
+        self.g_b_proj = column_linear(self.K, full, False, parallel, what=heads)
         self.o_norm = RMSNorm(self.K, eps)  # per-head gated norm over V
-        self.o_proj = nn.Linear(P, D, bias=False)
+        self.o_proj = row_linear(full, D, False, parallel, what=heads)
+        if parallel.tp_size > 1:  # the rank's heads of the per-head and per-channel parameters
+            cut = Shard(0, parallel.tp_rank, parallel.tp_size)
+            self.shards = {n: cut for n in ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", "A_log",
+                                            "dt_bias")}
 
     def cache_spec(self, dtype):
         # the recurrent state is fp32 whatever the model dtype: it accumulates over the whole sequence; one window
@@ -77,7 +89,7 @@ class KDAAttention(DeltaRuleLayer):
         self._conv_weight = concat_as_views([self.q_conv1d, self.k_conv1d, self.v_conv1d], "weight")
         # the forget gate's and the output gate's up-projections as views of one [2, P, K]: one batched GEMM
         ups = [self.f_b_proj, self.g_b_proj]
-        if all(type(m) is nn.Linear and m.bias is None for m in ups) and ups[0].weight.dtype == ups[1].weight.dtype:
+        if all(local_gemm(m) and m.bias is None for m in ups) and ups[0].weight.dtype == ups[1].weight.dtype:
             self._gate_up_weight = concat_as_views(ups, "weight").view(2, self.P, self.K)
 
     def conv_weight(self) -> torch.Tensor:
