@@ -17,31 +17,35 @@ _LUTS: dict[torch.device, torch.Tensor] = {}  # device -> FP4_VALUES there (see 
 _PAIRS: dict[torch.device, torch.Tensor] = {}  # device -> the byte -> E4M3 pair table there (see e4m3_pair_table)
 
 
-def fp4_lut(device: torch.device | str) -> torch.Tensor:
-    """E2M1 code -> value, fp32 [16] on ``device``, built once per device: building it from host data on
-    every call would be a synchronising host-to-device copy, and one that CUDA-graph capture forbids."""
+def _on_device(cache: dict, device: torch.device | str, build) -> torch.Tensor:
+    """``cache``'s table for ``device``, made by ``build()`` on the host and copied there the first time only:
+    building it on every call would be a synchronising host-to-device copy, and one that CUDA-graph capture
+    forbids."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    lut = _LUTS.get(device)
-    if lut is None:
-        lut = _LUTS[device] = torch.tensor(FP4_VALUES, dtype=torch.float32, device=device)
-    return lut
+    table = cache.get(device)
+    if table is None:
+        table = cache[device] = build().to(device)
+    return table
+
+
+def fp4_lut(device: torch.device | str) -> torch.Tensor:
+    """E2M1 code -> value, fp32 [16] on ``device``, built once per device."""
+    return _on_device(_LUTS, device, lambda: torch.tensor(FP4_VALUES, dtype=torch.float32))
+
+
+def _e4m3_pairs() -> torch.Tensor:
+    codes = torch.tensor(FP4_VALUES).to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int32)
+    byte = torch.arange(256)
+    return (codes[byte & 15] | (codes[byte >> 4] << 8)).to(torch.int16)
 
 
 def e4m3_pair_table(device: torch.device | str) -> torch.Tensor:
     """Packed byte -> its two E2M1 values as E4M3 codes in one int16 (the low nibble's in the low byte), [256]
-    on ``device``, built once per device (as :func:`fp4_lut`): every E2M1 value is exact in E4M3, so the FP8
-    workspace conversion is one table lookup per byte."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    table = _PAIRS.get(device)
-    if table is None:
-        codes = torch.tensor(FP4_VALUES).to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int32)
-        byte = torch.arange(256)
-        table = _PAIRS[device] = (codes[byte & 15] | (codes[byte >> 4] << 8)).to(torch.int16).to(device)
-    return table
+    on ``device``, built once per device: every E2M1 value is exact in E4M3, so the FP8 workspace conversion is
+    one table lookup per byte."""
+    return _on_device(_PAIRS, device, _e4m3_pairs)
 
 
 def _round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
