@@ -4,8 +4,8 @@ The model is built with one :class:`ParallelState` and calls :func:`tp_all_reduc
 with it; at tp=1 (:data:`SINGLE`, the default) both return their input, so the single-device path runs no
 collective and touches no process group.
 """
-from dayzero.distributed.state import (SINGLE, ParallelState, current, destroy_parallel, divide, init_parallel,
-                                       tp_all_gather, tp_all_reduce)
+from dayzero.distributed.state import (SINGLE, ParallelState, check_layout, current, destroy_parallel, divide,
+                                       ep_all_gather, ep_all_to_all, init_parallel, tp_all_gather, tp_all_reduce)
 
-__all__ = ["SINGLE", "ParallelState", "current", "destroy_parallel", "divide", "init_parallel", "tp_all_gather",
-           "tp_all_reduce"]
+__all__ = ["SINGLE", "ParallelState", "check_layout", "current", "destroy_parallel", "divide", "ep_all_gather",
+           "ep_all_to_all", "init_parallel", "tp_all_gather", "tp_all_reduce"]

@@ -225,12 +225,16 @@ def test_mixers_without_tp_refuse(tiny_ckpt):
 
 
 def test_impossible_process_layouts():
-    with pytest.raises(ValueError, match="tp=2 with world_size=4"):
-        init_parallel(tp=2, world_size=4, rank=0)
+    with pytest.raises(ValueError, match="tp=3 does not divide world_size=4"):
+        init_parallel(tp=3, world_size=4, rank=0)
+    with pytest.raises(ValueError, match=r"ep=2 with world_size=4: routed experts are spread over every rank"):
+        init_parallel(tp=2, ep=2, world_size=4, rank=0)
     with pytest.raises(ValueError, match="tp must be a positive int, got 0"):
         init_parallel(tp=0)
+    with pytest.raises(ValueError, match="ep must be a positive int, got -1"):
+        init_parallel(tp=1, ep=-1)
     if torch.cuda.device_count() < 64:
-        with pytest.raises(ValueError, match="tp=64 needs one CUDA device per rank"):
+        with pytest.raises(ValueError, match="world_size=64 needs one CUDA device per rank"):
             init_parallel(tp=64, backend="nccl", rank=63, world_size=64)
     with pytest.raises(ValueError, match="backend"):
         init_parallel(tp=2, backend="mpi")
