@@ -33,6 +33,8 @@ class ParallelState:
     ep_rank: int = 0
     ep_size: int = 1
     ep_group: object = None
+    world_rank: int = 0  # this process's rank in the job
+    world_size: int = 1
 
     def __post_init__(self):
         for name in ("tp", "ep"):
@@ -184,7 +186,8 @@ def init_parallel(tp: int | None = None, backend: str = "gloo", *, ep: int = 1, 
             if first <= rank < first + tp:
                 tp_group = g
     ep_group = dist.group.WORLD if ep > 1 else None
-    _current = ParallelState(rank % tp, tp, tp_group, backend, device, rank if ep > 1 else 0, ep, ep_group)
+    _current = ParallelState(rank % tp, tp, tp_group, backend, device, rank if ep > 1 else 0, ep, ep_group, rank,
+                             world)
     return _current
 
 

@@ -12,8 +12,15 @@ up-projection ``fc2_latent_proj`` [D, L]; an optional RMSNorm on the experts' la
 variant) sits before the up-projection.
 
 Under tensor parallelism only the shared experts are split (as a dense :class:`MLP`: gate/up column-parallel,
-down row-parallel, one all-reduce); the router, the routed experts and the latent projections stay whole on every
-rank, which computes the same routed output (expert parallelism will spread the routed experts instead).
+down row-parallel, one all-reduce); the router and the latent projections stay whole on every rank.
+
+Under expert parallelism (ep > 1) rank r holds experts [r·E/ep, (r+1)·E/ep) and routes its share of the step's
+tokens (every rank holds them all): the permuted rows travel to their experts' ranks and back with two
+all-to-alls whose per-rank counts come from one all-gather of the per-expert counts, and one all-gather
+reassembles the tokens. The split sizes are read on the host, so an expert-parallel step runs eagerly.
+
+Every layer counts the (token, expert) pairs routed to each expert without a host read (``load_ends``, read by
+:func:`expert_loads`; every rank's tokens under ep): the counters behind ``/metrics`` and ``dayzero profile``.
 """
 from __future__ import annotations
 
@@ -22,29 +29,37 @@ from torch import nn
 
 from dayzero import ops
 from dayzero.config.spec import MLPSpec, MoESpec
-from dayzero.distributed import SINGLE, ParallelState
+from dayzero.distributed import SINGLE, ParallelState, divide, ep_all_gather, ep_all_to_all
 from dayzero.layers.fused import fuse, project
 from dayzero.layers.mlp import MLP
 from dayzero.layers.norm import RMSNorm
+from dayzero.layers.parallel import Shard
 from dayzero.quant.fp8 import TileScaled
 
 
 class MoE(nn.Module):
+    _replicated = ("e_score_correction_bias", "tid2eid")  # indexed by every expert id, whole on every rank
+
     def __init__(self, hidden: int, spec: MoESpec, eps: float = 1e-6, vocab_size: int = 0,
                  parallel: ParallelState = SINGLE):
         super().__init__()
-        D, I, E = hidden, spec.intermediate_size, spec.n_experts
+        D, I = hidden, spec.intermediate_size
+        E = divide(spec.n_experts, parallel, "n_experts", over="ep")  # the routed experts this rank holds
         L = spec.latent_size or D
-        self.spec = spec
+        self.spec, self.parallel = spec, parallel
+        self.expert_start = parallel.ep_rank * E
+        # running sums of moe_permute's row ends: their differences are the pairs routed to each expert
+        self.register_buffer("load_ends", torch.zeros(spec.n_experts, dtype=torch.int64), persistent=False)
         rows = I if spec.activation == "relu2" else 2 * I
         # The router stays in fp32: selection is sensitive to rounding (ARCHITECTURE.md 3.1).
-        self.gate = nn.Linear(D, E, bias=spec.router_bias, dtype=torch.float32)
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32)) if spec.correction_bias else None
+        N = spec.n_experts  # the router chooses among all of them
+        self.gate = nn.Linear(D, N, bias=spec.router_bias, dtype=torch.float32)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(N, dtype=torch.float32)) if spec.correction_bias else None
         # hash routing (DeepSeek-V4): a frozen token id -> expert ids table [vocab, k] replaces the choice by score;
         # until a checkpoint fills it, token t goes to experts (t·k + j) mod E, j < k
         self.tid2eid = None
         if spec.hash_routing:
-            table = (torch.arange(vocab_size)[:, None] * spec.top_k + torch.arange(spec.top_k)) % E
+            table = (torch.arange(vocab_size)[:, None] * spec.top_k + torch.arange(spec.top_k)) % N
             self.tid2eid = nn.Parameter(table, requires_grad=False)
         self.packed = spec.expert_format == "mxfp4"
         if self.packed:  # MXFP4: E2M1 codes [.., K/32, 16] + E8M0 scales [.., K/32], converted by the workspace
@@ -67,6 +82,9 @@ class MoE(nn.Module):
                 setattr(self, f"{name}_scale_inv", nn.Parameter(torch.empty(E, -(-n // 128), -(-k // 128), dtype=torch.float32), requires_grad=False))
         self.b1 = nn.Parameter(torch.empty(E, rows)) if spec.expert_bias else None
         self.b2 = nn.Parameter(torch.empty(E, L)) if spec.expert_bias else None
+        if parallel.ep_size > 1:  # every stacked expert tensor holds this rank's experts
+            cut = Shard(0, parallel.ep_rank, parallel.ep_size, experts=True)
+            self.shards = {n: cut for n, _ in self.named_parameters(recurse=False) if n not in self._replicated}
         self.latent = spec.latent_size is not None
         if self.latent:
             self.fc1_latent_proj = nn.Linear(D, L, bias=False)
@@ -102,24 +120,72 @@ class MoE(nn.Module):
             if lo < 0 or hi >= E:
                 raise ValueError(f"tid2eid holds expert ids in [{lo}, {hi}], outside [0, {E})")
 
-    def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
-        # x: [T, D]; ``batch`` gives hash routing its token ids
+    @property
+    def _scale_in_weights(self) -> bool:
+        # The routed scale multiplies the routed output: it commutes with the sum over experts and the bias-free
+        # fc2, so it rides on the routing weights, except after a latent norm (which would cancel it) where it
+        # multiplies the output.
+        return self.latent_norm is None if self.latent else True
+
+    def _route(self, x: torch.Tensor, batch, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routing weights fp32 [t, k] and expert ids [t, k] of the tokens ``x`` (rows ``rows`` of the step)."""
         s = self.spec
         bias = None if self.gate.bias is None else self.gate.bias.float()
-        logits = torch.nn.functional.linear(x.float(), self.gate.weight.float(), bias)  # [T, E] fp32
+        logits = torch.nn.functional.linear(x.float(), self.gate.weight.float(), bias)  # [t, E] fp32
         fixed = None
         if self.tid2eid is not None:
             if batch is None:
                 raise ValueError("a hash-routed MoE layer needs the step's batch (its token ids)")
-            fixed = self.tid2eid[batch.input_ids]  # [T, k]
-        # The routed scale multiplies the routed output: it commutes with the sum over experts and the bias-free
-        # fc2, so it rides on the routing weights, except after a latent norm (which would cancel it) where it
-        # multiplies the output below.
-        scale_in_weights = self.latent_norm is None if self.latent else True
-        weights, ids = ops.call(
-            "moe_route", logits, s.top_k, s.router, self.e_score_correction_bias, s.n_group, s.topk_group,
-            s.norm_topk_prob, s.routed_scaling_factor if scale_in_weights else 1.0, fixed,
-        )
+            fixed = self.tid2eid[batch.input_ids[rows]]  # [t, k]
+        scale = s.routed_scaling_factor if self._scale_in_weights else 1.0
+        return ops.call("moe_route", logits, s.top_k, s.router, self.e_score_correction_bias, s.n_group,
+                        s.topk_group, s.norm_topk_prob, scale, fixed)
+
+    def _experts(self, h, offsets, order, top_k, w1, w2) -> torch.Tensor:
+        clamp = {} if self.spec.swiglu_limit is None else {"limit": self.spec.swiglu_limit}
+        return ops.call("moe_experts_grouped", h, offsets, w1, w2, self.spec.activation, self.b1, self.b2, **clamp,
+                        order=order, top_k=top_k)
+
+    def _routed(self, x, h, w1, w2, batch) -> torch.Tensor:
+        """The routed experts' weighted sum [T, L] for every token, all experts on this rank."""
+        k = self.spec.top_k
+        weights, ids = self._route(x, batch)
+        order, offsets = ops.call("moe_permute", ids, self.spec.n_experts)  # [T*k] pairs by expert, [E] row ends
+        self.load_ends += offsets
+        # [T*k, L] rows in expert order, each read from its token's row of h (order[r] // top_k)
+        ys = self._experts(h, offsets, order, k, w1, w2)
+        return ops.call("moe_unpermute", ys, order, weights, x.shape[0])  # [T, L]
+
+    def _routed_ep(self, x, h, w1, w2, batch) -> torch.Tensor:
+        """:meth:`_routed` with the experts spread over the ep ranks: this rank routes its share of the tokens,
+        sends each pair's row to its expert's rank and gets the outputs back, then the shares are gathered."""
+        p, k, E = self.parallel, self.spec.top_k, self.spec.n_experts
+        ep, r, El = p.ep_size, p.ep_rank, E // p.ep_size
+        T = x.shape[0]
+        per = -(-T // ep)
+        rows = slice(min(r * per, T), min((r + 1) * per, T))
+        weights, ids = self._route(x[rows], batch, rows)  # [t, k]
+        order, offsets = ops.call("moe_permute", ids, E)  # this rank's pairs by expert
+        ends = offsets.long()
+        counts = torch.diff(ends, prepend=ends.new_zeros(1))  # [E]
+        table = torch.stack(ep_all_gather(counts, p))  # [ep, E]: pairs each rank routes to each expert
+        self.load_ends += table.sum(0).cumsum(0)
+        per_rank = table.view(ep, ep, El).sum(-1)  # [source, destination]
+        send, recv = per_rank[r].tolist(), per_rank[:, r].tolist()  # the host read of the split sizes
+        got = ep_all_to_all(h[rows][order // k], send, recv, p)  # [R, L] rows for this rank's experts
+        mine = table[:, r * El:(r + 1) * El].reshape(-1)  # rows per (source, local expert), in arrival order
+        local = torch.repeat_interleave(torch.arange(El, device=x.device).repeat(ep), mine)  # [R]
+        order2, offsets2 = ops.call("moe_permute", local[:, None], El)
+        out = torch.empty_like(got)
+        out[order2] = self._experts(got, offsets2, order2, 1, w1, w2)  # back in arrival order
+        home = ep_all_to_all(out, recv, send, p)  # [t*k, L] this rank's pairs, in its expert order
+        y = ops.call("moe_unpermute", home, order, weights, rows.stop - rows.start)  # [t, L]
+        y = torch.nn.functional.pad(y, (0, 0, 0, per - y.shape[0]))
+        return torch.cat(ep_all_gather(y, p))[:T]
+
+    def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
+        # x: [T, D]; ``batch`` gives hash routing its token ids
+        s = self.spec
         fused = {}  # member name -> its output, when the input projections run as one GEMM
         if "fused_in" in self._modules:
             fused = dict(zip(self.in_proj_members, project(self, "fused_in", self.in_proj_members, x)))
@@ -135,12 +201,7 @@ class MoE(nn.Module):
             w1, w2 = TileScaled(self.w1, self.w1_scale_inv), TileScaled(self.w2, self.w2_scale_inv)
         else:
             w1, w2 = self.w1, self.w2
-        clamp = {} if s.swiglu_limit is None else {"limit": s.swiglu_limit}
-        order, offsets = ops.call("moe_permute", ids, s.n_experts)  # [T*k] pairs by expert, [E] row ends
-        # [T*k, L] rows in expert order, each read from its token's row of h (order[r] // top_k)
-        ys = ops.call("moe_experts_grouped", h, offsets, w1, w2, s.activation, self.b1, self.b2, **clamp, order=order,
-                      top_k=s.top_k)
-        y = ops.call("moe_unpermute", ys, order, weights, x.shape[0])  # [T, L]
+        y = self._routed(x, h, w1, w2, batch) if self.parallel.ep_size == 1 else self._routed_ep(x, h, w1, w2, batch)
         if self.packed:
             self.workspace.release(self)
         shared = None
@@ -149,7 +210,7 @@ class MoE(nn.Module):
             if self.shared_expert_gate is not None:
                 g = fused["shared_expert_gate"] if fused else self.shared_expert_gate(x)
                 shared = ops.call("sigmoid_gate", shared[:, None], g[:, None])[:, 0]
-        out_scale = 1.0 if scale_in_weights else s.routed_scaling_factor
+        out_scale = 1.0 if self._scale_in_weights else s.routed_scaling_factor
         if self.latent:
             if self.latent_norm is not None:
                 y = self.latent_norm(y)
@@ -160,6 +221,20 @@ class MoE(nn.Module):
         if out_scale != 1.0:
             y = y * out_scale
         return y if shared is None else y + shared
+
+
+def expert_loads(layers: list[MoE]) -> list[torch.Tensor]:
+    """Per layer, the (token, expert) pairs routed to each expert since the start (or the last
+    :func:`reset_loads`), host int64 [n_experts]; one read of the device for all the layers."""
+    if not layers:
+        return []
+    ends = torch.cat([m.load_ends for m in layers]).cpu()
+    return [torch.diff(e, prepend=e.new_zeros(1)) for e in ends.split([m.spec.n_experts for m in layers])]
+
+
+def reset_loads(layers: list[MoE]) -> None:
+    for m in layers:
+        m.load_ends.zero_()
 
 
 def attach_workspace(model: nn.Module, workspace) -> list[MoE]:

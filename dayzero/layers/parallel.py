@@ -28,12 +28,15 @@ from dayzero.distributed import SINGLE, ParallelState, divide, tp_all_gather, tp
 class Shard:
     """A parameter holds piece ``rank`` of ``size`` equal pieces of the full tensor along ``dim`` (the last piece
     padded when ``size`` does not divide the length). With ``parts`` > 1 the full tensor is ``parts`` blocks
-    along ``dim`` (a fused [gate; up]) and each block is cut the same way, the rank's pieces kept in order."""
+    along ``dim`` (a fused [gate; up]) and each block is cut the same way, the rank's pieces kept in order.
+    ``experts``: ``dim`` 0 is a stack of experts (``rank`` of ``size`` ep ranks), so a checkpoint tensor may also
+    hold one expert's part, which belongs to one rank only."""
 
     dim: int
     rank: int
     size: int
     parts: int = 1
+    experts: bool = False
 
     def span(self, n: int) -> tuple[int, int, int]:
         """For a full length ``n``: (start, length read, length held); held - read rows are padding."""

@@ -8,7 +8,8 @@ checkpoint of terabytes is checked against its config in seconds.
 
 Under tensor parallelism a parameter holds one rank's slice and declares how (``shards``, see
 :mod:`dayzero.layers.parallel`): after its rule's transform each checkpoint tensor is narrowed to that slice, and
-a tensor with no transform is read as the slice alone, so a rank reads and keeps only its part.
+a tensor with no transform is read as the slice alone, so a rank reads and keeps only its part. Under expert
+parallelism a checkpoint tensor of one expert that another rank holds is not read at all.
 """
 from __future__ import annotations
 
@@ -107,6 +108,22 @@ def _cut(shard: Shard, param: torch.Tensor, view: torch.Tensor, stored: torch.Si
     return _Cut(d, tuple((j * step + start, length) for j in range(parts)), held)
 
 
+def _target(rule: Rule, m: re.Match, param: torch.Tensor, shard: Shard | None) -> torch.Tensor | None:
+    """The part of ``param`` the checkpoint tensor fills; None when it is one expert's part and another ep rank
+    holds that expert. A rule views the whole stack of experts, so for a parameter holding this rank's experts
+    the view is taken on the whole (meta) stack and moved onto the rank's rows when its expert is here."""
+    if shard is None or not shard.experts:
+        return rule.view(param, m)
+    whole = torch.empty((param.shape[0] * shard.size,) + tuple(param.shape[1:]), dtype=param.dtype, device="meta")
+    view = rule.view(whole, m)
+    if view.dim() == param.dim() and view.shape[0] == whole.shape[0]:
+        return rule.view(param, m)  # the whole stack: cut along dim 0 like any sharded tensor
+    first = shard.rank * param.shape[0]
+    if not first <= view.storage_offset() // whole.stride(0) < first + param.shape[0]:
+        return None
+    return param.as_strided(view.shape, view.stride(), view.storage_offset() - first * param.stride(0))
+
+
 @dataclass
 class _Plan:
     """Where each checkpoint tensor goes (and the rank's slice of it), and what the model still misses."""
@@ -139,10 +156,12 @@ def _plan(model: torch.nn.Module, path: Path, rules: list[Rule], ignore: list[st
                     plan.unexpected.append(f"{name} (in {file.name})")
                 continue
             param = params[target]
-            view = rule.view(param, m)
+            view = _target(rule, m, param, shards.get(target))
+            if view is None:
+                continue  # another ep rank's expert
             stored = rule.transform(torch.empty(shape, dtype=dtype, device="meta"))  # as the parameter receives it
             got, cut = tuple(stored.shape), None
-            if target in shards:
+            if target in shards and not (shards[target].experts and view.dim() < param.dim()):
                 cut = _cut(shards[target], param, view, stored.shape)
                 if isinstance(cut, str):
                     plan.problems.append(f"{file}: tensor {name!r} of shape {shape} {cut}; {target} holds "
@@ -183,6 +202,7 @@ def load_weights(model: torch.nn.Module, path: str | Path, rules: list[Rule], ig
     if problems:
         raise CheckpointError(f"{path}: " + "; ".join(problems))
     params = dict(model.named_parameters())
+    shards = parameter_shards(model)
     show = progress if progress is not None else len(plan.assignments) > 200
     handles: dict[Path, object] = {}
     with torch.no_grad():
@@ -191,7 +211,7 @@ def load_weights(model: torch.nn.Module, path: str | Path, rules: list[Rule], ig
             if file not in handles:
                 handles[file] = safe_open(str(file), framework="pt", device="cpu")
             param = params[target]
-            view = rule.view(param, m)
+            view = _target(rule, m, param, shards.get(target))
             sliced = cut is not None and rule.transform is same and len(cut.pieces) == 1
             try:
                 t = _read_slice(handles[file].get_slice(name), cut) if sliced else handles[file].get_tensor(name)

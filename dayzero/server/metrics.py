@@ -61,6 +61,31 @@ class _EngineCollector:
             c = CounterMetricFamily(name, doc)
             c.add_metric([], s.get(key, 0))
             yield c
+        yield from _expert_families(s.get("expert_load") or {}, s.get("ep_size", 1))
+
+
+def _expert_families(loads: dict, ep: int):
+    """Routed (token, expert) pairs by expert-parallel rank and by expert (summed over the MoE layers), and each
+    layer's imbalance; ``loads``: decoder layer index -> pairs per expert."""
+    if not loads:
+        return
+    ranks = CounterMetricFamily("dayzero_ep_rank_routed_tokens", "(token, expert) pairs routed to the experts each "
+                                "expert-parallel rank holds, summed over the MoE layers", labels=["rank"])
+    for r, v in enumerate(sum(l.view(ep, -1).sum(1) for l in loads.values()).tolist()):
+        ranks.add_metric([str(r)], v)
+    yield ranks
+    if len({l.numel() for l in loads.values()}) == 1:
+        experts = CounterMetricFamily("dayzero_expert_routed_tokens", "(token, expert) pairs routed to each expert, "
+                                      "summed over the MoE layers", labels=["expert"])
+        for e, v in enumerate(sum(loads.values()).tolist()):
+            experts.add_metric([str(e)], v)
+        yield experts
+    imbalance = GaugeMetricFamily("dayzero_expert_load_imbalance", "Per MoE layer, the busiest expert's pairs over "
+                                  "the mean (1: balanced)", labels=["layer"])
+    for i, l in loads.items():
+        mean = l.double().mean().item()
+        imbalance.add_metric([str(i)], l.max().item() / mean if mean else 1.0)
+    yield imbalance
 
 
 class ServerMetrics:

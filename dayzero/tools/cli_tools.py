@@ -85,6 +85,8 @@ def add_profile(sub) -> None:
     f.add_argument("--batch", type=int, default=1, help="sequences per step")
     f.add_argument("--steps", type=int, default=8, help="decode steps")
     f.add_argument("--repeats", type=int, default=3, help="measured rounds (the median is reported)")
+    f.add_argument("--ep", type=int, default=1, help="group each MoE layer's routed load into this many "
+                                                     "expert-parallel ranks")
     f.add_argument("--device", type=device, default="auto", help="auto (CUDA when present, else cpu), cpu, cuda, cuda:N")
     f.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: bfloat16 on GPUs, float32 on the CPU")

@@ -20,6 +20,7 @@ from collections import defaultdict
 
 import torch
 
+from dayzero.layers.moe import MoE, expert_loads, reset_loads
 from dayzero.ops import registry
 from dayzero.tools import fmt
 from dayzero.tools.progress import bar, note
@@ -314,13 +315,20 @@ def _nbytes(t) -> int:
 
 def profile(model: str | None = None, prompt_len: int = 128, batch: int = 1, steps: int = 8, device: str = "auto",
             dtype: str = "auto", repeats: int = 3, warmup: int = 1, progress: bool = False,
-            num_threads: int | None = None) -> dict:
-    """Per-layer and per-part times. ``interrupted`` in the result: Ctrl-C stopped the measured rounds, and
-    ``phases`` lists those measured (the others' numbers are None)."""
+            num_threads: int | None = None, ep: int = 1) -> dict:
+    """Per-layer and per-part times, and each MoE layer's routed load (grouped into ``ep`` expert-parallel ranks).
+    ``interrupted`` in the result: Ctrl-C stopped the measured rounds, and ``phases`` lists those measured (the
+    others' numbers are None)."""
     net, runner, cache, spec = _setup(model, device, dtype, batch, prompt_len + steps, progress=progress,
                                       num_threads=num_threads)
     prof = Profiler(net, runner, cache, spec, batch, prompt_len, steps)
+    moe = {i: l.mlp for i, l in enumerate(prof.layers) if isinstance(getattr(l, "mlp", None), MoE)}
+    for m in moe.values():
+        if m.spec.n_experts % ep:
+            raise ValueError(f"ep={ep} does not divide n_experts={m.spec.n_experts}")
+    reset_loads(list(moe.values()))
     timing = prof.run(repeats, warmup, progress)
+    loads = dict(zip(moe, expert_loads(list(moe.values()))))
     phases = [ph for ph in ("prefill", "decode") if ph in timing]
     layers = []
     for i, layer in enumerate(prof.layers):
@@ -343,8 +351,23 @@ def profile(model: str | None = None, prompt_len: int = 128, batch: int = 1, ste
         "phases": phases, "interrupted": prof.interrupted, "rounds_done": prof.rounds_done,
         **{ph: ({k: v for k, v in timing[ph].items() if k != "parts"} if ph in timing else None)
            for ph in ("prefill", "decode")},
-        "layers": layers, "by_kind": by_kind(layers, phases),
+        "layers": layers, "by_kind": by_kind(layers, phases), "expert_load": expert_load_rows(loads, ep), "ep": ep,
     }
+
+
+def expert_load_rows(loads: dict[int, torch.Tensor], ep: int = 1) -> list[dict]:
+    """Per MoE layer (decoder layer index -> pairs per expert): the routed (token, expert) pairs, the busiest
+    expert and its load over the mean, and the pairs each of ``ep`` expert-parallel ranks would compute."""
+    rows = []
+    for i, load in loads.items():
+        total, mean = int(load.sum()), load.double().mean().item()
+        ranks = load.view(ep, -1).sum(1)
+        rows.append({"layer": i, "pairs": total, "hottest": int(load.argmax()),
+                     "imbalance": load.max().item() / mean if mean else 1.0,
+                     "rank_pairs": ranks.tolist(),
+                     "rank_imbalance": ranks.max().item() / ranks.double().mean().item() if total else 1.0,
+                     "per_expert": load.tolist()})
+    return rows
 
 
 def by_kind(layers: list[dict], phases: list[str]) -> list[dict]:
@@ -375,7 +398,7 @@ def main(args) -> int:
     from dayzero.tools.profile_report import plot, render
 
     r = profile(args.model, args.prompt_len, args.batch, args.steps, args.device, args.dtype, args.repeats,
-                progress=True, num_threads=args.num_threads)
+                progress=True, num_threads=args.num_threads, ep=args.ep)
     if args.plot:
         plot(r, args.plot)
     print(json.dumps(r, indent=1, default=str) if args.json else render(r))

@@ -37,6 +37,14 @@ def render(r: dict, top: int = 16) -> str:
                            fmt.size(l["peak_transient_bytes"]) if l["peak_transient_bytes"] is not None else "-"]
                           for l in ls],
                          ["layer", "kind", "prefill ms", "decode ms", "weights", "cache", "peak transient"]))
+    if r.get("expert_load"):
+        ep = r.get("ep", 1)
+        out.append(f"routed load per MoE layer ((token, expert) pairs over the measured steps; by {ep} "
+                   f"expert-parallel rank{'s' * (ep != 1)}):")
+        out.append(fmt.table([[e["layer"], e["pairs"], e["hottest"], f"{e['imbalance']:.2f}",
+                               " / ".join(str(v) for v in e["rank_pairs"]), f"{e['rank_imbalance']:.2f}"]
+                              for e in r["expert_load"]],
+                             ["layer", "pairs", "hottest expert", "max/mean", "pairs by rank", "rank max/mean"]))
     return "\n".join(out)
 
 

@@ -51,14 +51,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(fn, *args, tp: int = TP) -> None:
-    """Run ``fn(state, *args)`` in ``tp`` fresh processes joined by Gloo on a free loopback port."""
-    mp.spawn(_rank_main, args=(tp, free_port(), fn, args), nprocs=tp, join=True)
+def spawn(fn, *args, tp: int = TP, ep: int = 1) -> None:
+    """Run ``fn(state, *args)`` in ``max(tp, ep)`` fresh processes joined by Gloo on a free loopback port."""
+    world = max(tp, ep)
+    mp.spawn(_rank_main, args=(tp, ep, world, free_port(), fn, args), nprocs=world, join=True)
 
 
-def _rank_main(rank: int, tp: int, port: int, fn, args) -> None:
-    torch.set_num_threads(2)
-    state = init_parallel(tp=tp, backend="gloo", rank=rank, world_size=tp, port=port)
+def _rank_main(rank: int, tp: int, ep: int, world: int, port: int, fn, args) -> None:
+    torch.set_num_threads(1 if world > 2 else 2)
+    state = init_parallel(tp=tp, ep=ep, backend="gloo", rank=rank, world_size=world, port=port)
     try:
         fn(state, *args)
     finally:
@@ -136,7 +137,7 @@ MODELS = ("qwen3_moe", "glm4_moe", "deepseek_v3", "kimi_linear")
 def run_model(path: Path, state: ParallelState | None = None) -> dict:
     """Prompt logits, decode-step logits and greedy tokens of the model at ``path`` (tp=1 without ``state``)."""
     engine = LLMEngine(EngineConfig(model=str(path), **ENGINE), *([state] if state else []))
-    if state is not None:  # the rank holds its slices, and still runs q/k/v as one GEMM of them
+    if state is not None and state.tp_size > 1:  # the rank holds its slices, and still runs q/k/v as one GEMM
         tp, config = state.tp_size, CONFIGS[path.name]
         for (_, attn), layer in zip(engine.model.cached_layers(), engine.model_config.layers):
             assert attn.H * tp == layer.attn.num_heads  # the rank's heads
@@ -147,7 +148,7 @@ def run_model(path: Path, state: ParallelState | None = None) -> dict:
         shared = [m.shared_experts for m in engine.model.modules() if isinstance(m, MoE) and m.shared_experts]
         assert all(isinstance(e.down_proj, RowParallelLinear) for e in shared)
         assert bool(shared) == bool(config.get("n_shared_experts"))
-    prompts = prompt_batch(CONFIGS[path.name]["vocab_size"], lengths=(5, 23, 12))
+    prompts = prompt_batch(engine.model_config.vocab_size, lengths=(5, 23, 12))
     out = {"prompt": [run_chunks(engine, ids, [len(ids)]) for ids in prompts],
            "decode": run_chunks(engine, prompts[1], [20, 1, 1, 1])}
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -159,33 +160,43 @@ def run_model(path: Path, state: ParallelState | None = None) -> dict:
             if o.finished:
                 done[o.request_id] = o.outputs[0].token_ids
     out["tokens"] = [done[f"r{i}"] for i in range(len(prompts))]
+    out["load"] = engine.expert_load()
+    assert all(int(load.sum()) > 0 for load in out["load"])
     return out
 
 
 def model_rank(state: ParallelState, paths: list[str], out_dir: str) -> None:
     results = [run_model(Path(p), state) for p in paths]
-    torch.save(results, Path(out_dir) / f"rank{state.tp_rank}.pt")
+    torch.save(results, Path(out_dir) / f"rank{state.world_rank}.pt")
 
 
-def compare_with_one_process(tmp_path: Path, model_types: tuple[str, ...], tp: int) -> None:
+def compare_with_one_process(tmp_path: Path, model_types: tuple[str, ...], tp: int, ep: int = 1) -> None:
     paths = []
     for model_type in model_types:
         path = tmp_path / model_type
         make_hf_checkpoint(path, model_type, **CONFIGS[model_type])
         paths.append(path)
-    spawn(model_rank, [str(p) for p in paths], str(tmp_path), tp=tp)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(tp)]
-    for i, (model_type, path) in enumerate(zip(model_types, paths)):
+    compare_paths(tmp_path, paths, tp, ep)
+
+
+def compare_paths(tmp_path: Path, paths: list[Path], tp: int, ep: int = 1) -> None:
+    """The models at ``paths`` run by ``max(tp, ep)`` ranks give one process's logits, tokens and expert loads."""
+    spawn(model_rank, [str(p) for p in paths], str(tmp_path), tp=tp, ep=ep)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(max(tp, ep))]
+    for i, path in enumerate(paths):
+        model_type = path.name
         want = run_model(path)
         worst = 0.0
         for r, got in enumerate(rank[i] for rank in ranks):
             for name, a, b in [("prompt", x, y) for x, y in zip(got["prompt"], want["prompt"])] + \
                               [("decode", got["decode"], want["decode"])]:
                 rel = ((a - b).norm() / b.norm()).item()
-                assert rel <= RTOL, f"{model_type} tp={tp} rank {r}: {name} logits relative error {rel:.2e}"
+                assert rel <= RTOL, f"{model_type} tp={tp} ep={ep} rank {r}: {name} logits relative error {rel:.2e}"
                 worst = max(worst, rel)
-            assert got["tokens"] == want["tokens"], f"{model_type} tp={tp} rank {r}: greedy tokens differ from tp=1"
-        print(f"tp={tp} {model_type}: greedy tokens equal, logits relative error at most {worst:.1e}")
+            assert got["tokens"] == want["tokens"], f"{model_type} tp={tp} ep={ep} rank {r}: greedy tokens differ"
+            for layer, (a, b) in enumerate(zip(got["load"], want["load"])):
+                assert torch.equal(a, b), f"{model_type} tp={tp} ep={ep} rank {r}: MoE {layer} expert load {a} != {b}"
+        print(f"tp={tp} ep={ep} {model_type}: greedy tokens equal, logits relative error at most {worst:.1e}")
 
 
 def test_models_at_tp2_match_one_process(tmp_path):

@@ -67,6 +67,12 @@ def test_completion_and_usage(server, client):
     assert after["dayzero_generation_tokens_total"] - before["dayzero_generation_tokens_total"] == 7
     assert after["dayzero_prompt_tokens_total"] - before["dayzero_prompt_tokens_total"] == 19
     assert after["dayzero_time_to_first_token_seconds_count"] > before["dayzero_time_to_first_token_seconds_count"]
+    # the bundled model's MoE layers count every routed (token, expert) pair: top-k per MoE layer for each of the
+    # 25 tokens run (the prompt's 19, then 6 of the 7 sampled: the last is not fed back)
+    routed = after["dayzero_ep_rank_routed_tokens_total{rank=0}"] - before["dayzero_ep_rank_routed_tokens_total{rank=0}"]
+    per_expert = [after[k] - before.get(k, 0) for k in after if k.startswith("dayzero_expert_routed_tokens_total{")]
+    assert routed > 0 and routed == sum(per_expert) and routed % 25 == 0
+    assert all(v >= 1 for k, v in after.items() if k.startswith("dayzero_expert_load_imbalance{"))
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])

@@ -53,7 +53,7 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def test_profile_layers_account_for_the_step(tiny_ckpt, tmp_path, one_thread):
+def test_profile_layers_account_for_the_step(tiny_ckpt, tmp_path, one_thread, capsys):
     r = profile(str(tiny_ckpt), prompt_len=48, batch=2, steps=4, device="cpu", dtype="float32", repeats=5)
     for phase in ("prefill", "decode"):
         assert r[phase]["coverage"] == pytest.approx(1.0, abs=0.15), (phase, r[phase])
@@ -65,7 +65,15 @@ def test_profile_layers_account_for_the_step(tiny_ckpt, tmp_path, one_thread):
     assert set(MOE_PARTS) <= set(kinds["gqa+moe"]["parts"])
     assert kinds["gqa+moe"]["parts"]["MoE expert compute"]["decode_s"] > 0
     assert all(l["weights_bytes"] > 0 and l["cache_bytes"] > 0 for l in r["layers"])
+    # every token the steps ran went through every MoE layer: top-k pairs each
+    moe = {i for i, l in enumerate(r["layers"]) if l["kind"].endswith("+moe")}
+    loads = r["expert_load"]
+    assert {e["layer"] for e in loads} == moe and len({e["pairs"] for e in loads}) == 1 and loads[0]["pairs"] > 0
+    assert all(sum(e["per_expert"]) == e["pairs"] == sum(e["rank_pairs"]) and e["imbalance"] >= 1 for e in loads)
     png = tmp_path / "p.png"
+    capsys.readouterr()
     assert cli(["profile", str(CONFIGS / "dayzero-tiny.json"), "--prompt-len", "40", "--steps", "2", "--repeats", "1",
-                "--device", "cpu", "--plot", str(png)]) == 0
+                "--device", "cpu", "--plot", str(png), "--ep", "2"]) == 0
     assert png.stat().st_size > 10_000
+    table = capsys.readouterr().out.split("routed load per MoE layer")[1]
+    assert "by 2 expert-parallel ranks" in table and "pairs by rank" in table
