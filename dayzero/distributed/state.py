@@ -35,6 +35,7 @@ class ParallelState:
     ep_group: object = None
     world_rank: int = 0  # this process's rank in the job
     world_size: int = 1
+    redundant_experts: int = 0  # extra expert slots per MoE layer over the ep ranks, for copies of hot experts
 
     def __post_init__(self):
         for name in ("tp", "ep"):
@@ -43,6 +44,12 @@ class ParallelState:
                 raise ValueError(f"{name} must be a positive int, got {size!r}")
             if not 0 <= rank < size:
                 raise ValueError(f"{name} rank {rank} is outside [0, {name}={size})")
+        R = self.redundant_experts
+        if isinstance(R, bool) or not isinstance(R, int) or R < 0:
+            raise ValueError(f"num_redundant_experts must be an int >= 0, got {R!r}")
+        if R and (self.ep_size == 1 or R % self.ep_size):
+            raise ValueError(f"num_redundant_experts={R} needs expert parallelism and a multiple of ep={self.ep_size} "
+                             "(each rank gets the same number of extra slots)")
 
     @property
     def single(self) -> bool:

@@ -30,6 +30,7 @@ from torch import nn
 from dayzero import ops
 from dayzero.config.spec import MLPSpec, MoESpec
 from dayzero.distributed import SINGLE, ParallelState, divide, ep_all_gather, ep_all_to_all
+from dayzero.layers.expert_placement import balanced_placement, initial_placement, move_experts, replica_table
 from dayzero.layers.fused import fuse, project
 from dayzero.layers.mlp import MLP
 from dayzero.layers.norm import RMSNorm
@@ -44,10 +45,18 @@ class MoE(nn.Module):
                  parallel: ParallelState = SINGLE):
         super().__init__()
         D, I = hidden, spec.intermediate_size
-        E = divide(spec.n_experts, parallel, "n_experts", over="ep")  # the routed experts this rank holds
+        El = divide(spec.n_experts, parallel, "n_experts", over="ep")  # the experts a rank loads
+        E = El + parallel.redundant_experts // parallel.ep_size  # the expert slots this rank holds
         L = spec.latent_size or D
         self.spec, self.parallel = spec, parallel
-        self.expert_start = parallel.ep_rank * E
+        self.expert_start = parallel.ep_rank * El
+        if parallel.ep_size > 1:  # which expert each slot of every rank holds (expert_placement)
+            self.slot_expert = initial_placement(spec.n_experts, parallel.ep_size, E)
+            self.in_order = self.slot_expert == list(range(len(self.slot_expert)))
+            replicas, copies = replica_table(self.slot_expert, spec.n_experts)
+            self.register_buffer("replicas", replicas, persistent=False)
+            self.register_buffer("copies", copies, persistent=False)
+            self.register_buffer("slot_of", torch.tensor(self.slot_expert), persistent=False)
         # running sums of moe_permute's row ends: their differences are the pairs routed to each expert
         self.register_buffer("load_ends", torch.zeros(spec.n_experts, dtype=torch.int64), persistent=False)
         rows = I if spec.activation == "relu2" else 2 * I
@@ -82,8 +91,8 @@ class MoE(nn.Module):
                 setattr(self, f"{name}_scale_inv", nn.Parameter(torch.empty(E, -(-n // 128), -(-k // 128), dtype=torch.float32), requires_grad=False))
         self.b1 = nn.Parameter(torch.empty(E, rows)) if spec.expert_bias else None
         self.b2 = nn.Parameter(torch.empty(E, L)) if spec.expert_bias else None
-        if parallel.ep_size > 1:  # every stacked expert tensor holds this rank's experts
-            cut = Shard(0, parallel.ep_rank, parallel.ep_size, experts=True)
+        if parallel.ep_size > 1:  # every stacked expert tensor holds this rank's slots, the first El from the checkpoint
+            cut = Shard(0, parallel.ep_rank, parallel.ep_size, experts=El)
             self.shards = {n: cut for n, _ in self.named_parameters(recurse=False) if n not in self._replicated}
         self.latent = spec.latent_size is not None
         if self.latent:
@@ -104,11 +113,30 @@ class MoE(nn.Module):
             self.in_proj_members = ["fc1_latent_proj", "shared_experts.gate_up_proj"]
             self.in_proj_members += ["shared_expert_gate"] * (self.shared_expert_gate is not None)
 
+    def expert_tensors(self) -> list[torch.Tensor]:
+        """The stacked tensors holding this rank's expert slots (weights, scales, biases)."""
+        return [t for n, t in self.named_parameters(recurse=False) if n not in self._replicated]
+
+    def place(self, slot_expert: list[int], old: list[int] | None = None) -> None:
+        """Move this layer's experts to ``slot_expert`` (expert_placement); ``old``: the placement the tensors
+        hold now (default: the current one)."""
+        move_experts(self.expert_tensors(), self.slot_expert if old is None else old, slot_expert, self.parallel)
+        replicas, copies = replica_table(slot_expert, self.spec.n_experts)
+        dev = self.copies.device
+        self.replicas, self.copies = replicas.to(dev), copies.to(dev)
+        self.slot_of = torch.tensor(slot_expert, device=dev)
+        self.slot_expert = list(slot_expert)
+        self.in_order = self.slot_expert == list(range(len(slot_expert)))
+
     def process_weights_after_loading(self) -> None:
-        """Fuse the input projections; check the hash-routing table once, after loading, so that routing never
-        reads ids back to the host."""
+        """Fuse the input projections; fill the redundant expert slots from the loaded experts; check the
+        hash-routing table once, after loading, so that routing never reads ids back to the host."""
         if self.in_proj_members:
             fuse(self, "fused_in", self.in_proj_members)
+        if self.parallel.redundant_experts:
+            per, S = self.spec.n_experts // self.parallel.ep_size, len(self.slot_expert) // self.parallel.ep_size
+            loaded = [e if q % S < per else -1 for q, e in enumerate(self.slot_expert)]  # what the checkpoint filled
+            self.place(self.slot_expert, old=loaded)
         if self.tid2eid is None:
             return
         E, k = self.spec.n_experts, self.spec.top_k
@@ -158,27 +186,34 @@ class MoE(nn.Module):
 
     def _routed_ep(self, x, h, w1, w2, batch) -> torch.Tensor:
         """:meth:`_routed` with the experts spread over the ep ranks: this rank routes its share of the tokens,
-        sends each pair's row to its expert's rank and gets the outputs back, then the shares are gathered."""
-        p, k, E = self.parallel, self.spec.top_k, self.spec.n_experts
-        ep, r, El = p.ep_size, p.ep_rank, E // p.ep_size
+        sends each pair's row to the rank holding (a copy of) its expert and gets the outputs back, then the
+        shares are gathered."""
+        p, k = self.parallel, self.spec.top_k
+        ep, r, S = p.ep_size, p.ep_rank, len(self.slot_expert) // p.ep_size
         T = x.shape[0]
         per = -(-T // ep)
         rows = slice(min(r * per, T), min((r + 1) * per, T))
-        weights, ids = self._route(x[rows], batch, rows)  # [t, k]
-        order, offsets = ops.call("moe_permute", ids, E)  # this rank's pairs by expert
+        weights, ids = self._route(x[rows], batch, rows)  # [t, k] logical experts
+        if p.redundant_experts:  # the j-th pair of an expert goes to its copy j mod copies
+            nth = torch.arange(ids.numel(), device=ids.device).view_as(ids)
+            slots = self.replicas[ids, nth % self.copies[ids]]
+        else:  # one copy each: slot e holds expert e until a rebalance permutes them
+            slots = ids if self.in_order else self.replicas[ids, 0]
+        order, offsets = ops.call("moe_permute", slots, ep * S)  # this rank's pairs by slot
         ends = offsets.long()
-        counts = torch.diff(ends, prepend=ends.new_zeros(1))  # [E]
-        table = torch.stack(ep_all_gather(counts, p))  # [ep, E]: pairs each rank routes to each expert
-        self.load_ends += table.sum(0).cumsum(0)
-        per_rank = table.view(ep, ep, El).sum(-1)  # [source, destination]
+        counts = torch.diff(ends, prepend=ends.new_zeros(1))  # [ep·S]
+        table = torch.stack(ep_all_gather(counts, p))  # [ep, ep·S]: pairs each rank routes to each slot
+        load = torch.zeros(self.spec.n_experts, dtype=torch.int64, device=x.device)
+        self.load_ends += load.index_add_(0, self.slot_of, table.sum(0)).cumsum(0)
+        per_rank = table.view(ep, ep, S).sum(-1)  # [source, destination]
         send, recv = per_rank[r].tolist(), per_rank[:, r].tolist()  # the host read of the split sizes
-        got = ep_all_to_all(h[rows][order // k], send, recv, p)  # [R, L] rows for this rank's experts
-        mine = table[:, r * El:(r + 1) * El].reshape(-1)  # rows per (source, local expert), in arrival order
-        local = torch.repeat_interleave(torch.arange(El, device=x.device).repeat(ep), mine)  # [R]
-        order2, offsets2 = ops.call("moe_permute", local[:, None], El)
+        got = ep_all_to_all(h[rows][order // k], send, recv, p)  # [R, L] rows for this rank's slots
+        mine = table[:, r * S:(r + 1) * S].reshape(-1)  # rows per (source, local slot), in arrival order
+        local = torch.repeat_interleave(torch.arange(S, device=x.device).repeat(ep), mine)  # [R]
+        order2, offsets2 = ops.call("moe_permute", local[:, None], S)
         out = torch.empty_like(got)
         out[order2] = self._experts(got, offsets2, order2, 1, w1, w2)  # back in arrival order
-        home = ep_all_to_all(out, recv, send, p)  # [t*k, L] this rank's pairs, in its expert order
+        home = ep_all_to_all(out, recv, send, p)  # [t*k, L] this rank's pairs, in its slot order
         y = ops.call("moe_unpermute", home, order, weights, rows.stop - rows.start)  # [t, L]
         y = torch.nn.functional.pad(y, (0, 0, 0, per - y.shape[0]))
         return torch.cat(ep_all_gather(y, p))[:T]
@@ -230,6 +265,19 @@ def expert_loads(layers: list[MoE]) -> list[torch.Tensor]:
         return []
     ends = torch.cat([m.load_ends for m in layers]).cpu()
     return [torch.diff(e, prepend=e.new_zeros(1)) for e in ends.split([m.spec.n_experts for m in layers])]
+
+
+def rebalance_experts(layers: list[MoE], loads: list[torch.Tensor]) -> int:
+    """Place each expert-parallel layer's experts for its ``loads`` (pairs per expert, e.g. over a recent window)
+    and move them (every rank at the same point of the run); returns the slots whose expert changed."""
+    changed = 0
+    for m, load in zip(layers, loads):
+        if m.parallel.ep_size == 1:
+            continue
+        new = balanced_placement(load.tolist(), m.parallel.ep_size, len(m.slot_expert) // m.parallel.ep_size)
+        changed += sum(a != b for a, b in zip(new, m.slot_expert))
+        m.place(new)
+    return changed
 
 
 def reset_loads(layers: list[MoE]) -> None:

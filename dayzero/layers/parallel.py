@@ -13,10 +13,15 @@ returns a subclass holding only this rank's slice, with ``shards`` naming how ea
 
 A vocabulary that tp does not divide is padded to ``ceil(V / tp)`` rows per rank: the loader zero-fills the
 rows past the checkpoint's end and the LM head drops their logits.
+
+The loader cuts a tensor into equal parts only. A projection whose output is parts of unequal widths, each cut
+by head (Gated DeltaNet's [q | k | v | z], Mamba-2's [z | x | B | C | dt], and their convs), is built and
+loaded whole instead, and :func:`keep_rank_blocks` keeps the rank's rows of each part once it has loaded.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -29,14 +34,15 @@ class Shard:
     """A parameter holds piece ``rank`` of ``size`` equal pieces of the full tensor along ``dim`` (the last piece
     padded when ``size`` does not divide the length). With ``parts`` > 1 the full tensor is ``parts`` blocks
     along ``dim`` (a fused [gate; up]) and each block is cut the same way, the rank's pieces kept in order.
-    ``experts``: ``dim`` 0 is a stack of experts (``rank`` of ``size`` ep ranks), so a checkpoint tensor may also
-    hold one expert's part, which belongs to one rank only."""
+    ``experts`` > 0: ``dim`` 0 is a stack of expert slots (``rank`` of ``size`` ep ranks) whose first ``experts``
+    the checkpoint fills (the rest hold copies made after loading); a checkpoint tensor may also hold one expert's
+    part, which belongs to one rank only."""
 
     dim: int
     rank: int
     size: int
     parts: int = 1
-    experts: bool = False
+    experts: int = 0
 
     def span(self, n: int) -> tuple[int, int, int]:
         """For a full length ``n``: (start, length read, length held); held - read rows are padding."""
@@ -154,3 +160,23 @@ def parameter_shards(model: nn.Module) -> dict[str, Shard]:
         for name, shard in getattr(mod, "shards", {}).items():
             out[f"{prefix}.{name}" if prefix else name] = shard
     return out
+
+
+@torch.no_grad()
+def keep_rank_blocks(module: nn.Linear | nn.Conv1d, blocks: Sequence[int], parallel: ParallelState) -> None:
+    """Cut ``module``'s output channels, loaded whole as parts of the full widths ``blocks`` (in order), to this
+    rank's piece of each part, the pieces kept in order (``weight`` and ``bias``; a depthwise conv's channels
+    and groups follow). The whole tensors are freed. Nothing at tp=1, or once the module holds its rank's rows."""
+    tp, r = parallel.tp_size, parallel.tp_rank
+    if tp == 1 or module.weight.shape[0] != sum(blocks):
+        return
+    local = [n // tp for n in blocks]
+    for name in ("weight", "bias"):
+        p = getattr(module, name)
+        if p is not None:
+            kept = torch.cat([part.narrow(0, r * n, n) for part, n in zip(p.split(list(blocks)), local)])
+            setattr(module, name, nn.Parameter(kept, requires_grad=p.requires_grad))
+    if isinstance(module, nn.Linear):
+        module.out_features = sum(local)
+    else:  # depthwise: one group per channel
+        module.in_channels = module.out_channels = module.groups = sum(local)

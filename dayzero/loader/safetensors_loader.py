@@ -114,14 +114,20 @@ def _target(rule: Rule, m: re.Match, param: torch.Tensor, shard: Shard | None) -
     the view is taken on the whole (meta) stack and moved onto the rank's rows when its expert is here."""
     if shard is None or not shard.experts:
         return rule.view(param, m)
-    whole = torch.empty((param.shape[0] * shard.size,) + tuple(param.shape[1:]), dtype=param.dtype, device="meta")
+    n = shard.experts
+    whole = torch.empty((n * shard.size,) + tuple(param.shape[1:]), dtype=param.dtype, device="meta")
     view = rule.view(whole, m)
     if view.dim() == param.dim() and view.shape[0] == whole.shape[0]:
-        return rule.view(param, m)  # the whole stack: cut along dim 0 like any sharded tensor
-    first = shard.rank * param.shape[0]
-    if not first <= view.storage_offset() // whole.stride(0) < first + param.shape[0]:
+        return rule.view(param.narrow(0, 0, n), m)  # the whole stack: cut along dim 0 like any sharded tensor
+    first = shard.rank * n
+    if not first <= view.storage_offset() // whole.stride(0) < first + n:
         return None
     return param.as_strided(view.shape, view.stride(), view.storage_offset() - first * param.stride(0))
+
+
+def _filled(param: torch.Tensor, shard: Shard | None) -> torch.Tensor:
+    """The part of ``param`` the checkpoint fills: an expert stack's first ``shard.experts`` slots, else all."""
+    return param.narrow(0, 0, shard.experts) if shard is not None and shard.experts else param
 
 
 @dataclass
@@ -162,7 +168,7 @@ def _plan(model: torch.nn.Module, path: Path, rules: list[Rule], ignore: list[st
             stored = rule.transform(torch.empty(shape, dtype=dtype, device="meta"))  # as the parameter receives it
             got, cut = tuple(stored.shape), None
             if target in shards and not (shards[target].experts and view.dim() < param.dim()):
-                cut = _cut(shards[target], param, view, stored.shape)
+                cut = _cut(shards[target], _filled(param, shards[target]), view, stored.shape)
                 if isinstance(cut, str):
                     plan.problems.append(f"{file}: tensor {name!r} of shape {shape} {cut}; {target} holds "
                                          f"{tuple(view.shape)}")
@@ -178,7 +184,7 @@ def _plan(model: torch.nn.Module, path: Path, rules: list[Rule], ignore: list[st
                 continue
             covered[target] += view.numel()
             plan.assignments.append((file, name, rule, m, target, cut))
-    missing = [n for n, c in covered.items() if c < params[n].numel()]
+    missing = [n for n, c in covered.items() if c < _filled(params[n], shards.get(n)).numel()]
     if missing:
         plan.problems.append(f"tensors the model needs are missing from the checkpoint: {missing}")
     return plan

@@ -9,7 +9,8 @@ relative of one process, the same greedy tokens and the same per-expert load cou
 - tp=2 with ep=2 on the same two ranks: qwen3_moe, glm4_moe;
 - ep=4 over two tp=2 replicas: qwen3_moe;
 - gpt-oss with MXFP4 experts (stacked packed tensors, expert biases) at ep=2, converted per layer in the
-  workspace as on one process.
+  workspace as on one process;
+- with redundant copies of experts, rebalanced from the observed loads every two steps, outputs do not change.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from dayzero.distributed import ParallelState
+from dayzero.layers.expert_placement import balanced_placement, initial_placement, replica_table
 from dayzero.layers.moe import MoE
 from dayzero.loader.safetensors_loader import check_headers
 from dayzero.models.registry import adapter_for, build_model, load_config, read_config
@@ -57,3 +59,65 @@ def test_rank_holds_its_experts_and_bad_ep_names_the_setting(tmp_path):
     raw, cfg_file = read_config(path)
     adapter = adapter_for(raw, cfg_file)
     assert check_headers(model, path, adapter.rules(spec), adapter.ignore) == []  # other ranks' experts skipped
+
+
+# --- balancing ------------------------------------------------------------------------------------------
+def test_balanced_placement_spreads_the_hot_experts():
+    load = [100, 1, 1, 1, 50, 1, 1, 1]  # experts 0 and 4 are hot
+    slots = balanced_placement(load, ep=2, slots=6)  # 4 redundant slots
+    assert len(slots) == 12
+    copies = {e: slots.count(e) for e in range(8)}
+    assert copies[0] >= 2 and copies[4] >= 2 and all(c >= 1 for c in copies.values()) and sum(copies.values()) == 12
+    rank_load = [sum(load[e] / copies[e] for e in slots[r * 6:(r + 1) * 6]) for r in range(2)]
+    assert max(rank_load) / min(rank_load) < 1.2  # the checkpoint's order puts 150 of 157 on rank 0
+    assert all(len(set(slots[r * 6:(r + 1) * 6])) == 6 for r in range(2))  # no rank holds two copies of one
+    table, n = replica_table(slots, 8)
+    assert n.tolist() == [copies[e] for e in range(8)] and all(slots[p] == e for e in range(8) for p in table[e].tolist())
+    assert initial_placement(8, 2, 6) == [0, 1, 2, 3, 4, 5, 4, 5, 6, 7, 0, 1]
+    with pytest.raises(ValueError, match="no copy of experts"):
+        replica_table([0, 1, 1, 3], 4)
+
+
+def rebalance_rank(state: ParallelState, path: str, out_dir: str) -> None:
+    """Greedy tokens and logits of one prompt set with redundant experts, rebalanced every 2 steps."""
+    from tests.distributed.test_tensor_parallel import ENGINE, run_chunks
+    from dayzero.engine.engine import EngineConfig, LLMEngine
+    from dayzero.engine.sampling_params import SamplingParams
+    from tests.hf.harness import prompt_batch
+
+    engine = LLMEngine(EngineConfig(model=path, **ENGINE, num_redundant_experts=4, eplb_interval=2), state)
+    moe = engine.moe_layers
+    assert all(m.w1.shape[0] == 6 for m in moe)  # 4 experts of the checkpoint + 2 copies per rank
+    before = [list(m.slot_expert) for m in moe]
+    prompts = prompt_batch(engine.model_config.vocab_size, lengths=(5, 23, 12))
+    logits = [run_chunks(engine, ids, [len(ids)]) for ids in prompts]
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"r{i}", ids, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    done = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o.outputs[0].token_ids
+    moved = [m.slot_expert != b for m, b in zip(moe, before)]
+    assert any(moved), "the observed loads never moved an expert"
+    logits += [run_chunks(engine, prompts[1], [20, 1, 1, 1])]  # after the moves
+    torch.save({"logits": logits, "tokens": [done[f"r{i}"] for i in range(3)]}, f"{out_dir}/rank{state.world_rank}.pt")
+
+
+def test_rebalancing_mid_run_leaves_outputs_unchanged(tmp_path):
+    from tests.distributed.test_tensor_parallel import run_model, spawn
+    from dayzero.engine.engine import EngineConfig, LLMEngine
+
+    path = tmp_path / "qwen3_moe"
+    make_hf_checkpoint(path, "qwen3_moe", **CONFIGS["qwen3_moe"])
+    spawn(rebalance_rank, str(path), str(tmp_path), tp=1, ep=2)
+    want = run_model(path)
+    for r in range(2):
+        got = torch.load(tmp_path / f"rank{r}.pt")
+        assert got["tokens"] == want["tokens"]
+        for a, b in zip(got["logits"], want["prompt"] + [want["decode"]]):
+            assert ((a - b).norm() / b.norm()).item() <= 1e-4
+    with pytest.raises(ValueError, match="num_redundant_experts=4 needs expert parallelism"):
+        LLMEngine(EngineConfig(model=str(path), device="cpu", num_redundant_experts=4))
+    with pytest.raises(ValueError, match="eplb_interval must be an int >= 0"):
+        EngineConfig(eplb_interval=-1)
