@@ -1,9 +1,12 @@
 """The parallel layout of one process and its collectives.
 
 One process per device. The job's ``world`` ranks hold the same sequences (attention data parallelism does not
-exist yet). Attention, dense MLPs and shared experts are split over tp groups of ``tp`` consecutive ranks (with
-``world / tp`` replicas of each split); routed experts are split over the ``ep`` ranks of the expert group, which
-is either every rank (``ep = world``) or none (``ep = 1``, experts replicated). A :class:`ParallelState` is a
+exist yet). Pipeline parallelism cuts the layers into ``pp`` contiguous stages of ``G = world / pp`` consecutive
+ranks each; the ranks of one in-stage position form a pp group (hidden states go from each rank to the same
+position of the next stage, and the last stage's logits are broadcast back). Inside a stage, attention, dense MLPs
+and shared experts are split over tp groups of ``tp`` consecutive ranks (with ``G / tp`` replicas of each
+split); routed experts are split over the ``ep`` ranks of the expert group, which is either the whole stage
+(``ep = G``) or nothing (``ep = 1``, experts replicated). A :class:`ParallelState` is a
 plain frozen value: the layers keep the one they were built with, and a collective reads its group from it,
 never from a global. At tp=1 and ep=1 the collectives return their input before anything of
 ``torch.distributed`` is touched.
@@ -36,9 +39,12 @@ class ParallelState:
     world_rank: int = 0  # this process's rank in the job
     world_size: int = 1
     redundant_experts: int = 0  # extra expert slots per MoE layer over the ep ranks, for copies of hot experts
+    pp_rank: int = 0  # this rank's pipeline stage
+    pp_size: int = 1
+    pp_group: object = None  # the ranks of this in-stage position, one per stage
 
     def __post_init__(self):
-        for name in ("tp", "ep"):
+        for name in ("tp", "ep", "pp"):
             size, rank = getattr(self, f"{name}_size"), getattr(self, f"{name}_rank")
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(f"{name} must be a positive int, got {size!r}")
@@ -53,13 +59,32 @@ class ParallelState:
 
     @property
     def single(self) -> bool:
-        """True when this process runs the whole model alone (tp=1, ep=1)."""
-        return self.tp_size == 1 and self.ep_size == 1
+        """True when this process runs the whole model alone (tp=1, ep=1, pp=1)."""
+        return self.tp_size == 1 and self.ep_size == 1 and self.pp_size == 1
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
 
     def require_single(self, what: str) -> None:
         """Refuse tp>1 for a block that has no tensor-parallel form yet, naming it."""
         if self.tp_size > 1:
             raise ValueError(f"tp={self.tp_size}: the {what} has no tensor-parallel form yet; run it with tp=1")
+
+
+def pipeline_stages(num_layers: int, pp: int) -> list[range]:
+    """The decoder layers of each stage: ``num_layers`` cut into ``pp`` contiguous runs whose lengths differ by at
+    most one (the first stages take the longer runs)."""
+    if num_layers < pp:
+        raise ValueError(f"pp={pp} exceeds num_hidden_layers={num_layers}: every stage needs a layer")
+    per, extra = divmod(num_layers, pp)
+    starts = [s * per + min(s, extra) for s in range(pp + 1)]
+    return [range(a, b) for a, b in zip(starts, starts[1:])]
 
 
 SINGLE = ParallelState()
@@ -129,6 +154,34 @@ def ep_all_to_all(x: torch.Tensor, send: list[int], recv: list[int], state: Para
     return out
 
 
+def pp_send(x: torch.Tensor, state: ParallelState) -> None:
+    """Send ``x`` to this rank's position in the next stage."""
+    import torch.distributed as dist
+
+    dist.send(x.contiguous(), dst=state.world_rank + state.world_size // state.pp_size)
+
+
+def pp_recv(shape: tuple[int, ...], dtype: torch.dtype, device, state: ParallelState) -> torch.Tensor:
+    """Receive the tensor the previous stage's rank of this position sends."""
+    import torch.distributed as dist
+
+    x = torch.empty(shape, dtype=dtype, device=device)
+    dist.recv(x, src=state.world_rank - state.world_size // state.pp_size)
+    return x
+
+
+def pp_broadcast_last(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
+    """The last stage's ``x`` on every stage (in place; the others pass a buffer of its shape). Identity at pp=1."""
+    if state.pp_size == 1:
+        return x
+    import torch.distributed as dist
+
+    G = state.world_size // state.pp_size
+    last = (state.pp_size - 1) * G + state.world_rank % G
+    dist.broadcast(x, src=last, group=state.pp_group)
+    return x
+
+
 # --- setup ----------------------------------------------------------------------------------------------
 def _env_int(name: str) -> int | None:
     v = os.environ.get(name)
@@ -140,27 +193,29 @@ def _env_int(name: str) -> int | None:
         raise ValueError(f"environment variable {name}={v!r} is not an int") from None
 
 
-def init_parallel(tp: int | None = None, backend: str = "gloo", *, ep: int = 1, rank: int | None = None,
+def init_parallel(tp: int | None = None, backend: str = "gloo", *, ep: int = 1, pp: int = 1, rank: int | None = None,
                   world_size: int | None = None, init_method: str | None = None, local_rank: int | None = None,
                   port: int | None = None) -> ParallelState:
     """Join the job's process group and return this process's :class:`ParallelState` (also kept as
     :func:`current`).
 
     ``rank``, ``world_size`` and ``local_rank`` default to torchrun's ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``
-    (and to a job of ``max(tp, ep)`` processes when those are unset); ``init_method`` to ``env://`` when
-    ``MASTER_ADDR`` is set, else ``tcp://127.0.0.1:<port>`` (``port``, ``MASTER_PORT`` or 29500). ``tp`` defaults
-    to the world size and must divide it; ``ep`` must be 1 or the world size. A single process joins no group at
-    all. Impossible layouts stop here with a ``ValueError`` naming the setting."""
+    (and to a job of ``pp · max(tp, ep)`` processes when those are unset); ``init_method`` to ``env://`` when
+    ``MASTER_ADDR`` is set, else ``tcp://127.0.0.1:<port>`` (``port``, ``MASTER_PORT`` or 29500). ``pp`` must divide
+    the world size; ``tp`` defaults to a stage's ranks and must divide them; ``ep`` must be 1 or a stage's ranks.
+    A single process joins no group at all. Impossible layouts stop here with a ``ValueError`` naming the setting."""
     global _current
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
-    for name, v in (("tp", tp), ("ep", ep)):
+    for name, v in (("tp", tp), ("ep", ep), ("pp", pp)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ValueError(f"{name} must be a positive int, got {v!r}")
     world = world_size if world_size is not None else _env_int("WORLD_SIZE")
-    world = world if world is not None else max(tp or 1, ep)
-    tp = world if tp is None else tp
-    check_layout(tp, ep, world)
+    world = world if world is not None else pp * max(tp or 1, ep)
+    if world % pp:
+        raise ValueError(f"pp={pp} does not divide world_size={world}: every stage has the same number of ranks")
+    tp = world // pp if tp is None else tp
+    check_layout(tp, ep, world // pp, "world_size" if pp == 1 else "world_size/pp")
     rank = rank if rank is not None else (_env_int("RANK") or 0)
     if not 0 <= rank < world:
         raise ValueError(f"rank={rank} is outside [0, world_size={world})")
@@ -186,25 +241,34 @@ def init_parallel(tp: int | None = None, backend: str = "gloo", *, ep: int = 1, 
             init_method = f"tcp://127.0.0.1:{port or _env_int('MASTER_PORT') or DEFAULT_PORT}"
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
-    tp_group = dist.group.WORLD
-    if tp < world:  # every rank creates every group, in the same order
-        for first in range(0, world, tp):
-            g = dist.new_group(list(range(first, first + tp)))
-            if first <= rank < first + tp:
-                tp_group = g
-    ep_group = dist.group.WORLD if ep > 1 else None
-    _current = ParallelState(rank % tp, tp, tp_group, backend, device, rank if ep > 1 else 0, ep, ep_group, rank,
-                             world)
+    G = world // pp  # ranks per stage
+
+    def group(ranks: list[int]):  # every rank creates every group, in the same order; returns its own
+        g = dist.group.WORLD if len(ranks) == world else dist.new_group(ranks)
+        return g if rank in ranks else None
+
+    tp_group = ep_group = pp_group = None
+    for first in range(0, world, tp):
+        tp_group = group(list(range(first, first + tp))) or tp_group
+    if ep > 1:
+        for first in range(0, world, G):
+            ep_group = group(list(range(first, first + G))) or ep_group
+    if pp > 1:
+        for j in range(G):
+            pp_group = group(list(range(j, world, G))) or pp_group
+    _current = ParallelState(rank % tp, tp, tp_group, backend, device, rank % G if ep > 1 else 0, ep, ep_group,
+                             rank, world, 0, rank // G, pp, pp_group)
     return _current
 
 
-def check_layout(tp: int, ep: int, world: int) -> None:
-    """The ``ValueError`` naming the setting for a layout the engine cannot run."""
-    if world % tp:
-        raise ValueError(f"tp={tp} does not divide world_size={world}: every rank belongs to one tp group")
-    if ep not in (1, world):
-        raise ValueError(f"ep={ep} with world_size={world}: routed experts are spread over every rank (ep={world}) "
-                         "or replicated (ep=1)")
+def check_layout(tp: int, ep: int, stage: int, what: str = "world_size") -> None:
+    """The ``ValueError`` naming the setting for a layout the engine cannot run (``stage``: ranks per stage,
+    named ``what``)."""
+    if stage % tp:
+        raise ValueError(f"tp={tp} does not divide {what}={stage}: every rank belongs to one tp group")
+    if ep not in (1, stage):
+        raise ValueError(f"ep={ep} with {what}={stage}: routed experts are spread over every rank of a stage "
+                         f"(ep={stage}) or replicated (ep=1)")
 
 
 def destroy_parallel() -> None:

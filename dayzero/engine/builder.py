@@ -58,12 +58,31 @@ def attach_host_tier(runner, cache: CacheManager, plan: CachePlan, host_bytes: i
     return replace(plan, host_blocks=int(blocks), host_snapshots=int(snaps))
 
 
+def _agree(agree, plan, uses_blocks: bool, uses_slots: bool, align: int, snapshots: int):
+    """One cache plan for every rank of a job: the fewest blocks, slots and snapshots, block and slot accounting
+    where any rank needs it, the coarsest alignment. A rank without paged (state) layers does not limit the
+    blocks (slots, snapshots)."""
+    free = 2**62
+    blocks, slots, snaps, no_blocks, no_slots, neg_align = agree([
+        plan.num_blocks if uses_blocks else free, plan.num_slots if uses_slots else free,
+        plan.num_snapshots if uses_slots else free, int(not uses_blocks), int(not uses_slots), -align])
+    uses_blocks, uses_slots = not no_blocks, not no_slots
+    if -neg_align % align:
+        raise ValueError(f"the ranks' cache alignments ({align} here, {-neg_align} elsewhere) are not multiples of "
+                         "one another")
+    plan = replace(plan, num_blocks=plan.num_blocks if blocks == free else blocks,
+                   num_slots=plan.num_slots if slots == free else slots,
+                   num_snapshots=(snapshots if uses_slots else 0) if snaps == free else snaps)
+    return plan, uses_blocks, uses_slots, -neg_align
+
+
 def assemble(model, device: torch.device, dtype: torch.dtype, *, block_size: int | None, max_model_len: int,
              max_num_seqs: int, max_num_batched_tokens: int, budget_bytes: int | None = None,
              memory_fraction: float = 0.5, num_cache_blocks: int | None = None, kv_cache_dtype: str = "auto",
              cuda_graphs: bool = False, cuda_graph_sizes: list[int] | None = None,
              cuda_graph_max_len: int = 8192, prefix_caching: bool = False, snapshot_interval: int = 512,
-             num_snapshots: int | None = None, index_cache_dtype: str = "auto", host_cache_bytes: int = 0) -> Assembled:
+             num_snapshots: int | None = None, index_cache_dtype: str = "auto", host_cache_bytes: int = 0,
+             agree=None) -> Assembled:
     """Plan and allocate the cache, build the runner and cache manager, and (``cuda_graphs`` on a CUDA device)
     capture the decode graphs. The model's weights must be loaded and prepared.
 
@@ -73,7 +92,12 @@ def assemble(model, device: torch.device, dtype: torch.dtype, *, block_size: int
     allocated) and the prefill scratch (:func:`prefill_scratch_bytes`); the plan records both. With
     ``prefix_caching``, models that keep per-sequence states get ``num_snapshots`` state snapshots (default one
     per sequence seat) taken every ``snapshot_interval`` tokens, and ``host_cache_bytes`` of pinned host memory
-    keep what the device evicts (:func:`attach_host_tier`)."""
+    keep what the device evicts (:func:`attach_host_tier`).
+
+    ``agree(values)``, given to each rank of a multi-process engine, returns each value's smallest over the
+    ranks: every rank then plans for the smallest budget and keeps the same numbers of blocks, slots and snapshots
+    and the same cache rules (a pipeline stage without paged or state layers still hands out blocks and slots
+    as the others do), because every rank's scheduler must take the same decisions."""
     from dayzero.engine.cuda_graphs import DecodeGraphs, default_sizes, default_widths, measure_step_bytes
 
     runner = ModelRunner(model, device, dtype, kv_cache_dtype, index_cache_dtype)
@@ -89,18 +113,23 @@ def assemble(model, device: torch.device, dtype: torch.dtype, *, block_size: int
     scratch = prefill_scratch_bytes(model, max_num_batched_tokens, max_model_len)
     if budget_bytes is None and num_cache_blocks is None:
         budget_bytes = int(available_memory(device) * memory_fraction) - graph_bytes - scratch
+        if agree is not None:
+            budget_bytes = agree([budget_bytes])[0]
     uses_slots = any(isinstance(s, StateSpec) for s in runner.specs)
     snapshots = (max_num_seqs if num_snapshots is None else num_snapshots) if prefix_caching and uses_slots else 0
     plan = plan_cache(runner.specs, block_size, max_model_len, max_num_seqs, budget_bytes, num_cache_blocks,
                       kv_cache_dtype, snapshots, index_cache_dtype)
     plan = replace(plan, scratch_bytes=scratch)
-    runner.allocate_cache(plan)
     # a paged row that stands for m tokens (compressed entries) is complete only at multiples of m
     strides = [m for s in runner.specs if isinstance(s, PagedSpec) for m in s.strides.values()]
-    cache = CacheManager(block_size, plan.num_blocks, plan.num_slots,
-                         uses_blocks=any(isinstance(s, PagedSpec) for s in runner.specs), uses_slots=uses_slots,
+    uses_blocks, align = any(isinstance(s, PagedSpec) for s in runner.specs), math.lcm(block_size, *strides)
+    if agree is not None:
+        plan, uses_blocks, uses_slots, align = _agree(agree, plan, uses_blocks, uses_slots, align,
+                                                      max_num_seqs if prefix_caching else 0)
+    runner.allocate_cache(plan)
+    cache = CacheManager(block_size, plan.num_blocks, plan.num_slots, uses_blocks=uses_blocks, uses_slots=uses_slots,
                          prefix_caching=prefix_caching, snapshot_interval=snapshot_interval,
-                         num_snapshots=plan.num_snapshots, align=math.lcm(block_size, *strides))
+                         num_snapshots=plan.num_snapshots, align=align)
     if host_cache_bytes and cache.prefix_caching:
         plan = attach_host_tier(runner, cache, plan, host_cache_bytes)
     max_seqs = min(max_num_seqs, plan.num_slots)

@@ -1,8 +1,10 @@
 """The engine: requests in, one scheduler → flat batch → model → sampler step at a time, outputs out."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import torch
 from dayzero.cache.quant import KV_CACHE_DTYPES
 from dayzero.config.model_config import DTYPES
 from dayzero.distributed import SINGLE, ParallelState
+from dayzero.distributed.control import world_min
 from dayzero.engine.builder import assemble, prepare_weights
 from dayzero.engine.detokenizer import IncrementalText
 from dayzero.engine.device import configure_threads, resolve_device
@@ -20,7 +23,7 @@ from dayzero.engine.sampler import Sampler, make_generator
 from dayzero.engine.sampling_params import SamplingParams
 from dayzero.engine.scheduler import Scheduler
 from dayzero.engine.tokenizer import generation_eos_ids, load_tokenizer
-from dayzero.layers.moe import MoE, attach_workspace, unpack_experts
+from dayzero.layers.moe import MoE, attach_workspace, expert_loads, rebalance_experts, unpack_experts
 from dayzero.loader.safetensors_loader import load_weights
 from dayzero.quant.workspace import COMPUTE, ExpertWorkspace
 from dayzero.models.init import init_random_weights
@@ -60,14 +63,28 @@ class EngineConfig:
     # overlap each step's host work with the next step on the device (see step); None: on for CUDA devices
     async_scheduling: bool | None = None
     host_cache_gib: float = 0.0  # pinned host memory for what the prefix cache evicts from the device (0: none)
+    # expert-parallel balancing: extra expert slots per MoE layer (a multiple of ep) for copies of the hottest
+    # experts, and every how many steps the placement is recomputed from the loads since the last time (0: never)
+    num_redundant_experts: int = 0
+    eplb_interval: int = 0
+    # the job's layout, for the launcher (dayzero.engine.launch), which starts a process per rank and gives each
+    # LLMEngine its rank's ParallelState (docs/parallelism.md, "Launching")
+    tp: int = 1  # tensor-parallel ranks
+    ep: int = 1  # expert-parallel ranks: 1 (experts replicated) or every rank
+    distributed_host: str = "127.0.0.1"  # where the ranks meet (rank 0's address); torchrun's MASTER_ADDR wins
+    distributed_port: int | None = None  # None: a free port (torchrun's MASTER_PORT wins)
 
     def __post_init__(self):
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tp", "ep"):
             v = getattr(self, name)
             if v is None and name == "block_size":
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        for name in ("num_redundant_experts", "eplb_interval"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
         if self.num_cache_blocks is not None and self.num_cache_blocks < 2:
             raise ValueError(f"num_cache_blocks must be >= 2 (block 0 is reserved), got {self.num_cache_blocks}")
         if not isinstance(self.device, str) or not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
@@ -103,6 +120,9 @@ class EngineConfig:
         if isinstance(self.host_cache_gib, bool) or not isinstance(self.host_cache_gib, (int, float)) \
                 or not 0 <= self.host_cache_gib < float("inf"):
             raise ValueError(f"host_cache_gib must be a number >= 0, got {self.host_cache_gib!r}")
+        if self.distributed_port is not None and (not isinstance(self.distributed_port, int)
+                                                  or not 0 < self.distributed_port < 65536):
+            raise ValueError(f"distributed_port must be a port number (1..65535) or None, got {self.distributed_port!r}")
 
 
 class LLMEngine:
@@ -111,6 +131,8 @@ class LLMEngine:
         every rank builds the engine with the same config and is given the same requests, loads only its slices
         of the weights, and samples the same tokens from the gathered logits."""
         self.config = config
+        if config.num_redundant_experts:
+            parallel = dataclasses.replace(parallel, redundant_experts=config.num_redundant_experts)
         self.parallel = parallel
         path = Path(config.model) if config.model else DEFAULT_MODEL
         self.device = resolve_device(config.device)
@@ -139,12 +161,19 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             budget_bytes=config.cache_memory_bytes, memory_fraction=config.cache_memory_fraction,
             num_cache_blocks=config.num_cache_blocks, kv_cache_dtype=config.kv_cache_dtype,
-            cuda_graphs=not config.enforce_eager, cuda_graph_sizes=config.cuda_graph_sizes,
+            cuda_graphs=not config.enforce_eager and parallel.ep_size == parallel.pp_size == 1,
+            cuda_graph_sizes=config.cuda_graph_sizes,
             cuda_graph_max_len=config.cuda_graph_max_len, prefix_caching=config.enable_prefix_caching,
             snapshot_interval=config.prefix_snapshot_interval, num_snapshots=config.num_prefix_snapshots,
             index_cache_dtype=config.index_cache_dtype, host_cache_bytes=int(config.host_cache_gib * 2**30),
+            # ranks of one job must plan the same cache (their schedulers take the same decisions)
+            agree=None if parallel.backend is None else lambda values: world_min(values, parallel.device),
         )
         self.runner, self.cache, self.cache_plan, self.decode_mode = built.runner, built.cache, built.plan, built.graph_note
+        if self.device.type == "cuda" and not config.enforce_eager and parallel.ep_size > 1:
+            self.decode_mode = "eager (expert parallelism reads its all-to-all split sizes on the host)"
+        elif self.device.type == "cuda" and not config.enforce_eager and parallel.pp_size > 1:
+            self.decode_mode = "eager (pipeline stages are not captured yet)"
         self.scheduler = Scheduler(self.cache, min(config.max_num_seqs, self.cache_plan.num_slots), config.max_num_batched_tokens)
         self.sampler = Sampler()
         self.requests: dict[str, list[Sequence]] = {}
@@ -153,6 +182,12 @@ class LLMEngine:
         overlap = config.async_scheduling
         self.async_scheduling = self.device.type == "cuda" if overlap is None else overlap
         self._inflight: InFlight | None = None  # the queued step whose samples the host has not read yet
+        self.moe_layers = [m for m in self.model.modules() if isinstance(m, MoE)]
+        index = [i for i, l in enumerate(self.model.model.layers) if isinstance(getattr(l, "mlp", None), MoE)]
+        self.moe_layer_index = index if len(index) == len(self.moe_layers) else list(range(len(self.moe_layers)))
+        self._load_read: tuple[float, dict] = (-math.inf, {})  # when stats last read the loads, and what
+        self.num_steps = 0
+        self._balanced_loads: list[torch.Tensor] = []  # the loads at the last rebalance
 
     def _apply_precision(self, config: EngineConfig) -> None:
         layers = self.model.model.layers
@@ -230,6 +265,9 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None
 
+    def close(self) -> None:
+        """Nothing to release in one process (a multi-process engine's driver stops its workers here)."""
+
     # --- one step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one engine step. Returns, for every request that got a token in it, its outputs so far
@@ -249,6 +287,9 @@ class LLMEngine:
             if self.scheduler.has_work():
                 raise RuntimeError("scheduler made no progress: a waiting sequence can never fit in the cache")
             return []
+        self.num_steps += 1
+        if self.config.eplb_interval and self.num_steps % self.config.eplb_interval == 0:
+            self.rebalance_experts()
         self.runner.copy_states(self.cache.take_restores())  # prefix hits start from their snapshot's states
         batch = self.runner.build_batch(scheduled, self.cache)
         if prev is not None:  # inputs still on the device: the previous step's samples
@@ -393,9 +434,29 @@ class LLMEngine:
     def cache_usage(self) -> dict[str, int]:
         return self.cache.usage()
 
-    def stats(self) -> dict[str, int]:
-        """Counters for metrics: queue lengths, cache use, preemptions, aborts."""
+    def stats(self) -> dict:
+        """Counters for metrics: queue lengths, cache use, preemptions, aborts, and the expert loads (read from
+        the device at most once a second while requests run, as decoder layer index -> pairs per expert: a read
+        waits for the queued steps)."""
+        now = time.monotonic()
+        if self.moe_layers and (now - self._load_read[0] >= 1.0 or not self.has_unfinished()):
+            self._load_read = (now, dict(zip(self.moe_layer_index, self.expert_load())))
         return {
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
             "preemptions": self.scheduler.num_preemptions, "aborts": self.num_aborted, **self.cache.usage(),
+            "expert_load": self._load_read[1], "ep_size": self.parallel.ep_size,
         }
+
+    def rebalance_experts(self) -> int:
+        """Recompute every expert-parallel MoE layer's placement from the loads since the last rebalance and
+        move the experts there (each rank at the same step); returns the expert slots that changed. Outputs do
+        not change: every copy of an expert holds the same weights."""
+        loads = self.expert_load()
+        window = [l - p for l, p in zip(loads, self._balanced_loads)] if self._balanced_loads else loads
+        self._balanced_loads = loads
+        return rebalance_experts(self.moe_layers, window)
+
+    def expert_load(self) -> list[torch.Tensor]:
+        """Per MoE layer, the (token, expert) pairs routed to each expert since the start, host int64
+        [n_experts] (every rank's tokens under expert parallelism); one read of the device."""
+        return expert_loads(self.moe_layers)

@@ -11,8 +11,10 @@ routed experts run at width L between a shared down-projection ``fc1_latent_proj
 up-projection ``fc2_latent_proj`` [D, L]; an optional RMSNorm on the experts' latent output (the Kimi K3
 variant) sits before the up-projection.
 
-Under tensor parallelism only the shared experts are split (as a dense :class:`MLP`: gate/up column-parallel,
-down row-parallel, one all-reduce); the router and the latent projections stay whole on every rank.
+Under tensor parallelism the shared experts are split as a dense :class:`MLP` (gate/up column-parallel, down
+row-parallel, one all-reduce) and, without expert parallelism, so is every routed expert (expert TP: each rank
+holds a slice of every expert's intermediate width and the routed output's partial sums are all-reduced); the
+router and the latent projections stay whole on every rank.
 
 Under expert parallelism (ep > 1) rank r holds experts [r·E/ep, (r+1)·E/ep) and routes its share of the step's
 tokens (every rank holds them all): the permuted rows travel to their experts' ranks and back with two
@@ -29,7 +31,7 @@ from torch import nn
 
 from dayzero import ops
 from dayzero.config.spec import MLPSpec, MoESpec
-from dayzero.distributed import SINGLE, ParallelState, divide, ep_all_gather, ep_all_to_all
+from dayzero.distributed import SINGLE, ParallelState, divide, ep_all_gather, ep_all_to_all, tp_all_reduce
 from dayzero.layers.expert_placement import balanced_placement, initial_placement, move_experts, replica_table
 from dayzero.layers.fused import fuse, project
 from dayzero.layers.mlp import MLP
@@ -59,7 +61,17 @@ class MoE(nn.Module):
             self.register_buffer("slot_of", torch.tensor(self.slot_expert), persistent=False)
         # running sums of moe_permute's row ends: their differences are the pairs routed to each expert
         self.register_buffer("load_ends", torch.zeros(spec.n_experts, dtype=torch.int64), persistent=False)
-        rows = I if spec.activation == "relu2" else 2 * I
+        # without expert parallelism, tensor parallelism splits every expert's intermediate width (expert TP)
+        self.expert_tp = parallel.tp_size > 1 and parallel.ep_size == 1
+        if self.expert_tp:
+            if spec.expert_format == "fp8_block":
+                parallel.require_single("block-FP8 routed experts")
+            I = divide(I, parallel, "moe_intermediate_size")
+            if spec.expert_format == "mxfp4" and I % 32:
+                raise ValueError(f"tp={parallel.tp_size} splits MXFP4 experts into {I}-wide slices, not whole 32-value "
+                                 "blocks; use a tp that divides moe_intermediate_size / 32")
+        gated = spec.activation != "relu2"
+        rows = 2 * I if gated else I
         # The router stays in fp32: selection is sensitive to rounding (ARCHITECTURE.md 3.1).
         N = spec.n_experts  # the router chooses among all of them
         self.gate = nn.Linear(D, N, bias=spec.router_bias, dtype=torch.float32)
@@ -94,6 +106,11 @@ class MoE(nn.Module):
         if parallel.ep_size > 1:  # every stacked expert tensor holds this rank's slots, the first El from the checkpoint
             cut = Shard(0, parallel.ep_rank, parallel.ep_size, experts=El)
             self.shards = {n: cut for n, _ in self.named_parameters(recurse=False) if n not in self._replicated}
+        elif self.expert_tp:  # w1's gate and up rows, w2's input columns (dim 2 of [E, L, I] and of [E, L, I/32, ..])
+            tp, r = parallel.tp_size, parallel.tp_rank
+            first = Shard(1, r, tp, 2 if gated else 1)
+            self.shards = {n: first for n in ("w1", "w1_blocks", "w1_scales", "b1") if getattr(self, n, None) is not None}
+            self.shards |= {n: Shard(2, r, tp) for n in ("w2", "w2_blocks", "w2_scales") if getattr(self, n, None) is not None}
         self.latent = spec.latent_size is not None
         if self.latent:
             self.fc1_latent_proj = nn.Linear(D, L, bias=False)
@@ -133,6 +150,8 @@ class MoE(nn.Module):
         hash-routing table once, after loading, so that routing never reads ids back to the host."""
         if self.in_proj_members:
             fuse(self, "fused_in", self.in_proj_members)
+        if self.expert_tp and self.b2 is not None and self.parallel.tp_rank:
+            self.b2.data.zero_()  # each rank's partial output is summed over tp: one rank adds the bias
         if self.parallel.redundant_experts:
             per, S = self.spec.n_experts // self.parallel.ep_size, len(self.slot_expert) // self.parallel.ep_size
             loaded = [e if q % S < per else -1 for q, e in enumerate(self.slot_expert)]  # what the checkpoint filled
@@ -182,7 +201,8 @@ class MoE(nn.Module):
         self.load_ends += offsets
         # [T*k, L] rows in expert order, each read from its token's row of h (order[r] // top_k)
         ys = self._experts(h, offsets, order, k, w1, w2)
-        return ops.call("moe_unpermute", ys, order, weights, x.shape[0])  # [T, L]
+        y = ops.call("moe_unpermute", ys, order, weights, x.shape[0])  # [T, L]
+        return tp_all_reduce(y, self.parallel) if self.expert_tp else y  # expert TP: the slices' partial sums
 
     def _routed_ep(self, x, h, w1, w2, batch) -> torch.Tensor:
         """:meth:`_routed` with the experts spread over the ep ranks: this rank routes its share of the tokens,

@@ -9,7 +9,8 @@ checkpoint of terabytes is checked against its config in seconds.
 Under tensor parallelism a parameter holds one rank's slice and declares how (``shards``, see
 :mod:`dayzero.layers.parallel`): after its rule's transform each checkpoint tensor is narrowed to that slice, and
 a tensor with no transform is read as the slice alone, so a rank reads and keeps only its part. Under expert
-parallelism a checkpoint tensor of one expert that another rank holds is not read at all.
+parallelism a checkpoint tensor of one expert that another rank holds is not read at all, and under pipeline
+parallelism neither is one of a layer another stage holds.
 """
 from __future__ import annotations
 
@@ -150,6 +151,7 @@ def _first_match(rules: Iterable[Rule], name: str):
 def _plan(model: torch.nn.Module, path: Path, rules: list[Rule], ignore: list[str]) -> _Plan:
     params = dict(model.named_parameters())
     shards = parameter_shards(model)
+    elsewhere = getattr(model, "elsewhere", ())
     ignore_re = [re.compile(p) for p in ignore]
     plan = _Plan()
     covered: dict[str, int] = {n: 0 for n in params}
@@ -157,6 +159,8 @@ def _plan(model: torch.nn.Module, path: Path, rules: list[Rule], ignore: list[st
         for name, (shape, dtype) in read_header(file).items():
             rule, m = _first_match(rules, name)
             target = rule.param_name(m) if rule else None
+            if target is not None and target.startswith(elsewhere):
+                continue  # another pipeline stage holds it
             if target not in params:
                 if not any(r.fullmatch(name) for r in ignore_re):
                     plan.unexpected.append(f"{name} (in {file.name})")

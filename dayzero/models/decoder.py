@@ -5,8 +5,15 @@ flat batch of one engine step and returns the hidden states of every scheduled t
 only a mixer or only an MLP (Nemotron-H alternates them), in which case it has one norm.
 
 The model is built for one :class:`~dayzero.distributed.ParallelState` (tp=1 by default). Under tensor parallelism
-the embedding and LM head split the vocabulary, GQA its heads, dense MLPs and shared experts their intermediate
-width; the mixers without a tensor-parallel form refuse tp>1 when built, naming themselves.
+the embedding and LM head split the vocabulary, the mixers (GQA, MLA and DSA, KDA, Gated DeltaNet, Mamba-2) their
+heads, dense MLPs and shared experts their intermediate width; the mixers without a tensor-parallel form
+(compressed attention) and hyper-connection backbones refuse tp>1 when built, naming themselves.
+
+Under pipeline parallelism a stage builds only its contiguous run of layers (:func:`pipeline_stages`):
+the others, and the embedding and LM head where another stage holds them, are :class:`Elsewhere` placeholders,
+so layer indices and parameter names stay those of the whole model. A stage receives the residual stream (the
+hyper-connection streams) from the previous one, runs its layers and sends the stream on; the last stage's
+logits are broadcast to every stage, so every rank samples the same tokens.
 """
 from __future__ import annotations
 
@@ -15,7 +22,7 @@ from torch import nn
 
 from dayzero.config.spec import (CompressedAttnSpec, GDNSpec, GQASpec, KDASpec, LayerSpec, Mamba2Spec, MLASpec, MLPSpec,
                                  ModelSpec, MoESpec)
-from dayzero.distributed import SINGLE, ParallelState
+from dayzero.distributed import SINGLE, ParallelState, pipeline_stages, pp_broadcast_last, pp_recv, pp_send
 from dayzero.layers.attention.compressed import CompressedAttention
 from dayzero.layers.attention.dsa import MLAAttention
 from dayzero.layers.attention.gdn import GatedDeltaNet
@@ -43,8 +50,8 @@ MIXERS = {
     GQASpec: lambda D, s, m, p: GQAAttention(D, s, m.rms_norm_eps, m.norm_offset, p),
     MLASpec: lambda D, s, m, p: MLAAttention(D, s, m.rms_norm_eps, p),
     KDASpec: lambda D, s, m, p: KDAAttention(D, s, m.rms_norm_eps, p),
-    GDNSpec: _tp1("GatedDeltaNet", lambda D, s, m: GatedDeltaNet(D, s, m.rms_norm_eps)),
-    Mamba2Spec: _tp1("Mamba-2", lambda D, s, m: Mamba2Mixer(D, s, m.rms_norm_eps)),
+    GDNSpec: lambda D, s, m, p: GatedDeltaNet(D, s, m.rms_norm_eps, p),
+    Mamba2Spec: lambda D, s, m, p: Mamba2Mixer(D, s, m.rms_norm_eps, p),
     CompressedAttnSpec: _tp1("compressed attention", lambda D, s, m: CompressedAttention(D, s)),
 }
 MLPS = {
@@ -81,17 +88,70 @@ class DecoderLayer(nn.Module):
         return norm(x, residual)
 
 
-class Backbone(nn.Module):
+class Elsewhere(nn.Module):
+    """A part of the model another pipeline stage holds (a decoder layer, the embedding, the LM head)."""
+
+    def __init__(self, where: str):
+        super().__init__()
+        self.where = where
+
+    def extra_repr(self) -> str:
+        return f"held by {self.where}"
+
+
+class Stages:
+    """What a pipeline stage holds and how its stream arrives and leaves (mixed into both backbones)."""
+
+    def _hold(self, m: ModelSpec, parallel: ParallelState, layer) -> None:
+        self.parallel, self.dtype, self.hidden = parallel, torch.get_default_dtype(), m.hidden_size
+        stages = pipeline_stages(len(m.layers), parallel.pp_size)
+        self.held = stages[parallel.pp_rank]
+        stage_of = {i: s for s, run in enumerate(stages) for i in run}
+        self.layers = nn.ModuleList(layer(spec) if i in self.held else Elsewhere(f"pipeline stage {stage_of[i]}")
+                                    for i, spec in enumerate(m.layers))
+        shared = [i for i in self.held if _shares_selection(m.layers[i])]
+        own = [i for i in self.held if _runs_indexer(m.layers[i])]
+        if shared and (not own or own[0] > shared[0]):
+            raise ValueError(f"pp={parallel.pp_size}: layer {shared[0]} reuses the DSA selection of a layer on an "
+                             "earlier stage; choose a pp that starts each stage at an indexer layer")
+
+    def _embed_here(self, tied: bool) -> bool:
+        return self.parallel.first_stage or (tied and self.parallel.last_stage)
+
+    def _arrive(self, batch, shape: tuple[int, ...]) -> torch.Tensor:
+        """The stream [T, *shape] from the previous stage."""
+        ids = batch.input_ids
+        return pp_recv((ids.shape[0],) + shape, self.dtype, ids.device, self.parallel)
+
+    def _run(self, x, residual, batch):
+        for i in self.held:
+            x, residual = self.layers[i](x, residual, batch)
+        return x, residual
+
+
+def _runs_indexer(spec: LayerSpec) -> bool:
+    return isinstance(spec.attn, MLASpec) and spec.attn.indexer is not None and not spec.attn.indexer.shared
+
+
+def _shares_selection(spec: LayerSpec) -> bool:
+    return isinstance(spec.attn, MLASpec) and spec.attn.indexer is not None and spec.attn.indexer.shared
+
+
+class Backbone(Stages, nn.Module):
     def __init__(self, m: ModelSpec, parallel: ParallelState = SINGLE):
         super().__init__()
-        self.embed_tokens = vocab_embedding(m.vocab_size, m.hidden_size, parallel)
-        self.layers = nn.ModuleList(DecoderLayer(m, spec, parallel) for spec in m.layers)
+        self._hold(m, parallel, lambda spec: DecoderLayer(m, spec, parallel))
+        self.embed_tokens = (vocab_embedding(m.vocab_size, m.hidden_size, parallel)
+                             if self._embed_here(m.tie_word_embeddings) else Elsewhere("the first pipeline stage"))
         self.norm = RMSNorm(m.hidden_size, m.rms_norm_eps, m.norm_offset)
 
     def forward(self, batch) -> torch.Tensor:
-        x, residual = self.embed_tokens(batch.input_ids), None  # [T, D]
-        for layer in self.layers:
-            x, residual = layer(x, residual, batch)
+        p = self.parallel
+        x = self.embed_tokens(batch.input_ids) if p.first_stage else self._arrive(batch, (self.hidden,))  # [T, D]
+        x, residual = self._run(x, None, batch)
+        if not p.last_stage:  # the residual stream goes on as one tensor
+            pp_send(x if residual is None else x + residual, p)
+            return x
         x, _ = self.norm(x, residual)
         return x
 
@@ -105,12 +165,15 @@ class CausalLM(nn.Module):
             from dayzero.models.hyper import HyperBackbone
 
             parallel.require_single("hyper-connection backbone")
-            self.model = HyperBackbone(m)
+            self.model = HyperBackbone(m, parallel)
         else:
             self.model = Backbone(m, parallel)
-        self.lm_head = lm_head(m.hidden_size, m.vocab_size, parallel)
-        if m.tie_word_embeddings:
+        self.lm_head = (lm_head(m.hidden_size, m.vocab_size, parallel) if parallel.last_stage
+                        else Elsewhere("the last pipeline stage"))
+        if m.tie_word_embeddings and parallel.last_stage:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # parameter-name prefixes other stages hold: the loader leaves their checkpoint tensors alone
+        self.elsewhere = tuple(f"{n}." for n, mod in self.named_modules() if isinstance(mod, Elsewhere))
 
     def forward(self, batch) -> torch.Tensor:
         memo = getattr(batch, "memo", None)
@@ -121,13 +184,17 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [S, D] -> [S, vocab] fp32. An fp32 lm_head (the CPU references) runs in fp32; a bf16 one as one
         # bf16 GEMM with fp32 accumulation: upcasting its weight would copy [vocab, D] fp32 every step. Under
-        # tensor parallelism each rank computes its vocabulary rows and the logits are gathered.
+        # tensor parallelism each rank computes its vocabulary rows and the logits are gathered; under pipeline
+        # parallelism the last stage computes them and every stage receives them.
+        if not self.parallel.last_stage:
+            out = torch.empty(hidden.shape[0], self.config.vocab_size, dtype=torch.float32, device=hidden.device)
+            return pp_broadcast_last(out, self.parallel)
         w = self.lm_head.weight
         if w.dtype == torch.float32:
             logits = torch.nn.functional.linear(hidden.float(), w)
         else:
             logits = torch.nn.functional.linear(hidden.to(w.dtype), w).float()
-        return gather_logits(logits, self.config.vocab_size, self.parallel)
+        return pp_broadcast_last(gather_logits(logits, self.config.vocab_size, self.parallel), self.parallel)
 
     def cached_layers(self):
         """(layer index, mixer module) of every layer that keeps a cache."""

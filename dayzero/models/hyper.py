@@ -21,7 +21,8 @@ from torch import nn
 from dayzero import ops
 from dayzero.config.spec import HyperSpec, LayerSpec, ModelSpec
 from dayzero.layers.norm import RMSNorm
-from dayzero.models.decoder import DecoderLayer
+from dayzero.distributed import SINGLE, ParallelState, pp_send
+from dayzero.models.decoder import DecoderLayer, Elsewhere, Stages
 
 
 class HyperConnection(nn.Module):
@@ -66,19 +67,25 @@ class HyperLayer(DecoderLayer):
         return h, None
 
 
-class HyperBackbone(nn.Module):
-    def __init__(self, m: ModelSpec):
+class HyperBackbone(Stages, nn.Module):
+    def __init__(self, m: ModelSpec, parallel: ParallelState = SINGLE):
         super().__init__()
         self.streams = m.hyper.streams
-        self.embed_tokens = nn.Embedding(m.vocab_size, m.hidden_size)
-        self.layers = nn.ModuleList(HyperLayer(m, spec) for spec in m.layers)
+        self._hold(m, parallel, lambda spec: HyperLayer(m, spec))
+        self.embed_tokens = (nn.Embedding(m.vocab_size, m.hidden_size) if self._embed_here(m.tie_word_embeddings)
+                             else Elsewhere("the first pipeline stage"))
         self.hc_head = HyperConnection(m.hidden_size, m.hyper, m.rms_norm_eps, post=False)
         self.norm = RMSNorm(m.hidden_size, m.rms_norm_eps, m.norm_offset)
 
     def forward(self, batch) -> torch.Tensor:
-        x = self.embed_tokens(batch.input_ids)  # [T, D]
-        h = x[:, None, :].expand(-1, self.streams, -1).contiguous()  # [T, n, D]: every copy starts equal
-        for layer in self.layers:
-            h, _ = layer(h, None, batch)
+        if self.parallel.first_stage:
+            x = self.embed_tokens(batch.input_ids)  # [T, D]
+            h = x[:, None, :].expand(-1, self.streams, -1).contiguous()  # [T, n, D]: every copy starts equal
+        else:  # the previous stage's streams
+            h = self._arrive(batch, (self.streams, self.hidden))
+        h, _ = self._run(h, None, batch)
+        if not self.parallel.last_stage:
+            pp_send(h, self.parallel)
+            return h[:, 0]  # [T, D]; the last stage computes the logits
         x, _, _ = self.hc_head(h)
         return self.norm(x)

@@ -13,6 +13,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from dayzero.cache.planner import DEFAULT_BLOCK_SIZE
+from dayzero.distributed import pipeline_stages
 from dayzero.ops.indexer.triton_indexer import scratch_bytes as indexer_scratch_bytes
 from dayzero.tools import fmt
 from dayzero.tools.devices import DeviceKind, parse_device_spec, parse_devices
@@ -58,17 +59,6 @@ class Layout:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def stages(n_layers: int, pp: int) -> list[range]:
-    """Contiguous, as even as possible; earlier stages take the remainder."""
-    base, extra = divmod(n_layers, pp)
-    out, start = [], 0
-    for s in range(pp):
-        n = base + (1 if s < extra else 0)
-        out.append(range(start, start + n))
-        start += n
-    return out
 
 
 def layouts(costs: ModelCosts, n: int) -> list[Layout]:
@@ -134,7 +124,7 @@ def stage_memory(costs: ModelCosts, cfg: PlanConfig, lay: Layout, layer_ids: ran
 
 def memory(costs: ModelCosts, cfg: PlanConfig, lay: Layout, context: int) -> dict[str, float]:
     """The worst stage's memory per device, by term."""
-    parts = stages(len(costs.layers), lay.pp)
+    parts = pipeline_stages(len(costs.layers), lay.pp)
     chunk = min(cfg.prefill_chunk, context)
     per_stage = [stage_memory(costs, cfg, lay, r, s == 0, s == lay.pp - 1, context, chunk) for s, r in enumerate(parts)]
     return max(per_stage, key=lambda m: sum(m.values()))
@@ -174,7 +164,7 @@ def moe_link_bytes(lc: LayerCost, lay: Layout, tokens_stage: float, a_b: int) ->
 def longest_context(costs: ModelCosts, cfg: PlanConfig, lay: Layout, budget: float, chunk: int) -> int:
     """The largest context (a block multiple, at most the model's maximum) whose memory fits ``budget``;
     memory is affine in the context for a fixed prefill chunk, so two evaluations give the line."""
-    parts = stages(len(costs.layers), lay.pp)
+    parts = pipeline_stages(len(costs.layers), lay.pp)
     bs, cap = cfg.block_size or DEFAULT_BLOCK_SIZE, costs.max_position
     best = cap
     for s, r in enumerate(parts):
@@ -241,7 +231,7 @@ def stage_time(costs: ModelCosts, cfg: PlanConfig, lay: Layout, layer_ids: range
 
 
 def roofline(costs: ModelCosts, cfg: PlanConfig, lay: Layout, context: int) -> dict:
-    parts = stages(len(costs.layers), lay.pp)
+    parts = pipeline_stages(len(costs.layers), lay.pp)
     micro = math.ceil(cfg.batch / lay.pp)  # pp micro-batches keep every stage busy
     seqs = math.ceil(micro / lay.dp)
     dec = [stage_time(costs, cfg, lay, r, s == lay.pp - 1, seqs, seqs, context, False) for s, r in enumerate(parts)]
@@ -264,18 +254,25 @@ def roofline(costs: ModelCosts, cfg: PlanConfig, lay: Layout, context: int) -> d
 
 # --- the plan -------------------------------------------------------------------------------------------
 def predict_allocation(model: str | None, dtype: str, context: int, batch: int, block_size: int | None = None,
-                       kv_cache_dtype: str = "auto") -> dict[str, float]:
-    """Weights and cache bytes of a one-device load (what the engine allocates for ``batch`` sequences of
-    ``context`` tokens), from the same terms every layout's plan is built from."""
+                       kv_cache_dtype: str = "auto", layout: Layout = Layout(1, 1, 1, 1), stage: int = 0,
+                       snapshots: int | None = None) -> dict[str, float]:
+    """Weights and cache bytes of one device of pipeline stage ``stage`` of ``layout`` (what the engine allocates
+    there for ``batch`` sequences of ``context`` tokens, with ``snapshots`` prefix-cache state snapshots: by
+    default one per sequence, as the engine keeps), from the same terms every layout's plan is built from."""
     info = load(model, FORMAT_TORCH[dtype])
     block_size = block_size_of(info, block_size)
     cfg = PlanConfig(batch=batch, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size, workspace_slots=1)
     override, workspace, _ = expert_storage(info, cfg)
     costs = model_costs(info, override, workspace, kv_cache_dtype, block_size, FORMAT_TORCH[dtype])
-    m = memory(costs, cfg, Layout(1, 1, 1, 1), context)
+    held = pipeline_stages(len(costs.layers), layout.pp)[stage]
+    m = stage_memory(costs, cfg, layout, held, stage == 0, stage == layout.pp - 1, context,
+                     min(cfg.prefill_chunk, context))
     # the engine also allocates the null block and the null state slot that padding rows use
-    null = block_size * sum(kv_bytes_per_token(lc, 1) for lc in costs.layers) + sum(state_bytes(lc, 1) for lc in costs.layers)
-    return {"weights": m["weights"] + m["workspace"], "cache": m["kv_cache"] + m["state"] + null}
+    ls = [costs.layers[i] for i in held]
+    per_slot = sum(state_bytes(lc, layout.tp) for lc in ls)
+    null = block_size * sum(kv_bytes_per_token(lc, layout.tp) for lc in ls) + per_slot
+    snaps = (batch if snapshots is None else snapshots) * per_slot
+    return {"weights": m["weights"] + m["workspace"], "cache": m["kv_cache"] + m["state"] + null + snaps}
 
 
 

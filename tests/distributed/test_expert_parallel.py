@@ -8,8 +8,8 @@ relative of one process, the same greedy tokens and the same per-expert load cou
   a correction bias, shared experts, MLA), kimi_linear (KDA);
 - tp=2 with ep=2 on the same two ranks: qwen3_moe, glm4_moe;
 - ep=4 over two tp=2 replicas: qwen3_moe;
-- gpt-oss with MXFP4 experts (stacked packed tensors, expert biases) at ep=2, converted per layer in the
-  workspace as on one process;
+- gpt-oss with MXFP4 experts (stacked packed tensors, expert biases) at ep=2, and split by tp=2 (expert TP),
+  converted per layer in the workspace as on one process;
 - with redundant copies of experts, rebalanced from the observed loads every two steps, outputs do not change.
 """
 from __future__ import annotations
@@ -44,6 +44,16 @@ def test_mxfp4_experts_at_ep2_match_one_process(tmp_path):
     make_hf_checkpoint(tmp_path / "bf16", "gpt_oss", seed=3, **GPT_OSS)
     quantize_checkpoint(tmp_path / "bf16", tmp_path / "gpt_oss", progress=False)
     compare_paths(tmp_path, [tmp_path / "gpt_oss"], tp=1, ep=2)
+
+
+def test_mxfp4_experts_split_by_tp_match_one_process(tmp_path):
+    """Expert TP (tp=2 without ep): each rank holds half of every expert's packed blocks and scales."""
+    make_hf_checkpoint(tmp_path / "bf16", "gpt_oss", seed=3, **{**GPT_OSS, "intermediate_size": 64})
+    quantize_checkpoint(tmp_path / "bf16", tmp_path / "gpt_oss", progress=False)
+    compare_paths(tmp_path, [tmp_path / "gpt_oss"], tp=2)
+    spec = load_config(tmp_path / "gpt_oss")
+    with pytest.raises(ValueError, match="tp=4 splits MXFP4 experts into 16-wide slices"):
+        build_model(spec, torch.float32, "meta", ParallelState(0, 4))
 
 
 def test_rank_holds_its_experts_and_bad_ep_names_the_setting(tmp_path):

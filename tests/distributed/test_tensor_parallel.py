@@ -51,15 +51,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(fn, *args, tp: int = TP, ep: int = 1) -> None:
-    """Run ``fn(state, *args)`` in ``max(tp, ep)`` fresh processes joined by Gloo on a free loopback port."""
-    world = max(tp, ep)
-    mp.spawn(_rank_main, args=(tp, ep, world, free_port(), fn, args), nprocs=world, join=True)
+def spawn(fn, *args, tp: int = TP, ep: int = 1, pp: int = 1) -> None:
+    """Run ``fn(state, *args)`` in ``pp · max(tp, ep)`` fresh processes joined by Gloo on a free loopback port."""
+    world = pp * max(tp, ep)
+    mp.spawn(_rank_main, args=(tp, ep, pp, world, free_port(), fn, args), nprocs=world, join=True)
 
 
-def _rank_main(rank: int, tp: int, ep: int, world: int, port: int, fn, args) -> None:
+def _rank_main(rank: int, tp: int, ep: int, pp: int, world: int, port: int, fn, args) -> None:
     torch.set_num_threads(1 if world > 2 else 2)
-    state = init_parallel(tp=tp, ep=ep, backend="gloo", rank=rank, world_size=world, port=port)
+    state = init_parallel(tp=tp, ep=ep, pp=pp, backend="gloo", rank=rank, world_size=world, port=port)
     try:
         fn(state, *args)
     finally:
@@ -138,16 +138,17 @@ def run_model(path: Path, state: ParallelState | None = None) -> dict:
     """Prompt logits, decode-step logits and greedy tokens of the model at ``path`` (tp=1 without ``state``)."""
     engine = LLMEngine(EngineConfig(model=str(path), **ENGINE), *([state] if state else []))
     if state is not None and state.tp_size > 1:  # the rank holds its slices, and still runs q/k/v as one GEMM
-        tp, config = state.tp_size, CONFIGS[path.name]
-        for (_, attn), layer in zip(engine.model.cached_layers(), engine.model_config.layers):
-            assert attn.H * tp == layer.attn.num_heads  # the rank's heads
+        tp, spec = state.tp_size, engine.model_config
+        for i, attn in engine.model.cached_layers():
+            assert attn.H * tp == spec.layers[i].attn.num_heads  # the rank's heads
             if hasattr(attn, "Hkv"):  # GQA (MLA's latent row serves every head, whole on every rank)
-                assert attn.Hkv == max(1, config["num_key_value_heads"] // tp)
+                assert attn.Hkv == max(1, spec.layers[i].attn.num_kv_heads // tp)
             assert "fused_in" in attn._modules and isinstance(attn.o_proj, RowParallelLinear)
-        assert engine.model.lm_head.weight.shape[0] == -(-config["vocab_size"] // tp)
-        shared = [m.shared_experts for m in engine.model.modules() if isinstance(m, MoE) and m.shared_experts]
-        assert all(isinstance(e.down_proj, RowParallelLinear) for e in shared)
-        assert bool(shared) == bool(config.get("n_shared_experts"))
+        if state.last_stage:
+            assert engine.model.lm_head.weight.shape[0] == -(-spec.vocab_size // tp)
+        moe = [m for m in engine.model.modules() if isinstance(m, MoE)]
+        assert all(isinstance(m.shared_experts.down_proj, RowParallelLinear) for m in moe if m.shared_experts)
+        assert all(m.expert_tp == (state.ep_size == 1) for m in moe)  # every expert's width split, without ep
     prompts = prompt_batch(engine.model_config.vocab_size, lengths=(5, 23, 12))
     out = {"prompt": [run_chunks(engine, ids, [len(ids)]) for ids in prompts],
            "decode": run_chunks(engine, prompts[1], [20, 1, 1, 1])}
@@ -160,8 +161,8 @@ def run_model(path: Path, state: ParallelState | None = None) -> dict:
             if o.finished:
                 done[o.request_id] = o.outputs[0].token_ids
     out["tokens"] = [done[f"r{i}"] for i in range(len(prompts))]
-    out["load"] = engine.expert_load()
-    assert all(int(load.sum()) > 0 for load in out["load"])
+    out["load"] = dict(zip(engine.moe_layer_index, engine.expert_load()))
+    assert all(int(load.sum()) > 0 for load in out["load"].values())
     return out
 
 
@@ -170,19 +171,21 @@ def model_rank(state: ParallelState, paths: list[str], out_dir: str) -> None:
     torch.save(results, Path(out_dir) / f"rank{state.world_rank}.pt")
 
 
-def compare_with_one_process(tmp_path: Path, model_types: tuple[str, ...], tp: int, ep: int = 1) -> None:
+def compare_with_one_process(tmp_path: Path, model_types: tuple[str, ...], tp: int, ep: int = 1, pp: int = 1,
+                             configs: dict = CONFIGS) -> None:
     paths = []
     for model_type in model_types:
         path = tmp_path / model_type
-        make_hf_checkpoint(path, model_type, **CONFIGS[model_type])
+        make_hf_checkpoint(path, model_type, **configs[model_type])
         paths.append(path)
-    compare_paths(tmp_path, paths, tp, ep)
+    compare_paths(tmp_path, paths, tp, ep, pp)
 
 
-def compare_paths(tmp_path: Path, paths: list[Path], tp: int, ep: int = 1) -> None:
-    """The models at ``paths`` run by ``max(tp, ep)`` ranks give one process's logits, tokens and expert loads."""
-    spawn(model_rank, [str(p) for p in paths], str(tmp_path), tp=tp, ep=ep)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(max(tp, ep))]
+def compare_paths(tmp_path: Path, paths: list[Path], tp: int, ep: int = 1, pp: int = 1) -> None:
+    """The models at ``paths`` run by ``pp · max(tp, ep)`` ranks give one process's logits, tokens and expert
+    loads (under pp, a stage's MoE layers' loads)."""
+    spawn(model_rank, [str(p) for p in paths], str(tmp_path), tp=tp, ep=ep, pp=pp)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(pp * max(tp, ep))]
     for i, path in enumerate(paths):
         model_type = path.name
         want = run_model(path)
@@ -194,9 +197,10 @@ def compare_paths(tmp_path: Path, paths: list[Path], tp: int, ep: int = 1) -> No
                 assert rel <= RTOL, f"{model_type} tp={tp} ep={ep} rank {r}: {name} logits relative error {rel:.2e}"
                 worst = max(worst, rel)
             assert got["tokens"] == want["tokens"], f"{model_type} tp={tp} ep={ep} rank {r}: greedy tokens differ"
-            for layer, (a, b) in enumerate(zip(got["load"], want["load"])):
-                assert torch.equal(a, b), f"{model_type} tp={tp} ep={ep} rank {r}: MoE {layer} expert load {a} != {b}"
-        print(f"tp={tp} ep={ep} {model_type}: greedy tokens equal, logits relative error at most {worst:.1e}")
+            for layer, a in got["load"].items():
+                b = want["load"][layer]
+                assert torch.equal(a, b), f"{model_type} tp={tp} ep={ep} rank {r}: layer {layer} expert load {a} != {b}"
+        print(f"tp={tp} ep={ep} pp={pp} {model_type}: greedy tokens equal, logits relative error at most {worst:.1e}")
 
 
 def test_models_at_tp2_match_one_process(tmp_path):
@@ -224,21 +228,22 @@ def test_heads_not_divisible_names_the_setting(tmp_path):
         MLP(64, MLPSpec(40), ParallelState(0, 3))
 
 
-def test_mixers_without_tp_refuse(tiny_ckpt):
-    with pytest.raises(ValueError, match=r"tp=2: the (KDA mixer|DSA indexer) has no tensor-parallel form yet"):
-        build_model(load_config(tiny_ckpt), torch.float32, "meta", ParallelState(0, 2))
-    from dayzero.config.spec import MLASpec
-    from dayzero.layers.attention.dsa import MLAAttention
+def test_mixers_without_tp_refuse():
+    """deepseek_v4's hyper-connection backbone and compressed attention have no tensor-parallel form yet (the DSA
+    indexer, Gated DeltaNet and Mamba-2 have: tests/distributed/test_tp_mixers.py)."""
+    from dataclasses import replace
 
-    dsa = next(l.attn for l in load_config(tiny_ckpt).layers if isinstance(l.attn, MLASpec) and l.attn.indexer)
-    with pytest.raises(ValueError, match="tp=2: the DSA indexer has no tensor-parallel form yet"):
-        MLAAttention(64, dsa, parallel=ParallelState(0, 2))
+    spec = load_config(Path(__file__).resolve().parents[2] / "configs" / "deepseek-v4-small.json")
+    with pytest.raises(ValueError, match="tp=2: the hyper-connection backbone has no tensor-parallel form yet"):
+        build_model(spec, torch.float32, "meta", ParallelState(0, 2))
+    with pytest.raises(ValueError, match="tp=2: the compressed attention mixer has no tensor-parallel form yet"):
+        build_model(replace(spec, hyper=None), torch.float32, "meta", ParallelState(0, 2))
 
 
 def test_impossible_process_layouts():
     with pytest.raises(ValueError, match="tp=3 does not divide world_size=4"):
         init_parallel(tp=3, world_size=4, rank=0)
-    with pytest.raises(ValueError, match=r"ep=2 with world_size=4: routed experts are spread over every rank"):
+    with pytest.raises(ValueError, match=r"ep=2 with world_size=4: routed experts are spread over every rank of a stage"):
         init_parallel(tp=2, ep=2, world_size=4, rank=0)
     with pytest.raises(ValueError, match="tp must be a positive int, got 0"):
         init_parallel(tp=0)

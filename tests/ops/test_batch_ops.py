@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import dayzero.ops  # noqa: F401  (registers the ops)
+from dayzero.cache.rows import read_rows
 from dayzero.ops.attention import compressed as comp_ref
 from dayzero.ops.attention import compressed_cuda as comp_dev
 from dayzero.ops.attention import cuda as attn_dev
@@ -154,6 +155,32 @@ def test_indexer_mixed_step_equals_each_sequence_alone():
         solo = idx_ref.paged_indexer_topk(q[rows], w[rows], k, alone(batch, b), 3,
                                           torch.empty(rows.stop - rows.start, 3, dtype=torch.int64))
         assert torch.equal(out[rows].sort(-1).values, solo.sort(-1).values)
+
+
+@pytest.mark.parametrize("topk", [3, 8])
+@pytest.mark.parametrize("cuts", [(), (2, 9), (1, 5, 6, 11)], ids=lambda c: "rows" + "-".join(map(str, c)))
+def test_indexer_partial_scores_sum_to_the_reference_selection(topk, cuts):
+    """Tensor parallelism's path: the scores of two halves of the heads, computed over row chunks that cut
+    sequences anywhere, add up to the scores of all heads, whose top-k is the reference's key set per row. A
+    mixed step: prefill chunks that start past position 0 beside decode rows."""
+    batch = make_batch([0, 9, 3, 6], [7, 1, 4, 1], BS, seed=16)
+    k = make_pool(batch, (8,), num_blocks_of(batch), 6)
+    T, W = batch.num_tokens, batch.key_width
+    g = torch.Generator().manual_seed(17)
+    q, w = torch.randn(T, 4, 8, generator=g), torch.randn(T, 4, generator=g)
+    ref = idx_ref.paged_indexer_topk(q, w, k, batch, topk, torch.empty(T, topk, dtype=torch.int64))
+    summed = torch.zeros(T, W)
+    for heads in (slice(0, 2), slice(2, 4)):
+        for t0, t1 in zip((0,) + cuts, cuts + (T,)):
+            poisoned = torch.full((t1 - t0, W), float("nan"))  # every score is written
+            summed[t0:t1] += idx_ref.paged_indexer_scores(q[:, heads], w[:, heads], k, batch, poisoned, t0)
+    for b in range(batch.num_seqs):  # each sequence's reference scores (-inf past each position), -inf past its keys
+        rows = batch.rows(b)
+        whole = idx_ref.indexer_scores(q[rows], w[rows], read_rows(k, batch.key_slots(b)), batch.positions[rows])
+        close(summed[rows, :batch.seq_lens[b]].clamp_min(-1e30), whole.clamp_min(-1e30))
+        assert torch.isneginf(summed[rows, batch.seq_lens[b]:]).all()
+    out = idx_ref.topk_of_scores(summed, batch.positions, topk, torch.full((T, topk), 7, dtype=torch.int64))
+    assert torch.equal(out.sort(-1).values, ref.sort(-1).values)
 
 
 # ---------------------------------------------------------------- linear attention over the state pool

@@ -19,7 +19,10 @@ gate (one sigmoid per head, ``g_proj`` [H, D]), and an indexer whose RoPE covers
 Under tensor parallelism a rank holds H/tp heads: ``q_b_proj`` (or ``q_proj``), ``kv_b_proj`` and ``g_proj`` are
 column-parallel by head, ``o_proj`` row-parallel (one all-reduce of [T, D] per layer), the sinks cut by head;
 the down-projections, their norms and the latent cache are whole on every rank (the latent row serves all
-heads). A layer with an indexer (DSA) has no tensor-parallel form yet and refuses tp>1.
+heads). The indexer's query heads are split the same way (``wq_b`` and ``weights_proj`` by head), its key
+(one per token, shared by every head), ``k_norm`` and key cache whole: a key's score is a sum over heads, so a
+rank scores the keys with its heads, one all-reduce of the [T, key width] fp32 scores sums them, and every rank
+takes the same top-k of the same sums.
 """
 from __future__ import annotations
 
@@ -29,25 +32,31 @@ from torch import nn
 from dayzero import ops
 from dayzero.cache.spec import PagedSpec
 from dayzero.config.spec import IndexerSpec, MLASpec
-from dayzero.distributed import SINGLE, ParallelState, divide
+from dayzero.distributed import SINGLE, ParallelState, divide, tp_all_reduce
 from dayzero.layers.attention.base import CachedLayer
 from dayzero.layers.fused import fuse, project
 from dayzero.layers.norm import LayerNorm, RMSNorm
 from dayzero.layers.parallel import Shard, column_linear, row_linear
 from dayzero.layers.rotary import RotaryEmbedding
+from dayzero.ops.indexer.triton_indexer import chunk_rows
 from dayzero.quant.fp8 import dense_weight
 
 
 class Indexer(nn.Module):
-    def __init__(self, hidden: int, q_in: int, spec: IndexerSpec):
+    def __init__(self, hidden: int, q_in: int, spec: IndexerSpec, parallel: ParallelState = SINGLE):
         super().__init__()
-        self.H, self.Dh, self.topk = spec.n_heads, spec.head_dim, spec.topk
-        self.wq_b = nn.Linear(q_in, self.H * self.Dh, bias=False)
-        self.wk = nn.Linear(hidden, self.Dh, bias=False)
+        heads = "index_n_heads"
+        self.H, self.Dh, self.topk = divide(spec.n_heads, parallel, heads), spec.head_dim, spec.topk  # the rank's heads
+        self.parallel = parallel
+        self.wq_b = column_linear(q_in, spec.n_heads * self.Dh, False, parallel, what=heads)
+        self.wk = nn.Linear(hidden, self.Dh, bias=False)  # the key, shared by every head: whole on every rank
         self.k_norm = LayerNorm(self.Dh, spec.norm_eps)
         # weights_proj stays in high precision (ARCHITECTURE.md 2.2)
-        self.weights_proj = nn.Linear(hidden, self.H, bias=False, dtype=torch.float32)
-        self.weight_scale = self.H**-0.5 * self.Dh**-0.5
+        if parallel.tp_size == 1:
+            self.weights_proj = nn.Linear(hidden, self.H, bias=False, dtype=torch.float32)
+        else:
+            self.weights_proj = column_linear(hidden, spec.n_heads, False, parallel, what=heads).float()
+        self.weight_scale = spec.n_heads**-0.5 * self.Dh**-0.5  # of all heads, whatever the rank holds
         self.rotary = RotaryEmbedding(spec.rope)  # rotates the first rope.dim dims, or the last with rope.last
 
     def project(self, x, c_q, batch, k=None):
@@ -61,13 +70,29 @@ class Indexer(nn.Module):
         w = torch.nn.functional.linear(x.float(), self.weights_proj.weight.float()) * self.weight_scale  # [T, Hi]
         return q, k, w
 
+    def select(self, q: torch.Tensor, w: torch.Tensor, k_cache, batch) -> torch.Tensor:
+        """Every query row's top-k key positions [T, topk] (-1 padded) in the step's selection buffer."""
+        out = batch.topk_buffer(self.topk)
+        if self.parallel.tp_size == 1:
+            return ops.call("paged_indexer_topk", q, w, k_cache, batch, self.topk, out)
+        # This rank's heads give partial scores; their sum over the tp group is every head's score, the same
+        # tensor on every rank, so every rank selects the same keys (ties included). Rows go in chunks whose
+        # scores and top-k outputs stay under the indexer's scratch budget (the prefill scratch the cache counts).
+        T, W = q.shape[0], batch.key_width
+        rows = chunk_rows(W, self.topk)
+        scratch = torch.empty(min(T, rows), W, dtype=torch.float32, device=q.device)
+        for t0 in range(0, T, rows):
+            t1 = min(T, t0 + rows)
+            scores = ops.call("paged_indexer_scores", q, w, k_cache, batch, scratch[:t1 - t0], t0)  # [rows, W]
+            tp_all_reduce(scores, self.parallel)
+            ops.call("indexer_topk_of_scores", scores, batch.positions[t0:t1], self.topk, out[t0:t1])
+        return out
+
 
 class MLAAttention(CachedLayer):
     def __init__(self, hidden: int, spec: MLASpec, eps: float = 1e-6, parallel: ParallelState = SINGLE):
         super().__init__()
         self.spec = spec
-        if spec.indexer is not None:
-            parallel.require_single("DSA indexer")
         H = spec.num_heads  # all heads; self.H is the rank's
         heads = "num_attention_heads"
         self.H = divide(H, parallel, heads)
@@ -94,7 +119,8 @@ class MLAAttention(CachedLayer):
         if parallel.tp_size > 1 and self.sinks is not None:
             self.shards = {"sinks": Shard(0, parallel.tp_rank, parallel.tp_size)}  # one sink per head
         ispec = spec.indexer
-        self.indexer = Indexer(hidden, spec.q_lora_rank or hidden, ispec) if ispec and not ispec.shared else None
+        own_indexer = ispec is not None and not ispec.shared
+        self.indexer = Indexer(hidden, spec.q_lora_rank or hidden, ispec, parallel) if own_indexer else None
         self.shares_selection = ispec is not None and ispec.shared
         self.rotary = RotaryEmbedding(spec.rope) if spec.rope is not None else None
         self.scale = spec.scale
@@ -144,8 +170,7 @@ class MLAAttention(CachedLayer):
         if self.indexer is not None:
             selection = None
             if batch.key_width > self.indexer.topk:
-                selection = ops.call("paged_indexer_topk", iq, iw, self.cache["index_k"], batch, self.indexer.topk,
-                                     batch.topk_buffer(self.indexer.topk))  # [T, topk] key positions, -1 padded
+                selection = self.indexer.select(iq, iw, self.cache["index_k"], batch)  # [T, topk] key positions
             batch.selection, batch.selection_set = selection, True
         elif self.shares_selection:
             assert batch.selection_set, "a shared-index DSA layer needs an earlier layer that runs its indexer"

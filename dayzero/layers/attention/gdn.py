@@ -13,6 +13,13 @@ run it unchanged. Differences from KDA:
 
 Our parameters hold q, k, v, z (and b, a) as contiguous blocks, head-major; Qwen3-Next checkpoints group
 them per key head and :func:`ungroup_qkvz` / :func:`ungroup_ba` reorder them at load.
+
+Under tensor parallelism a rank holds Hk/tp key heads and the Hv/tp value heads they serve (the grouping stays
+within a rank): its heads' rows of q, k, v, z, b and a and of the conv, ``A_log`` and ``dt_bias``; the output
+norm (per value head) is whole, ``out_proj`` row-parallel (one all-reduce of [T, D] per layer), and the state
+slots hold the rank's heads ([Hv/tp, K, V] and the conv windows of its channels). q, k and v, z have unequal
+widths, which the loader cannot cut, so ``in_proj_qkvz`` and the conv load whole and keep the rank's rows
+after loading (:func:`~dayzero.layers.parallel.keep_rank_blocks`); [b | a] is cut as it loads.
 """
 from __future__ import annotations
 
@@ -23,9 +30,11 @@ from torch import nn
 from dayzero import ops
 from dayzero.cache.spec import StateSpec
 from dayzero.config.spec import GDNSpec  # noqa: F401  (re-exported for adapters)
+from dayzero.distributed import SINGLE, ParallelState, divide
 from dayzero.layers.attention.kda import DeltaRuleLayer
 from dayzero.layers.fused import fuse, project
 from dayzero.layers.norm import RMSNorm
+from dayzero.layers.parallel import Shard, column_linear, keep_rank_blocks, row_linear
 
 
 def ungroup_qkvz(spec: GDNSpec):
@@ -54,35 +63,45 @@ def ungroup_ba(spec: GDNSpec):
 class GatedDeltaNet(DeltaRuleLayer):
     in_proj_members = ["in_proj_qkvz", "in_proj_ba"]  # one GEMM once fused (dayzero.layers.fused)
 
-    def __init__(self, hidden: int, spec: GDNSpec, eps: float = 1e-6):
+    def __init__(self, hidden: int, spec: GDNSpec, eps: float = 1e-6, parallel: ParallelState = SINGLE):
         super().__init__()
         if spec.num_v_heads % spec.num_k_heads:
             raise ValueError(f"num_v_heads {spec.num_v_heads} is not a multiple of num_k_heads {spec.num_k_heads}")
-        self.spec, self.eps = spec, eps
-        Hk, Hv, K, V, W = spec.num_k_heads, spec.num_v_heads, spec.head_k_dim, spec.head_v_dim, spec.conv_size
+        self.spec, self.eps, self.parallel = spec, eps, parallel
+        K, V, W = spec.head_k_dim, spec.head_v_dim, spec.conv_size
+        heads = "the Gated DeltaNet layers' num_k_heads"
+        # the rank's key heads and the value heads they serve
+        self.Hk, self.Hv = divide(spec.num_k_heads, parallel, heads), spec.num_v_heads // parallel.tp_size
+        self.K, self.V = K, V
+        self.conv_dim = 2 * self.Hk * K + self.Hv * V  # the rank's [q | k | v] channels
+        # [q | k | v | z] widths of all heads: both projections below are built whole (see the module docstring)
+        self.qkvz_blocks = (spec.num_k_heads * K, spec.num_k_heads * K, spec.num_v_heads * V, spec.num_v_heads * V)
         C = spec.conv_dim
-        self.in_proj_qkvz = nn.Linear(hidden, C + Hv * V, bias=False)  # [q | k | v | z]
-        self.in_proj_ba = nn.Linear(hidden, 2 * Hv, bias=False)  # [b | a]
+        self.in_proj_qkvz = nn.Linear(hidden, C + spec.num_v_heads * V, bias=False)  # [q | k | v | z]
+        self.in_proj_ba = column_linear(hidden, 2 * spec.num_v_heads, False, parallel, what=heads, parts=2)  # [b | a]
         self.conv1d = nn.Conv1d(C, C, W, groups=C, bias=False)  # weight [C, 1, W]
-        self.A_log = nn.Parameter(torch.zeros(Hv, dtype=torch.float32))
-        self.dt_bias = nn.Parameter(torch.zeros(Hv, dtype=torch.float32))
+        self.A_log = nn.Parameter(torch.zeros(self.Hv, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.zeros(self.Hv, dtype=torch.float32))
         self.norm = RMSNorm(V, eps)
-        self.out_proj = nn.Linear(Hv * V, hidden, bias=False)
+        self.out_proj = row_linear(spec.num_v_heads * V, hidden, False, parallel, what=heads)
+        if parallel.tp_size > 1:  # one per value head
+            cut = Shard(0, parallel.tp_rank, parallel.tp_size)
+            self.shards = {"A_log": cut, "dt_bias": cut}
 
     def cache_spec(self, dtype):
-        s = self.spec
         # the recurrent state is fp32 whatever the model dtype: it accumulates over the whole sequence
-        return StateSpec({"state": ((s.num_v_heads, s.head_k_dim, s.head_v_dim), torch.float32),
-                          "conv": ((s.conv_dim, s.conv_size - 1), dtype)})
+        return StateSpec({"state": ((self.Hv, self.K, self.V), torch.float32),
+                          "conv": ((self.conv_dim, self.spec.conv_size - 1), dtype)})
 
     def process_weights_after_loading(self) -> None:
+        keep_rank_blocks(self.in_proj_qkvz, self.qkvz_blocks, self.parallel)
+        keep_rank_blocks(self.conv1d, self.qkvz_blocks[:3], self.parallel)
         fuse(self, "fused_in", self.in_proj_members)
 
     def forward(self, x: torch.Tensor, batch) -> torch.Tensor:
-        s, T = self.spec, x.shape[0]
-        Hk, Hv, K, V = s.num_k_heads, s.num_v_heads, s.head_k_dim, s.head_v_dim
+        T, Hk, Hv, K, V = x.shape[0], self.Hk, self.Hv, self.K, self.V
         qkvz, ba = project(self, "fused_in", self.in_proj_members, x)
-        qkv, z = qkvz.split([s.conv_dim, Hv * V], dim=-1)
+        qkv, z = qkvz.split([self.conv_dim, Hv * V], dim=-1)
         q, k, v = self.conv("conv", qkv, self.conv1d.weight, batch).split([Hk * K, Hk * K, Hv * V], dim=-1)
         r = Hv // Hk
         q = q.reshape(T, Hk, K).repeat_interleave(r, dim=1)  # [T, Hv, K]: key head h serves value heads h*r..
@@ -94,4 +113,3 @@ class GatedDeltaNet(DeltaRuleLayer):
 
         o = self.norm(o).float() * F.silu(z.reshape(T, Hv, V).float())  # gated norm, gate after the norm
         return self.out_proj(o.to(x.dtype).reshape(T, Hv * V))
-

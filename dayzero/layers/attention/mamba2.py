@@ -9,6 +9,14 @@ State per sequence (one slot): the fp32 SSM state [H, P, N] and the conv window 
 ``conv_size - 1`` pre-activation xBC inputs). A sequence that starts this step (position 0) starts from
 zero state, so slots need no clearing when they are reused. The pooled ops read and write the slots in place:
 the recurrent form when every sequence brings one token, the chunk form otherwise.
+
+Under tensor parallelism a rank holds G/tp groups and the H/tp heads that read them (heads of one group are
+consecutive): its rows of z, x, B, C and dt, its conv channels, ``dt_bias``, ``A_log``, ``D`` and its groups of
+the output norm's weight; ``out_proj`` is row-parallel (one all-reduce of [T, D] per layer) and the state slots
+hold the rank's heads ([H/tp, P, N] and the conv windows of its channels). The output norm takes its mean
+square per group, so a rank needs whole groups: tp must divide ``n_groups``. The parts of the input projection
+and of the conv have unequal widths, which the loader cannot cut: they load whole and keep the rank's rows
+after loading (:func:`~dayzero.layers.parallel.keep_rank_blocks`).
 """
 from __future__ import annotations
 
@@ -19,35 +27,53 @@ from torch import nn
 from dayzero import ops
 from dayzero.cache.spec import StateSpec
 from dayzero.config.spec import Mamba2Spec  # noqa: F401  (re-exported for adapters)
+from dayzero.distributed import SINGLE, ParallelState
 from dayzero.layers.attention.base import CachedLayer
 from dayzero.layers.norm import RMSNorm
+from dayzero.layers.parallel import Shard, keep_rank_blocks, row_linear
 
 
 class Mamba2Mixer(CachedLayer):
-    def __init__(self, hidden: int, spec: Mamba2Spec, eps: float = 1e-5):
+    def __init__(self, hidden: int, spec: Mamba2Spec, eps: float = 1e-5, parallel: ParallelState = SINGLE):
         super().__init__()
-        self.spec, self.eps = spec, eps
-        H, P, N, G = spec.num_heads, spec.head_dim, spec.state_size, spec.n_groups
-        self.I, self.conv_dim = H * P, H * P + 2 * G * N
-        self.in_proj = nn.Linear(hidden, self.I + self.conv_dim + H, bias=spec.bias)  # [z | xBC | dt]
+        self.spec, self.eps, self.parallel = spec, eps, parallel
+        tp = parallel.tp_size
+        if spec.n_groups % tp:
+            raise ValueError(f"tp={tp} does not divide n_groups={spec.n_groups} of the Mamba-2 layers: a rank holds "
+                             "whole groups (their B and C, and the output norm's mean square per group)")
+        H, P, N, G = spec.num_heads, spec.head_dim, spec.state_size, spec.n_groups  # all of them
+        self.H, self.G = H // tp, G // tp  # the rank's heads and groups
+        self.I, self.conv_dim = self.H * P, self.H * P + 2 * self.G * N
+        # [z | x | B | C | dt] widths of all heads and groups: the projection and the conv are built whole (see
+        # the module docstring)
+        self.in_blocks = (H * P, H * P, G * N, G * N, H)
+        self.in_proj = nn.Linear(hidden, sum(self.in_blocks), bias=spec.bias)  # [z | xBC | dt]
         # depthwise causal conv weights [conv_dim, 1, W], as checkpoints store them
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, spec.conv_size, groups=self.conv_dim, bias=spec.conv_bias)
+        conv_dim = sum(self.in_blocks[1:4])
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, spec.conv_size, groups=conv_dim, bias=spec.conv_bias)
         # per-head SSM parameters stay fp32: they set the decay exp(dt·A), which compounds over the sequence
-        self.dt_bias = nn.Parameter(torch.zeros(H, dtype=torch.float32))
-        self.A_log = nn.Parameter(torch.zeros(H, dtype=torch.float32))
-        self.D = nn.Parameter(torch.ones(H, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.zeros(self.H, dtype=torch.float32))
+        self.A_log = nn.Parameter(torch.zeros(self.H, dtype=torch.float32))
+        self.D = nn.Parameter(torch.ones(self.H, dtype=torch.float32))
         self.norm = RMSNorm(self.I, eps)  # only its weight: applied gated and per group by ``ssd_gated_norm``
-        self.out_proj = nn.Linear(self.I, hidden, bias=spec.bias)
+        self.out_proj = row_linear(H * P, hidden, spec.bias, parallel)
+        if tp > 1:  # by head (the norm's weight by the channels of the rank's heads, whole groups)
+            cut = Shard(0, parallel.tp_rank, tp)
+            self.shards = {n: cut for n in ("dt_bias", "A_log", "D", "norm.weight")}
 
     def cache_spec(self, dtype):
         s = self.spec
         # the SSM state is fp32 whatever the model dtype: it accumulates over the whole sequence
-        return StateSpec({"ssm": ((s.num_heads, s.head_dim, s.state_size), torch.float32),
+        return StateSpec({"ssm": ((self.H, s.head_dim, s.state_size), torch.float32),
                           "conv": ((self.conv_dim, s.conv_size - 1), dtype)})
+
+    def process_weights_after_loading(self) -> None:
+        keep_rank_blocks(self.in_proj, self.in_blocks, self.parallel)
+        keep_rank_blocks(self.conv1d, self.in_blocks[1:4], self.parallel)
 
     def forward(self, x: torch.Tensor, batch) -> torch.Tensor:
         s, T = self.spec, x.shape[0]
-        H, P, N, G = s.num_heads, s.head_dim, s.state_size, s.n_groups
+        H, P, N, G = self.H, s.head_dim, s.state_size, self.G
         z, xbc, dt = self.in_proj(x).split([self.I, self.conv_dim, H], dim=-1)  # [T, I], [T, I + 2GN], [T, H]
 
         xbc = ops.call("causal_conv1d_pooled", xbc, self.conv1d.weight, self.cache["conv"], batch, None)
@@ -61,4 +87,3 @@ class Mamba2Mixer(CachedLayer):
 
         y = ops.call("ssd_gated_norm", y.reshape(T, self.I), self.norm.weight, z, self.I // G, self.eps)
         return self.out_proj(y)
-

@@ -7,12 +7,17 @@ q already carries the indexer RoPE and ``weights`` already carries every scale f
 This is the engine's high-precision path: plain fp32, no quantisation. The FP8 path (Hadamard
 rotation of q and k, then e4m3 quantisation per 128 values with ue8m0 scales, the key scale
 multiplied into the score) is a later precision mode.
+
+The score is a sum over heads, so the scores of disjoint sets of heads add up to the scores of all. Under
+tensor parallelism a rank holds some of the heads: ``paged_indexer_scores`` gives its partial scores, the ranks
+sum them, and ``indexer_topk_of_scores`` takes every rank's (identical) top-k of the sums.
 """
 from __future__ import annotations
 
 import torch
 
 from dayzero.ops.attention.reference import key_range, q_block_rows
+from dayzero.ops.indexer.triton_indexer import topk_of_scores
 from dayzero.ops.registry import register
 
 
@@ -32,12 +37,15 @@ def _scores_rows(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor) -> tor
 
 @register("indexer_scores")
 def indexer_scores(
-    q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, *, q_block: int | None = None
+    q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, *, q_block: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The full masked fp32 score matrix [Tq, S] (for tests and tools; the engine uses indexer_topk)."""
+    """The full masked fp32 score matrix [Tq, S] (into ``out`` when given; tools, tests and the tensor-parallel
+    scores; the engine's one-rank path uses indexer_topk)."""
     Tq, Hi, _ = q.shape
     S = k.shape[0]
-    out = torch.full((Tq, S), float("-inf"), dtype=torch.float32, device=q.device)
+    if out is None:
+        out = torch.full((Tq, S), float("-inf"), dtype=torch.float32, device=q.device)
     rows = q_block_rows(Hi, S, q_block)
     for t0 in range(0, Tq, rows):
         t1 = min(Tq, t0 + rows)
@@ -96,6 +104,32 @@ def indexer_topk_rows(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, v
     n_valid = valid.sum(-1, keepdim=True)
     out[:, :kk] = torch.where(torch.arange(kk, device=q.device) < n_valid, idx, torch.full_like(idx, -1))
     return out
+
+
+@register("paged_indexer_scores")
+def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, k_cache, batch, out: torch.Tensor,
+                         start: int = 0) -> torch.Tensor:
+    """Masked fp32 scores of the step's query rows ``start .. start + len(out)`` into ``out`` [rows, key width]
+    (returned): ``out[i, s]`` is the score of key position s of row t = start + i's own sequence for
+    s <= positions[t], -inf elsewhere (past the position, past the sequence). q: [T, Hi, Di]; weights: [T, Hi]
+    (the whole step's rows). Scores over a subset of the heads are partial scores: they sum to the whole."""
+    from dayzero.cache.rows import read_rows
+
+    out.fill_(float("-inf"))
+    stop = start + out.shape[0]
+    for b in range(batch.num_seqs):
+        rows = batch.rows(b)
+        lo, hi = max(rows.start, start), min(rows.stop, stop)
+        if lo >= hi:
+            continue
+        k = read_rows(k_cache, batch.key_slots(b))  # [n, Di]
+        indexer_scores(q[lo:hi], weights[lo:hi], k, batch.positions[lo:hi], out=out[lo - start:hi - start, :len(k)])
+    return out
+
+
+# Top-k of masked scores [T, W] per row, -1 past the row's causal keys: plain PyTorch, kept beside the Triton
+# scores it follows on the GPU.
+register("indexer_topk_of_scores")(topk_of_scores)
 
 
 @register("paged_indexer_topk")

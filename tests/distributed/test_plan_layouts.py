@@ -1,0 +1,40 @@
+"""``dayzero plan``'s per-device memory for a layout against what the engine allocates on each rank of that
+layout (weights and cache, within 10%), for tensor, expert and pipeline parallelism on the CPU with Gloo."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dayzero.distributed import ParallelState
+from dayzero.engine.engine import EngineConfig, LLMEngine
+from dayzero.tools.plan import Layout, predict_allocation
+from tests.distributed.test_tensor_parallel import CONFIGS, spawn
+from tests.hf.harness import make_hf_checkpoint
+
+L, B = 256, 2  # the cache the engine plans: B sequences of L tokens
+
+
+def allocate_rank(state: ParallelState, path: str, out_dir: str) -> None:
+    engine = LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", max_num_seqs=B, max_model_len=L,
+                                    cache_memory_bytes=1 << 40, num_threads=1), state)
+    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    cache = sum(t.numel() * t.element_size() for _, layer in engine.runner.layers for t in layer.cache.values())
+    torch.save({"weights": weights + engine.expert_workspace.nbytes, "cache": cache},
+               Path(out_dir) / f"alloc{state.world_rank}.pt")
+
+
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(tp=2, ep=2), dict(tp=1, pp=2)], ids=["tp2", "tp2-ep2", "pp2"])
+def test_plan_predicts_each_ranks_allocation(tmp_path, layout):
+    path = tmp_path / "kimi_linear"
+    make_hf_checkpoint(path, "kimi_linear", **CONFIGS["kimi_linear"])
+    tp, ep, pp = layout.get("tp", 1), layout.get("ep", 1), layout.get("pp", 1)
+    spawn(allocate_rank, str(path), str(tmp_path), tp=tp, ep=ep, pp=pp)
+    stage_ranks = max(tp, ep)
+    plan_layout = Layout(pp, tp, stage_ranks // tp, ep)  # dp = 1: every rank of a stage holds every sequence
+    for rank in range(pp * stage_ranks):
+        got = torch.load(tmp_path / f"alloc{rank}.pt")
+        want = predict_allocation(str(path), "fp32", L, B, layout=plan_layout, stage=rank // stage_ranks)
+        for term in ("weights", "cache"):
+            assert got[term] == pytest.approx(want[term], rel=0.10), (layout, rank, term, got, want)
