@@ -212,10 +212,8 @@ def init_parallel(tp: int | None = None, backend: str = "gloo", *, ep: int = 1, 
             raise ValueError(f"{name} must be a positive int, got {v!r}")
     world = world_size if world_size is not None else _env_int("WORLD_SIZE")
     world = world if world is not None else pp * max(tp or 1, ep)
-    if world % pp:
-        raise ValueError(f"pp={pp} does not divide world_size={world}: every stage has the same number of ranks")
-    tp = world // pp if tp is None else tp
-    check_layout(tp, ep, world // pp, "world_size" if pp == 1 else "world_size/pp")
+    tp = world // pp if tp is None and world % pp == 0 else tp or 1
+    check_layout(tp, ep, world, pp)
     rank = rank if rank is not None else (_env_int("RANK") or 0)
     if not 0 <= rank < world:
         raise ValueError(f"rank={rank} is outside [0, world_size={world})")
@@ -261,9 +259,11 @@ def init_parallel(tp: int | None = None, backend: str = "gloo", *, ep: int = 1, 
     return _current
 
 
-def check_layout(tp: int, ep: int, stage: int, what: str = "world_size") -> None:
-    """The ``ValueError`` naming the setting for a layout the engine cannot run (``stage``: ranks per stage,
-    named ``what``)."""
+def check_layout(tp: int, ep: int, world: int, pp: int = 1) -> None:
+    """The ``ValueError`` naming the setting for a layout the engine cannot run."""
+    if world % pp:
+        raise ValueError(f"pp={pp} does not divide world_size={world}: every stage has the same number of ranks")
+    stage, what = world // pp, "world_size" if pp == 1 else "world_size/pp"
     if stage % tp:
         raise ValueError(f"tp={tp} does not divide {what}={stage}: every rank belongs to one tp group")
     if ep not in (1, stage):

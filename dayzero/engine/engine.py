@@ -70,12 +70,13 @@ class EngineConfig:
     # the job's layout, for the launcher (dayzero.engine.launch), which starts a process per rank and gives each
     # LLMEngine its rank's ParallelState (docs/parallelism.md, "Launching")
     tp: int = 1  # tensor-parallel ranks
-    ep: int = 1  # expert-parallel ranks: 1 (experts replicated) or every rank
+    ep: int = 1  # expert-parallel ranks: 1 (experts replicated) or every rank of a pipeline stage
+    pp: int = 1  # pipeline stages
     distributed_host: str = "127.0.0.1"  # where the ranks meet (rank 0's address); torchrun's MASTER_ADDR wins
     distributed_port: int | None = None  # None: a free port (torchrun's MASTER_PORT wins)
 
     def __post_init__(self):
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tp", "ep"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tp", "ep", "pp"):
             v = getattr(self, name)
             if v is None and name == "block_size":
                 continue
@@ -439,7 +440,8 @@ class LLMEngine:
         the device at most once a second while requests run, as decoder layer index -> pairs per expert: a read
         waits for the queued steps)."""
         now = time.monotonic()
-        if self.moe_layers and (now - self._load_read[0] >= 1.0 or not self.has_unfinished()):
+        idle = not (self.scheduler.running or self.scheduler.waiting)
+        if self.moe_layers and (now - self._load_read[0] >= 1.0 or idle):
             self._load_read = (now, dict(zip(self.moe_layer_index, self.expert_load())))
         return {
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),

@@ -6,7 +6,8 @@ from typing import Any, Sequence as Seq
 
 from tqdm.auto import tqdm
 
-from dayzero.engine.engine import EngineConfig, LLMEngine
+from dayzero.engine.engine import EngineConfig
+from dayzero.engine.launch import start_engine
 from dayzero.engine.request import RequestOutput
 from dayzero.engine.sampling_params import SamplingParams
 
@@ -34,6 +35,14 @@ class LLM:
     for CUDA devices, where the device runs ahead of the host, and off on CPUs, where it would gain nothing.
     ``host_cache_gib`` of pinned host memory keep the prefix-cache blocks and snapshots the device evicts, for
     later hits.
+
+    ``pp`` pipeline stages of ``max(tp, ep)`` ranks (``tp`` tensor-parallel, ``ep`` expert-parallel: 1 or every
+    rank of a stage; ``num_redundant_experts`` and ``eplb_interval`` balance the experts) run one process each: this one is rank 0, the
+    others are spawned on this host and meet on ``distributed_host:distributed_port`` (loopback and a free port
+    by default), or, under torchrun, are the job's other processes, where ``LLM(...)`` does not return but serves
+    rank 0 until it closes (``docs/parallelism.md``). A rank that dies makes every later call raise
+    ``RankFailure`` (a ``RuntimeError``) naming it. ``close()`` (or ``with LLM(...) as llm:``, or the end of the
+    interpreter) stops the other ranks.
     """
 
     def __init__(
@@ -64,8 +73,15 @@ class LLM:
         num_prefix_snapshots: int | None = None,
         async_scheduling: bool | None = None,
         host_cache_gib: float = 0.0,
+        tp: int = 1,
+        ep: int = 1,
+        pp: int = 1,
+        num_redundant_experts: int = 0,
+        eplb_interval: int = 0,
+        distributed_host: str = "127.0.0.1",
+        distributed_port: int | None = None,
     ):
-        self.engine = LLMEngine(EngineConfig(
+        self.engine = start_engine(EngineConfig(
             model=model, device=device, dtype=dtype, block_size=block_size, num_cache_blocks=num_cache_blocks,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             seed=seed, cache_memory_bytes=cache_memory_bytes, kv_cache_dtype=kv_cache_dtype,
@@ -74,8 +90,20 @@ class LLM:
             cache_memory_fraction=cache_memory_fraction, num_threads=num_threads,
             enable_prefix_caching=enable_prefix_caching, prefix_snapshot_interval=prefix_snapshot_interval,
             num_prefix_snapshots=num_prefix_snapshots, async_scheduling=async_scheduling, host_cache_gib=host_cache_gib,
+            tp=tp, ep=ep, pp=pp, num_redundant_experts=num_redundant_experts, eplb_interval=eplb_interval,
+            distributed_host=distributed_host, distributed_port=distributed_port,
         ))
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the engine's other ranks, if any (nothing to do for one process)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def tokenizer(self):

@@ -25,6 +25,7 @@ from typing import Any, Callable
 from dayzero.engine.engine import LLMEngine
 from dayzero.engine.request import RequestOutput
 from dayzero.engine.sampling_params import SamplingParams
+from dayzero.engine.workers import RankFailure
 from dayzero.server.errors import APIError
 
 log = logging.getLogger("dayzero.server")
@@ -65,9 +66,12 @@ class AsyncEngine:
     pool, and on a small machine the two pools fight over the cores (steps measured 2.3x slower on two
     cores). ``build`` runs in the constructor, which returns once the engine is ready and raises what
     ``build`` raised.
+
+    A multi-process engine that lost a rank (``RankFailure``, from a step or through :meth:`fail`) cannot go on:
+    its requests end with an error, the thread stops and ``on_fatal(message)`` is called (the server exits).
     """
 
-    def __init__(self, build: Callable[[], LLMEngine]):
+    def __init__(self, build: Callable[[], LLMEngine], on_fatal: Callable[[str], None] | None = None):
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -75,6 +79,7 @@ class AsyncEngine:
         self.failure: str | None = None  # set when the engine thread died; /health reports it
         self._stopped = False  # the engine thread has ended (or is ending): no command will run any more
         self.engine: LLMEngine | None = None
+        self.on_fatal = on_fatal
         built = threading.Event()
         build_error: list[BaseException] = []
 
@@ -141,6 +146,10 @@ class AsyncEngine:
     def abort_all(self, error: APIError) -> None:
         self._commands.put(("abort_all", error))
 
+    def fail(self, message: str) -> None:
+        """From any thread: the engine is lost (a rank died while idle); end everything as a failed step would."""
+        self._commands.put(("fail", message))
+
     # --- engine thread -----------------------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -160,9 +169,15 @@ class AsyncEngine:
                     self._step()
                 self.stats = self.engine.stats()
         except BaseException as e:  # a bug, not a request's fault: fail everything, leave /health unhealthy
-            log.exception("engine thread failed")
+            fatal = isinstance(e, RankFailure)
+            if fatal:
+                log.error("%s", e)
+            else:
+                log.exception("engine thread failed")
             self.failure = f"{type(e).__name__}: {e}"
             self._end_all(APIError(500, f"the engine failed: {self.failure}", code="engine_failed"))
+            if fatal and self.on_fatal is not None:
+                self.on_fatal(str(e))
         finally:
             self._stopped = True
             self._refuse_pending()
@@ -188,6 +203,8 @@ class AsyncEngine:
             self._end(rid, error)
         elif kind == "abort_all":
             self._end_all(cmd[1])
+        elif kind == "fail":
+            raise RankFailure(cmd[1])
 
     def _add(self, prompts, params: SamplingParams, deliver: Deliver, gone: threading.Event, accepted) -> None:
         if gone.is_set():  # the client left before its turn came: nothing of it enters the engine
@@ -219,6 +236,8 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except RankFailure:
+            raise  # the engine is gone, not just this step
         except Exception as e:
             log.exception("engine step failed; ending the requests in it")
             self._end_all(APIError(500, f"the engine step failed: {type(e).__name__}: {e}", code="engine_error"))
@@ -235,10 +254,12 @@ class AsyncEngine:
 
     def _end(self, rid: str, error: APIError) -> None:
         sink = self._sinks.pop(rid, None)
-        self.engine.abort(rid)
-        self.stats = self.engine.stats()
-        if sink is not None:
-            self._loop.call_soon_threadsafe(_deliver_all, [(sink, Ended(error))])
+        try:
+            self.engine.abort(rid)
+            self.stats = self.engine.stats()
+        finally:  # a consumer hears that its request ended even when the engine fails to say more
+            if sink is not None:
+                self._loop.call_soon_threadsafe(_deliver_all, [(sink, Ended(error))])
 
     def _end_all(self, error: APIError) -> None:
         for rid in list(self._sinks):

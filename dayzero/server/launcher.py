@@ -15,6 +15,8 @@ import torch
 import uvicorn
 
 from dayzero.engine.engine import DEFAULT_MODEL, EngineConfig, LLMEngine
+from dayzero.engine.launch import start_engine, torchrun_rank
+from dayzero.engine.workers import EngineDriver
 from dayzero.server import logs
 from dayzero.server.app import build_app
 from dayzero.server.async_engine import AsyncEngine
@@ -88,6 +90,24 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
+class _Lost:
+    """Called with the reason when the engine is lost for good (a rank of a multi-process engine died): stops
+    the server, which then exits with status 1."""
+
+    def __init__(self):
+        self.reason: str | None = None
+        self._servers: list[uvicorn.Server] = []
+
+    def __call__(self, reason: str) -> None:
+        self.reason = self.reason or reason
+        for s in self._servers:
+            s.should_exit = True
+
+    def stops(self, server: uvicorn.Server) -> None:
+        self._servers.append(server)
+        server.should_exit = self.reason is not None  # lost before the server existed
+
+
 def _platform(engine: LLMEngine) -> str:
     if engine.device.type == "cuda":
         return f"cuda ({torch.cuda.get_device_name(engine.device)}), torch {torch.__version__}"
@@ -105,12 +125,21 @@ def serve(args) -> int:
         config = EngineConfig(**args.engine_config)  # every engine option of the command (dayzero.tools.cli_options)
         if args.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {args.shutdown_timeout}")
+        if (torchrun_rank() or 0) > 0:  # another rank of a torchrun job: it serves rank 0's engine, not HTTP
+            start_engine(config)  # returns only by ending the process
         t0 = time.perf_counter()
-        async_engine = AsyncEngine(lambda: LLMEngine(config))
+        lost = _Lost()
+        async_engine = AsyncEngine(lambda: start_engine(config), lost)
     except (ValueError, RuntimeError, OSError) as e:  # bad setting, not enough memory, unreadable checkpoint
         print(f"error: {e}", file=sys.stderr)
         return 2
     engine = async_engine.engine
+    if isinstance(engine, EngineDriver):
+        log.info("ranks: tp=%d, ep=%d, %d processes (rank 0 here; pids of the others: %s)", config.tp, config.ep,
+                 len(engine.ranks) + 1, " ".join(map(str, engine.pids)) or "on other hosts")
+        # a rank died while nothing waited on it: end the requests (the engine thread) and the server, even if
+        # a step is stuck in a collective that never notices (NCCL)
+        engine.on_failure(lambda message: (async_engine.fail(message), lost(message)))
     name = args.served_model_name or ("dayzero-default" if engine.path == DEFAULT_MODEL else engine.path.resolve().name)
     plan = engine.cache_plan
     cfg = engine.model_config
@@ -134,7 +163,14 @@ def serve(args) -> int:
         loop.call_soon_threadsafe(lambda: app.state.tasks.add(loop.create_task(app.state.drain(args.shutdown_timeout))))
 
     server = _Server(uvicorn_config(app, args.host, args.port, limits, args.shutdown_timeout), on_signal)
-    server.run()
+    lost.stops(server)
+    try:
+        server.run()
+    finally:
+        engine.close()
+    if lost.reason:
+        print(f"error: {lost.reason}; the server stopped", file=sys.stderr)
+        return 1
     if not server.started:
         print(f"error: the server did not start on {args.host}:{args.port}", file=sys.stderr)
         return 1

@@ -61,6 +61,13 @@ def positive_int(text: str) -> int:
     return v
 
 
+def port(text: str) -> int:
+    v = positive_int(text)
+    if v > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number (1..65535), got {text!r}")
+    return v
+
+
 def byte_size(text: str) -> int:
     """Bytes, with an optional unit: 1073741824, 8GiB, 512MiB, 2.5GB."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", text)
@@ -140,6 +147,19 @@ def add_engine_options(p) -> None:
                    help="state snapshots kept (default: one per sequence seat)")
     e.add_argument("--host-cache-gib", type=float, default=0.0, metavar="GIB",
                    help="pinned host memory for the prefix-cache blocks and snapshots the device evicts")
+    d = p.add_argument_group("parallelism (one process per rank: started here, or the ranks of a torchrun job)")
+    d.add_argument("--tp", type=positive_int, default=1, metavar="N", help="tensor-parallel ranks")
+    d.add_argument("--ep", type=positive_int, default=1, metavar="N",
+                   help="expert-parallel ranks: 1 (experts split by tp) or every rank of a pipeline stage")
+    d.add_argument("--pp", type=positive_int, default=1, metavar="N", help="pipeline stages (of max(tp, ep) ranks)")
+    d.add_argument("--num-redundant-experts", type=int, default=0, metavar="R",
+                   help="extra expert slots per MoE layer over the ep ranks, for copies of the hottest experts")
+    d.add_argument("--eplb-interval", type=int, default=0, metavar="STEPS",
+                   help="recompute where the experts live from the observed loads every STEPS steps (0: never)")
+    d.add_argument("--distributed-host", default="127.0.0.1", metavar="ADDR",
+                   help="address the ranks meet on (rank 0's); torchrun's MASTER_ADDR when set")
+    d.add_argument("--distributed-port", type=port, default=None, metavar="PORT",
+                   help="rendezvous port (default: a free one); torchrun's MASTER_PORT when set")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
