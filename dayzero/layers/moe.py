@@ -197,8 +197,8 @@ class MoE(nn.Module):
         """The routed experts' weighted sum [T, L] for every token, all experts on this rank."""
         k = self.spec.top_k
         weights, ids = self._route(x, batch)
-        order, offsets = ops.call("moe_permute", ids, self.spec.n_experts)  # [T*k] pairs by expert, [E] row ends
-        self.load_ends += offsets
+        # [T*k] pairs by expert, [E] row ends (added to the load counters in the same kernel)
+        order, offsets = ops.call("moe_permute", ids, self.spec.n_experts, load=self.load_ends)
         # [T*k, L] rows in expert order, each read from its token's row of h (order[r] // top_k)
         ys = self._experts(h, offsets, order, k, w1, w2)
         y = ops.call("moe_unpermute", ys, order, weights, x.shape[0])  # [T, L]

@@ -90,9 +90,8 @@ def test_balanced_placement_spreads_the_hot_experts():
 
 def rebalance_rank(state: ParallelState, path: str, out_dir: str) -> None:
     """Greedy tokens and logits of one prompt set with redundant experts, rebalanced every 2 steps."""
-    from tests.distributed.test_tensor_parallel import ENGINE, run_chunks
+    from tests.distributed.test_tensor_parallel import ENGINE, greedy_tokens, run_chunks
     from dayzero.engine.engine import EngineConfig, LLMEngine
-    from dayzero.engine.sampling_params import SamplingParams
     from tests.hf.harness import prompt_batch
 
     engine = LLMEngine(EngineConfig(model=path, **ENGINE, num_redundant_experts=4, eplb_interval=2), state)
@@ -101,17 +100,11 @@ def rebalance_rank(state: ParallelState, path: str, out_dir: str) -> None:
     before = [list(m.slot_expert) for m in moe]
     prompts = prompt_batch(engine.model_config.vocab_size, lengths=(5, 23, 12))
     logits = [run_chunks(engine, ids, [len(ids)]) for ids in prompts]
-    for i, ids in enumerate(prompts):
-        engine.add_request(f"r{i}", ids, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
-    done = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o.outputs[0].token_ids
+    tokens = greedy_tokens(engine, prompts)
     moved = [m.slot_expert != b for m, b in zip(moe, before)]
     assert any(moved), "the observed loads never moved an expert"
     logits += [run_chunks(engine, prompts[1], [20, 1, 1, 1])]  # after the moves
-    torch.save({"logits": logits, "tokens": [done[f"r{i}"] for i in range(3)]}, f"{out_dir}/rank{state.world_rank}.pt")
+    torch.save({"logits": logits, "tokens": tokens}, f"{out_dir}/rank{state.world_rank}.pt")
 
 
 def test_rebalancing_mid_run_leaves_outputs_unchanged(tmp_path):

@@ -152,7 +152,15 @@ def run_model(path: Path, state: ParallelState | None = None) -> dict:
     prompts = prompt_batch(engine.model_config.vocab_size, lengths=(5, 23, 12))
     out = {"prompt": [run_chunks(engine, ids, [len(ids)]) for ids in prompts],
            "decode": run_chunks(engine, prompts[1], [20, 1, 1, 1])}
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    out["tokens"] = greedy_tokens(engine, prompts)
+    out["load"] = dict(zip(engine.moe_layer_index, engine.expert_load()))
+    assert all(int(load.sum()) > 0 for load in out["load"].values())
+    return out
+
+
+def greedy_tokens(engine: LLMEngine, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:
+    """Each prompt's ``new_tokens`` greedy tokens, the prompts run together by the engine's scheduler."""
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     for i, ids in enumerate(prompts):
         engine.add_request(f"r{i}", ids, params)
     done = {}
@@ -160,10 +168,7 @@ def run_model(path: Path, state: ParallelState | None = None) -> dict:
         for o in engine.step():
             if o.finished:
                 done[o.request_id] = o.outputs[0].token_ids
-    out["tokens"] = [done[f"r{i}"] for i in range(len(prompts))]
-    out["load"] = dict(zip(engine.moe_layer_index, engine.expert_load()))
-    assert all(int(load.sum()) > 0 for load in out["load"].values())
-    return out
+    return [done[f"r{i}"] for i in range(len(prompts))]
 
 
 def model_rank(state: ParallelState, paths: list[str], out_dir: str) -> None:

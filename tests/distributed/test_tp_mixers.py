@@ -21,13 +21,12 @@ from dayzero.config.model_config import HybridConfig
 from dayzero.config.spec import GDNSpec, Mamba2Spec, MLASpec, ModelSpec
 from dayzero.distributed import ParallelState
 from dayzero.engine.engine import EngineConfig, LLMEngine
-from dayzero.engine.sampling_params import SamplingParams
 from dayzero.layers.attention.dsa import MLAAttention
 from dayzero.layers.attention.gdn import GatedDeltaNet
 from dayzero.layers.attention.mamba2 import Mamba2Mixer
 from dayzero.layers.parallel import ColumnParallelLinear, RowParallelLinear
 from tests.conftest import tiny_config
-from tests.distributed.test_tensor_parallel import ENGINE, NEW_TOKENS, RTOL, TP, spawn
+from tests.distributed.test_tensor_parallel import ENGINE, NEW_TOKENS, RTOL, TP, greedy_tokens, spawn
 from tests.engine.test_incremental import run_chunks
 from tests.hf import test_dsa_families as dsa
 from tests.hf import test_linear_families as linear
@@ -78,15 +77,7 @@ def run_model(path: Path, state: ParallelState | None = None) -> dict:
     prompts = prompt_batch(engine.model_config.vocab_size, lengths=(5, 23, 12))
     out = {"prompt": [run_chunks(engine, ids, [len(ids)]) for ids in prompts],
            "chunked": run_chunks(engine, prompts[1], CHUNKS)}
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    for i, ids in enumerate(prompts):
-        engine.add_request(f"r{i}", ids, params)
-    done = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o.outputs[0].token_ids
-    out["tokens"] = [done[f"r{i}"] for i in range(len(prompts))]
+    out["tokens"] = greedy_tokens(engine, prompts, NEW_TOKENS)
     return out
 
 

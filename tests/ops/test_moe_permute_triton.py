@@ -31,6 +31,13 @@ def check(ids, E):
     assert order.dtype == torch.int64 and offsets.dtype == torch.int32
     assert torch.equal(order, want_order)
     assert torch.equal(offsets, want_offsets)
+    # the load counters: raised by the row ends in the same launch, as the reference raises them
+    start = torch.arange(E, dtype=torch.int64, device=ids.device) * 3
+    load, want_load = start.clone(), start.clone()
+    assert P.refusal(ids, E, load) is None
+    P.permute(ids, E, load=load)
+    reference_permute(ids, E, load=want_load)
+    assert torch.equal(load, want_load) and torch.equal(load - start, want_offsets.long())
 
 
 @pytest.mark.parametrize("T,k,E", [(1, 1, 1), (1, 2, 4), (3, 2, 5), (33, 2, 8), (64, 8, 64), (65, 3, 130)])

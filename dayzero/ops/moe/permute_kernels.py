@@ -8,7 +8,8 @@ its sorted row by counting: pair r with expert e_r goes to row
 
 (the stable order, exactly ``argsort(stable=True)``'s), and ``order[rank[r]] = r``. Expert e's row end is
 ``offsets[e] = #{j : e_j <= e}``. One grid: the first programs rank a block of pairs each against every pair
-in tiles, the last ones count a block of experts each; nothing is read on the host, so it runs inside CUDA
+in tiles, the last ones count a block of experts each (and, given a ``load`` buffer, add the row ends to it:
+the layer's routed-load counters at no extra launch); nothing is read on the host, so it runs inside CUDA
 graphs. The work grows with the square of the pairs, so it serves up to :data:`MAX_PAIRS` of them (2,048
 tokens of top-8); longer steps keep the reference's sort.
 """
@@ -24,8 +25,8 @@ BLOCK_R, BLOCK_J, BLOCK_E = 64, 128, 64  # pairs ranked, pairs compared per step
 
 if HAS_TRITON:
     @triton.jit
-    def _permute_kernel(ids_ptr, order_ptr, offs_ptr, n, E, rank_programs, BLOCK_R: tl.constexpr,
-                        BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr):
+    def _permute_kernel(ids_ptr, order_ptr, offs_ptr, load_ptr, n, E, rank_programs, HAS_LOAD: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr):
         pid = tl.program_id(0)
         if pid < rank_programs:  # rank BLOCK_R pairs
             r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -53,9 +54,12 @@ if HAS_TRITON:
                 count += tl.sum(((e_j[None, :] <= e[:, None]) & j_ok[None, :]).to(tl.int32), axis=1)
                 j0 += BLOCK_J
             tl.store(offs_ptr + e, count, mask=e_ok)
+            if HAS_LOAD:  # one program owns these experts: a plain read-add-write
+                prev = tl.load(load_ptr + e, mask=e_ok, other=0)
+                tl.store(load_ptr + e, prev + count.to(tl.int64), mask=e_ok)
 
 
-def refusal(ids: torch.Tensor, num_experts: int) -> str | None:
+def refusal(ids: torch.Tensor, num_experts: int, load: torch.Tensor | None = None) -> str | None:
     """Why the Triton sort cannot take ``ids`` [T, k], or None when it can."""
     why = triton_refusal(ids)
     if why is not None:
@@ -66,13 +70,17 @@ def refusal(ids: torch.Tensor, num_experts: int) -> str | None:
         return f"{ids.numel()} (token, expert) pairs: past {MAX_PAIRS} the reference's sort is faster"
     if num_experts >= 2**31:
         return f"{num_experts} experts do not fit int32 ids"
+    if load is not None and (load.dtype != torch.int64 or load.shape != (num_experts,) or not load.is_contiguous()
+                             or load.device != ids.device):
+        return "the reference checks the load buffer"
     return None
 
 
 @register("moe_permute", "cuda", verifier=refusal, note="one Triton launch ranking the pairs by counting (up to "
           f"{MAX_PAIRS} pairs; more keep the reference's sort)")
-def permute(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(order int64 [T*k], offsets int32 [E])`` exactly as the reference ``permute`` gives them."""
+def permute(ids: torch.Tensor, num_experts: int, load: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(order int64 [T*k], offsets int32 [E])`` exactly as the reference ``permute`` gives them (and ``load``
+    raised by the offsets, as the reference does)."""
     flat = ids.reshape(-1)
     flat = flat if flat.is_contiguous() else flat.contiguous()
     n = flat.numel()
@@ -81,6 +89,7 @@ def permute(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Te
     rank_programs = triton.cdiv(n, BLOCK_R)
     grid = (rank_programs + triton.cdiv(num_experts, BLOCK_E),)
     if grid[0]:
-        _permute_kernel[grid](flat, order, offsets, n, num_experts, rank_programs, BLOCK_R=BLOCK_R, BLOCK_J=BLOCK_J,
-                              BLOCK_E=BLOCK_E, num_warps=4)
+        _permute_kernel[grid](flat, order, offsets, offsets if load is None else load, n, num_experts, rank_programs,
+                              HAS_LOAD=load is not None, BLOCK_R=BLOCK_R, BLOCK_J=BLOCK_J, BLOCK_E=BLOCK_E,
+                              num_warps=4)
     return order, offsets

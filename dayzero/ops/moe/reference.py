@@ -130,13 +130,16 @@ def route(logits: torch.Tensor, top_k: int, kind: str = "sigmoid",
 
 
 @register("moe_permute")
-def permute(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def permute(ids: torch.Tensor, num_experts: int, load: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort the (token, slot) pairs by expert; returns ``(order int64 [T*k], offsets int32 [E])``.
 
     ``order[r]`` is the flat pair index (``t * k + j``) of sorted row r, so ``order // k`` is its token;
     the sort is stable, so within one expert the rows keep token order. ``offsets[e]`` is the end
     (exclusive) of expert e's rows: the cumulative counts ``grouped_mm(offs=...)`` takes. Nothing is read
     back to the host (``bincount`` would read its output size), so this runs inside a CUDA graph.
+
+    ``load`` (int64 [E]), when given, is raised by the offsets in place: the running sums whose differences are
+    the pairs routed to each expert (the MoE layer's load counters).
     """
     # ids: [T, k] expert ids in [0, E)
     if ids.dim() != 2:
@@ -145,7 +148,12 @@ def permute(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Te
     order = torch.argsort(flat, stable=True)  # [T*k]
     counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E]
-    return order, counts.cumsum(0).to(torch.int32)
+    offsets = counts.cumsum(0)
+    if load is not None:
+        if load.dtype != torch.int64 or load.shape != (num_experts,):
+            raise ValueError(f"load must be int64 [{num_experts}], got {load.dtype} {tuple(load.shape)}")
+        load += offsets
+    return order, offsets.to(torch.int32)
 
 
 @register("moe_experts_grouped")
