@@ -139,11 +139,13 @@ def run_model(path: Path, state: ParallelState | None = None) -> dict:
     engine = LLMEngine(EngineConfig(model=str(path), **ENGINE), *([state] if state else []))
     if state is not None and state.tp_size > 1:  # the rank holds its slices, and still runs q/k/v as one GEMM
         tp, spec = state.tp_size, engine.model_config
-        for i, attn in engine.model.cached_layers():
-            assert attn.H * tp == spec.layers[i].attn.num_heads  # the rank's heads
+        for i, attn in engine.model.cached_layers():  # (test_tp_mixers checks Gated DeltaNet's and Mamba-2's heads)
+            if hasattr(attn, "H") and hasattr(spec.layers[i].attn, "num_heads"):
+                assert attn.H * tp == spec.layers[i].attn.num_heads  # the rank's heads
             if hasattr(attn, "Hkv"):  # GQA (MLA's latent row serves every head, whole on every rank)
                 assert attn.Hkv == max(1, spec.layers[i].attn.num_kv_heads // tp)
-            assert "fused_in" in attn._modules and isinstance(attn.o_proj, RowParallelLinear)
+            out = getattr(attn, "o_proj", None) or attn.out_proj
+            assert "fused_in" in attn._modules and isinstance(out, RowParallelLinear)
         if state.last_stage:
             assert engine.model.lm_head.weight.shape[0] == -(-spec.vocab_size // tp)
         moe = [m for m in engine.model.modules() if isinstance(m, MoE)]
