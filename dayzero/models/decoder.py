@@ -5,9 +5,9 @@ flat batch of one engine step and returns the hidden states of every scheduled t
 only a mixer or only an MLP (Nemotron-H alternates them), in which case it has one norm.
 
 The model is built for one :class:`~dayzero.distributed.ParallelState` (tp=1 by default). Under tensor parallelism
-the embedding and LM head split the vocabulary, the mixers (GQA, MLA and DSA, KDA, Gated DeltaNet, Mamba-2) their
-heads, dense MLPs and shared experts their intermediate width; the mixers without a tensor-parallel form
-(compressed attention) and hyper-connection backbones refuse tp>1 when built, naming themselves.
+the embedding and LM head split the vocabulary, every mixer (GQA, MLA and DSA, KDA, Gated DeltaNet, Mamba-2,
+compressed attention) its heads, dense MLPs, shared experts and (without expert parallelism) routed experts their
+intermediate width; hyper-connection streams stay whole on every rank.
 
 Under pipeline parallelism a stage builds only its contiguous run of layers (:func:`pipeline_stages`):
 the others, and the embedding and LM head where another stage holds them, are :class:`Elsewhere` placeholders,
@@ -35,16 +35,6 @@ from dayzero.layers.norm import RMSNorm
 from dayzero.layers.parallel import gather_logits, lm_head, vocab_embedding
 
 
-def _tp1(what: str, build):
-    """A builder for a mixer with no tensor-parallel form yet: it refuses tp>1, naming the mixer."""
-
-    def builder(D, s, m, p: ParallelState):
-        p.require_single(f"{what} mixer")
-        return build(D, s, m)
-
-    return builder
-
-
 # spec type -> builder(hidden, spec, model spec, parallel state): every mixer kind, listed here and nowhere else
 MIXERS = {
     GQASpec: lambda D, s, m, p: GQAAttention(D, s, m.rms_norm_eps, m.norm_offset, p),
@@ -52,7 +42,7 @@ MIXERS = {
     KDASpec: lambda D, s, m, p: KDAAttention(D, s, m.rms_norm_eps, p),
     GDNSpec: lambda D, s, m, p: GatedDeltaNet(D, s, m.rms_norm_eps, p),
     Mamba2Spec: lambda D, s, m, p: Mamba2Mixer(D, s, m.rms_norm_eps, p),
-    CompressedAttnSpec: _tp1("compressed attention", lambda D, s, m: CompressedAttention(D, s)),
+    CompressedAttnSpec: lambda D, s, m, p: CompressedAttention(D, s, p),
 }
 MLPS = {
     MLPSpec: lambda D, s, m, p: MLP(D, s, p),
@@ -164,7 +154,6 @@ class CausalLM(nn.Module):
         if m.hyper is not None:  # n residual streams instead of one
             from dayzero.models.hyper import HyperBackbone
 
-            parallel.require_single("hyper-connection backbone")
             self.model = HyperBackbone(m, parallel)
         else:
             self.model = Backbone(m, parallel)

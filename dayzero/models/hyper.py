@@ -8,7 +8,8 @@ Each layer keeps the ordinary layer's sublayers and norms (it is a :class:`Decod
     h = hc_post(h, post, f(norm(x)), comb)   # comb: the mHC stream mixing, None for HY-V4
 
 The embedding starts every copy equal; a pre-only connection (``hc_head``) collapses the copies before the
-final norm. ``model.layers[i](h, None, batch)`` returns ``(h, None)``: the streams after layer i,
+final norm. Under tensor parallelism the streams are whole on every rank (each sublayer's output is all-reduced
+before it is mixed in), so the connections are not split. ``model.layers[i](h, None, batch)`` returns ``(h, None)``: the streams after layer i,
 [T, n, D], stand where other decoders return ``(x, residual)`` (whose sum is the residual stream).
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dayzero import ops
 from dayzero.config.spec import HyperSpec, LayerSpec, ModelSpec
 from dayzero.layers.norm import RMSNorm
 from dayzero.distributed import SINGLE, ParallelState, pp_send
+from dayzero.layers.parallel import vocab_embedding
 from dayzero.models.decoder import DecoderLayer, Elsewhere, Stages
 
 
@@ -48,8 +50,8 @@ class HyperConnection(nn.Module):
 
 
 class HyperLayer(DecoderLayer):
-    def __init__(self, m: ModelSpec, spec: LayerSpec):
-        super().__init__(m, spec)
+    def __init__(self, m: ModelSpec, spec: LayerSpec, parallel: ParallelState = SINGLE):
+        super().__init__(m, spec, parallel)
         D = m.hidden_size
         if spec.attn is not None:
             self.attn_hc = HyperConnection(D, m.hyper, m.rms_norm_eps)
@@ -71,9 +73,9 @@ class HyperBackbone(Stages, nn.Module):
     def __init__(self, m: ModelSpec, parallel: ParallelState = SINGLE):
         super().__init__()
         self.streams = m.hyper.streams
-        self._hold(m, parallel, lambda spec: HyperLayer(m, spec))
-        self.embed_tokens = (nn.Embedding(m.vocab_size, m.hidden_size) if self._embed_here(m.tie_word_embeddings)
-                             else Elsewhere("the first pipeline stage"))
+        self._hold(m, parallel, lambda spec: HyperLayer(m, spec, parallel))
+        self.embed_tokens = (vocab_embedding(m.vocab_size, m.hidden_size, parallel)
+                             if self._embed_here(m.tie_word_embeddings) else Elsewhere("the first pipeline stage"))
         self.hc_head = HyperConnection(m.hidden_size, m.hyper, m.rms_norm_eps, post=False)
         self.norm = RMSNorm(m.hidden_size, m.rms_norm_eps, m.norm_offset)
 

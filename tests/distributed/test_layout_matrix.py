@@ -2,7 +2,7 @@
 same weights (prompt and decode logits within 1e-4 relative in fp32, the same greedy tokens, the same expert
 loads): the native dayzero_hybrid (KDA + gated DSA + GQA + LatentMoE), deepseek_v32 (DSA), qwen3_next (Gated
 DeltaNet), gpt-oss with MXFP4 experts, and deepseek_v4 (hyper-connections, compressed attention, hash routing) at
-ep=2 and, where tensor parallelism has a form, tp=2 with ep=2; dayzero_hybrid also at pp=2. The other layouts of
+ep=2 and tp=2 with ep=2; deepseek_v4 also at tp=2, dayzero_hybrid at pp=2. The other layouts of
 these families are in test_tensor_parallel, test_tp_mixers, test_expert_parallel and test_pipeline_parallel."""
 from __future__ import annotations
 
@@ -38,7 +38,12 @@ def test_ep2_across_the_families(tmp_path, models):
 
 
 def test_tp2_with_ep2_across_the_families(tmp_path, models):
-    compare_paths(tmp_path, [p for name, p in models.items() if name != "deepseek_v4"], tp=2, ep=2)
+    compare_paths(tmp_path, list(models.values()), tp=2, ep=2)
+
+
+def test_deepseek_v4_at_tp2(tmp_path, models):
+    """Compressed attention's heads and output groups, the CSA indexer's heads, hyper-connection streams whole."""
+    compare_paths(tmp_path, [models["deepseek_v4"]], tp=2)
 
 
 def test_native_hybrid_at_pp2(tmp_path, models):

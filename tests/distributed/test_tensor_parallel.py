@@ -144,8 +144,9 @@ def run_model(path: Path, state: ParallelState | None = None) -> dict:
                 assert attn.H * tp == spec.layers[i].attn.num_heads  # the rank's heads
             if hasattr(attn, "Hkv"):  # GQA (MLA's latent row serves every head, whole on every rank)
                 assert attn.Hkv == max(1, spec.layers[i].attn.num_kv_heads // tp)
-            out = getattr(attn, "o_proj", None) or attn.out_proj
-            assert "fused_in" in attn._modules and isinstance(out, RowParallelLinear)
+            out = next(getattr(attn, n) for n in ("o_proj", "out_proj", "o_b_proj") if hasattr(attn, n))
+            assert isinstance(out, RowParallelLinear)
+            assert "fused_in" in attn._modules or not hasattr(attn, "in_proj_members")
         if state.last_stage:
             assert engine.model.lm_head.weight.shape[0] == -(-spec.vocab_size // tp)
         moe = [m for m in engine.model.modules() if isinstance(m, MoE)]
@@ -235,16 +236,17 @@ def test_heads_not_divisible_names_the_setting(tmp_path):
         MLP(64, MLPSpec(40), ParallelState(0, 3))
 
 
-def test_mixers_without_tp_refuse():
-    """deepseek_v4's hyper-connection backbone and compressed attention have no tensor-parallel form yet (the DSA
-    indexer, Gated DeltaNet and Mamba-2 have: tests/distributed/test_tp_mixers.py)."""
-    from dataclasses import replace
-
+def test_compressed_attention_splits_heads_and_output_groups():
+    """deepseek_v4 at tp=8 on the meta device: a rank holds 8 of the 64 heads, one of the 8 output groups and 8 of
+    the 64 indexer heads; the K=V head and the compressors are whole; tp=16 does not divide o_groups=8."""
     spec = load_config(Path(__file__).resolve().parents[2] / "configs" / "deepseek-v4-small.json")
-    with pytest.raises(ValueError, match="tp=2: the hyper-connection backbone has no tensor-parallel form yet"):
-        build_model(spec, torch.float32, "meta", ParallelState(0, 2))
-    with pytest.raises(ValueError, match="tp=2: the compressed attention mixer has no tensor-parallel form yet"):
-        build_model(replace(spec, hyper=None), torch.float32, "meta", ParallelState(0, 2))
+    model = build_model(spec, torch.float32, "meta", ParallelState(3, 8))
+    attn = next(m for _, m in model.cached_layers() if getattr(m, "indexer", None) is not None)
+    assert (attn.H, attn.groups, attn.indexer.H) == (8, 1, 8) and attn.sinks.shape == (8,)
+    assert isinstance(attn.o_b_proj, RowParallelLinear) and type(attn.kv_proj) is nn.Linear
+    assert attn.q_b_proj.weight.shape[0] == 8 * spec.layers[0].attn.head_dim
+    with pytest.raises(ValueError, match="tp=16 does not divide o_groups=8"):
+        build_model(spec, torch.float32, "meta", ParallelState(0, 16))
 
 
 def test_impossible_process_layouts():

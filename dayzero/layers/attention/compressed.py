@@ -20,6 +20,12 @@ Cache: the entries (paged, one row per m tokens: ``PagedSpec.strides``) and, per
 by position mod their length: the K=V rows of the last ``sliding_window`` tokens (no older row is ever read
 again, so a 1M-token sequence keeps 128 of them, not 1M), and the raw rows and gates of the last m tokens
 (2m with overlap), from which the next entries are pooled once their window completes.
+
+Under tensor parallelism a rank holds H/tp query heads (``q_b_proj`` rows, ``sinks``) and the o_groups/tp output
+groups they form (``o_a_proj`` rows by group, ``o_b_proj`` row-parallel: one all-reduce); the one K=V head,
+``q_a_proj``, the compressors and their caches are whole on every rank. The CSA indexer's heads are split the
+same way; their queries and weights are all-gathered ([T, Hi, Di] and [T, Hi] per layer) so that every rank
+scores every head and selects the same entries.
 """
 from __future__ import annotations
 
@@ -29,8 +35,10 @@ from torch import nn
 from dayzero import ops
 from dayzero.cache.spec import PagedSpec, StateSpec
 from dayzero.config.spec import CompressedAttnSpec, RopeSpec
+from dayzero.distributed import SINGLE, ParallelState, divide, tp_all_gather
 from dayzero.layers.attention.base import CachedLayer
 from dayzero.layers.norm import RMSNorm
+from dayzero.layers.parallel import Shard, column_linear, row_linear
 from dayzero.layers.rotary import RotaryEmbedding
 from dayzero.quant.fp8 import dense_weight
 
@@ -68,46 +76,53 @@ class Compressor(nn.Module):
 class CompressedIndexer(nn.Module):
     """CSA's lightning indexer over compressed keys: ``I[t, w] = Σ_h w_{t,h} ReLU(q_{t,h} · k_w)``."""
 
-    def __init__(self, hidden: int, spec: CompressedAttnSpec):
+    def __init__(self, hidden: int, spec: CompressedAttnSpec, parallel: ParallelState = SINGLE):
         super().__init__()
         ispec = spec.indexer
-        self.H, self.Dh, self.topk = ispec.n_heads, ispec.head_dim, ispec.topk
+        self.parallel = parallel
+        self.H = divide(ispec.n_heads, parallel, "index_n_heads")  # the rank's heads
+        self.Dh, self.topk = ispec.head_dim, ispec.topk
         self.compressor = Compressor(hidden, self.Dh, spec.compress_ratio, spec.overlap, spec.compress_rope,
                                      spec.norm_eps, "index_k")
-        self.q_b_proj = nn.Linear(spec.q_lora_rank, self.H * self.Dh, bias=False)
-        self.weights_proj = nn.Linear(hidden, self.H, bias=False, dtype=torch.float32)
+        self.q_b_proj = column_linear(spec.q_lora_rank, ispec.n_heads * self.Dh, False, parallel, what="index_n_heads")
+        self.weights_proj = column_linear(hidden, ispec.n_heads, False, parallel, what="index_n_heads").float()
         self.rotary = RotaryEmbedding(spec.compress_rope)
-        self.weight_scale = self.H**-0.5 * self.Dh**-0.5
+        self.weight_scale = ispec.n_heads**-0.5 * self.Dh**-0.5
 
     def project(self, x: torch.Tensor, c_q: torch.Tensor, positions: torch.Tensor):
+        """Every head's queries [T, Hi, Di] and weights [T, Hi] (the ranks' heads gathered under tp)."""
         cos, sin = self.rotary.cos_sin(positions)
-        q = self.rotary(self.q_b_proj(c_q).view(x.shape[0], self.H, self.Dh), cos, sin)  # [T, Hi, Di]
-        w = torch.nn.functional.linear(x.float(), self.weights_proj.weight.float()) * self.weight_scale  # [T, Hi]
-        return q, w
+        q = self.rotary(self.q_b_proj(c_q).view(x.shape[0], self.H, self.Dh), cos, sin)  # [T, Hi/tp, Di]
+        w = torch.nn.functional.linear(x.float(), self.weights_proj.weight.float()) * self.weight_scale  # [T, Hi/tp]
+        return tp_all_gather(q, self.parallel, dim=1), tp_all_gather(w, self.parallel, dim=1)
 
 
 class CompressedAttention(CachedLayer):
-    def __init__(self, hidden: int, spec: CompressedAttnSpec):
+    def __init__(self, hidden: int, spec: CompressedAttnSpec, parallel: ParallelState = SINGLE):
         super().__init__()
         self.spec = spec
         H, D, eps = spec.num_heads, spec.head_dim, spec.norm_eps
         if (H * D) % spec.o_groups:
             raise ValueError(f"{H} heads of {D} cannot be split into o_groups={spec.o_groups} equal groups")
-        self.H, self.D, self.eps = H, D, eps
+        self.groups = divide(spec.o_groups, parallel, "o_groups")  # the rank's output groups and their heads
+        self.H, self.D, self.eps = H // parallel.tp_size, D, eps
         self.q_a_proj = nn.Linear(hidden, spec.q_lora_rank, bias=False)
         self.q_a_norm = RMSNorm(spec.q_lora_rank, eps)
-        self.q_b_proj = nn.Linear(spec.q_lora_rank, H * D, bias=False)
+        self.q_b_proj = column_linear(spec.q_lora_rank, H * D, False, parallel, what="num_attention_heads")
         self.kv_proj = nn.Linear(hidden, D, bias=False)
         self.kv_norm = RMSNorm(D, eps)
-        self.o_a_proj = nn.Linear(H * D // spec.o_groups, spec.o_groups * spec.o_lora_rank, bias=False)
-        self.o_b_proj = nn.Linear(spec.o_groups * spec.o_lora_rank, hidden, bias=False)
-        self.sinks = nn.Parameter(torch.zeros(H, dtype=torch.float32))
+        self.o_a_proj = column_linear(H * D // spec.o_groups, spec.o_groups * spec.o_lora_rank, False, parallel,
+                                      what="o_groups")
+        self.o_b_proj = row_linear(spec.o_groups * spec.o_lora_rank, hidden, False, parallel, what="o_groups")
+        self.sinks = nn.Parameter(torch.zeros(self.H, dtype=torch.float32))
+        if parallel.tp_size > 1:
+            self.shards = {"sinks": Shard(0, parallel.tp_rank, parallel.tp_size)}
         self.rotary = RotaryEmbedding(spec.rope)
         self.compressor = self.indexer = None
         if spec.compress_ratio:
             self.compressor = Compressor(hidden, D, spec.compress_ratio, spec.overlap, spec.compress_rope, eps, "ckv")
             if spec.indexer is not None:
-                self.indexer = CompressedIndexer(hidden, spec)
+                self.indexer = CompressedIndexer(hidden, spec, parallel)
         self.scale = D**-0.5
 
     def process_weights_after_loading(self) -> None:
@@ -149,7 +164,7 @@ class CompressedAttention(CachedLayer):
         out = ops.call("compressed_paged_attention", q, kv, self.cache["kv"], entries, selection, self.spec.compress_ratio,
                        batch, self.scale, self.sinks, self.spec.sliding_window)  # [T, H, D]
         out = self.rotary(out, cos, -sin)  # the values carried RoPE: rotate the output back to the query's frame
-        g = self.spec.o_groups
+        g = self.groups  # the rank's
         w_a = self.o_a_weight().view(g, self.spec.o_lora_rank, -1)  # [g, r, H*D/g]
         low = torch.einsum("tgi,gri->tgr", out.reshape(T, g, -1), w_a)  # [T, g, r]
         return self.o_b_proj(low.reshape(T, -1))
