@@ -51,7 +51,6 @@ class MoE(nn.Module):
         E = El + parallel.redundant_experts // parallel.ep_size  # the expert slots this rank holds
         L = spec.latent_size or D
         self.spec, self.parallel = spec, parallel
-        self.expert_start = parallel.ep_rank * El
         if parallel.ep_size > 1:  # which expert each slot of every rank holds (expert_placement)
             self.slot_expert = initial_placement(spec.n_experts, parallel.ep_size, E)
             self.in_order = self.slot_expert == list(range(len(self.slot_expert)))

@@ -64,7 +64,7 @@ def test_rank_holds_its_experts_and_bad_ep_names_the_setting(tmp_path):
         build_model(spec, torch.float32, "meta", ParallelState(ep_rank=0, ep_size=3))
     model = build_model(spec, torch.float32, "meta", ParallelState(ep_rank=1, ep_size=4, world_rank=1, world_size=4))
     moe = next(m for m in model.modules() if isinstance(m, MoE))
-    assert moe.w1.shape[0] == 2 and moe.gate.weight.shape[0] == 8 and moe.expert_start == 2
+    assert moe.w1.shape[0] == 2 and moe.gate.weight.shape[0] == 8 and moe.slot_expert[2:4] == [2, 3]
     assert "e_score_correction_bias" not in moe.shards and moe.shards["w1"].experts
     raw, cfg_file = read_config(path)
     adapter = adapter_for(raw, cfg_file)
