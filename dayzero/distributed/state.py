@@ -5,10 +5,10 @@ exist yet). Pipeline parallelism cuts the layers into ``pp`` contiguous stages o
 ranks each; the ranks of one in-stage position form a pp group (hidden states go from each rank to the same
 position of the next stage, and the last stage's logits are broadcast back). Inside a stage, attention, dense MLPs
 and shared experts are split over tp groups of ``tp`` consecutive ranks (with ``G / tp`` replicas of each
-split); routed experts are split over the ``ep`` ranks of the expert group, which is either the whole stage
-(``ep = G``) or nothing (``ep = 1``, experts replicated). A :class:`ParallelState` is a
+split); routed experts are spread over the ``ep`` ranks of the expert group, which is either the whole stage
+(``ep = G``) or nothing (``ep = 1``: each expert's width is split over tp instead). A :class:`ParallelState` is a
 plain frozen value: the layers keep the one they were built with, and a collective reads its group from it,
-never from a global. At tp=1 and ep=1 the collectives return their input before anything of
+never from a global. In one process the collectives return their input before anything of
 ``torch.distributed`` is touched.
 """
 from __future__ import annotations
@@ -24,9 +24,9 @@ DEFAULT_PORT = 29500
 
 @dataclass(frozen=True)
 class ParallelState:
-    """``tp_rank`` of ``tp_size`` ranks in ``tp_group`` and ``ep_rank`` of ``ep_size`` in ``ep_group``
-    (``torch.distributed`` process groups; None at size 1, or for a layout built only to be checked or planned
-    on the meta device, which must run no collective)."""
+    """``tp_rank`` of ``tp_size`` ranks in ``tp_group``, ``ep_rank`` of ``ep_size`` in ``ep_group`` and pipeline
+    stage ``pp_rank`` of ``pp_size`` (``torch.distributed`` process groups; None at size 1, or for a layout built
+    only to be checked or planned on the meta device, which must run no collective)."""
 
     tp_rank: int = 0
     tp_size: int = 1
@@ -58,18 +58,12 @@ class ParallelState:
                              "(each rank gets the same number of extra slots)")
 
     @property
-    def single(self) -> bool:
-        """True when this process runs the whole model alone (tp=1, ep=1, pp=1)."""
-        return self.tp_size == 1 and self.ep_size == 1 and self.pp_size == 1
-
-    @property
     def first_stage(self) -> bool:
         return self.pp_rank == 0
 
     @property
     def last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
-
 
     def require_single(self, what: str) -> None:
         """Refuse tp>1 for a block that has no tensor-parallel form yet, naming it."""
@@ -117,28 +111,28 @@ def tp_all_reduce(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
     return x
 
 
-def tp_all_gather(x: torch.Tensor, state: ParallelState, dim: int = -1) -> torch.Tensor:
-    """The ranks' ``x`` concatenated along ``dim`` in rank order (every rank gets it). Identity at tp=1."""
-    if state.tp_size == 1:
-        return x
-    import torch.distributed as dist
-
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(state.tp_size)]
-    dist.all_gather(parts, x, group=state.tp_group)
-    return torch.cat(parts, dim=dim)
-
-
-def ep_all_gather(x: torch.Tensor, state: ParallelState) -> list[torch.Tensor]:
-    """Every ep rank's ``x`` (all the same shape), in rank order. ``[x]`` at ep=1."""
-    if state.ep_size == 1:
+def _all_gather(x: torch.Tensor, size: int, group) -> list[torch.Tensor]:
+    """Every rank's ``x`` (all the same shape) of a group of ``size``, in rank order."""
+    if size == 1:
         return [x]
     import torch.distributed as dist
 
     x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(state.ep_size)]
-    dist.all_gather(parts, x, group=state.ep_group)
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x, group=group)
     return parts
+
+
+def tp_all_gather(x: torch.Tensor, state: ParallelState, dim: int = -1) -> torch.Tensor:
+    """The ranks' ``x`` concatenated along ``dim`` in rank order (every rank gets it). Identity at tp=1."""
+    if state.tp_size == 1:
+        return x
+    return torch.cat(_all_gather(x, state.tp_size, state.tp_group), dim=dim)
+
+
+def ep_all_gather(x: torch.Tensor, state: ParallelState) -> list[torch.Tensor]:
+    """Every ep rank's ``x`` (all the same shape), in rank order. ``[x]`` at ep=1."""
+    return _all_gather(x, state.ep_size, state.ep_group)
 
 
 def ep_all_to_all(x: torch.Tensor, send: list[int], recv: list[int], state: ParallelState) -> torch.Tensor:
@@ -212,7 +206,7 @@ def init_parallel(tp: int | None = None, backend: str = "gloo", *, ep: int = 1, 
             raise ValueError(f"{name} must be a positive int, got {v!r}")
     world = world_size if world_size is not None else _env_int("WORLD_SIZE")
     world = world if world is not None else pp * max(tp or 1, ep)
-    tp = world // pp if tp is None and world % pp == 0 else tp or 1
+    tp = world // pp if tp is None else tp  # a world that pp does not divide is refused below
     check_layout(tp, ep, world, pp)
     rank = rank if rank is not None else (_env_int("RANK") or 0)
     if not 0 <= rank < world:

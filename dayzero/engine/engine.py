@@ -70,7 +70,7 @@ class EngineConfig:
     # the job's layout, for the launcher (dayzero.engine.launch), which starts a process per rank and gives each
     # LLMEngine its rank's ParallelState (docs/parallelism.md, "Launching")
     tp: int = 1  # tensor-parallel ranks
-    ep: int = 1  # expert-parallel ranks: 1 (experts replicated) or every rank of a pipeline stage
+    ep: int = 1  # expert-parallel ranks: 1 (each expert's width split over tp) or every rank of a pipeline stage
     pp: int = 1  # pipeline stages
     distributed_host: str = "127.0.0.1"  # where the ranks meet (rank 0's address); torchrun's MASTER_ADDR wins
     distributed_port: int | None = None  # None: a free port (torchrun's MASTER_PORT wins)
@@ -128,7 +128,7 @@ class EngineConfig:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, parallel: ParallelState = SINGLE):
-        """``parallel``: this process's rank of a tensor-parallel job (:func:`dayzero.distributed.init_parallel`);
+        """``parallel``: this process's rank of a multi-process job (:func:`dayzero.distributed.init_parallel`);
         every rank builds the engine with the same config and is given the same requests, loads only its slices
         of the weights, and samples the same tokens from the gathered logits."""
         self.config = config
@@ -183,9 +183,8 @@ class LLMEngine:
         overlap = config.async_scheduling
         self.async_scheduling = self.device.type == "cuda" if overlap is None else overlap
         self._inflight: InFlight | None = None  # the queued step whose samples the host has not read yet
-        self.moe_layers = [m for m in self.model.modules() if isinstance(m, MoE)]
-        index = [i for i, l in enumerate(self.model.model.layers) if isinstance(getattr(l, "mlp", None), MoE)]
-        self.moe_layer_index = index if len(index) == len(self.moe_layers) else list(range(len(self.moe_layers)))
+        moe = [(i, l.mlp) for i, l in enumerate(self.model.model.layers) if isinstance(getattr(l, "mlp", None), MoE)]
+        self.moe_layer_index, self.moe_layers = [i for i, _ in moe], [m for _, m in moe]  # decoder index, layer
         self._load_read: tuple[float, dict] = (-math.inf, {})  # when stats last read the loads, and what
         self.num_steps = 0
         self._balanced_loads: list[torch.Tensor] = []  # the loads at the last rebalance
