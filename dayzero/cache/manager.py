@@ -179,16 +179,19 @@ class CacheManager:
         self.hit_tokens += hit_tokens
 
     def chunk_end(self, start: int, n: int, prompt_len: int) -> int:
-        """How many of ``n`` tokens from position ``start`` the next chunk may take: a chunk stops at the next
+        """How many of ``n`` tokens from position ``start`` the next chunk may take: a chunk that reaches a
         snapshot point (every ``interval`` tokens, and the last aligned point of the prompt), where the states
-        must be copied out."""
+        are copied out, stops at the prompt's point if it reaches it, else at the last interval point it reaches;
+        one that reaches none takes all ``n``. So a long prompt
+        is prefilled in steps of the whole token budget (rounded down to the interval) with a snapshot after
+        each, not in steps of one interval."""
         if not (self.prefix_caching and self.uses_slots):
             return n
-        points = [(start // self.interval + 1) * self.interval]
         prompt_end = prompt_len // self.align * self.align
-        if prompt_end > start:
-            points.append(prompt_end)
-        return max(1, min(n, min(points) - start))
+        if start < prompt_end <= start + n:  # the prompt's own snapshot first (a recomputed sequence goes on)
+            return prompt_end - start
+        end = (start + n) // self.interval * self.interval  # the last interval point in reach
+        return end - start if end > start else n
 
     def commit(self, seq_id: int, token_ids: list[int], num_computed: int, prompt_len: int) -> tuple[int, int] | None:
         """After a step brought ``seq_id`` to ``num_computed`` tokens: its full blocks join the prefix cache, and

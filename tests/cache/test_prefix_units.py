@@ -49,11 +49,12 @@ def manager(states: bool, **kw) -> CacheManager:
                         num_snapshots=8 if states else 0, **kw)
 
 
-def run(cm: CacheManager, seq_id: int, tokens: list[int], prompt_len: int) -> None:
-    """A sequence computing ``tokens`` chunk by chunk as the scheduler would cut them, then released."""
+def run(cm: CacheManager, seq_id: int, tokens: list[int], prompt_len: int, budget: int = 8) -> None:
+    """A sequence computing ``tokens`` chunk by chunk as the scheduler would cut them (at most ``budget`` tokens
+    a step), then released."""
     done = cm.match(seq_id, tokens)
     while done < len(tokens):
-        n = cm.chunk_end(done, len(tokens) - done, prompt_len)
+        n = cm.chunk_end(done, min(budget, len(tokens) - done), prompt_len)
         assert cm.grow(seq_id, done + n)
         done += n
         cm.commit(seq_id, tokens, done, prompt_len)
@@ -81,11 +82,21 @@ def test_the_least_recent_snapshot_goes_first():
 
 
 def test_chunks_end_at_snapshot_points_and_the_prompt_end():
-    cm = manager(states=True)
-    assert [cm.chunk_end(s, 100, 30) for s in (0, 5, 8, 27)] == [8, 3, 8, 1]  # 8, 16, 24 and the prompt's 28
-    assert cm.chunk_end(28, 100, 30) == 4  # past the prompt's end: every 8 again
+    cm = manager(states=True)  # interval 8, prompt of 30 tokens: its aligned end is 28
+    assert [cm.chunk_end(s, 8, 30) for s in (0, 5, 8, 27)] == [8, 3, 8, 1]  # 8, 16, 24 and the prompt's 28
+    assert [cm.chunk_end(s, 20, 30) for s in (0, 5, 16)] == [16, 19, 12]  # the last point in reach; the prompt's
+    assert cm.chunk_end(0, 5, 30) == 5  # no point in reach: the whole budget
+    assert cm.chunk_end(28, 99, 30) == 120 - 28  # past the prompt's end: the last interval point in reach
+    assert cm.chunk_end(0, 16384, 10**6) == 16384  # a long prompt goes in steps of the whole budget
     plain = manager(states=False)
     assert plain.chunk_end(0, 100, 30) == 100  # no states, no snapshot points
+
+
+def test_a_whole_budget_chunk_keeps_its_snapshots():
+    """Chunks of 20 tokens stop at 16 and at the prompt's 28: a prefix hit resumes from either, not from 8."""
+    cm = manager(states=True)
+    run(cm, 0, list(range(30)), 30, budget=20)
+    assert [cm.match(i + 1, list(range(n))) for i, n in enumerate((12, 20, 30))] == [0, 16, 28]
 
 
 def test_compressed_rows_align_the_reuse_to_their_stride():

@@ -15,6 +15,9 @@ from tests.engine.families import hf_config
 
 FAMILIES = ["dayzero_hybrid", "kimi_linear", "qwen3_next", "nemotron_h", "deepseek_v32", "deepseek_v4", "gpt_oss"]
 BS, INTERVAL = 4, 8  # small blocks and snapshot points, so short prompts cross many of both
+# a step's budget that reaches one snapshot point at a time (a chunk stops at the last point it reaches), with
+# room for a second sequence's chunk in the same step
+BUDGET = INTERVAL + 4
 
 
 @pytest.fixture(params=FAMILIES)
@@ -26,7 +29,7 @@ def family(request, tmp_path, tiny_ckpt):
 
 
 def llm(path: str, cached: bool, **kw) -> LLM:
-    kw = {"num_cache_blocks": 128, "prefix_snapshot_interval": INTERVAL, **kw}
+    kw = {"num_cache_blocks": 128, "prefix_snapshot_interval": INTERVAL, "max_num_batched_tokens": BUDGET, **kw}
     return LLM(path, device="cpu", dtype="float32", load_format="dummy", block_size=BS, max_num_seqs=4,
                max_model_len=128, enable_prefix_caching=cached, **kw)
 
@@ -84,6 +87,28 @@ def test_the_same_prompt_again_computes_only_its_last_tokens(tiny_ckpt):
     # 37 tokens: the last aligned point at or before 36 with a snapshot is 32 (every 8, and the prompt's 36)
     assert engine.engine.cache.hit_tokens - before == 36
     assert_all_free(engine)
+
+
+def test_whole_budget_steps_snapshot_where_they_end(tiny_ckpt):
+    """With a budget of 20 tokens a 61-token prompt takes 5 steps, not one per interval (8): chunks stop at the
+    last snapshot point they reach (16, 32, 48) and at the prompt's aligned end (60); a later prompt resumes from
+    the last of those at or before its shared prefix, with the uncached output."""
+    cached, plain = (llm(str(tiny_ckpt), c, max_num_batched_tokens=20, num_prefix_snapshots=8) for c in (True, False))
+    vocab = cached.engine.model_config.vocab_size
+    base = tokens(vocab, 70, 6)
+    eng = cached.engine
+    eng.add_request("first", base[:61], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    seq, ends = eng.scheduler.waiting[-1], []
+    while eng.has_unfinished():
+        eng.step()
+        ends.append(seq.num_computed)
+    assert ends[:5] == [16, 32, 48, 60, 61]
+    for shared, hit in ((20, 16), (47, 32), (61, 60)):
+        before = eng.cache.hit_tokens
+        prompt = base[:shared] + tokens(vocab, 5, 200 + shared)
+        assert_same(outputs(cached, [prompt]), outputs(plain, [prompt]))
+        assert eng.cache.hit_tokens - before == hit, (shared, eng.cache.hit_tokens - before)
+    assert_all_free(cached)
 
 
 def test_preemption_and_aborts_between_hits(family):
