@@ -77,6 +77,18 @@ def layouts(costs: ModelCosts, n: int) -> list[Layout]:
     return out
 
 
+def engine_gap(lay: Layout) -> str | None:
+    """Why dayzero's engine cannot run ``lay`` yet, or None when it can (``check_layout``'s rules): the plan
+    models every layout worth considering, the engine runs a subset of them today."""
+    g = lay.tp * lay.dp
+    if lay.dp > 1:
+        return (f"attention data parallelism (dp={lay.dp}) is not built: the engine's tp groups within a stage are "
+                f"replicas that all hold every sequence")
+    if lay.ep not in (1, g):
+        return f"ep={lay.ep}: the engine spreads routed experts over every rank of a stage (ep={g}) or none (ep=1)"
+    return None
+
+
 # --- memory ---------------------------------------------------------------------------------------------
 def _shard(max_shards: int, tp: int) -> int:
     return min(tp, max_shards)
@@ -303,7 +315,7 @@ def plan(model: str | None, cfg: PlanConfig) -> dict:
         mem = memory(costs, cfg, lay, context)
         total = sum(mem.values())
         row = {"layout": asdict(lay), "name": str(lay), "memory": mem, "total": total, "fits": total <= budget,
-               "weights_fit": mem["weights"] + mem["workspace"] <= budget}
+               "weights_fit": mem["weights"] + mem["workspace"] <= budget, "engine_gap": engine_gap(lay)}
         if cfg.device is not None:
             row["max_context"] = longest_context(costs, cfg, lay, budget, min(cfg.prefill_chunk, context))
             row.update(roofline(costs, cfg, lay, context))
@@ -317,6 +329,8 @@ def plan(model: str | None, cfg: PlanConfig) -> dict:
         "weights_format": desc,
         "budget_bytes": budget, "layouts": rows, "fitting": len(fitting),
         "best": fitting[0] if fitting else None,
+        # the best layout the engine runs today (the plan's best may need what is not built yet)
+        "best_runnable": next((r for r in fitting if r["engine_gap"] is None), None),
         "longest_context": max((r.get("max_context", 0) for r in rows), default=0),
         "lightest_weights": min(rows, key=lambda r: r["memory"]["weights"] + r["memory"]["workspace"], default=None),
     }
@@ -328,7 +342,7 @@ def _row(r: dict) -> list:
             fmt.size(m["activations"] + m["indexer_scratch"] + m["moe_dispatch"] + m["comm_buffers"] + m["runtime"]),
             fmt.size(r["total"]), "yes" if r["fits"] else "no", fmt.tokens(r.get("max_context", 0)) or "0",
             f"{r.get('decode_tokens_per_s', 0):.1f}", f"{r.get('prefill_tokens_per_s', 0):.0f}",
-            r.get("decode_bound", "")]
+            r.get("decode_bound", ""), "yes" if r["engine_gap"] is None else "not yet"]
 
 
 def render(p: dict, top: int = 12) -> str:
@@ -341,7 +355,8 @@ def render(p: dict, top: int = 12) -> str:
            f"(decode tokens/s for the whole batch; prefill tokens/s with every DP rank prefilling):"]
     shown = p["layouts"][:top]
     out.append(fmt.table([_row(r) for r in shown], ["layout", "weights", "kv+state", "transient", "total/device",
-                                                     "fits", "max ctx", "decode tok/s", "prefill tok/s", "bound"]))
+                                                     "fits", "max ctx", "decode tok/s", "prefill tok/s", "bound",
+                                                     "engine"]))
     if len(p["layouts"]) > top:
         out.append(f"  ... {len(p['layouts']) - top} more (--top N, or --json)")
     b = p["best"]
@@ -353,6 +368,11 @@ def render(p: dict, top: int = 12) -> str:
                f"per step, {b['decode_bound']}-bound), prefill {b['prefill_tokens_per_s']:.0f} tokens/s, longest "
                f"context at batch {p['batch']}: {fmt.tokens(b['max_context'])} tokens")
     out.append("  per device: " + ", ".join(f"{k.replace('_', ' ')} {fmt.size(v)}" for k, v in m.items() if v))
+    run = p.get("best_runnable")
+    if b["engine_gap"] is not None:
+        out.append(f"  the engine cannot run it yet: {b['engine_gap']}")
+        out.append(f"best the engine runs: {run['name']}: decode {run['decode_tokens_per_s']:.1f} tokens/s, prefill "
+                   f"{run['prefill_tokens_per_s']:.0f} tokens/s" if run else "no fitting layout is one the engine runs yet")
     return "\n".join(out)
 
 

@@ -140,3 +140,22 @@ def test_plan_cli(capsys):
               "--context", "32768", "--batch", "8"])
     out = capsys.readouterr().out
     assert rc == 0 and "best: pp" in out and "longest context" in out
+
+
+def test_layouts_the_engine_cannot_run_yet_are_marked(tmp_path, capsys):
+    """The plan ranks attention data parallelism and partial expert parallelism too; each such row says why the
+    engine cannot run it, and the best layout the engine runs is named beside the plan's best."""
+    (tmp_path / "config.json").write_text(json.dumps(RELEASED["DeepSeek-V3"][0]))
+    p = plan(str(tmp_path), PlanConfig(devices=8, device=DEVICES["h200"], context=32768, batch=64))
+    for r in p["layouts"]:
+        lay, g = r["layout"], r["layout"]["tp"] * r["layout"]["dp"]
+        runs = lay["dp"] == 1 and lay["ep"] in (1, g)
+        assert (r["engine_gap"] is None) == runs, r["name"]
+        if lay["dp"] > 1:
+            assert "data parallelism" in r["engine_gap"]
+    run = p["best_runnable"]
+    assert run is not None and run["engine_gap"] is None and run["fits"]
+    assert p["best"]["engine_gap"] is not None  # big MLA batches: the plan's best splits sequences over dp
+    assert cli(["plan", str(tmp_path), "--devices", "8xH200", "--context", "32768", "--batch", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "the engine cannot run it yet" in out and f"best the engine runs: {run['name']}" in out
