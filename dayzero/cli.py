@@ -110,6 +110,15 @@ def _add_serve(sub) -> None:
     lim.add_argument("--timeout-body", type=float, default=60.0,
                      help="seconds to send a request's body; also the longest a response may stall unread")
     lim.add_argument("--timeout-keep-alive", type=int, default=5, help="seconds an idle keep-alive connection stays open")
+    mm = s.add_argument_group("images in chat messages (data:image/...;base64 URLs; files and URLs only when allowed)")
+    mm.add_argument("--limit-mm-per-prompt", type=int, default=8, metavar="N", help="images per request")
+    mm.add_argument("--max-image-bytes", type=int, default=20 << 20, help="bytes of one encoded image")
+    mm.add_argument("--max-image-pixels", type=int, default=64 << 20,
+                    help="pixels (width x height) of one image, read from its header before decoding")
+    mm.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                    help="read images from local files (file:///... or a path) inside DIR; off by default")
+    mm.add_argument("--allow-remote-media", action="store_true", help="fetch http(s):// image URLs; off by default")
+    mm.add_argument("--media-fetch-timeout", type=float, default=10.0, help="seconds for one remote image fetch")
     s.add_argument("--allowed-origins", nargs="*", default=None, metavar="ORIGIN",
                    help="CORS origins allowed to call the API ('*' for any); off by default")
     s.set_defaults(func=_serve, runs_model=True, needs_weights=True)

@@ -94,14 +94,15 @@ class CacheManager:
         return self.handles[seq_id]
 
     # --- prefix caching --------------------------------------------------------------------------------
-    def match(self, seq_id: int, token_ids: list[int]) -> int:
+    def match(self, seq_id: int, token_ids: list[int], extra_keys=None) -> int:
         """For a sequence that holds no cache yet: take the cached blocks of the longest prefix it may reuse
-        and return that prefix's length (0: nothing). ``release`` undoes it when the sequence cannot start."""
+        and return that prefix's length (0: nothing). ``release`` undoes it when the sequence cannot start.
+        ``extra_keys``: what the blocks' hashes take beyond the token ids (:func:`~dayzero.cache.prefix.block_hashes`)."""
         if not self.prefix_caching or seq_id in self.handles:
             return 0
         bs, step = self.block_size, self.align // self.block_size
         h = CacheHandle()
-        hashes = block_hashes(token_ids, bs, (len(token_ids) - 1) // bs // step * step, h.hashes)
+        hashes = block_hashes(token_ids, bs, (len(token_ids) - 1) // bs // step * step, h.hashes, extra_keys)
         blocks = []  # each taken as found: fetching one from the host tier may evict an unheld block
         for j in range(len(hashes)):
             key = self._key(hashes, j)
@@ -193,7 +194,8 @@ class CacheManager:
         end = (start + n) // self.interval * self.interval  # the last interval point in reach
         return end - start if end > start else n
 
-    def commit(self, seq_id: int, token_ids: list[int], num_computed: int, prompt_len: int) -> tuple[int, int] | None:
+    def commit(self, seq_id: int, token_ids: list[int], num_computed: int, prompt_len: int,
+               extra_keys=None) -> tuple[int, int] | None:
         """After a step brought ``seq_id`` to ``num_computed`` tokens: its full blocks join the prefix cache, and
         at a snapshot point returns (slot, snapshot row) for the runner to copy the states into."""
         if not self.prefix_caching:
@@ -203,7 +205,7 @@ class CacheManager:
         # there) may be written m tokens after the block's own tokens are in; registering earlier could let a
         # sequence that stopped before writing it hand the block to the prefix cache without the entry
         full = min(num_computed // self.align * self.align // self.block_size, len(h.blocks))
-        hashes = block_hashes(token_ids, self.block_size, full, h.hashes)
+        hashes = block_hashes(token_ids, self.block_size, full, h.hashes, extra_keys)
         for i in range(h.registered, full):
             self.blocks.register(h.blocks[i], self._key(hashes, i))
         h.registered = max(h.registered, full)

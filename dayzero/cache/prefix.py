@@ -20,13 +20,18 @@ from array import array
 from collections import OrderedDict
 
 
-def block_hashes(token_ids, block_size: int, num_blocks: int, known: list[bytes]) -> list[bytes]:
-    """``known`` (the hashes of the first blocks, extended in place) up to ``num_blocks`` full blocks."""
+def block_hashes(token_ids, block_size: int, num_blocks: int, known: list[bytes], extra_keys=None) -> list[bytes]:
+    """``known`` (the hashes of the first blocks, extended in place) up to ``num_blocks`` full blocks.
+    ``extra_keys(start, end)``, when given, is hashed into the block of tokens start..end-1 too: what its rows
+    depend on beyond the token ids (the content hash and offset of each image whose placeholder tokens it holds,
+    whose ids are the same for every image); b"" leaves a block's hash as it is without it."""
     while len(known) < num_blocks:
         i = len(known)
         h = hashlib.blake2b(digest_size=16)
         h.update(known[-1] if known else b"dayzero-prefix")
         h.update(array("q", token_ids[i * block_size:(i + 1) * block_size]).tobytes())
+        if extra_keys is not None:
+            h.update(extra_keys(i * block_size, (i + 1) * block_size))
         known.append(h.digest())
     return known
 

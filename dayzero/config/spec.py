@@ -34,6 +34,9 @@ class RopeSpec:
     scaling: RopeScaling | None = None
     interleaved: bool = False  # complex pairs (x0,x1),(x2,x3).. instead of NeoX halves
     last: bool = False  # rotate the LAST ``dim`` channels of a head instead of the first (HY-V4 indexer, DeepSeek-V4)
+    # multimodal RoPE (Qwen3-VL, Qwen3.5): frequencies per (t, h, w) position axis, interleaved (see layers.rotary);
+    # a text token has three equal axes, so this matters only where the batch gives 3-axis positions
+    mrope_section: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -106,6 +106,10 @@ class ForwardBatch:
         # too): cos/sin of the positions per rotary frequency set, the slots to zero for fresh sequences
         self.memo: dict = {}
         self.graph: tuple[int, int] | None = None  # the captured (batch size, table width) this step replays
+        # images: the step's image rows (dayzero.multimodal.inputs.StepImages), set by the engine; None: text only.
+        # rope_positions: [3, T] (t, h, w) positions for multimodal RoPE in steps with image sequences, else None
+        self.images = None
+        self.rope_positions: torch.Tensor | None = None
         self._key_slots: list[torch.Tensor] | None = None
         self._seq_of_row: torch.Tensor | None = None
 

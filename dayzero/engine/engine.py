@@ -17,6 +17,7 @@ from dayzero.distributed.control import world_min
 from dayzero.engine.builder import assemble, prepare_weights
 from dayzero.engine.detokenizer import IncrementalText
 from dayzero.engine.device import configure_threads, resolve_device
+from dayzero.engine.images import ImageRunner
 from dayzero.engine.overlap import InFlight, needs_resolved_ids, pending_inputs
 from dayzero.engine.request import CompletionOutput, RequestOutput, Sequence, SeqStatus, reportable_end, sample_seed
 from dayzero.engine.sampler import Sampler, make_generator
@@ -27,7 +28,8 @@ from dayzero.layers.moe import MoE, attach_workspace, expert_loads, rebalance_ex
 from dayzero.loader.safetensors_loader import load_weights
 from dayzero.quant.workspace import COMPUTE, ExpertWorkspace
 from dayzero.models.init import init_random_weights
-from dayzero.models.registry import adapter_for, build_model, read_config
+from dayzero.models.registry import adapter_for, build_model, default_dtype, read_config
+from dayzero.multimodal.families import attach_tower, read_preprocessor_config, vision_family
 from dayzero.ops import registry as ops_registry
 
 log = logging.getLogger("dayzero")
@@ -146,10 +148,16 @@ class LLMEngine:
         adapter = adapter_for(raw, cfg_file)
         self.model_config = adapter.to_spec(raw)
         self.model = build_model(self.model_config, self.dtype, self.device, parallel)
+        rules, ignore = adapter.rules(self.model_config), adapter.ignore
+        self.vision_family = family = vision_family(raw)
+        if family is not None:  # the vision tower loads with the text model, from the same files
+            with torch.device(self.device), default_dtype(self.dtype):
+                attach_tower(self.model, family, raw)
+            rules, ignore = rules + family.rules(raw), family.text_ignore(ignore)
         if config.load_format == "dummy":
             init_random_weights(self.model, config.seed)
         else:
-            load_weights(self.model, path, adapter.rules(self.model_config), adapter.ignore)
+            load_weights(self.model, path, rules, ignore)
         self._apply_precision(config)
         self.tokenizer = load_tokenizer(path)
         self.eos_ids = generation_eos_ids(path, self.model_config.eos_ids, self.tokenizer)
@@ -176,6 +184,9 @@ class LLMEngine:
         elif self.device.type == "cuda" and not config.enforce_eager and parallel.pp_size > 1:
             self.decode_mode = "eager (pipeline stages are not captured yet)"
         self.scheduler = Scheduler(self.cache, min(config.max_num_seqs, self.cache_plan.num_slots), config.max_num_batched_tokens)
+        self.images = None if family is None else ImageRunner(
+            family, self.model.visual, family.processor(raw, read_preprocessor_config(path)), raw, self.device,
+            self.dtype, cache_tokens=max(4 * config.max_num_batched_tokens, 16384))
         self.sampler = Sampler()
         self.requests: dict[str, list[Sequence]] = {}
         self.prompts: dict[str, str | None] = {}
@@ -203,23 +214,46 @@ class LLMEngine:
 
     # --- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
-                    delta: bool = False):
+                    delta: bool = False, images: list | None = None):
         """Queue a request (``n`` sequences); raises ValueError, naming the limit, for one that cannot run.
         ``delta``: its outputs carry only what is new since its last one (token ids, logprobs, text that can
-        no longer change), so that a consumer never copies or holds more than one step's worth per step."""
+        no longer change), so that a consumer never copies or holds more than one step's worth per step.
+
+        ``images`` (Pillow images, or encoded bytes): the prompt holds exactly one image placeholder token per
+        image (``image_token_id`` of the config), in order; each is widened to the image's tokens, which count
+        as prompt tokens. ValueError for a model without a vision tower, a placeholder count that is not the
+        image count, an unreadable image, or an expanded prompt over the context."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        ids = list(prompt_token_ids)
+        ids, mm = self._with_images(list(prompt_token_ids), list(images or []))
         max_tokens = self.check_request(ids, params)
         seqs = []
         for i in range(params.n):
             gen = make_generator(sample_seed(params.seed, i), self.device) if params.seed is not None else None
-            seq = Sequence(request_id, i, list(ids), len(ids), params, generator=gen, max_tokens=max_tokens, delta=delta)
+            seq = Sequence(request_id, i, list(ids), len(ids), params, generator=gen, max_tokens=max_tokens, delta=delta,
+                           images=mm)
             seqs.append(seq)
         self.requests[request_id] = seqs
         self.prompts[request_id] = prompt
         for seq in seqs:
             self.scheduler.add(seq)
+
+    def _with_images(self, ids: list[int], images: list):
+        """(prompt ids with the image placeholders widened, the request's images or None)."""
+        if self.images is None:
+            if images:
+                raise ValueError(f"model {self.model_config.model_type!r} does not take images (its checkpoint has no "
+                                 "vision tower)")
+            return ids, None
+        bad = [t for t in ids if not isinstance(t, int)]
+        if bad:
+            raise ValueError(f"prompt token ids must be ints, got {bad[:5]}")
+        wide, mm = self.images.prepare(ids, images)
+        if mm is not None and len(wide) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(wide)} tokens with its {len(images)} image(s) expanded to "
+                             f"{len(wide) - len(ids) + len(images)} image tokens; the context length is "
+                             f"{self.max_model_len} (at least one token must be left to generate)")
+        return wide, mm
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """The request's max_tokens (an omitted one is what fits in the context and the cache), or the
@@ -259,6 +293,8 @@ class LLMEngine:
             if not seq.finished:
                 self.scheduler.finish(seq)
                 seq.finish_reason = "abort"
+            if seq.images is not None:
+                self.images.release(seq)
         self.num_aborted += 1
         return True
 
@@ -291,7 +327,9 @@ class LLMEngine:
         if self.config.eplb_interval and self.num_steps % self.config.eplb_interval == 0:
             self.rebalance_experts()
         self.runner.copy_states(self.cache.take_restores())  # prefix hits start from their snapshot's states
-        batch = self.runner.build_batch(scheduled, self.cache)
+        images, rope = self.images.step_inputs(scheduled) if self.images is not None else (None, None)
+        batch = self.runner.build_batch(scheduled, self.cache, eager=images is not None or rope is not None)
+        batch.images, batch.rope_positions = images, rope
         if prev is not None:  # inputs still on the device: the previous step's samples
             self.runner.patch_inputs(batch, *pending_inputs(scheduled, prev))
         logits = self.runner.execute(batch)
@@ -315,6 +353,8 @@ class LLMEngine:
         if prev is not None:
             outputs = self._resolve(prev)
         self._commit(scheduled)
+        if self.images is not None:
+            self.images.after_step(scheduled)
         if out is not None and not self.async_scheduling:
             outputs = self._resolve(sampled)
         return outputs
@@ -326,7 +366,8 @@ class LLMEngine:
         for s in scheduled:
             if s.seq.finished:  # ended (a stop, an abort) while the step ran: its cache is gone
                 continue
-            snap = self.cache.commit(s.seq.seq_id, s.seq.token_ids, s.seq.num_computed, s.seq.num_prompt_tokens)
+            snap = self.cache.commit(s.seq.seq_id, s.seq.token_ids, s.seq.num_computed, s.seq.num_prompt_tokens,
+                                     s.seq.block_keys)
             if snap is not None:
                 snapshots.append(snap)
         self.runner.copy_states(snapshots)
@@ -446,6 +487,7 @@ class LLMEngine:
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
             "preemptions": self.scheduler.num_preemptions, "aborts": self.num_aborted, **self.cache.usage(),
             "expert_load": self._load_read[1], "ep_size": self.parallel.ep_size,
+            **(self.images.stats() if self.images is not None else {"encoder_runs": 0, "encoder_cache_hits": 0}),
         }
 
     def rebalance_experts(self) -> int:

@@ -10,6 +10,7 @@ from dayzero.engine.engine import EngineConfig
 from dayzero.engine.launch import start_engine
 from dayzero.engine.request import RequestOutput
 from dayzero.engine.sampling_params import SamplingParams
+from dayzero.multimodal.content import MediaPolicy, image_list, load_chat
 
 PromptType = str | dict[str, Any]
 
@@ -109,16 +110,23 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int], list]:
+        """(text, token ids, images) of a prompt: a str, or a dict with ``prompt_token_ids`` or ``prompt`` and
+        optionally ``multi_modal_data={"image": image or [images]}`` (Pillow images or encoded bytes; the prompt
+        holds one image placeholder token per image)."""
+        images = []
         if isinstance(prompt, dict):
-            if "prompt_token_ids" not in prompt:
-                raise ValueError("a dict prompt needs 'prompt_token_ids'")
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            images = image_list(prompt.get("multi_modal_data"))
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"]), images
+            if not isinstance(prompt.get("prompt"), str):
+                raise ValueError("a dict prompt needs 'prompt_token_ids' or a str 'prompt'")
+            prompt = prompt["prompt"]
         if not isinstance(prompt, str):
             raise ValueError(f"prompt must be a str or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
         if self.tokenizer is None:
             raise ValueError("this checkpoint has no tokenizer: give prompts as {'prompt_token_ids': [...]}")
-        return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+        return prompt, self.tokenizer.encode(prompt, add_special_tokens=False), images
 
     def generate(
         self,
@@ -136,9 +144,9 @@ class LLM:
         encoded = [self._prompt_ids(p) for p in prompts]  # validate everything before queueing anything
         ids = []
         try:
-            for (text, tokens), p in zip(encoded, params):
+            for (text, tokens, images), p in zip(encoded, params):
                 rid = f"gen-{next(self._ids)}"
-                self.engine.add_request(rid, tokens, p, prompt=text)
+                self.engine.add_request(rid, tokens, p, prompt=text, images=images or None)
                 ids.append(rid)
             done: dict[str, RequestOutput] = {}
             bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm)
@@ -155,11 +163,21 @@ class LLM:
         return [done[r] for r in ids]
 
     def chat(
-        self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None, use_tqdm: bool = False
+        self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None, use_tqdm: bool = False,
+        media: MediaPolicy | None = None,
     ) -> list[RequestOutput]:
-        """Applies the model's own chat template, then generates."""
+        """Applies the model's own chat template, then generates. A message's content may be a list of OpenAI-style
+        parts: ``{"type": "text", "text": ...}``, ``{"type": "image_url", "image_url": {"url": "data:image/...;
+        base64,..."}}`` or ``{"type": "image", "image": <Pillow image>}``; the template renders each image part
+        as the family's placeholder (e.g. ``<|vision_start|><|image_pad|><|vision_end|>``). ``media``: where image
+        URLs may point (:class:`~dayzero.multimodal.content.MediaPolicy`; by default data URLs and inline images
+        only, nothing read from disk or fetched)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this checkpoint has no chat template")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in convs]
+        prompts = []
+        for c in convs:
+            rendered, images = load_chat(c, media or MediaPolicy())
+            text = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
+            prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
         return self.generate(prompts, sampling_params, use_tqdm)

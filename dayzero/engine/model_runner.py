@@ -79,13 +79,14 @@ class ModelRunner:
                                  grow(buf.max_blocks if buf else 0, blocks))
         return self.buffers
 
-    def build_batch(self, scheduled: list[ScheduledSeq], cache: CacheManager) -> ForwardBatch:
+    def build_batch(self, scheduled: list[ScheduledSeq], cache: CacheManager, eager: bool = False) -> ForwardBatch:
+        """The step's batch; ``eager``: never a captured graph (a step with image inputs, which graphs do not read)."""
         bs = cache.block_size
         handles = [cache.handle(s.seq.seq_id) for s in scheduled]
         width = max((len(h.blocks) for h in handles), default=0) or 1
         rows = len(scheduled)
         graph = None
-        if self.graphs is not None and all(s.num_tokens == 1 for s in scheduled):
+        if self.graphs is not None and not eager and all(s.num_tokens == 1 for s in scheduled):
             graph = self.graphs.lookup(rows, width)
             if graph is not None:
                 rows, width = graph  # padded to the captured size and block-table width

@@ -12,6 +12,7 @@ import torch
 
 from dayzero.engine.detokenizer import IncrementalText
 from dayzero.engine.sampling_params import SamplingParams
+from dayzero.multimodal.inputs import SeqImages
 
 _seq_ids = itertools.count()
 PENDING_ID = -1  # a sampled token still on its way to the host (never an input: the runner patches it on the device)
@@ -82,6 +83,12 @@ class Sequence:
     # with them whatever they are (its length limit), so it is not scheduled again.
     num_pending: int = 0
     hold: bool = False
+    images: SeqImages | None = None  # the prompt's images (shared by a request's sequences)
+
+    @property
+    def block_keys(self):
+        """What the prefix cache hashes into a block beyond its token ids (the images it holds), or None."""
+        return self.images.block_key if self.images is not None else None
 
     @property
     def num_tokens(self) -> int:

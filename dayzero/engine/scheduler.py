@@ -82,7 +82,7 @@ class Scheduler:
             if self._waits_for_sibling(seq):  # its request's first sample is still computing the shared prompt
                 j += 1
                 continue
-            hit = self.cache.match(seq.seq_id, seq.token_ids)  # a cached prefix: computed already
+            hit = self.cache.match(seq.seq_id, seq.token_ids, seq.block_keys)  # a cached prefix: computed already
             seq.num_computed = hit
             n = self._chunk(seq, budget)
             if not self.cache.grow(seq.seq_id, seq.num_computed + n):

@@ -206,10 +206,12 @@ class EngineDriver:
 
     # --- mirrored calls -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params, prompt: str | None = None,
-                    delta: bool = False):
+                    delta: bool = False, images: list | None = None):
         self._check()
-        self.engine.add_request(request_id, prompt_token_ids, params, prompt=prompt, delta=delta)
-        self._calls.append(("add_request", (request_id, list(prompt_token_ids), params), {"delta": delta}))
+        self.engine.add_request(request_id, prompt_token_ids, params, prompt=prompt, delta=delta, images=images)
+        # every rank runs the tower on the same images (Pillow images and bytes pickle)
+        self._calls.append(("add_request", (request_id, list(prompt_token_ids), params),
+                            {"delta": delta, "images": images}))
 
     def abort(self, request_id: str) -> bool:
         """Also after a failure (rank 0 alone then), so that callers can always clean up."""

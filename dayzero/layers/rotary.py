@@ -3,6 +3,13 @@
 Tables are not precomputed for every position: with 1M-token contexts a [1M, D/2] table per layer kind
 would be hundreds of MB, while ``positions ⊗ inv_freq`` for the tokens of one step is tiny. The
 frequencies follow transformers' definitions (fp32 ``inv_freq``), so parity tests match to fp32 rounding.
+
+Multimodal RoPE (Qwen3-VL, Qwen3.5; ``spec.mrope_section = (s_t, s_h, s_w)``): each token has a temporal, a
+height and a width position, and frequency slot j takes its angle from one of them, interleaved as
+transformers lays it out: slot j reads the h axis when ``j % 3 == 1`` and ``j < 3 s_h``, the w axis when
+``j % 3 == 2`` and ``j < 3 s_w``, and the t axis otherwise. A batch gives those positions as
+``rope_positions`` [3, T] only in steps that hold image tokens or follow them (a text token's three axes
+are equal, so every other step takes the plain path on ``positions``).
 """
 from __future__ import annotations
 
@@ -51,24 +58,37 @@ class RotaryEmbedding(nn.Module):
         else:
             inv, self.cos_scale = _yarn(spec.dim, spec.theta, spec.scaling)
         self.register_buffer("inv_freq", inv, persistent=False)
+        # multimodal RoPE: [dim/2] int64, the position axis (0 t, 1 h, 2 w) of each frequency; None: 1-D positions
+        axes = mrope_axes(spec.mrope_section, spec.dim // 2) if spec.mrope_section is not None else None
+        self.register_buffer("axes", axes, persistent=False)
         # what the frequencies depend on: rotaries with equal keys share one cos/sin per step
-        self.key = (spec.dim, spec.theta, spec.scaling)
+        self.key = (spec.dim, spec.theta, spec.scaling, spec.mrope_section)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T] -> cos, sin: [T, dim/2] fp32
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
         return freqs.cos() * self.cos_scale, freqs.sin() * self.cos_scale
 
+    def mrope_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [3, T] (t, h, w) -> cos, sin: [T, dim/2] fp32, frequency j at the position of axis axes[j]
+        freqs = positions.index_select(0, self.axes).t().float() * self.inv_freq.float()[None, :]
+        return freqs.cos() * self.cos_scale, freqs.sin() * self.cos_scale
+
+    def _step_positions(self, batch):
+        mm = getattr(batch, "rope_positions", None) if self.axes is not None else None
+        return (self.mrope_cos_sin, mm) if mm is not None else (self.cos_sin, batch.positions)
+
     def step_cos_sin(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """cos_sin of the step's positions, computed once per forward pass for every rotary with these
         frequencies (the MLA and indexer rotaries of all layers: six kernels each, otherwise per layer)."""
+        fn, positions = self._step_positions(batch)
         memo = getattr(batch, "memo", None)
         if memo is None:
-            return self.cos_sin(batch.positions)
+            return fn(positions)
         key = ("cos_sin", self.key)
         got = memo.get(key)
         if got is None:
-            got = memo[key] = self.cos_sin(batch.positions)
+            got = memo[key] = fn(positions)
         return got
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -79,3 +99,13 @@ class RotaryEmbedding(nn.Module):
         # a partial rotary: the other channels pass through in the same call
         start = x.shape[-1] - self.dim if self.last else 0
         return ops.call("rotary", x, cos, sin, self.interleaved, start=start)
+
+
+def mrope_axes(section: tuple[int, ...], half: int) -> torch.Tensor:
+    """[half] int64: which position axis (0 t, 1 h, 2 w) frequency slot j reads, in the interleaved layout."""
+    if len(section) != 3 or sum(section) != half:
+        raise ValueError(f"mrope_section {list(section)} must be 3 sizes adding up to the {half} rotated frequencies")
+    axes = torch.zeros(half, dtype=torch.int64)
+    for axis in (1, 2):
+        axes[axis:3 * section[axis]:3] = axis
+    return axes

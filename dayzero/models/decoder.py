@@ -14,6 +14,11 @@ the others, and the embedding and LM head where another stage holds them, are :c
 so layer indices and parameter names stay those of the whole model. A stage receives the residual stream (the
 hyper-connection streams) from the previous one, runs its layers and sends the stream on; the last stage's
 logits are broadcast to every stage, so every rank samples the same tokens.
+
+Images (``batch.images``, a :class:`~dayzero.multimodal.inputs.StepImages`, or None): the vision tower's
+features replace the embeddings of the step's image placeholder rows, and deep-stack features (Qwen3-VL) are
+added to those rows of the residual stream after each of the first ``len(deepstack)`` layers. A step without
+image rows has ``images`` None and runs exactly the text path.
 """
 from __future__ import annotations
 
@@ -114,8 +119,12 @@ class Stages:
         return pp_recv((ids.shape[0],) + shape, self.dtype, ids.device, self.parallel)
 
     def _run(self, x, residual, batch):
+        images = getattr(batch, "images", None)
+        deep = images.deepstack if images is not None else ()
         for i in self.held:
             x, residual = self.layers[i](x, residual, batch)
+            if i < len(deep):  # the stream is x + residual: adding to x adds to it
+                x = x.index_add(0, images.rows, deep[i].to(x.dtype))
         return x, residual
 
 
@@ -138,6 +147,9 @@ class Backbone(Stages, nn.Module):
     def forward(self, batch) -> torch.Tensor:
         p = self.parallel
         x = self.embed_tokens(batch.input_ids) if p.first_stage else self._arrive(batch, (self.hidden,))  # [T, D]
+        images = getattr(batch, "images", None)
+        if images is not None and p.first_stage:
+            x = x.index_copy(0, images.rows, images.embeds.to(x.dtype))  # image rows: the tower's features
         x, residual = self._run(x, None, batch)
         if not p.last_stage:  # the residual stream goes on as one tensor
             pp_send(x if residual is None else x + residual, p)

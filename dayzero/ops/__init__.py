@@ -17,6 +17,7 @@ from dayzero.ops.ssd import reference as _ssd  # noqa: F401,E402
 from dayzero.ops.attention import paged as _paged  # noqa: F401,E402
 from dayzero.ops.attention import cuda as _attention_cuda  # noqa: F401,E402
 from dayzero.ops.attention import compressed_cuda as _compressed_cuda  # noqa: F401,E402
+from dayzero.ops.attention import vision as _vision  # noqa: F401,E402
 from dayzero.ops.indexer import cuda as _indexer_cuda  # noqa: F401,E402
 from dayzero.ops.kda import cuda as _kda_cuda  # noqa: F401,E402
 from dayzero.ops.ssd import cuda as _ssd_cuda  # noqa: F401,E402

@@ -8,8 +8,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 import time
+from pathlib import Path
 
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -18,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from dayzero.engine.tokenizer import load_tokenizer
+from dayzero.multimodal.content import MediaPolicy
 from dayzero.server.async_engine import AsyncEngine
 from dayzero.server.chat import create_chat_completion
 from dayzero.server.completions import create_completion
@@ -50,8 +53,10 @@ class APIKeyMiddleware:
 
 
 def build_app(async_engine: AsyncEngine, model_name: str, limits: ServerLimits | None = None,
-              api_key: str | None = None, allowed_origins: list[str] | None = None) -> FastAPI:
-    """``allowed_origins``: origins a browser may call the API from (CORS; ``["*"]`` for any); none by default."""
+              api_key: str | None = None, allowed_origins: list[str] | None = None,
+              media: MediaPolicy | None = None) -> FastAPI:
+    """``allowed_origins``: origins a browser may call the API from (CORS; ``["*"]`` for any); none by default.
+    ``media``: how many images a request may carry, how large, and from where (data URLs only by default)."""
     limits = limits or ServerLimits()
     engine = async_engine.engine
     admission = Admission(limits.max_concurrent_requests, limits.max_queue_len)
@@ -60,7 +65,8 @@ def build_app(async_engine: AsyncEngine, model_name: str, limits: ServerLimits |
     # (logprobs, echo) and the worker thread templates and encodes with another
     tokenizers = [load_tokenizer(engine.path) if engine.tokenizer is not None else None for _ in range(2)]
     srv = ServerState(async_engine, tokenizers[0], model_name, limits, admission, metrics,
-                      worker_tokenizer=tokenizers[1], max_model_len=engine.max_model_len)
+                      worker_tokenizer=tokenizers[1], max_model_len=engine.max_model_len, media=media or MediaPolicy(),
+                      takes_images=takes_images(engine.path))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -137,6 +143,16 @@ def build_app(async_engine: AsyncEngine, model_name: str, limits: ServerLimits |
         return await create_chat_completion(srv, request, await read_json_body(request, limits.max_body_bytes), arrival)
 
     return app
+
+
+def takes_images(path) -> bool:
+    """Whether the checkpoint has a vision encoder (a ``vision_config`` in its ``config.json``). Images sent to
+    any other model are refused before they reach the engine."""
+    try:
+        raw = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and bool(raw.get("vision_config"))
 
 
 async def _drain(srv: ServerState, timeout: float) -> None:

@@ -117,11 +117,12 @@ class AsyncEngine:
     def alive(self) -> bool:
         return not self._stopped
 
-    async def add(self, prompts: list[tuple[str, list[int], str | None]], params: SamplingParams, deliver: Deliver,
-                  gone: threading.Event) -> None:
-        """Queue one HTTP request's prompts, ``(engine request id, token ids, text)`` each, all with ``params``;
-        returns once the engine took them all. ``deliver(i, item)`` gets prompt ``i``'s outputs on the event
-        loop. Raises ``PromptRefused`` for a prompt the engine refuses, and then none was added.
+    async def add(self, prompts: list[tuple[str, list[int], str | None, list | None]], params: SamplingParams,
+                  deliver: Deliver, gone: threading.Event) -> list[int]:
+        """Queue one HTTP request's prompts, ``(engine request id, token ids, text, images or None)`` each, all
+        with ``params``; returns once the engine took them all, with each prompt's length in tokens as the engine
+        counts it (an image's placeholder may stand for many). ``deliver(i, item)`` gets prompt ``i``'s outputs
+        on the event loop. Raises ``PromptRefused`` for a prompt the engine refuses, and then none was added.
 
         ``gone`` is the caller's way out: once it is set, the engine thread adds nothing of this command, and
         aborts sent after setting it are applied after the add, if the add came first."""
@@ -132,10 +133,10 @@ class AsyncEngine:
         if self._stopped:  # the thread ended just now and may have drained the queue before our add
             self._refuse_pending()
         try:
-            await accepted
+            return await accepted
         except asyncio.CancelledError:
             gone.set()
-            for rid, _, _ in prompts:
+            for rid, *_ in prompts:
                 self.abort(rid)
             raise
 
@@ -211,7 +212,7 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(
                 _settle, accepted, APIError(499, "the client disconnected", code="client_disconnected"))
             return
-        for i, (rid, ids, _) in enumerate(prompts):
+        for i, (rid, ids, _, _) in enumerate(prompts):
             try:
                 if rid in self._sinks or rid in self.engine.requests:
                     raise ValueError(f"request id {rid!r} is already in use")
@@ -219,19 +220,26 @@ class AsyncEngine:
             except ValueError as e:
                 self._loop.call_soon_threadsafe(_settle, accepted, PromptRefused(i, e))
                 return
-        added = []
+        added, lengths = [], []
         try:
-            for rid, ids, text in prompts:
-                self.engine.add_request(rid, ids, params, prompt=text, delta=True)
+            for rid, ids, text, images in prompts:
+                media = {"images": images} if images else {}  # text prompts call the engine as they always did
+                self.engine.add_request(rid, ids, params, prompt=text, delta=True, **media)
                 added.append(rid)
-        except Exception as e:  # a bug, as everything was checked: take back what went in, fail this request
+                lengths.append(self._prompt_tokens(rid, ids))
+        except Exception as e:  # take back what went in; images the engine refuses are the client's to fix
             for rid in added:
                 self.engine.abort(rid)
-            self._loop.call_soon_threadsafe(_settle, accepted, e)
+            refused = isinstance(e, ValueError) and bool(prompts[len(added)][3])
+            self._loop.call_soon_threadsafe(_settle, accepted, PromptRefused(len(added), e) if refused else e)
             return
         for i, rid in enumerate(added):
             self._sinks[rid] = _Sink(deliver, i)
-        self._loop.call_soon_threadsafe(_settle, accepted, None)
+        self._loop.call_soon_threadsafe(_settle, accepted, None, lengths)
+
+    def _prompt_tokens(self, rid: str, ids: list[int]) -> int:
+        seqs = self.engine.requests.get(rid)
+        return seqs[0].num_prompt_tokens if seqs else len(ids)
 
     def _step(self) -> None:
         try:
@@ -277,10 +285,10 @@ def _deliver_all(batch: list[tuple[_Sink, RequestOutput | Ended]]) -> None:
             log.exception("delivering an output failed")
 
 
-def _settle(fut: asyncio.Future, error: BaseException | None) -> None:
+def _settle(fut: asyncio.Future, error: BaseException | None, result=None) -> None:
     if fut.done():  # the caller gave up waiting (client gone); its abort is already queued
         return
     if error is None:
-        fut.set_result(None)
+        fut.set_result(result)
     else:
         fut.set_exception(error)

@@ -3,8 +3,9 @@
 Generation stops at the token the template closes an assistant turn with (``<|end|>``, ``<|im_end|>``, ...)
 as it does at EOS. The chat template options vLLM accepts are honoured (``add_generation_prompt``,
 ``continue_final_message``, ``chat_template_kwargs``, ``add_special_tokens``) or refused with a 400 naming
-the field (``chat_template``, ``documents``). Cheap bounds (message count, characters) come first;
-templating and tokenization run on the worker thread.
+the field (``chat_template``, ``documents``). Cheap bounds (message count, characters, images) come first;
+images are read and decoded on the media threads (:mod:`dayzero.multimodal.content`), templating and
+tokenization on the worker thread.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from dayzero.multimodal.content import text_chars
 from dayzero.server.completions import SSE_HEADERS, guarded, sse
 from dayzero.server.detokenize import ChoiceDeltas
 from dayzero.server.errors import bad_request
@@ -68,27 +70,29 @@ def _reserved(tokenizer) -> set[str]:
     return (names | {"messages", "conversation", "tokenize", "bos_token", "eos_token"}) - {"kwargs"}
 
 
-def _chat_prompt(srv: ServerState, messages: list[dict], options: dict, add_special_tokens: bool) -> Prompt:
-    """Worker thread: the templated, tokenized conversation."""
+def _chat_prompt(srv: ServerState, messages: list[dict], options: dict, add_special_tokens: bool,
+                 images: list | None) -> Prompt:
+    """Worker thread: the templated, tokenized conversation (each image part a placeholder the template writes)."""
     tok = srv.worker_tokenizer
     try:
         text = tok.apply_chat_template(messages, tokenize=False, **options)
     except Exception as e:  # the template itself refuses (e.g. roles out of order): the client's to fix
         raise bad_request(f"messages do not fit the model's chat template: {e}", "messages") from None
-    return Prompt(srv.encode(text, "messages", add_special_tokens), text)
+    return Prompt(srv.encode(text, "messages", add_special_tokens), text, images)
 
 
 async def create_chat_completion(srv: ServerState, http: Request, body: dict, arrival: float) -> Response:
     req = parse(ChatCompletionRequest, body)
     _validate(srv, req)
-    messages = parse_messages(req.messages, srv.limits.max_messages)
-    srv.check_chars(sum(len(m["content"]) for m in messages), "messages")
+    messages, image_refs = parse_messages(req.messages, srv.limits.max_messages)
+    srv.check_chars(text_chars(messages), "messages")
     if srv.worker_tokenizer is None or not getattr(srv.worker_tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template: use /v1/completions", "messages")
     options = _template_options(srv, req, messages)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, srv.end_of_turn)
-    prompt = await srv.off_loop(_chat_prompt, srv, messages, options, bool(req.add_special_tokens))
+    images = await srv.images(image_refs)
+    prompt = await srv.off_loop(_chat_prompt, srv, messages, options, bool(req.add_special_tokens), images)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     run = Run(srv, http, rid, [prompt], params, arrival)
     await run.start()
@@ -103,7 +107,7 @@ async def create_chat_completion(srv: ServerState, http: Request, body: dict, ar
         "finish_reason": o.finish_reason,
     } for (_, j), o in sorted(outputs.items())]
     return JSONResponse({**head, "object": "chat.completion", "choices": choices,
-                         "usage": usage(len(prompt.ids), run.num_output_tokens)})
+                         "usage": usage(run.prompt_tokens[0], run.num_output_tokens)})
 
 
 async def _stream(srv: ServerState, run: Run, head: dict, n: int, include_usage: bool):
@@ -123,4 +127,4 @@ async def _stream(srv: ServerState, run: Run, head: dict, n: int, include_usage:
         if events:
             yield "".join(events)
     if include_usage:
-        yield sse({**head, "choices": [], "usage": usage(len(run.prompts[0].ids), run.num_output_tokens)})
+        yield sse({**head, "choices": [], "usage": usage(run.prompt_tokens[0], run.num_output_tokens)})

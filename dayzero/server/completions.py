@@ -74,7 +74,7 @@ async def create_completion(srv: ServerState, http: Request, body: dict, arrival
         choices.append({"index": i * params.n + j, "text": (echo[i] if echo else "") + text, "logprobs": lps,
                         "finish_reason": o.finish_reason})
     return JSONResponse({**head, "choices": choices,
-                         "usage": usage(sum(len(p.ids) for p in prompts), run.num_output_tokens)})
+                         "usage": usage(sum(run.prompt_tokens), run.num_output_tokens)})
 
 
 def _prompt_text(srv: ServerState, p: Prompt) -> str:
@@ -104,7 +104,7 @@ async def _stream(srv: ServerState, run: Run, head: dict, n: int, echo: list[str
         if events:
             yield "".join(events)
     if include_usage:
-        yield sse({**head, "choices": [], "usage": usage(sum(len(p.ids) for p in run.prompts), run.num_output_tokens)})
+        yield sse({**head, "choices": [], "usage": usage(sum(run.prompt_tokens), run.num_output_tokens)})
 
 
 async def guarded(run: Run, events):

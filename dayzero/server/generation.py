@@ -25,6 +25,8 @@ from starlette.requests import Request
 from dayzero.engine.request import RequestOutput
 from dayzero.engine.sampling_params import SamplingParams
 from dayzero.engine.tokenizer import chat_end_of_turn_ids
+from dayzero.multimodal import content
+from dayzero.multimodal.content import ImageRef, MediaPolicy
 from dayzero.server.async_engine import AsyncEngine, Ended, PromptRefused
 from dayzero.server.detokenize import Choice, TokenText
 from dayzero.server.errors import APIError, bad_request, param_of
@@ -39,6 +41,7 @@ log = logging.getLogger("dayzero.server")
 class Prompt:
     ids: list[int]
     text: str | None  # None for token-id prompts
+    images: list | None = None  # decoded images, one per placeholder token in ``ids``
 
 
 @dataclass
@@ -51,6 +54,8 @@ class ServerState:
     metrics: ServerMetrics
     worker_tokenizer: object | None = None  # the worker thread's copy, for templating and encoding
     max_model_len: int = 0
+    media: MediaPolicy = field(default_factory=MediaPolicy)
+    takes_images: bool = False  # the model has a vision encoder
     created: int = field(default_factory=lambda: int(time.time()))
     runs: set = field(default_factory=set)
 
@@ -59,6 +64,8 @@ class ServerState:
         if self.worker_tokenizer is None:
             self.worker_tokenizer = self.tokenizer
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="dayzero-tokenize")
+        # reading, fetching and decoding images: apart from the tokenizer's thread, so a slow fetch delays no prompt
+        self.media_worker = ThreadPoolExecutor(MEDIA_THREADS, thread_name_prefix="dayzero-media")
         self.end_of_turn = chat_end_of_turn_ids(self.tokenizer)  # chat generation stops there too
         self.max_prompt_chars = self.limits.max_prompt_chars or self._chars_that_fit()
 
@@ -114,8 +121,43 @@ class ServerState:
         return await self.off_loop(lambda: [Prompt(self.encode(p), p) if isinstance(p, str) else Prompt(p, None)
                                             for p in raw])
 
+    async def images(self, refs: list[ImageRef]) -> list | None:
+        """The request's images, decoded, or the 400 that refuses them: the count and every URL are checked
+        before anything is read, then they are read and decoded off the event loop."""
+        if not refs:
+            return None
+        self.metrics.images_received.inc(len(refs))
+        try:
+            content.check_count(refs, self.media)
+            sources = [content.resolve(r, self.media) for r in refs]
+            loop = asyncio.get_running_loop()
+            images = await asyncio.gather(*(loop.run_in_executor(self.media_worker, _load, s, self.media)
+                                            for s in sources), return_exceptions=True)
+            for image in images:  # the first bad image in message order is the one reported
+                if isinstance(image, BaseException):
+                    raise image
+        except content.MediaError as e:
+            self.metrics.images_rejected.labels(e.reason).inc()
+            raise APIError(_MEDIA_STATUS.get(e.reason, 400), str(e), e.param, "invalid_image") from None
+        if not self.takes_images:
+            self.metrics.images_rejected.labels("no_vision_encoder").inc(len(refs))
+            raise bad_request(f"{refs[0].param}: this model has no vision encoder, so image content is not supported",
+                              refs[0].param, code="image_input_not_supported")
+        return images
+
     def close(self) -> None:
         self.worker.shutdown(wait=False, cancel_futures=True)
+        self.media_worker.shutdown(wait=False, cancel_futures=True)
+
+
+MEDIA_THREADS = 4
+# an image the server could not fetch is no fault of the request's form (RELIABILITY.md: 422)
+_MEDIA_STATUS = {"fetch_failed": 422}
+
+
+def _load(src: content.Source, policy: MediaPolicy):
+    """Media thread: one checked source, read and decoded."""
+    return content.decode(content.read_source(src, policy), src.param, policy.limits)
 
 
 class Run:
@@ -128,6 +170,7 @@ class Run:
         self.reasons: dict[tuple[int, int], str] = {}  # finish reason per (prompt, output)
         self.done: set[int] = set()
         self.first_token_at: float | None = None
+        self.prompt_tokens = [len(p.ids) for p in prompts]  # the engine's own counts once it took the prompts
         self.error: APIError | None = None
         self.client_gone = False
         self.fell_behind = False
@@ -156,8 +199,9 @@ class Run:
                 self.srv.admission.release()
                 raise APIError(499, "the client disconnected while queued", code="client_disconnected")
             self._submitted = True
-            await self.srv.engine.add([(rid, p.ids, p.text) for rid, p in zip(self.engine_ids, self.prompts)],
-                                      self.params, self.deliver, self._gone)
+            self.prompt_tokens = await self.srv.engine.add(
+                [(rid, p.ids, p.text, p.images) for rid, p in zip(self.engine_ids, self.prompts)],
+                self.params, self.deliver, self._gone)
         except PromptRefused as e:
             self._submitted = False  # nothing of it went in
             self.close()
@@ -266,7 +310,7 @@ class Run:
         now = time.monotonic()
         n_out = self.num_output_tokens
         longest = max(self.tokens.values(), default=0)
-        n_prompt = sum(len(p.ids) for p in self.prompts)
+        n_prompt = sum(self.prompt_tokens)
         ttft = None if self.first_token_at is None else self.first_token_at - self.arrival
         if self.fell_behind:
             outcome, why = "aborted", f"abort ({self.error.message})"

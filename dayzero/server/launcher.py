@@ -21,6 +21,8 @@ from dayzero.server import logs
 from dayzero.server.app import build_app
 from dayzero.server.async_engine import AsyncEngine
 from dayzero.server.http import MAX_LINGERING, ConnectionLimits, Connections
+from dayzero.multimodal.content import MediaPolicy
+from dayzero.multimodal.image import ImageLimits
 from dayzero.server.limits import ServerLimits
 
 log = logging.getLogger("dayzero.server")
@@ -34,6 +36,22 @@ H11_MAX_HEAD_BYTES = 16 << 10  # a larger request head is refused with a 400 (h1
 
 def server_limits(args) -> ServerLimits:
     return ServerLimits(**{k: getattr(args, k) for k in LIMIT_ARGS if getattr(args, k, None) is not None})
+
+
+def media_policy(args) -> MediaPolicy:
+    """Images per request, bytes and pixels per image, and where images may come from; a setting the command
+    line does not offer keeps its default."""
+    d, lim = MediaPolicy(), ImageLimits()
+
+    def arg(name, default):
+        value = getattr(args, name, None)
+        return default if value is None else value
+
+    return MediaPolicy(max_images=arg("limit_mm_per_prompt", d.max_images),
+                       limits=ImageLimits(arg("max_image_bytes", lim.max_bytes), arg("max_image_pixels", lim.max_pixels)),
+                       allowed_local_media_path=arg("allowed_local_media_path", None),
+                       allow_remote_media=bool(arg("allow_remote_media", False)),
+                       fetch_timeout=arg("media_fetch_timeout", d.fetch_timeout))
 
 
 def _connection_cap(wanted: int) -> int:
@@ -122,6 +140,7 @@ def serve(args) -> int:
     logs.install()
     try:
         limits = server_limits(args)
+        media = media_policy(args)
         config = EngineConfig(**args.engine_config)  # every engine option of the command (dayzero.tools.cli_options)
         if args.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {args.shutdown_timeout}")
@@ -156,7 +175,8 @@ def serve(args) -> int:
     api_key = args.api_key or os.environ.get("DAYZERO_API_KEY") or None
     if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without an API key: anyone who can reach it can use it", args.host)
-    app = build_app(async_engine, name, limits, api_key, allowed_origins=getattr(args, "allowed_origins", None))
+    app = build_app(async_engine, name, limits, api_key, allowed_origins=getattr(args, "allowed_origins", None),
+                    media=media)
 
     def on_signal():
         loop = app.state.loop

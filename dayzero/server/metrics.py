@@ -96,6 +96,10 @@ class ServerMetrics:
         self.generation_tokens = Counter("dayzero_generation_tokens", "Generated tokens", registry=r)
         self.requests = Counter("dayzero_requests", "Generation requests that ended, by outcome", ["outcome"], registry=r)
         self.errors = Counter("dayzero_request_errors", "Requests refused with an error, by HTTP status", ["status"], registry=r)
+        self.images_received = Counter("dayzero_images_received", "Image parts in chat requests", registry=r)
+        self.images_rejected = Counter("dayzero_images_rejected", "Images refused, by reason (a request is refused at "
+                                       "its first bad image; without a vision encoder, every image counts)",
+                                       ["reason"], registry=r)
         self.ttft = Histogram("dayzero_time_to_first_token_seconds", "Arrival to first generated token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("dayzero_time_per_output_token_seconds", "Mean time per generated token after the first",

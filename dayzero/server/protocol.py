@@ -13,11 +13,12 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from dayzero.engine.sampling_params import SamplingParams
+from dayzero.multimodal import content
+from dayzero.multimodal.content import ImageRef
 from dayzero.server.errors import APIError, bad_request, param_of
 from dayzero.server.limits import OutOfRange
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-_IMAGE_PARTS = ("image_url", "input_image", "image")
 
 
 class _Strict(BaseModel):
@@ -154,8 +155,9 @@ def parse_prompt(prompt) -> list[str | list[int]]:
     raise bad_request(f"prompt must be {shape}", "prompt")
 
 
-def parse_messages(messages, max_messages: int) -> list[dict[str, str]]:
-    """Chat messages as ``[{"role", "content"}]`` with text content, or a 400 naming the bad item."""
+def parse_messages(messages, max_messages: int) -> tuple[list[dict], list[ImageRef]]:
+    """Chat messages as ``[{"role", "content"}]``, content as the chat template takes it (a string, or text and
+    image parts), and the image parts in order; or a 400 naming the bad item."""
     if messages is None:
         raise bad_request("messages is required", "messages")
     if not isinstance(messages, list):
@@ -176,33 +178,11 @@ def parse_messages(messages, max_messages: int) -> list[dict[str, str]]:
             raise bad_request(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", f"{where}.role")
         if "content" not in m or (m["content"] is None and role != "assistant"):
             raise bad_request(f"{where}.content is required", f"{where}.content")
-        out.append({"role": role, "content": _content_text(m["content"], f"{where}.content")})
-    return out
-
-
-def _content_text(content, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad_request(f"{where} must be a string or a list of content parts, got {type(content).__name__}", where)
-    texts = []
-    for j, part in enumerate(content):
-        at = f"{where}[{j}]"
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "text":
-            if not isinstance(part.get("text"), str):
-                raise bad_request(f"{at}.text must be a string", f"{at}.text")
-            texts.append(part["text"])
-        elif kind in _IMAGE_PARTS:
-            raise bad_request(f"{at}: this model has no vision encoder, so image content is not supported", at,
-                              code="image_input_not_supported")
-        elif isinstance(kind, str):
-            raise bad_request(f"{at}: content part type {kind!r} is not supported by this text model; use 'text'", at)
-        else:
-            raise bad_request(f"{at} must be an object with a 'type', e.g. {{'type': 'text', 'text': '...'}}", at)
-    return "\n".join(texts)
+        out.append({"role": role, "content": m["content"]})
+    try:
+        return content.parse_messages(out)
+    except content.MediaError as e:
+        raise bad_request(str(e), e.param) from None
 
 
 # --- response pieces ---------------------------------------------------------------------------------

@@ -30,13 +30,15 @@ def block_kernels() -> None:
 
 
 @torch.no_grad()
-def make_hf_checkpoint(path: Path, model_type: str, seed: int = 0, init=None, **config):
-    """A tiny random ``model_type`` model made by transformers, saved to ``path``; returns the model (fp32).
+def make_hf_checkpoint(path: Path, model_type: str, seed: int = 0, init=None, auto_class: str = "AutoModelForCausalLM",
+                       **config):
+    """A tiny random ``model_type`` model made by transformers (through ``auto_class``, e.g.
+    ``AutoModelForImageTextToText`` for a vision-language model), saved to ``path``; returns the model (fp32).
     ``init(model)``, if given, runs on the fresh model before the noise (e.g. to move gates into a trained range)."""
     block_kernels()
     import pytest
     import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     if model_type not in CONFIG_MAPPING:  # the reference implementation is absent, so there is nothing to compare
@@ -44,7 +46,7 @@ def make_hf_checkpoint(path: Path, model_type: str, seed: int = 0, init=None, **
     torch.manual_seed(seed)
     cfg = AutoConfig.for_model(model_type, **config)
     cfg._attn_implementation = "eager"
-    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32).eval()
+    model = getattr(transformers, auto_class).from_config(cfg, torch_dtype=torch.float32).eval()
     if init is not None:
         init(model)
     g = torch.Generator().manual_seed(seed + 1)
@@ -64,9 +66,10 @@ def prompt_batch(vocab: int, lengths=(5, 23, 12, 40), seed: int = 0) -> list[lis
 
 @torch.no_grad()
 def check_parity(path: Path, hf_model, prompts: list[list[int]], new_tokens: int = 16, rtol: float = 1e-4,
-                 llm_kwargs: dict | None = None) -> None:
+                 llm_kwargs: dict | None = None, hf_cache: bool = True) -> LLM:
     """(a) prompt logits within ``rtol`` relative of transformers' forward; (b) ``new_tokens`` greedy tokens
-    through ``LLM.generate`` (all prompts in one batch) equal transformers' ``generate(do_sample=False)``."""
+    through ``LLM.generate`` (all prompts in one batch) equal transformers' ``generate(do_sample=False)``
+    (a full forward per token without ``hf_cache``). Returns the engine's ``LLM`` for further checks."""
     llm = LLM(str(path), device="cpu", dtype="float32", block_size=4, num_cache_blocks=512, max_num_batched_tokens=64,
               **(llm_kwargs or {}))
     for ids in prompts:
@@ -78,7 +81,7 @@ def check_parity(path: Path, hf_model, prompts: list[list[int]], new_tokens: int
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
     for ids, out in zip(prompts, outs):
-        gen = hf_model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False,
+        gen = hf_model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, use_cache=hf_cache,
                                 output_scores=True, return_dict_in_generate=True)
         ref = gen.sequences[0, len(ids):].tolist()
         n = len(ref)
@@ -89,3 +92,4 @@ def check_parity(path: Path, hf_model, prompts: list[list[int]], new_tokens: int
                 break
         assert n >= new_tokens // 2, f"reference has a near-tie after {n} tokens; pick another seed"
         assert out.outputs[0].token_ids[:n] == ref[:n], f"prompt of {len(ids)} tokens: ours {out.outputs[0].token_ids} vs transformers {ref}"
+    return llm

@@ -1,7 +1,7 @@
 """A tiny config for every registered Hugging Face model type, made from transformers' own defaults for
 that type with the sizes shrunk: each key below is overridden only where the type's config has it, layer
 lists are cut to the first layers that still hold every kind, and equalities the defaults hold (kv heads
-equal to heads) are kept."""
+equal to heads) are kept. A vision-language config's ``text_config`` is shrunk the same way."""
 from __future__ import annotations
 
 import json
@@ -26,6 +26,12 @@ def tiny_hf_config(model_type: str) -> dict:
     from transformers import AutoConfig
 
     d = AutoConfig.for_model(model_type).to_dict()
+    if isinstance(d.get("text_config"), dict):
+        d["text_config"] = _shrink(d["text_config"])
+    return _shrink(d)
+
+
+def _shrink(d: dict) -> dict:
     kv_equal = d.get("num_key_value_heads") == d.get("num_attention_heads")
     for k, v in SMALL.items():
         if d.get(k) is not None:

@@ -1,11 +1,16 @@
-"""What adapters share: reading Hugging Face config spellings, and the name-table fragments most
-families reuse (embeddings and norms, dense MLPs, routed and shared experts in every stored layout)."""
+"""What adapters share: reading Hugging Face config spellings (and the text model of a vision-language config),
+and the name-table fragments most families reuse (embeddings and norms, dense MLPs, routed and shared experts in
+every stored layout, all nested under a vision-language model's prefix)."""
 from __future__ import annotations
+
+import dataclasses
 
 from dayzero.config.spec import MLPSpec, RopeScaling, RopeSpec
 from dayzero.loader.rules import Rule, expert, rows, same
 
 L = r"model\.layers\.(\d+)"  # group 1 of every per-layer rule is the layer index
+# transformers 5 vision-language models hold the text model as ``model.language_model`` (LM head at the top)
+LANGUAGE_MODEL = {r"model\.": r"model\.language_model\."}
 
 
 def get(raw: dict, *names, default=None):
@@ -24,6 +29,16 @@ def dtype_of(raw: dict) -> str:
 def eos_of(raw: dict) -> tuple[int, ...]:
     e = raw.get("eos_token_id")
     return () if e is None else (tuple(e) if isinstance(e, list) else (e,))
+
+
+def text_config(raw: dict) -> dict:
+    """The language model of a vision-language config: ``text_config``, filled in from the outer config where it
+    says nothing (dtype, quantization, token ids), under the outer ``model_type``. The outer
+    ``tie_word_embeddings`` decides, as transformers ties the whole model's head by it."""
+    text = {k: v for k, v in (raw.get("text_config") or {}).items() if v is not None}
+    outer = {k: v for k, v in raw.items() if k not in ("text_config", "vision_config") and v is not None}
+    tie = {"tie_word_embeddings": raw["tie_word_embeddings"]} if "tie_word_embeddings" in raw else {}
+    return {**outer, **text, **tie, "model_type": raw["model_type"]}
 
 
 def rope_params(raw: dict) -> dict:
@@ -52,7 +67,8 @@ def rope_spec(raw: dict, head_dim: int, interleaved: bool = False, dim: int | No
         )
     elif kind != "default":
         raise ValueError(f"rope type {kind!r} is not supported yet; supported: default, yarn")
-    return RopeSpec(dim, p["rope_theta"], scaling, interleaved)
+    mrope = p.get("mrope_section")
+    return RopeSpec(dim, p["rope_theta"], scaling, interleaved, mrope_section=tuple(mrope) if mrope else None)
 
 
 def dense_mlp_spec(raw: dict, size: int | None = None) -> MLPSpec:
@@ -75,6 +91,17 @@ def base_rules() -> list[Rule]:
 def attn_rules(src: str = "self_attn") -> list[Rule]:
     """Attention submodules whose names match ours (q_proj, kv_a_proj_with_mqa, q_norm, sinks, ...)."""
     return [Rule(rf"{L}\.{src}\.(.+)", "model.layers.{0}.self_attn.{1}")]
+
+
+def nested(rules: list[Rule], prefixes: dict[str, str]) -> list[Rule]:
+    r"""``rules`` for a checkpoint that nests the text model in a vision-language model: a pattern that starts with
+    a key of ``prefixes`` (the first that matches, e.g. ``model\.``) starts with its value instead
+    (``model\.language_model\.``)."""
+    out = []
+    for r in rules:
+        old = next((k for k in prefixes if r.pattern.startswith(k)), None)
+        out.append(r if old is None else dataclasses.replace(r, pattern=prefixes[old] + r.pattern[len(old):]))
+    return out
 
 
 def fused_gate_up(prefix: str, dst: str, gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj") -> list[Rule]:

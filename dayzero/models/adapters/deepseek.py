@@ -1,10 +1,16 @@
 """DeepSeek-V3 (MLA + sigmoid/group-limited MoE with shared experts) and its DSA successors
-(DeepSeek-V3.2 and GLM-MoE-DSA: the same blocks plus the lightning indexer)."""
+(DeepSeek-V3.2 and GLM-MoE-DSA: the same blocks plus the lightning indexer).
+
+Kimi-K2.5's text model is DeepSeek-V3 (``text_config`` of type ``kimi_k2`` or ``deepseek_v3``) with plain RoPE
+over text positions. Its checkpoints keep the original layout, ``language_model.model.*`` and
+``language_model.lm_head``; transformers 5 writes the decoder layers as ``blocks`` there (its rename of the
+vision tower's blocks to layers, reversed on save, catches them too)."""
 from __future__ import annotations
 
 from dayzero.config.spec import IndexerSpec, LayerSpec, MLASpec, ModelSpec, MoESpec, softmax_scale
 from dayzero.models.adapters.common import (
-    attn_rules, base_rules, dense_mlp_spec, dtype_of, eos_of, get, moe_layer_rules, rope_spec, weight_format,
+    attn_rules, base_rules, dense_mlp_spec, dtype_of, eos_of, get, moe_layer_rules, nested, rope_spec, text_config,
+    weight_format,
 )
 from dayzero.models.registry import Adapter, register
 
@@ -71,4 +77,24 @@ register(Adapter(
     "deepseek_v3", deepseek_spec, deepseek_rules,
     # multi-token-prediction layers past num_hidden_layers are for speculative decoding, not loaded yet
     notes="MLA + sigmoid group-limited MoE + shared experts",
+))
+
+
+KIMI_K25_TEXT = {r"model\.layers\.": r"language_model\.model\.(?:layers|blocks)\.",
+                 r"model\.": r"language_model\.model\.", r"lm_head\.": r"language_model\.lm_head\."}
+
+
+def kimi_k25_spec(raw: dict) -> ModelSpec:
+    kind = (raw.get("text_config") or {}).get("model_type", "deepseek_v3")
+    if kind not in ("deepseek_v3", "kimi_k2"):
+        raise ValueError(f"kimi_k25 text_config of model_type {kind!r} is not supported; "
+                         "supported: deepseek_v3, kimi_k2")
+    return deepseek_spec(text_config(raw))
+
+
+register(Adapter(
+    "kimi_k25", kimi_k25_spec, lambda spec: nested(deepseek_rules(spec), KIMI_K25_TEXT),
+    # the vision tower and its projector, loaded by the multimodal package
+    ignore=(r"vision_tower\..*", r"(?:model\.)?mm_projector\..*"),
+    notes="DeepSeek-V3 text model of a vision-language checkpoint",
 ))

@@ -5,15 +5,21 @@ Every decoder RMSNorm (layer norms, final norm, attention q/k norms) is zero-cen
 the Gated DeltaNet output norm is not (plain weight, SiLU(z) gate). Full-attention q_proj emits
 ``[q | gate]`` per head; RoPE is NeoX on the first ``partial_rotary_factor`` of each head. Checkpoints
 name the mixer ``linear_attn`` in linear layers and the shared expert ``shared_expert`` (singular).
+
+Qwen3.5-MoE's text model is the same network with every layer MoE and top-k weights always renormalised; its
+Gated DeltaNet stores q, k, v, z, b and a as separate projections already in our head-major order
+(``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``). Its multimodal RoPE (``mrope_section``) is
+plain RoPE for text, whose three position axes are equal.
 """
 from __future__ import annotations
 
 from dayzero.config.spec import GQASpec, LayerSpec, MLPSpec, ModelSpec, MoESpec
 from dayzero.config.spec import GDNSpec
 from dayzero.layers.attention.gdn import ungroup_ba, ungroup_qkvz
-from dayzero.loader.rules import Rule
+from dayzero.loader.rules import Rule, rows
 from dayzero.models.adapters.common import (
-    L, attn_rules, base_rules, dense_mlp_spec, dtype_of, eos_of, get, moe_layer_rules, rope_spec,
+    LANGUAGE_MODEL, L, attn_rules, base_rules, dense_mlp_spec, dtype_of, eos_of, get, moe_layer_rules, nested,
+    rope_spec, text_config,
 )
 from dayzero.models.registry import Adapter, register
 
@@ -60,21 +66,52 @@ def qwen3_next_spec(raw: dict) -> ModelSpec:
     )
 
 
-def qwen3_next_rules(spec: ModelSpec) -> list[Rule]:
-    gdn = next((l.attn for l in spec.layers if isinstance(l.attn, GDNSpec)), None)
-    linear = [] if gdn is None else [
-        Rule(rf"{L}\.linear_attn\.in_proj_qkvz\.weight", "model.layers.{0}.self_attn.in_proj_qkvz.weight",
-             transform=ungroup_qkvz(gdn)),
-        Rule(rf"{L}\.linear_attn\.in_proj_ba\.weight", "model.layers.{0}.self_attn.in_proj_ba.weight",
-             transform=ungroup_ba(gdn)),
-    ]
+def qwen3_5_moe_spec(raw: dict) -> ModelSpec:
+    # every layer MoE, top-k weights renormalised: transformers' config has no setting for either
+    return qwen3_next_spec({**text_config(raw), "norm_topk_prob": True, "mlp_only_layers": [],
+                            "decoder_sparse_step": 1})
+
+
+def _gdn_of(spec: ModelSpec) -> GDNSpec | None:
+    return next((l.attn for l in spec.layers if isinstance(l.attn, GDNSpec)), None)
+
+
+def _rules(linear: list[Rule]) -> list[Rule]:
+    """The name table around the Gated DeltaNet input projections' rules ``linear`` (ahead of the mixer's catch-all)."""
     return base_rules() + linear + attn_rules("linear_attn") + attn_rules() + moe_layer_rules(shared="shared_expert") + [
         Rule(rf"{L}\.mlp\.shared_expert_gate\.weight", "model.layers.{0}.mlp.shared_expert_gate.weight"),
     ]
+
+
+def qwen3_next_rules(spec: ModelSpec) -> list[Rule]:
+    gdn, dst = _gdn_of(spec), "model.layers.{0}.self_attn"
+    return _rules([] if gdn is None else [
+        Rule(rf"{L}\.linear_attn\.in_proj_qkvz\.weight", f"{dst}.in_proj_qkvz.weight", transform=ungroup_qkvz(gdn)),
+        Rule(rf"{L}\.linear_attn\.in_proj_ba\.weight", f"{dst}.in_proj_ba.weight", transform=ungroup_ba(gdn)),
+    ])
+
+
+def qwen3_5_moe_rules(spec: ModelSpec) -> list[Rule]:
+    gdn, dst = _gdn_of(spec), "model.layers.{0}.self_attn"
+    C = gdn.conv_dim if gdn else 0  # our in_proj_qkvz: [q | k | v] (the conv's C channels), then z
+    return nested(_rules([] if gdn is None else [
+        Rule(rf"{L}\.linear_attn\.in_proj_qkv\.weight", f"{dst}.in_proj_qkvz.weight", lambda p, m: p.narrow(0, 0, C)),
+        Rule(rf"{L}\.linear_attn\.in_proj_z\.weight", f"{dst}.in_proj_qkvz.weight",
+             lambda p, m: p.narrow(0, C, p.shape[0] - C)),
+        Rule(rf"{L}\.linear_attn\.in_proj_b\.weight", f"{dst}.in_proj_ba.weight", rows(0, 2)),
+        Rule(rf"{L}\.linear_attn\.in_proj_a\.weight", f"{dst}.in_proj_ba.weight", rows(1, 2)),
+    ]), LANGUAGE_MODEL)
 
 
 register(Adapter(
     "qwen3_next", qwen3_next_spec, qwen3_next_rules,
     ignore=(r"mtp\..*",),  # multi-token-prediction head, for speculative decoding; not loaded yet
     notes="Gated DeltaNet + gated GQA + softmax MoE with a gated shared expert",
+))
+register(Adapter(
+    "qwen3_5_moe", qwen3_5_moe_spec, qwen3_5_moe_rules,
+    # the vision tower (the engine loads it into the tower: dayzero.multimodal.families; tools that build the
+    # text model alone skip it) and the multi-token-prediction head
+    ignore=(r"model\.visual\..*", r"mtp\..*"),
+    notes="Qwen3-Next-style text model (multimodal RoPE) of a vision-language checkpoint",
 ))

@@ -1,10 +1,17 @@
 """Qwen3-MoE and Mixtral: GQA (Qwen3 with per-head q/k RMSNorm) + softmax top-k MoE; GLM-4-MoE:
-GQA with partial RoPE + DeepSeek-style sigmoid routing with shared experts."""
+GQA with partial RoPE + DeepSeek-style sigmoid routing with shared experts.
+
+Qwen3-VL-MoE's text model is Qwen3-MoE with top-k weights always renormalised and multimodal RoPE: its
+``mrope_section`` gives each frequency to a temporal, height or width position, and a text token has all
+three equal to its position, so for text it is plain RoPE. Its fused experts are stored [E, out, in]
+(transformers 5) or [E, in, out] (the released files)."""
 from __future__ import annotations
 
 from dayzero.config.spec import GQASpec, LayerSpec, ModelSpec, MoESpec
+from dayzero.loader.rules import Rule, as_out_in, same
 from dayzero.models.adapters.common import (
-    attn_rules, base_rules, dense_mlp_spec, dtype_of, eos_of, expert_rules, get, moe_layer_rules, rope_spec,
+    LANGUAGE_MODEL, L, attn_rules, base_rules, dense_mlp_spec, dtype_of, eos_of, expert_rules, get, moe_layer_rules,
+    nested, rope_spec, text_config,
 )
 from dayzero.models.registry import Adapter, register
 
@@ -63,10 +70,33 @@ def _gqa_moe_rules(spec: ModelSpec):
     return base_rules() + attn_rules() + moe_layer_rules()
 
 
+def qwen3_vl_moe_spec(raw: dict) -> ModelSpec:
+    # transformers' default theta for this family; its router renormalises whatever norm_topk_prob says
+    return qwen3_moe_spec({"rope_theta": 500000.0, **text_config(raw), "norm_topk_prob": True})
+
+
+def _qwen3_vl_moe_rules(spec: ModelSpec):
+    moe = next((l.mlp for l in spec.layers if isinstance(l.mlp, MoESpec)), None)
+    D, I = spec.hidden_size, moe.intermediate_size if moe else 0
+
+    def stacked(out: int, inp: int):  # a square stack cannot be told apart: read as transformers writes it
+        return same if out == inp else as_out_in(out, inp)
+
+    experts = [
+        Rule(rf"{L}\.mlp\.experts\.gate_up_proj", "model.layers.{0}.mlp.w1", transform=stacked(2 * I, D)),
+        Rule(rf"{L}\.mlp\.experts\.down_proj", "model.layers.{0}.mlp.w2", transform=stacked(D, I)),
+    ]
+    return nested(experts + _gqa_moe_rules(spec), LANGUAGE_MODEL)
+
+
 def _mixtral_rules(spec: ModelSpec):
     return base_rules() + attn_rules() + expert_rules("block_sparse_moe", gate="w1", up="w3", down="w2")
 
 
 register(Adapter("qwen3_moe", qwen3_moe_spec, _gqa_moe_rules, notes="GQA + q/k norm + softmax top-k MoE"))
 register(Adapter("mixtral", mixtral_spec, _mixtral_rules, notes="GQA + softmax top-k MoE"))
+register(Adapter("qwen3_vl_moe", qwen3_vl_moe_spec, _qwen3_vl_moe_rules,
+                 # the vision tower: the engine loads it (dayzero.multimodal.families), text-only tools skip it
+                 ignore=(r"model\.visual\..*",),
+                 notes="Qwen3-MoE text model (multimodal RoPE) of a vision-language checkpoint"))
 register(Adapter("glm4_moe", glm4_moe_spec, _gqa_moe_rules, notes="GQA + partial RoPE + sigmoid MoE + shared experts"))
