@@ -82,14 +82,15 @@ def assemble(model, device: torch.device, dtype: torch.dtype, *, block_size: int
              cuda_graphs: bool = False, cuda_graph_sizes: list[int] | None = None,
              cuda_graph_max_len: int = 8192, prefix_caching: bool = False, snapshot_interval: int = 512,
              num_snapshots: int | None = None, index_cache_dtype: str = "auto", host_cache_bytes: int = 0,
-             agree=None) -> Assembled:
+             extra_scratch_bytes: int = 0, agree=None) -> Assembled:
     """Plan and allocate the cache, build the runner and cache manager, and (``cuda_graphs`` on a CUDA device)
     capture the decode graphs. The model's weights must be loaded and prepared.
 
     ``block_size`` None takes :func:`~dayzero.cache.planner.auto_block_size`. The cache gets ``budget_bytes``,
     or with neither it nor ``num_cache_blocks`` given, ``memory_fraction`` of the free memory less what the
     decode graphs will hold (measured by one eager decode step of the largest captured shape before the cache is
-    allocated) and the prefill scratch (:func:`prefill_scratch_bytes`); the plan records both. With
+    allocated) and the prefill scratch (:func:`prefill_scratch_bytes`, plus ``extra_scratch_bytes``: the vision
+    encoder's); the plan records both. With
     ``prefix_caching``, models that keep per-sequence states get ``num_snapshots`` state snapshots (default one
     per sequence seat) taken every ``snapshot_interval`` tokens, and ``host_cache_bytes`` of pinned host memory
     keep what the device evicts (:func:`attach_host_tier`).
@@ -110,7 +111,7 @@ def assemble(model, device: torch.device, dtype: torch.dtype, *, block_size: int
         sizes = sorted(s for s in (cuda_graph_sizes or default_sizes(max_num_seqs)) if 1 <= s <= max_num_seqs)
         widths = default_widths(max_blocks, block_size, min(max_model_len, cuda_graph_max_len))
         graph_bytes = measure_step_bytes(runner, sizes[-1], widths[-1], block_size)
-    scratch = prefill_scratch_bytes(model, max_num_batched_tokens, max_model_len)
+    scratch = prefill_scratch_bytes(model, max_num_batched_tokens, max_model_len) + extra_scratch_bytes
     if budget_bytes is None and num_cache_blocks is None:
         budget_bytes = int(available_memory(device) * memory_fraction) - graph_bytes - scratch
         if agree is not None:

@@ -29,6 +29,7 @@ from dayzero.loader.safetensors_loader import load_weights
 from dayzero.quant.workspace import COMPUTE, ExpertWorkspace
 from dayzero.models.init import init_random_weights
 from dayzero.models.registry import adapter_for, build_model, default_dtype, read_config
+from dayzero.multimodal.costs import cache_rows, encoder_bytes
 from dayzero.multimodal.families import attach_tower, read_preprocessor_config, vision_family
 from dayzero.ops import registry as ops_registry
 
@@ -165,6 +166,10 @@ class LLMEngine:
         torch.manual_seed(config.seed)
 
         prepare_weights(self.model)
+        processor = None if family is None else family.processor(raw, read_preprocessor_config(path))
+        cache_tokens = cache_rows(config.max_num_batched_tokens)
+        encoder = 0 if family is None else encoder_bytes(self.model.visual, processor, config.max_num_batched_tokens,
+                                                         self.dtype.itemsize)
         built = assemble(
             self.model, self.device, self.dtype, block_size=config.block_size, max_model_len=self.max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -175,6 +180,7 @@ class LLMEngine:
             cuda_graph_max_len=config.cuda_graph_max_len, prefix_caching=config.enable_prefix_caching,
             snapshot_interval=config.prefix_snapshot_interval, num_snapshots=config.num_prefix_snapshots,
             index_cache_dtype=config.index_cache_dtype, host_cache_bytes=int(config.host_cache_gib * 2**30),
+            extra_scratch_bytes=encoder,  # the vision encoder's calls and cache
             # ranks of one job must plan the same cache (their schedulers take the same decisions)
             agree=None if parallel.backend is None else lambda values: world_min(values, parallel.device),
         )
@@ -185,8 +191,7 @@ class LLMEngine:
             self.decode_mode = "eager (pipeline stages are not captured yet)"
         self.scheduler = Scheduler(self.cache, min(config.max_num_seqs, self.cache_plan.num_slots), config.max_num_batched_tokens)
         self.images = None if family is None else ImageRunner(
-            family, self.model.visual, family.processor(raw, read_preprocessor_config(path)), raw, self.device,
-            self.dtype, cache_tokens=max(4 * config.max_num_batched_tokens, 16384))
+            family, self.model.visual, processor, raw, self.device, self.dtype, cache_tokens=cache_tokens)
         self.sampler = Sampler()
         self.requests: dict[str, list[Sequence]] = {}
         self.prompts: dict[str, str | None] = {}

@@ -2,7 +2,8 @@
 step's image inputs to the model (the tower's features of the placeholder rows, multimodal RoPE positions).
 
 In a step, every image whose placeholder tokens some scheduled chunk covers must have its features: those
-the encoder cache lacks are encoded together, one tower call over the packed images (all of a sequence's
+the encoder cache lacks are encoded together, in tower calls over the packed images of at most the largest
+image's patch rows each, so a call's memory is bounded and counted (all of a sequence's
 remaining images are taken when it is first scheduled, so a prompt's images are encoded in one call). A
 sequence holds an image's entry until its tokens are all computed; a preempted sequence keeps holding what
 it still needs, and takes it from the cache when it is prefilled again.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from dayzero.engine.host_copy import to_device
+from dayzero.multimodal.costs import max_image_rows
 from dayzero.multimodal.encoder_cache import EncoderCache
 from dayzero.multimodal.families import VisionFamily
 from dayzero.multimodal.inputs import ImageItem, SeqImages, StepImages, expand_placeholders, image_key
@@ -26,6 +28,7 @@ class ImageRunner:
     def __init__(self, family: VisionFamily, tower: torch.nn.Module, processor, raw: dict, device: torch.device,
                  dtype: torch.dtype, cache_tokens: int):
         self.family, self.tower, self.processor = family, tower, processor
+        self.max_call_rows = max_image_rows(processor)  # a call's activations stay within the memory plan's
         self.image_token_id = family.image_token_id(raw)
         self.merge = family.merge(raw)
         self.device, self.dtype = device, dtype
@@ -87,7 +90,8 @@ class ImageRunner:
         return images, rope
 
     def _encode(self, scheduled) -> None:
-        """One tower call over the images the step's sequences need and the cache lacks."""
+        """Tower calls over the images the step's sequences need and the cache lacks: one call, unless their patch
+        rows exceed what one call may take (the largest image's, :func:`~dayzero.multimodal.costs.max_image_rows`)."""
         todo: dict[bytes, tuple[ImageItem, set[int]]] = {}
         for s in scheduled:
             mm, seq = s.seq.images, s.seq
@@ -96,18 +100,26 @@ class ImageRunner:
             for it in mm.items:
                 if it.end > seq.num_computed and it.key not in self.cache:
                     todo.setdefault(it.key, (it, set()))[1].add(seq.seq_id)
-        if not todo:
-            return
-        items = [it for it, _ in todo.values()]
-        px = torch.cat([it.pixel_values for it in items]).to(self.device, self.dtype)
-        grid = torch.tensor([it.grid for it in items], dtype=torch.int64)
+        calls, rows = [[]], 0  # images packed into calls of at most max_call_rows patch rows (one image at least)
+        for key, (it, holders) in todo.items():
+            n = it.pixel_values.shape[0]
+            if calls[-1] and rows + n > self.max_call_rows:
+                calls, rows = calls + [[]], 0
+            calls[-1].append((key, it, holders))
+            rows += n
+        for call in calls if todo else ():
+            self._encode_call(call)
+
+    def _encode_call(self, call: list[tuple[bytes, ImageItem, set[int]]]) -> None:
+        px = torch.cat([it.pixel_values for _, it, _ in call]).to(self.device, self.dtype)
+        grid = torch.tensor([it.grid for _, it, _ in call], dtype=torch.int64)
         with torch.inference_mode():
             out = self.tower(px, grid)
         self.num_calls += 1
-        sizes = [it.num_tokens for it in items]
+        sizes = [it.num_tokens for _, it, _ in call]
         feats = out.features.split(sizes)
         deep = [d.split(sizes) for d in out.deepstack]
-        for j, (key, (_, holders)) in enumerate(todo.items()):
+        for j, (key, _, holders) in enumerate(call):
             self.cache.put(key, feats[j], [d[j] for d in deep], holders)
 
     def after_step(self, scheduled) -> None:

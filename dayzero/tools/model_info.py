@@ -17,13 +17,15 @@ import torch
 
 from dayzero.config.spec import ModelSpec, MoESpec
 from dayzero.models.registry import Adapter, adapter_for, build_model, read_config
+from dayzero.multimodal.families import vision_family
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "assets" / "default"
 
 # component names, in display order; attention components carry their kind: "attention.kda"
 EMBEDDING, LM_HEAD, NORMS, DENSE_MLP = "embedding", "lm_head", "norms", "dense_mlp"
 ROUTER, ROUTED, SHARED, LATENT, OTHER = "router", "experts_routed", "experts_shared", "moe_latent", "other"
-ORDER = (EMBEDDING, "attention", NORMS, DENSE_MLP, ROUTER, ROUTED, SHARED, LATENT, OTHER, LM_HEAD)
+VISION = "vision_tower"  # the image encoder of a vision-language checkpoint (``visual.*``)
+ORDER = (VISION, EMBEDDING, "attention", NORMS, DENSE_MLP, ROUTER, ROUTED, SHARED, LATENT, OTHER, LM_HEAD)
 _ROUTED_LEAF = re.compile(r"(w1|w2|b1|b2)(_\w+)?$")
 
 # bits per weight of each stored format (MXFP4: 4-bit elements + one 8-bit scale per 32; the fp8 expert
@@ -106,6 +108,7 @@ class ModelInfo:
     model: torch.nn.Module  # on the meta device
     checkpoint: Path | None  # the directory, when it holds safetensors files
     params: list[Param] = field(default_factory=list)
+    tower: torch.nn.Module | None = None  # the vision tower on the meta device, for a vision-language checkpoint
 
     @property
     def name(self) -> str:
@@ -160,6 +163,12 @@ def load(model: str | Path | None = None, dtype: torch.dtype | None = None) -> M
     for name, p in meta.named_parameters():  # tied weights appear once
         layer, comp = component_of(spec, name)
         info.params.append(Param(name, layer, comp, tuple(p.shape), p.dtype))
+    family = vision_family(raw)
+    if family is not None:  # the engine attaches it as ``visual`` in the model's dtype
+        with torch.device("meta"):
+            info.tower = family.build(raw)
+        for name, p in info.tower.named_parameters():
+            info.params.append(Param(f"visual.{name}", None, VISION, tuple(p.shape), dtype or spec.dtype))
     return info
 
 

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, replace
 
 from dayzero.cache.planner import DEFAULT_BLOCK_SIZE
 from dayzero.distributed import pipeline_stages
+from dayzero.multimodal.costs import cache_rows
 from dayzero.ops.indexer.triton_indexer import scratch_bytes as indexer_scratch_bytes
 from dayzero.tools import fmt
 from dayzero.tools.devices import DeviceKind, parse_device_spec, parse_devices
@@ -111,7 +112,7 @@ def stage_memory(costs: ModelCosts, cfg: PlanConfig, lay: Layout, layer_ids: ran
     seqs = math.ceil(cfg.batch / lay.dp)
     bs = cfg.block_size or DEFAULT_BLOCK_SIZE  # plan() resolves it per model; direct callers get the default
     tokens = -(-context // bs) * bs
-    weights = sum(lc.tp_bytes / lay.tp + lc.rep_bytes + lc.expert_bytes / g for lc in ls)
+    weights = sum(lc.tp_bytes / lay.tp + lc.rep_bytes + lc.expert_bytes / g for lc in ls) + costs.vision_bytes
     if first:
         weights += costs.embed_bytes / lay.tp
     if last:
@@ -129,8 +130,10 @@ def stage_memory(costs: ModelCosts, cfg: PlanConfig, lay: Layout, layer_ids: ran
     moe = [lc for lc in ls if lc.is_moe]
     dispatch = max((moe_buffers(lc, lay, chunk * lay.dp, cfg.moe_imbalance, a_b) for lc in moe), default=0.0)
     comm = 2 * chunk * costs.hidden * a_b * ((lay.tp > 1) + (lay.pp > 1))  # all-reduce / stage send buffers
+    # the vision encoder (every rank runs it): one call of the largest image and the feature cache
+    encoder = costs.encoder_call_bytes + cache_rows(chunk) * costs.encoder_row_bytes
     return {"weights": weights, "workspace": workspace, "kv_cache": kv, "state": state, "activations": act,
-            "indexer_scratch": idx, "moe_dispatch": dispatch, "comm_buffers": comm,
+            "indexer_scratch": idx, "moe_dispatch": dispatch, "comm_buffers": comm, "encoder": encoder,
             "runtime": cfg.runtime_gib * 2**30 if cfg.device is not None else 0.0}
 
 
@@ -339,7 +342,8 @@ def plan(model: str | None, cfg: PlanConfig) -> dict:
 def _row(r: dict) -> list:
     m = r["memory"]
     return [r["name"], fmt.size(m["weights"] + m["workspace"]), fmt.size(m["kv_cache"] + m["state"]),
-            fmt.size(m["activations"] + m["indexer_scratch"] + m["moe_dispatch"] + m["comm_buffers"] + m["runtime"]),
+            fmt.size(m["activations"] + m["indexer_scratch"] + m["moe_dispatch"] + m["comm_buffers"] + m["encoder"]
+                     + m["runtime"]),
             fmt.size(r["total"]), "yes" if r["fits"] else "no", fmt.tokens(r.get("max_context", 0)) or "0",
             f"{r.get('decode_tokens_per_s', 0):.1f}", f"{r.get('prefill_tokens_per_s', 0):.0f}",
             r.get("decode_bound", ""), "yes" if r["engine_gap"] is None else "not yet"]

@@ -16,8 +16,10 @@ import torch
 
 from dayzero.cache.spec import PagedSpec, StateSpec
 from dayzero.config.spec import CompressedAttnSpec, GQASpec, KDASpec, MLASpec, MoESpec
+from dayzero.multimodal.costs import cache_bytes, call_bytes, max_image_rows
+from dayzero.multimodal.families import read_preprocessor_config, vision_family
 from dayzero.tools.model_info import (
-    EMBEDDING, LM_HEAD, ROUTED, ROUTER, ModelInfo, Param, cache_specs, format_bytes, paged_bytes_per_token,
+    EMBEDDING, LM_HEAD, ROUTED, ROUTER, VISION, ModelInfo, Param, cache_specs, format_bytes, paged_bytes_per_token,
 )
 
 
@@ -73,6 +75,9 @@ class ModelCosts:
     vocab: int
     max_position: int
     heads: list[int]  # attention head counts (tensor parallel must divide them)
+    vision_bytes: float = 0.0  # the vision tower's weights (every rank holds it whole)
+    encoder_call_bytes: float = 0.0  # one tower call of the largest image (dayzero.multimodal.costs)
+    encoder_row_bytes: float = 0.0  # one feature row the encoder cache keeps
 
 
 def _heads(attn) -> int | None:
@@ -106,11 +111,13 @@ def model_costs(info: ModelInfo, experts: str | None = None, workspace: str | No
     ``workspace``: the format MXFP4 experts are converted into before they run ("bf16", "fp8"), or None."""
     spec = info.spec
     layers = [LayerCost(l.index, l.attn_kind or "none", attn=l.attn) for l in spec.layers]
-    embed = head = head_params = other = 0.0
+    embed = head = head_params = other = vision = 0.0
     for p in info.params:
         b = _bytes(p, experts)
         if p.layer is None:
-            if p.component == EMBEDDING:
+            if p.component == VISION:
+                vision += b
+            elif p.component == EMBEDDING:
                 embed += b
                 if spec.tie_word_embeddings:
                     head, head_params = head + b, head_params + p.logical
@@ -161,9 +168,21 @@ def model_costs(info: ModelInfo, experts: str | None = None, workspace: str | No
             for name, (shape, dt) in s.tensors.items():
                 lc.state.append((math.prod(shape) * dt.itemsize, shape[0] if len(shape) >= 2 else 1))
     heads = sorted({h for l in spec.layers if (h := _heads(l.attn)) is not None})
-    return ModelCosts(layers, embed, head, head_params, other, spec.tie_word_embeddings, spec.hidden_size,
-                      spec.vocab_size,
-                      spec.max_position_embeddings, heads)
+    costs = ModelCosts(layers, embed, head, head_params, other, spec.tie_word_embeddings, spec.hidden_size,
+                       spec.vocab_size, spec.max_position_embeddings, heads, vision_bytes=vision)
+    return _with_encoder(info, costs, (cache_dtype or spec.dtype).itemsize)
+
+
+def _with_encoder(info: ModelInfo, costs: ModelCosts, act_bytes: int) -> ModelCosts:
+    """The encoder's transient terms of a vision-language checkpoint (its processor config read if present)."""
+    if info.tower is None:
+        return costs
+    family = vision_family(info.raw)
+    folder = info.source if info.source.is_dir() else info.config_file.parent
+    processor = family.processor(info.raw, read_preprocessor_config(folder))
+    costs.encoder_call_bytes = call_bytes(info.tower, max_image_rows(processor), act_bytes)
+    costs.encoder_row_bytes = cache_bytes(info.tower, 1, act_bytes)
+    return costs
 
 
 def _read(lc: LayerCost, row: str) -> str:

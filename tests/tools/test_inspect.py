@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from dayzero.cli import main as cli
 from dayzero.models.registry import ARCHITECTURES, _load_adapters, build_model
+from dayzero.multimodal.families import vision_family
 from dayzero.tools.inspect import compress, inspect
 from tests.conftest import CONFIGS
 from tests.tools.released_configs import RELEASED
@@ -62,7 +63,10 @@ def test_counts_equal_the_instantiated_model(model_type, write_config):
     r = inspect(str(write_config(cfg)))
     adapter = ARCHITECTURES[model_type]
     model = build_model(adapter.to_spec(cfg), torch.float32, "cpu")
-    assert r["params_total"] == sum(p.numel() for p in model.parameters())
+    family = vision_family(cfg)  # a vision-language config: its tower counts too (built on the meta device)
+    with torch.device("meta"):
+        tower = sum(p.numel() for p in family.build(cfg).parameters()) if family is not None else 0
+    assert r["params_total"] == sum(p.numel() for p in model.parameters()) + tower
     assert sum(c["total"] for c in r["params_by_component"].values()) == r["params_total"]
     assert r["num_layers"] == len(r["layer_kinds"]) == len(model.model.layers)
     moe = [l.mlp for l in model.config.layers if l.mlp_kind == "moe"]
