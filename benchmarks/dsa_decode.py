@@ -80,6 +80,8 @@ def bench_decode(s: dict, B: int, context: int, args, bw: float, g: torch.Genera
         "scores": ms_per_call(lambda: triton_indexer.decode_scores(q, w, k_pool, batch.block_tables, batch.positions, bs,
                                                             scores), r, dev),
         "topk": ms_per_call(lambda: triton_indexer.topk_of_scores(scores, batch.positions, topk, sel), r, dev),
+        # the same selection as one torch.topk over each whole row (what long rows took before the two stages)
+        "topk_one_stage": ms_per_call(lambda: torch.topk(scores, min(topk, scores.shape[1]), dim=-1), r, dev),
         "indexer": ms_per_call(lambda: idx.paged_indexer_topk_decode(q, w, k_pool, batch, topk, sel), r, dev),
         "sparse_mla": ms_per_call(lambda: mla(sel), r, dev),
         "dense_mla": ms_per_call(lambda: mla(None), r, dev),
@@ -205,17 +207,19 @@ def main(argv=None) -> dict:
     bw = copy_bandwidth(args.device)
     print(f"{args.config}{' (small)' if args.small else ''}: H {s['H']}, R {s['R']}, P {s['P']}, Hi {s['Hi']}, "
           f"Di {s['Di']}, top-{s['topk']}, block {args.block_size}, bf16; copy bandwidth {bw / 1e9:.0f} GB/s")
-    head = (f"{'ctx':>7} {'B':>3} | {'scores':>7} {'topk':>7} {'indexer':>8} {'sparse':>7} {'step':>7} {'idx %':>6} "
+    head = (f"{'ctx':>7} {'B':>3} | {'scores':>7} {'topk':>7} {'1-stage':>7} {'indexer':>8} {'sparse':>7} {'step':>7} {'idx %':>6} "
             f"{'roof':>7} {'of roof':>7} | {'dense':>7} {'roof':>7} {'of roof':>7} | {'torch step':>10} "
             f"{'torch dense':>11} {'speedup':>7}")
-    print("decode step, ms (indexer = scores + top-k; step = indexer + sparse MLA; roof = bytes / copy bandwidth)")
+    print("decode step, ms (indexer = scores + top-k; 1-stage: one torch.topk per row instead of the two stages "
+          "long rows take; step = indexer + sparse MLA; roof = bytes / copy bandwidth)")
     print(head)
     rows = []
     for context in args.contexts:
         for B in args.batch:
             r = bench_decode(s, B, context, args, bw, g)
             t, roof = r["ms"], r["roofline_ms"]
-            print(f"{context:>7} {B:>3} | {t['scores']:>7.3f} {t['topk']:>7.3f} {t['indexer']:>8.3f} "
+            print(f"{context:>7} {B:>3} | {t['scores']:>7.3f} {t['topk']:>7.3f} {t['topk_one_stage']:>7.3f} "
+                  f"{t['indexer']:>8.3f} "
                   f"{t['sparse_mla']:>7.3f} {t['step']:>7.3f} {t['indexer'] / t['step']:>6.0%} "
                   f"{r['step_roofline_ms']:>7.3f} {r['step_roofline_ms'] / t['step']:>7.0%} | {t['dense_mla']:>7.3f} "
                   f"{roof['dense_mla']:>7.3f} {roof['dense_mla'] / t['dense_mla']:>7.0%} | {t['torch_step']:>10.3f} "

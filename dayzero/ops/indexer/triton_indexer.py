@@ -32,6 +32,11 @@ MAX_HEADS, MAX_DIM = 128, 256
 # Bytes the varlen form may hold at once for one chunk of rows: fp32 scores [rows, keys] + top-k's outputs.
 SCRATCH_BUDGET = 256 << 20
 _TOPK_BYTES = 4 + 8  # top-k's fp32 values and int64 indices, per selected key
+# A long row's top-k goes in two stages: the top k of each segment of TOPK_SEGMENT keys (or 4k, if larger), all
+# segments of all rows at once, then the top k of those candidates. One torch.topk over a row of 1M scores
+# selects within one slice, which the GPU runs with little parallelism; rows of at least TOPK_MIN_SEGMENTS
+# segments take the two stages.
+TOPK_SEGMENT, TOPK_MIN_SEGMENTS = 16384, 4
 
 if HAS_TRITON:
     @triton.jit
@@ -150,11 +155,43 @@ def decode_scores(q: torch.Tensor, weights: torch.Tensor, k_pool: torch.Tensor, 
     return scores
 
 
+def topk_segments(key_width: int, kk: int) -> tuple[int, int]:
+    """(segments, keys per segment) of the first stage of a row's top-``kk``; (1, key_width): one stage."""
+    seg = max(TOPK_SEGMENT, 4 * kk)
+    n = key_width // seg
+    return (n, seg) if n >= TOPK_MIN_SEGMENTS else (1, key_width)
+
+
+def topk_indices(scores: torch.Tensor, kk: int) -> torch.Tensor:
+    """[T, kk] indices of each row's ``kk`` largest ``scores`` [T, W], sorted by score (largest first). A long
+    row: the top ``kk`` of each segment (a strided view, no copy) and of the tail, then of those candidates."""
+    T, W = scores.shape
+    n, seg = topk_segments(W, kk)
+    if n == 1:
+        return torch.topk(scores, kk, dim=-1, sorted=True).indices
+    body = scores.as_strided((T, n, seg), (scores.stride(0), seg, 1))  # [T, n, seg]: the first n*seg keys
+    vals, idx = torch.topk(body, kk, dim=-1, sorted=False)  # [T, n, kk]
+    idx = idx + torch.arange(0, n * seg, seg, device=scores.device)[:, None]
+    vals, idx = vals.flatten(1), idx.flatten(1)
+    if W > n * seg:  # the tail past the last whole segment
+        tv, ti = torch.topk(scores[:, n * seg:], min(kk, W - n * seg), dim=-1, sorted=False)
+        vals, idx = torch.cat((vals, tv), dim=1), torch.cat((idx, ti + n * seg), dim=1)
+    best = torch.topk(vals, kk, dim=-1, sorted=True).indices
+    return idx.gather(1, best)
+
+
+def topk_bytes(key_width: int, topk: int) -> int:
+    """Scratch of one row's top-k beyond its scores: the outputs, and the first stage's candidates if any."""
+    kk = min(topk, key_width)
+    n, _ = topk_segments(key_width, kk)
+    return kk * _TOPK_BYTES * (1 if n == 1 else n + 2)
+
+
 def topk_of_scores(scores: torch.Tensor, positions: torch.Tensor, topk: int, out: torch.Tensor) -> torch.Tensor:
     """``out`` [T, topk] (returned): each row's top min(topk, position+1) keys of its masked ``scores``, in any
     order, -1 padded. Sorted top-k puts the finite (causal) scores first, so slot j is a key iff j <= position."""
     kk = min(topk, scores.shape[1])
-    _, idx = torch.topk(scores, kk, dim=-1, sorted=True)
+    idx = topk_indices(scores, kk)
     n_valid = (positions + 1)[:, None]
     out[:, :kk] = torch.where(torch.arange(kk, device=scores.device) < n_valid, idx, -1)
     out[:, kk:] = -1
@@ -163,7 +200,7 @@ def topk_of_scores(scores: torch.Tensor, positions: torch.Tensor, topk: int, out
 
 def chunk_rows(key_width: int, topk: int, budget: int = SCRATCH_BUDGET) -> int:
     """Query rows the varlen form scores at once so that its scratch stays under ``budget`` (at least 1)."""
-    per_row = key_width * 4 + min(topk, key_width) * _TOPK_BYTES
+    per_row = key_width * 4 + topk_bytes(key_width, topk)
     return max(1, budget // max(1, per_row))
 
 
@@ -171,7 +208,7 @@ def scratch_bytes(num_rows: int, key_width: int, topk: int, budget: int = SCRATC
     """Bytes of scratch the varlen form holds at once for ``num_rows`` query rows over ``key_width`` keys
     (one chunk's fp32 scores and top-k outputs): at most ``budget``, unless one row alone is larger."""
     rows = min(num_rows, chunk_rows(key_width, topk, budget))
-    return rows * (key_width * 4 + min(topk, key_width) * _TOPK_BYTES)
+    return rows * (key_width * 4 + topk_bytes(key_width, topk))
 
 
 def varlen_scores(q: torch.Tensor, weights: torch.Tensor, k_pool: torch.Tensor, block_tables: torch.Tensor,
