@@ -30,7 +30,7 @@ from dayzero.quant.workspace import COMPUTE, ExpertWorkspace
 from dayzero.models.init import init_random_weights
 from dayzero.models.registry import adapter_for, build_model, default_dtype, read_config
 from dayzero.multimodal.costs import cache_rows, encoder_bytes
-from dayzero.multimodal.families import attach_tower, read_preprocessor_config, vision_family
+from dayzero.multimodal.families import attach_tower, read_preprocessor_config, tower_problem, vision_family
 from dayzero.ops import registry as ops_registry
 
 log = logging.getLogger("dayzero")
@@ -151,6 +151,7 @@ class LLMEngine:
         self.model = build_model(self.model_config, self.dtype, self.device, parallel)
         rules, ignore = adapter.rules(self.model_config), adapter.ignore
         self.vision_family = family = vision_family(raw)
+        self.tower_problem = tower_problem(raw)  # a tower in the config that cannot take images: why
         if family is not None:  # the vision tower loads with the text model, from the same files
             with torch.device(self.device), default_dtype(self.dtype):
                 attach_tower(self.model, family, raw)
@@ -247,8 +248,8 @@ class LLMEngine:
         """(prompt ids with the image placeholders widened, the request's images or None)."""
         if self.images is None:
             if images:
-                raise ValueError(f"model {self.model_config.model_type!r} does not take images (its checkpoint has no "
-                                 "vision tower)")
+                why = self.tower_problem or "its checkpoint has no vision tower"
+                raise ValueError(f"model {self.model_config.model_type!r} does not take images ({why})")
             return ids, None
         bad = [t for t in ids if not isinstance(t, int)]
         if bad:

@@ -117,6 +117,21 @@ def as_out_in(out: int, inp: int) -> Transform:
     return transform
 
 
+def pairs_to_halves(heads: int, parts: int = 1, rotated: int | None = None) -> Transform:
+    """Stacked projections [parts*H*Dh, ..] (a weight or a bias) whose first ``rotated`` parts (all unless said)
+    rotate complex pairs -> rotate-half order: within each head, rows 2i and 2i+1 become rows i and Dh/2 + i.
+    E.g. a fused [q; k; v] with rotary q and k is ``parts=3, rotated=2``."""
+
+    def transform(t: torch.Tensor) -> torch.Tensor:
+        blocks = list(t.chunk(parts))  # each [H*Dh, ..]
+        for j in range(parts if rotated is None else rotated):
+            b = blocks[j]
+            blocks[j] = b.reshape(heads, -1, 2, *b.shape[1:]).transpose(1, 2).reshape(b.shape)
+        return torch.cat(blocks)
+
+    return transform
+
+
 def chain(*transforms: Transform) -> Transform:
     """Apply ``transforms`` left to right."""
 

@@ -1,18 +1,24 @@
-"""The Kimi-K2.5 vision tower (MoonViT) and its projector, under transformers' names ``model.vision_tower.``
-and ``model.mm_projector.``.
+"""The Kimi-K2.5 vision tower (MoonViT) and its projector, under transformers' names ``vision_tower.`` and
+``mm_projector.`` (after its ``model.`` prefix), but for one fused ``attn.qkv`` per block.
 
 - ``patch_embed.proj``: Conv2d(3 -> D, P/P, with bias) on each ``[3, P, P]`` patch.
 - ``patch_embed.pos_emb.position_embeddings``: a learned ``[64, 64, D]`` grid, bicubically resampled
   (align_corners=False) to each image's (h, w); clips of t > 1 frames also add a fixed sin/cos embedding
   of the frame index (none for images).
 - 2-D rotary, rotate-half over the whole head with angles ``[w*f0, h*f0, w*f1, h*f1, ... | same]``,
-  ``f_i = theta^(-4i/head_dim)``. The release stores ``wqkv`` for complex-pair (interleaved) rotation;
-  transformers splits it into q/k/v and permutes the q/k rows of each head from pairs to halves, and the
-  weights here are in that permuted layout.
-- ``layers``: pre-LN (eps 1e-5) blocks, separate ``q_proj/k_proj/v_proj`` with bias, ``proj``, GELU-tanh
-  ``fc1/fc2`` MLP; attention spans a whole image (or clip); then ``final_layernorm``.
+  ``f_i = theta^(-4i/head_dim)``. The checkpoints store ``wqkv`` for complex-pair (interleaved) rotation;
+  ``attn.qkv`` holds the same [q; k; v] rows with the q/k rows of each head permuted from pairs to halves
+  (what transformers' separate ``q_proj/k_proj/v_proj`` hold), done by the load rule's transform.
+- ``layers``: pre-LN (eps 1e-5) blocks, ``qkv`` and ``proj`` with bias, GELU-tanh ``fc1/fc2`` MLP;
+  attention spans a whole image (or clip); then ``final_layernorm``.
 - Patch merge: each 2x2 window of the raster grid (averaged over the frames of a clip) -> [M, 4, D].
 - ``mm_projector``: LayerNorm on each of the 4 patches, concatenated, ``in_proj``, GELU, ``out_proj`` -> D_text.
+
+Checkpoint names (:func:`checkpoint_rules`) are the release's MoonViT ones, which transformers' ``save_pretrained``
+writes too: ``encoder.blocks`` for ``layers``, ``norm0/1`` for ``norm1/2``, ``mlp.fc0/1`` for ``mlp.fc1/2``, ``wo``
+for ``attn.proj``, ``pos_emb.weight``, ``mm_projector.proj.0/2`` for ``in_proj/out_proj``. Only two names differ
+between them: transformers writes ``vision_tower.encoder.patch_embed.proj`` and ``model.mm_projector.pre_norm``
+where the release has ``vision_tower.patch_embed.proj`` and ``mm_projector.pre_norm``.
 """
 from __future__ import annotations
 
@@ -22,8 +28,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dayzero.loader.rules import Rule, pairs_to_halves
 from dayzero.multimodal.vision_layers import (VisionOutput, activation, axial_inv_freq, check_grids, cu_seqlens,
                                               rope_theta, segment_attention)
+
+
+# the release's ``vision_config`` keys -> transformers' (which win where both are present)
+RELEASE_KEYS = {"vt_hidden_size": "hidden_size", "vt_num_hidden_layers": "num_hidden_layers",
+                "vt_num_attention_heads": "num_attention_heads", "vt_intermediate_size": "intermediate_size",
+                "init_pos_emb_height": "pos_emb_height", "init_pos_emb_width": "pos_emb_width",
+                "init_pos_emb_time": "pos_emb_time"}
 
 
 @dataclass(frozen=True)
@@ -44,22 +58,25 @@ class KimiK25VisionConfig:
 
     @classmethod
     def from_hf(cls, config: dict) -> "KimiK25VisionConfig":
-        """From a ``kimi_k25`` checkpoint's ``config.json`` (``vision_config`` and ``text_config.hidden_size``)."""
-        vc = config.get("vision_config", {})
+        """From a ``kimi_k25`` checkpoint's ``config.json`` (``vision_config`` and ``text_config.hidden_size``), in
+        transformers' keys or the release's (``vt_hidden_size``, ``init_pos_emb_height``, ``projector_ln_eps``...)."""
+        vc = config.get("vision_config") or {}
+        vc = {**{name: vc[key] for key, name in RELEASE_KEYS.items() if key in vc}, **vc}
         d = cls()
         fields = {k: type(getattr(d, k))(vc[k]) for k in ("patch_size", "pos_emb_height", "pos_emb_width",
                                                           "pos_emb_time", "num_attention_heads",
                                                           "num_hidden_layers", "hidden_size", "intermediate_size",
                                                           "hidden_act") if k in vc}
-        proj = config.get("projection_hidden_size") or fields.get("hidden_size", d.hidden_size)
-        if proj != fields.get("hidden_size", d.hidden_size):
-            raise ValueError(f"projection_hidden_size={proj} differs from the vision hidden_size: the projector "
-                             f"normalises each vision patch")
-        text = config.get("text_config") or {}
+        width = fields.get("hidden_size", d.hidden_size)
+        proj = config.get("projection_hidden_size") or width
+        if proj != width:
+            raise ValueError(f"projection_hidden_size={proj} differs from the vision hidden_size={width}: the "
+                             f"projector normalises each vision patch")
+        text = int((config.get("text_config") or {}).get("hidden_size", vc.get("text_hidden_size", d.text_hidden_size)))
         return cls(**fields, merge_kernel_size=tuple(int(k) for k in vc.get("merge_kernel_size", d.merge_kernel_size)),
-                   rope_theta=rope_theta(vc), text_hidden_size=int(text.get("hidden_size", d.text_hidden_size)),
+                   rope_theta=rope_theta(vc), text_hidden_size=text,
                    projection_layer_norm_eps=float(config.get("projection_layer_norm_eps",
-                                                              d.projection_layer_norm_eps)))
+                                                              vc.get("projector_ln_eps", d.projection_layer_norm_eps))))
 
 
 class PositionEmbedding(nn.Module):
@@ -107,14 +124,12 @@ class VisionAttention(nn.Module):
     def __init__(self, dim: int, heads: int):
         super().__init__()
         self.heads = heads
-        self.q_proj = nn.Linear(dim, dim, bias=True)
-        self.k_proj = nn.Linear(dim, dim, bias=True)
-        self.v_proj = nn.Linear(dim, dim, bias=True)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=True)  # [q; k; v] rows, q and k in rotate-half order per head
         self.proj = nn.Linear(dim, dim, bias=True)
 
     def forward(self, x, cos, sin, cu):
-        # x: [N, D]; q, k, v: [N, H, Dh]
-        q, k, v = (p(x).view(x.shape[0], self.heads, -1) for p in (self.q_proj, self.k_proj, self.v_proj))
+        # x: [N, D] -> [N, 3, H, Dh]; q, k, v: [N, H, Dh]
+        q, k, v = self.qkv(x).view(x.shape[0], 3, self.heads, -1).unbind(1)
         return self.proj(segment_attention(q, k, v, cos, sin, cu))
 
 
@@ -212,3 +227,29 @@ class KimiK25Vision(nn.Module):
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> VisionOutput:
         # -> features [M, D_text], M = sum over images of (h/kh)*(w/kw); no deep stack
         return VisionOutput(self.mm_projector(self.vision_tower(pixel_values, grid_thw)), [])
+
+
+# checkpoint name -> parameter of KimiK25Vision; ``(?:encoder\.)?`` and ``(?:model\.)?``: transformers' save
+_NAMES = (
+    (r"vision_tower\.(?:encoder\.)?patch_embed\.proj\.(weight|bias)", "vision_tower.patch_embed.proj.{0}"),
+    (r"vision_tower\.patch_embed\.pos_emb\.weight", "vision_tower.patch_embed.pos_emb.position_embeddings"),
+    (r"vision_tower\.encoder\.blocks\.(\d+)\.norm0\.(weight|bias)", "vision_tower.layers.{0}.norm1.{1}"),
+    (r"vision_tower\.encoder\.blocks\.(\d+)\.norm1\.(weight|bias)", "vision_tower.layers.{0}.norm2.{1}"),
+    (r"vision_tower\.encoder\.blocks\.(\d+)\.wo\.(weight|bias)", "vision_tower.layers.{0}.attn.proj.{1}"),
+    (r"vision_tower\.encoder\.blocks\.(\d+)\.mlp\.fc0\.(weight|bias)", "vision_tower.layers.{0}.mlp.fc1.{1}"),
+    (r"vision_tower\.encoder\.blocks\.(\d+)\.mlp\.fc1\.(weight|bias)", "vision_tower.layers.{0}.mlp.fc2.{1}"),
+    (r"vision_tower\.encoder\.final_layernorm\.(weight|bias)", "vision_tower.final_layernorm.{0}"),
+    (r"(?:model\.)?mm_projector\.pre_norm\.(weight|bias)", "mm_projector.pre_norm.{0}"),
+    (r"(?:model\.)?mm_projector\.proj\.0\.(weight|bias)", "mm_projector.in_proj.{0}"),
+    (r"(?:model\.)?mm_projector\.proj\.2\.(weight|bias)", "mm_projector.out_proj.{0}"),
+)
+
+
+def checkpoint_rules(cfg: KimiK25VisionConfig, prefix: str = "") -> list[Rule]:
+    """Load rules from the checkpoint's names onto a :class:`KimiK25Vision` held under ``prefix``: one tensor per
+    parameter, the fused ``wqkv`` [3D, D] (and its bias) kept fused, its q and k rows reordered from pairs to
+    halves per head."""
+    halves = pairs_to_halves(cfg.num_attention_heads, parts=3, rotated=2)
+    qkv = Rule(r"vision_tower\.encoder\.blocks\.(\d+)\.wqkv\.(weight|bias)",
+               prefix + "vision_tower.layers.{0}.attn.qkv.{1}", transform=halves)
+    return [qkv] + [Rule(pattern, prefix + target) for pattern, target in _NAMES]

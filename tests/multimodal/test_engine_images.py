@@ -1,22 +1,26 @@
-"""Images through the engine against transformers' own vision-language models (qwen3_5_moe, qwen3_vl_moe),
-tiny random checkpoints in fp32 on the CPU.
+"""Images through the engine against transformers' own vision-language models (qwen3_5_moe, qwen3_vl_moe,
+kimi_k25), tiny random checkpoints in fp32 on the CPU.
 
 One batch holds a prompt with one image, one with two images of different sizes and one with none: prompt
 logits within 1e-4 relative of transformers' no-cache forward with the same pixel rows, and 16 greedy tokens
 equal to transformers' (a full forward per token). Prefill chunks that cut through an image, the same image in
 two requests (encoded once), preemption by recompute, the prefix cache with equal placeholder ids but
-different images, and every refusal are checked too.
+different images, and every refusal are checked too. A Kimi-K2.5 checkpoint in the release's layout loads to
+the same outputs as transformers' save of it.
 """
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from dayzero import LLM, SamplingParams
 from tests.multimodal.vl_checkpoints import (engine_logits, hf_greedy, hf_logits, image_prompt, make_checkpoint,
                                              noise_image, text_ids)
 
-FAMILIES = ("qwen3_5_moe", "qwen3_vl_moe")
+FAMILIES = ("qwen3_5_moe", "qwen3_vl_moe", "kimi_k25")
 RTOL = 1e-4
 NEW_TOKENS = 16
 IMAGES = {"wide": noise_image(128, 64, seed=1), "tall": noise_image(64, 96, seed=2), "square": noise_image(96, 96, seed=3)}
@@ -156,8 +160,83 @@ def test_refusals(family, reference):
     assert not llm.engine.has_unfinished()
 
 
+def kimi_release_tensors(hf) -> dict:
+    """The Kimi-K2.5 release's layout of transformers' model ``hf``, from its in-memory parameters: MoonViT names
+    (``encoder.blocks``, ``norm0/1``, ``wo``, ``mlp.fc0/1``, ``pos_emb.weight``, ``mm_projector.proj.0/2``), q/k/v
+    fused as ``wqkv`` with each head's q/k rows back in complex-pair (interleaved) order, and the decoder layers
+    under ``language_model.model.layers``."""
+    heads = hf.config.vision_config.num_attention_heads
+    names = {"norm1": "norm0", "norm2": "norm1", "mlp.fc1": "mlp.fc0", "mlp.fc2": "mlp.fc1", "attn.proj": "wo"}
+
+    def pairs(t):  # rotate-half rows of each head -> interleaved pairs: row i -> 2i, Dh/2 + i -> 2i + 1
+        return t.reshape(heads, 2, -1, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+    out = {}
+    for name, t in hf.state_dict().items():
+        t = t.contiguous()
+        if name.startswith("model.language_model."):
+            out[name.replace("model.language_model.", "language_model.model.")] = t
+        elif name == "lm_head.weight":
+            out["language_model.lm_head.weight"] = t
+        elif name.startswith("model.mm_projector."):
+            leaf = name.removeprefix("model.mm_projector.")
+            out["mm_projector." + leaf.replace("in_proj", "proj.0").replace("out_proj", "proj.2")] = t
+        elif name.startswith("model.vision_tower.layers."):
+            i, leaf = name.removeprefix("model.vision_tower.layers.").split(".", 1)
+            block = f"vision_tower.encoder.blocks.{i}."
+            if leaf.startswith("attn.q_proj."):
+                q, k, v = (hf.state_dict()[name.replace("q_proj", p)] for p in ("q_proj", "k_proj", "v_proj"))
+                out[block + "wqkv." + leaf.rsplit(".", 1)[1]] = torch.cat([pairs(q), pairs(k), v])
+            elif not leaf.startswith(("attn.k_proj.", "attn.v_proj.")):
+                module, param = leaf.rsplit(".", 1)
+                out[block + names.get(module, module) + "." + param] = t
+        elif name == "model.vision_tower.patch_embed.pos_emb.position_embeddings":
+            out["vision_tower.patch_embed.pos_emb.weight"] = t
+        elif name.startswith("model.vision_tower.final_layernorm."):
+            out[name.replace("model.vision_tower.", "vision_tower.encoder.")] = t
+        else:  # patch_embed.proj
+            out[name.removeprefix("model.")] = t
+    return out
+
+
+def test_kimi_release_layout(tmp_path):
+    """The release's names and interleaved ``wqkv`` load to the outputs of transformers' save; transformers writes
+    the same fused tensors, under two names of its own."""
+    hf = make_checkpoint(tmp_path / "hf", "kimi_k25")
+    released = kimi_release_tensors(hf)
+    saved = load_file(tmp_path / "hf" / "model.safetensors")
+    vision = {n for n in released if not n.startswith("language_model.")}
+    assert vision - saved.keys() == {"vision_tower.patch_embed.proj.weight", "vision_tower.patch_embed.proj.bias",
+                                     "mm_projector.pre_norm.weight", "mm_projector.pre_norm.bias"}
+    assert all(torch.equal(released[n], saved[n]) for n in vision & saved.keys())  # wqkv included
+    (tmp_path / "released").mkdir()
+    for f in ("config.json", "preprocessor_config.json"):
+        shutil.copy(tmp_path / "hf" / f, tmp_path / "released")
+    save_file(released, tmp_path / "released" / "model.safetensors")
+    batch, llm = prompts(), llm_of(tmp_path / "released")
+    ours = engine_logits(llm.engine, batch, 64)
+    theirs = engine_logits(llm_of(tmp_path / "hf").engine, batch, 64)
+    for (ids, images), a, b in zip(batch, ours, theirs):
+        assert torch.equal(a, b)
+        wide, _ = llm.engine._with_images(list(ids), images)
+        inputs = llm.engine.images.processor(images) if images else None
+        assert rel(a, hf_logits(hf, wide, inputs)) <= RTOL
+
+
 def test_text_only_model_refuses_images():
     llm = LLM(device="cpu", dtype="float32")  # the bundled text-only model
     with pytest.raises(ValueError, match="does not take images"):
         llm.engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=2), images=[IMAGES["wide"]])
     assert llm.engine.stats()["encoder_runs"] == 0
+
+
+def test_a_tower_that_cannot_take_images_says_why(tmp_path):
+    """transformers' default projection width beside a narrower Kimi tower: the text model loads alone, and an
+    image is refused with that reason, not as a model without a tower."""
+    from tests.hf.test_vl_text_families import _checkpoint
+
+    _checkpoint(tmp_path, "kimi_k25")  # projection_hidden_size left at transformers' 1152, the tower 32 wide
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", max_model_len=64)
+    assert llm.engine.images is None
+    with pytest.raises(ValueError, match="does not take images .*projection_hidden_size"):
+        llm.engine.add_request("a", [5, 6, 299], SamplingParams(max_tokens=2), images=[IMAGES["wide"]])

@@ -1,12 +1,13 @@
 """The Kimi-K2.5 vision tower and projector against transformers' own, built from a tiny random config, their
-state_dicts loaded into ours by name (under ``vision_tower.`` / ``mm_projector.``); fp32 on the CPU."""
+state_dicts loaded into ours by name (under ``vision_tower.`` / ``mm_projector.``, q/k/v fused as ``attn.qkv``);
+fp32 on the CPU. The checkpoints' names and fused ``wqkv`` load through the engine (``test_engine_images.py``)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from dayzero.multimodal import KimiK25ImageProcessor
-from dayzero.multimodal.kimi_k25 import KimiK25Vision, KimiK25VisionConfig
+from dayzero.multimodal.kimi_k25 import KimiK25Vision, KimiK25VisionConfig, checkpoint_rules
 from tests.multimodal.helpers import assert_close, packed_pixels, perturb_constant
 
 VISION = dict(patch_size=4, pos_emb_height=6, pos_emb_width=6, pos_emb_time=4, num_attention_heads=4,
@@ -38,9 +39,21 @@ def reference(seed: int = 0):
     return tower, projector, cfg
 
 
+def fused(state: dict) -> dict:
+    """transformers' separate ``attn.q_proj/k_proj/v_proj`` (rotate-half layout) as our ``attn.qkv``."""
+    out = {}
+    for name, t in state.items():
+        if ".attn.q_proj." in name:
+            parts = [state[name.replace("q_proj", p)] for p in ("q_proj", "k_proj", "v_proj")]
+            out[name.replace("q_proj", "qkv")] = torch.cat(parts)
+        elif ".attn.k_proj." not in name and ".attn.v_proj." not in name:
+            out[name] = t
+    return out
+
+
 def ours_from(tower, projector, cfg) -> KimiK25Vision:
     ours = KimiK25Vision(KimiK25VisionConfig.from_hf(cfg.to_dict()))
-    state = {f"vision_tower.{k}": v for k, v in tower.state_dict().items()}
+    state = fused({f"vision_tower.{k}": v for k, v in tower.state_dict().items()})
     state |= {f"mm_projector.{k}": v for k, v in projector.state_dict().items()}
     result = ours.load_state_dict(state, strict=True)  # every name matches, none left over
     assert not result.missing_keys and not result.unexpected_keys
@@ -94,6 +107,12 @@ def test_config_from_checkpoint():
         (32, 24, (2, 2), 1e-6)
     with pytest.raises(ValueError, match="projection_hidden_size"):
         KimiK25VisionConfig.from_hf({"vision_config": VISION, "projection_hidden_size": 64})
+    released = {"vt_hidden_size": 32, "vt_num_hidden_layers": 2, "vt_num_attention_heads": 4,
+                "vt_intermediate_size": 48, "init_pos_emb_height": 6, "init_pos_emb_width": 6,
+                "init_pos_emb_time": 4, "patch_size": 4, "merge_kernel_size": [2, 2], "mm_hidden_size": 32,
+                "projector_ln_eps": 1e-6, "text_hidden_size": 24}  # the release's keys
+    assert KimiK25VisionConfig.from_hf({"vision_config": released}) == KimiK25VisionConfig(
+        **VISION, text_hidden_size=24, projection_layer_norm_eps=1e-6)
 
 
 def test_bad_inputs_refused():
@@ -106,3 +125,17 @@ def test_bad_inputs_refused():
     px, g = packed_pixels([[5, 2, 2]], ROW)
     with pytest.raises(ValueError, match="pos_emb_time"):
         ours(px, g)
+
+
+def test_wqkv_rule_reorders_pairs_to_halves():
+    """The checkpoint's fused wqkv (and bias) -> ``attn.qkv``: q and k rows of each head from complex pairs
+    (2i, 2i+1) to halves (i, Dh/2 + i), v untouched; 4 heads of 8 here."""
+    rule = checkpoint_rules(KimiK25VisionConfig(**VISION, text_hidden_size=24), "visual.")[0]
+    m = rule.match("vision_tower.encoder.blocks.1.wqkv.bias")
+    assert rule.param_name(m) == "visual.vision_tower.layers.1.attn.qkv.bias"
+    head = [0, 2, 4, 6, 1, 3, 5, 7]
+    qk = [part * 32 + h * 8 + i for part in range(2) for h in range(4) for i in head]
+    want = torch.tensor(qk + list(range(64, 96)))
+    assert torch.equal(rule.transform(torch.arange(96)), want)
+    weight = torch.arange(96 * 2).view(96, 2)
+    assert torch.equal(rule.transform(weight), weight[want])

@@ -12,31 +12,41 @@ from PIL import Image
 from dayzero.engine.request import Sequence
 from dayzero.engine.sampling_params import SamplingParams
 from dayzero.engine.scheduler import ScheduledSeq
-from tests.hf.test_vl_text_families import FAMILIES as TEXT_FAMILIES, TEXT, _checkpoint
+from tests.hf.harness import make_hf_checkpoint
+from tests.hf.test_vl_text_families import FAMILIES as TEXT_FAMILIES, TEXT, slow_decay
 
 IMAGE_TOKEN = 299  # the last id of the tiny vocabulary, never in a random text prompt (see text_ids)
 VISION_START, VISION_END = 297, 298
-# a small pixel budget keeps the tower's grids small (patch 16, merge 2: 32-pixel cells)
+# a small pixel budget keeps the Qwen towers' grids small (patch 16, merge 2: 32-pixel cells); Kimi's processor
+# reads none of it (its 28-pixel cells stay far under its patch budget)
 PREPROCESSOR = {"size": {"shortest_edge": 32 * 32, "longest_edge": 32 * 32 * 12}}
 
 
 def config(model_type: str) -> dict:
     cfg = TEXT_FAMILIES[model_type]
+    extra = {}
+    if model_type == "kimi_k25":  # transformers' default 1152 is the release tower's width, not the tiny one's
+        extra["projection_hidden_size"] = cfg["vision_config"]["hidden_size"]
     return {**cfg, "text_config": {**TEXT, **cfg["text_config"]}, "image_token_id": IMAGE_TOKEN,
-            "vision_start_token_id": VISION_START, "vision_end_token_id": VISION_END}
+            "vision_start_token_id": VISION_START, "vision_end_token_id": VISION_END, **extra}
+
+
+@torch.no_grad()
+def sharp_vision_attention(model, scale: float = 8.0) -> None:
+    """Kimi's tower: q and k weights ``scale`` times their init (std 0.02), so attention scores are of order one
+    and the rotary (hence the q/k row order) shows in the outputs; near-uniform attention would hide it."""
+    for layer in model.model.vision_tower.layers:
+        layer.attn.q_proj.weight.mul_(scale)
+        layer.attn.k_proj.weight.mul_(scale)
+
+
+INIT = {"qwen3_5_moe": slow_decay, "kimi_k25": sharp_vision_attention}
 
 
 def make_checkpoint(path, model_type: str):
     """The checkpoint at ``path`` (with a preprocessor config) and transformers' model of it (fp32)."""
-    import tests.hf.test_vl_text_families as text_families
-
-    saved = text_families.FAMILIES[model_type]
-    text_families.FAMILIES[model_type] = {k: v for k, v in config(model_type).items() if k != "text_config"} | {
-        "text_config": saved["text_config"]}
-    try:
-        hf = _checkpoint(path, model_type)
-    finally:
-        text_families.FAMILIES[model_type] = saved
+    hf = make_hf_checkpoint(path, model_type, init=INIT.get(model_type), auto_class="AutoModelForImageTextToText",
+                            **config(model_type))
     (path / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
     return hf
 
