@@ -57,6 +57,9 @@ class _EngineCollector:
              "host_hit_blocks"),
             ("dayzero_host_cache_hit_snapshots", "State snapshots copied back from host memory for a hit",
              "host_hit_snapshots"),
+            ("dayzero_encoder_runs", "Images the vision encoder encoded", "encoder_runs"),
+            ("dayzero_encoder_cache_hits", "Images whose features came from the encoder cache (the same image "
+             "again, encoded once)", "encoder_cache_hits"),
         ]:
             c = CounterMetricFamily(name, doc)
             c.add_metric([], s.get(key, 0))

@@ -333,3 +333,26 @@ def test_vision_model_chat_with_image(vl_server):
     assert chunks[-1].usage.completion_tokens == 4
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reply.choices[0].message.content
     vl_server.wait_idle()
+
+
+def test_the_same_image_in_two_concurrent_requests_is_encoded_once(vl_server):
+    """Two chats with one picture at the same time, their texts (before the picture) different so that the prefix
+    cache cannot serve the second: /metrics counts one encoder run and one cache hit, and both requests answer."""
+    import concurrent.futures
+
+    client, before = vl_server.client(), vl_server.metrics()
+    name = client.models.list().data[0].id
+    url = data_url(encoded((48, 64)))
+
+    def ask(text):
+        return client.chat.completions.create(model=name, messages=user(url, text=text), max_tokens=3, temperature=0,
+                                              extra_body={"ignore_eos": True})
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        replies = list(pool.map(ask, ["first look", "second look"]))
+    assert [r.usage.completion_tokens for r in replies] == [3, 3]
+    after = vl_server.metrics()
+    runs = after["dayzero_encoder_runs_total"] - before.get("dayzero_encoder_runs_total", 0)
+    hits = after["dayzero_encoder_cache_hits_total"] - before.get("dayzero_encoder_cache_hits_total", 0)
+    assert (runs, hits) == (1, 1), (runs, hits)
+    vl_server.wait_idle()
