@@ -18,8 +18,9 @@ from dayzero.engine.builder import assemble, prepare_weights
 from dayzero.engine.detokenizer import IncrementalText
 from dayzero.engine.device import configure_threads, resolve_device
 from dayzero.engine.images import ImageRunner
+from dayzero.engine.outputs import FinalText, cumulative_output, delta_output
 from dayzero.engine.overlap import InFlight, needs_resolved_ids, pending_inputs
-from dayzero.engine.request import CompletionOutput, RequestOutput, Sequence, SeqStatus, reportable_end, sample_seed
+from dayzero.engine.request import RequestOutput, Sequence, sample_seed
 from dayzero.engine.sampler import Sampler, make_generator
 from dayzero.engine.sampling_params import SamplingParams
 from dayzero.engine.scheduler import Scheduler
@@ -428,55 +429,17 @@ class LLMEngine:
         seqs = self.requests[request_id]
         finished = all(q.finished for q in seqs)
         prompt = self.prompts.get(request_id)
+        texts = FinalText(self._decode, self.eos_ids)
         if seqs[0].delta:
-            outs = [o for q in seqs if (o := self._delta(q)) is not None]
+            outs = [o for q in seqs if (o := delta_output(q, texts)) is not None]
             prompt_ids = []  # the caller has them; not copied again every step
         else:
-            outs = [self._cumulative(q) for q in seqs]
+            outs = [cumulative_output(q, texts) for q in seqs]
             prompt_ids = seqs[0].token_ids[: seqs[0].num_prompt_tokens]
         if finished:
             del self.requests[request_id]
             self.prompts.pop(request_id, None)
         return RequestOutput(request_id, prompt, prompt_ids, outs, finished)
-
-    def _settle_text(self, q: Sequence) -> None:
-        """``q.text``: the running text, or once it finished, the exact text of one whole decode."""
-        if not q.finished:
-            q.text = q.detok.text if q.detok is not None else ""
-        elif q.detok is not None:  # first report since it finished
-            if not isinstance(q.stop_reason, str):  # a stop string already cut q.text
-                ids = q.token_ids[q.num_prompt_tokens:]
-                last = ids[-1] if ids else None
-                ends_on_stop_id = q.finish_reason == "stop" and (last in self.eos_ids or last in q.params.stop_token_ids)
-                q.text = self._decode(ids[:-1] if ends_on_stop_id else ids)
-            q.detok = None
-
-    def _cumulative(self, q: Sequence) -> CompletionOutput:
-        self._settle_text(q)
-        want = q.params.logprobs is not None
-        return CompletionOutput(
-            q.index, q.text, q.output_ids, q.finish_reason, list(q.logprobs) if want else None, q.stop_reason,
-            list(q.top_logprobs) if want else None,
-        )
-
-    def _delta(self, q: Sequence) -> CompletionOutput | None:
-        """What is new in ``q`` since its last report; None when nothing is. Running text is held back where
-        it may still change (see ``reportable_end``); the finished output's report completes the final text."""
-        k = q.reported_tokens
-        if k == q.num_output and (q.reported_finish or not q.finished):
-            return None
-        self._settle_text(q)
-        end = len(q.text) if q.finished else reportable_end(q.text, q.reported_chars, q.params.stop)
-        text = q.text[q.reported_chars:end]
-        q.reported_chars = max(end, q.reported_chars)
-        q.reported_tokens = q.num_output
-        q.reported_finish = q.finished
-        want = q.params.logprobs is not None
-        return CompletionOutput(
-            q.index, text, q.token_ids[q.num_prompt_tokens + k:q.num_resolved], q.finish_reason,
-            q.logprobs[k:] if want else None,
-            q.stop_reason, q.top_logprobs[k:] if want else None,
-        )
 
     def cache_usage(self) -> dict[str, int]:
         return self.cache.usage()
