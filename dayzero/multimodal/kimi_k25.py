@@ -194,7 +194,7 @@ class KimiK25VisionTower(nn.Module):
         grids = check_grids(pixel_values, grid_thw, self.cfg.merge_kernel_size)
         x = self.patch_embed(pixel_values, grids)  # [N, D]
         cos, sin = self.rotary(grids, x.device)
-        cu = cu_seqlens([t * h * w for t, h, w in grids], x.device)  # one segment per image or clip
+        cu = cu_seqlens([t * h * w for t, h, w in grids])  # one segment per image or clip (host)
         for layer in self.layers:
             x = layer(x, cos, sin, cu)
         return self.merge(self.final_layernorm(x), grids)

@@ -176,7 +176,7 @@ class Qwen3VLVision(nn.Module):
         x = self.patch_embed(pixel_values)  # [N, D]
         x = x + self.position_embedding(grids).to(x.dtype)
         cos, sin = self.rotary(grids, x.device)
-        cu = cu_seqlens([h * w for t, h, w in grids for _ in range(t)], x.device)  # one segment per frame
+        cu = cu_seqlens([h * w for t, h, w in grids for _ in range(t)])  # one segment per frame (host)
         index = list(self.cfg.deepstack_visual_indexes)
         deepstack = []
         for i, block in enumerate(self.blocks):

@@ -37,11 +37,12 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
 
 
-def cu_seqlens(lengths: list[int], device: torch.device) -> torch.Tensor:
-    """[S+1] int32 segment starts of the packed rows (0, l0, l0+l1, ...)."""
+def cu_seqlens(lengths: list[int]) -> torch.Tensor:
+    """[S+1] int32 segment starts of the packed rows (0, l0, l0+l1, ...), on the host: the attention op slices
+    each segment by them, and a device copy would be read back in every block (a sync per block)."""
     out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     out[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
-    return out.to(device)
+    return out
 
 
 def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

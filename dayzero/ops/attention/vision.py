@@ -1,6 +1,7 @@
 """Bidirectional attention over the packed patch rows of several images (vision towers).
 
-Rows of all images are concatenated; ``cu_seqlens`` ([S+1], starting at 0 and ending at N) cuts them
+Rows of all images are concatenated; ``cu_seqlens`` ([S+1], starting at 0 and ending at N; best on the host,
+where the towers keep it: a device copy is read back at every call) cuts them
 into S segments (one per image, or per frame), and a row attends to every row of its own segment and to
 no other. There is no mask, no causality and no cache: each segment is one dense softmax attention.
 
