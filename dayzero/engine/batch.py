@@ -107,7 +107,8 @@ class ForwardBatch:
         self.memo: dict = {}
         self.graph: tuple[int, int] | None = None  # the captured (batch size, table width) this step replays
         # images: the step's image rows (dayzero.multimodal.inputs.StepImages), set by the engine; None: text only.
-        # rope_positions: [3, T] (t, h, w) positions for multimodal RoPE in steps with image sequences, else None
+        # rope_positions (multimodal RoPE models): [3, T] (t, h, w) positions in steps that cover an image prompt's
+        # positions, else [T] (index + the sequence's rope delta, from a step buffer); None for other models
         self.images = None
         self.rope_positions: torch.Tensor | None = None
         self._key_slots: list[torch.Tensor] | None = None

@@ -9,8 +9,9 @@ sequence holds an image's entry until its tokens are all computed; a preempted s
 it still needs, and takes it from the cache when it is prefilled again.
 
 Multimodal RoPE: a sequence with images has positions that are not its token indices (``SeqImages.rope``,
-then ``index + rope_delta``), so every step with such a sequence gets ``rope_positions`` [3, T] and runs
-eagerly (a captured decode graph reads only the 1-D positions). A step with no such sequence gets nothing.
+then ``index + rope_delta``). A step whose chunks cover prompt positions of such a sequence gets
+``rope_positions`` [3, T] and runs eagerly; past the prompt the three axes are equal, so decode steps take the
+runner's 1-D rope positions (``index + rope_delta``, a step buffer that captured decode graphs read too).
 """
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ class ImageRunner:
             if self.family.mrope:
                 if mm is not None and mm.rope is not None:
                     pos.append(mm.rope_positions(a, b))
-                    any_rope = True
+                    any_rope |= a < mm.rope.shape[1]  # past its prompt the runner's 1-D rope positions serve
                 else:
                     pos.append(torch.arange(a, b, dtype=torch.int64).expand(3, -1))
             q0 += n

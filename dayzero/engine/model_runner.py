@@ -14,6 +14,7 @@ from dayzero.engine.batch import ForwardBatch
 from dayzero.engine.host_copy import to_device
 from dayzero.engine.scheduler import ScheduledSeq
 from dayzero.engine.step_buffers import StepBuffers
+from dayzero.layers.rotary import RotaryEmbedding
 
 log = logging.getLogger("dayzero")
 
@@ -36,6 +37,8 @@ class ModelRunner:
         self.state_tensors: list[torch.Tensor] = []
         # the widest DSA selection a layer writes: the width of the step's selection buffer
         self.topk = max((getattr(l, "selection_width", 0) for _, l in self.layers), default=0)
+        # multimodal RoPE (Qwen3-VL, Qwen3.5): each step also writes the rotary positions (index + rope delta)
+        self.mrope = any(isinstance(m, RotaryEmbedding) and m.axes is not None for m in model.modules())
 
     def allocate_cache(self, plan: CachePlan) -> None:
         self.state_tensors = []  # every state tensor of every layer: rows are slots, the null slot, snapshots
@@ -91,12 +94,16 @@ class ModelRunner:
             if graph is not None:
                 rows, width = graph  # padded to the captured size and block-table width
         ids, pos, slots, starts, lens, tables, state_slots, fresh, sample_rows = [], [], [], [], [], [], [], [], []
+        rope = [] if self.mrope else None  # 1-D multimodal RoPE positions: index + the sequence's rope delta
         query_start = [0]
         for s, h in zip(scheduled, handles):
             seq, n = s.seq, s.num_tokens
             a, b = seq.num_computed, seq.num_computed + n
             ids += seq.token_ids[a:b]
             pos += range(a, b)
+            if rope is not None:
+                d = seq.images.rope_delta if seq.images is not None else 0
+                rope += range(a + d, b + d)
             slots += [h.blocks[p // bs] * bs + p % bs for p in range(a, b)] if h.blocks else [NULL_BLOCK] * n
             starts.append(a)
             lens.append(b)
@@ -108,6 +115,8 @@ class ModelRunner:
                 sample_rows.append(query_start[-1] - 1)
         for _ in range(rows - len(scheduled)):  # padding rows: one fresh token at position 0 in the null block/slot
             ids.append(0), pos.append(0), slots.append(NULL_BLOCK * bs), starts.append(0), lens.append(1)
+            if rope is not None:
+                rope.append(0)
             state_slots.append(NULL_SLOT), fresh.append(True), query_start.append(query_start[-1] + 1)
         buf = self._buffers_for(len(ids), rows, width)
         buf.begin()
@@ -117,6 +126,8 @@ class ModelRunner:
             bs, cu_seqlens=buf.put("cu_seqlens", query_start), fresh=buf.put("fresh", fresh),
             topk_buffer=buf.topk[: len(ids)], num_real=len(scheduled),
         )
+        if rope is not None:
+            batch.rope_positions = buf.put("rope_positions", rope)
         buf.end()
         batch.graph = graph
         return batch
@@ -142,6 +153,8 @@ class ModelRunner:
             cu_seqlens=buf.put("cu_seqlens", list(range(rows + 1))), fresh=buf.put("fresh", [True] * rows),
             topk_buffer=buf.topk[:rows],
         )
+        if self.mrope:  # the graph reads the 1-D multimodal RoPE positions from their buffer
+            batch.rope_positions = buf.put("rope_positions", [0] * rows)
         buf.end()
         return batch
 

@@ -18,7 +18,7 @@ class StepBuffers:
     def __init__(self, device: torch.device, max_tokens: int, max_seqs: int, max_blocks: int, topk: int = 0):
         self.device = device
         self.pinned = device.type == "cuda"
-        self.sizes = {"input_ids": max_tokens, "positions": max_tokens, "slot_mapping": max_tokens,
+        self.sizes = {"input_ids": max_tokens, "positions": max_tokens, "rope_positions": max_tokens, "slot_mapping": max_tokens,
                       "state_slots": max_seqs, "logits_indices": max_seqs, "cu_seqlens": max_seqs + 1,
                       "block_tables": max_seqs * max_blocks}
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks

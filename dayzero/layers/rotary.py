@@ -8,8 +8,9 @@ Multimodal RoPE (Qwen3-VL, Qwen3.5; ``spec.mrope_section = (s_t, s_h, s_w)``): e
 height and a width position, and frequency slot j takes its angle from one of them, interleaved as
 transformers lays it out: slot j reads the h axis when ``j % 3 == 1`` and ``j < 3 s_h``, the w axis when
 ``j % 3 == 2`` and ``j < 3 s_w``, and the t axis otherwise. A batch gives those positions as
-``rope_positions`` [3, T] only in steps that hold image tokens or follow them (a text token's three axes
-are equal, so every other step takes the plain path on ``positions``).
+``rope_positions`` [3, T] in steps whose chunks cover an image prompt's positions; otherwise the three axes
+are equal and ``rope_positions`` is [T] (a token's index plus its sequence's rope delta: the plain path on
+those positions, which a captured decode graph reads from its step buffer).
 """
 from __future__ import annotations
 
@@ -76,7 +77,9 @@ class RotaryEmbedding(nn.Module):
 
     def _step_positions(self, batch):
         mm = getattr(batch, "rope_positions", None) if self.axes is not None else None
-        return (self.mrope_cos_sin, mm) if mm is not None else (self.cos_sin, batch.positions)
+        if mm is None:
+            return self.cos_sin, batch.positions
+        return (self.cos_sin, mm) if mm.dim() == 1 else (self.mrope_cos_sin, mm)  # 1-D: three equal axes
 
     def step_cos_sin(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """cos_sin of the step's positions, computed once per forward pass for every rotary with these
