@@ -135,6 +135,11 @@ class ImageRunner:
             if upto is None or it.end <= upto:
                 self.cache.drop(seq.seq_id, it.key)
 
+    def reset_cache(self) -> None:
+        """Forget every encoded image: the next steps encode their images afresh (the align and profile tools
+        run each prompt's images through the tower)."""
+        self.cache = EncoderCache(self.cache.capacity)
+
     def stats(self) -> dict:
         return {"encoder_runs": self.cache.num_encoded, "encoder_cache_hits": self.cache.num_hits,
                 "encoder_calls": self.num_calls}

@@ -12,6 +12,13 @@ error is over the threshold (or not finite). The advice names the failing layers
 error grows by more than ``jump_factor`` over the previous one while within a factor 10 of the threshold:
 the layers to keep in higher precision. End to end: top-1 agreement and KL(reference ‖ ours) of the
 next-token distributions at every prompt position.
+
+With images (vision-language checkpoints, :data:`~dayzero.tools.align_images.VISION_FAMILIES`), each prompt
+holds one placeholder per image and both sides get the same pixel rows: every vision layer's output (each
+tower block, the deep-stack mergers, the merger; over every patch or merged token of the prompt's images) is
+compared with the same statistics, in rows of their own before the decoder layers', and the decoder layers
+are compared over the whole widened prompt, image tokens included. The layers to keep in higher precision
+are decoder layers (what ``high_precision_layers`` takes); a failing vision layer fails the run.
 """
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ import torch
 
 from dayzero.engine.engine import DEFAULT_MODEL
 from dayzero.tools.align_capture import Capture, capture_dayzero, check_precision, engine_kwargs
+from dayzero.tools.align_images import VISION_KIND, prompt_inputs, with_images
 
 # default relative-error thresholds by the dtype under test (the reference is always fp32)
 THRESHOLDS = {"float32": 1e-3, "float16": 2e-2, "bfloat16": 5e-2}
@@ -43,6 +51,11 @@ class LayerRow:
     growth: float | None  # rel_err / rel_err of the previous layer
     passed: bool
     note: str = ""
+    name: str = ""  # a vision layer: "v<block>", "ds<j>" (deep-stack merger) or "merger"; "" for a decoder layer
+
+    @property
+    def label(self) -> str:
+        return self.name or str(self.index)
 
 
 @dataclass
@@ -69,10 +82,14 @@ class AlignResult:
     random_weights: bool = False  # a bare config: the same random weights on both sides
     interrupted: bool = False  # Ctrl-C during the reference: the prompts both sides finished are compared
     prompts_planned: int = 0
+    prompt_images: list[int] = field(default_factory=list)  # images in each compared prompt
+    vision_rows: list[LayerRow] = field(default_factory=list)  # the tower's layers in the order they run
+    vision_first_failing: int | None = None  # position in vision_rows
+    vision_jump: int | None = None
 
     @property
     def passed(self) -> bool:
-        return self.first_failing is None
+        return self.first_failing is None and self.vision_first_failing is None
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -94,9 +111,15 @@ class AlignResult:
 
 
 # --- inputs ---------------------------------------------------------------------------------------
-def default_prompts(vocab_size: int, max_len: int, lengths=DEFAULT_LENGTHS, seed: int = 0) -> list[list[int]]:
-    """Fixed token-id prompts of different lengths, drawn from the vocab: no tokenizer needed."""
+def default_prompts(vocab_size: int, max_len: int, lengths=DEFAULT_LENGTHS, seed: int = 0,
+                    avoid: set[int] | None = None) -> list[list[int]]:
+    """Fixed token-id prompts of different lengths, drawn from the vocab (without the ``avoid`` ids, e.g. the
+    image placeholder): no tokenizer needed."""
+    from dayzero.tools.align_images import random_text
+
     g = torch.Generator().manual_seed(seed)
+    if avoid:
+        return [random_text(min(n, max_len), vocab_size, avoid, g) for n in lengths]
     return [torch.randint(0, vocab_size, (min(n, max_len),), generator=g).tolist() for n in lengths]
 
 
@@ -175,19 +198,42 @@ def compare(ours: list[Capture], ref: list[Capture], kinds: list[str], threshold
         kl = (logp_ref.exp() * (logp_ref - logq)).sum(-1)  # KL(reference ‖ ours) per position
         kl_sum += float(kl.sum())
         kl_max = max(kl_max, float(kl.max())) if torch.isfinite(kl).all() else math.inf
-    rows, prev = [], None
-    for i, (acc, kind) in enumerate(zip(accs, kinds)):
-        rel = acc.rel
-        growth = rel / prev if prev is not None and prev > 0 and math.isfinite(rel) else None
-        passed = math.isfinite(rel) and rel <= threshold
-        rows.append(LayerRow(i, kind, rel, acc.max_abs, acc.cosine, growth, passed, notes.get(i, "")))
-        prev = rel
-    first_failing = next((r.index for r in rows if not r.passed), None)
-    jump = next((r.index for r in rows if r.growth is not None and r.growth > jump_factor and r.rel_err >= threshold / 10), None)
+    rows, first_failing, jump = _rows(accs, kinds, [""] * n_layers, threshold, jump_factor, notes)
     suggestions = sorted({r.index for r in rows if not r.passed} | ({jump} if jump is not None else set()))
     end = {"top1": agree / max(positions, 1), "kl_mean": kl_sum / max(positions, 1), "kl_max": kl_max,
            "logits_rel_err": logit_acc.rel}
     return rows, first_failing, jump, suggestions, end
+
+
+def compare_vision(ours: list[Capture], ref: list[Capture], names: list[str], threshold: float, jump_factor: float):
+    """Rows of the vision layers (``names``, in the order they run) over the prompts with images; first failing
+    row and first jump (positions in the rows)."""
+    accs = [_Acc() for _ in names]
+    for o, r in zip(ours, ref):
+        if not o.vision and not r.vision:
+            continue  # a prompt without images
+        if len(o.vision) != len(names) or len(r.vision) != len(names):
+            raise ValueError(f"the reference's vision tower has {len(r.vision)} layers, ours {len(o.vision)}")
+        for acc, a, b in zip(accs, o.vision, r.vision):
+            if a.shape != b.shape:
+                raise ValueError(f"vision layer output of shape {tuple(a.shape)} against the reference's {tuple(b.shape)}")
+            acc.add(a, b)
+    return _rows(accs, [VISION_KIND] * len(names), names, threshold, jump_factor)
+
+
+def _rows(accs: list[_Acc], kinds: list[str], names: list[str], threshold: float, jump_factor: float,
+          notes: dict[int, str] | None = None):
+    notes = notes or {}
+    rows, prev = [], None
+    for i, (acc, kind, name) in enumerate(zip(accs, kinds, names)):
+        rel = acc.rel
+        growth = rel / prev if prev is not None and prev > 0 and math.isfinite(rel) else None
+        passed = math.isfinite(rel) and rel <= threshold
+        rows.append(LayerRow(i, kind, rel, acc.max_abs, acc.cosine, growth, passed, notes.get(i, ""), name))
+        prev = rel
+    first_failing = next((r.index for r in rows if not r.passed), None)
+    jump = next((r.index for r in rows if r.growth is not None and r.growth > jump_factor and r.rel_err >= threshold / 10), None)
+    return rows, first_failing, jump
 
 
 def by_kind(rows: list[LayerRow]) -> dict[str, dict]:
@@ -198,7 +244,7 @@ def by_kind(rows: list[LayerRow]) -> dict[str, dict]:
         rels = [r.rel_err for r in rs]
         growth = [r.growth for r in rs if r.growth is not None and r.growth > 0]
         out[kind] = {
-            "layers": [r.index for r in rs], "rel_err_mean": sum(rels) / len(rels), "rel_err_max": max(rels),
+            "layers": [r.name or r.index for r in rs], "rel_err_mean": sum(rels) / len(rels), "rel_err_max": max(rels),
             "growth_gmean": math.exp(sum(map(math.log, growth)) / len(growth)) if growth else None,
         }
     return out
@@ -233,6 +279,7 @@ def align(
     jump_factor: float = JUMP_FACTOR,
     num_threads: int | None = None,
     progress: bool = False,
+    images: list | None = None,
 ) -> AlignResult:
     """Run ``model`` with the settings under test and a reference on the same prompts; compare layer by layer.
 
@@ -243,6 +290,10 @@ def align(
     config gets random weights (``load_format="dummy"``, the precision config's seed) on both sides, the
     reference then on the device under test, where the random weights are drawn. Ctrl-C while the reference
     runs compares the prompts both sides finished (``interrupted``); before that, it propagates.
+
+    ``images`` (Pillow images or encoded bytes; vision-language checkpoints only): the default prompts each hold
+    every image, their placeholders in the middle of the text; given prompts that hold placeholder tokens take
+    the images in order, and prompts that hold none each get every image before their text.
     """
     from dayzero.models.registry import load_config
     from dayzero.tools.align_hf import capture_hf, hf_knows
@@ -263,28 +314,49 @@ def align(
         raise ValueError(f"{reference_model}: transformers is not installed or has no implementation of its model_type; "
                          f"use --reference fp32")
     spec = load_config(model)
+    avoid, ph = None, []
+    if images:
+        from dayzero.tools.align_images import placeholder, special_ids, vision_config
+
+        raw, family = vision_config(model)
+        if reference_model != model:
+            vision_config(reference_model)
+        avoid, ph, image_token = special_ids(raw, family), placeholder(raw, family), family.image_token_id(raw)
+    given = prompts is not None
     if prompts is None:
-        prompts = default_prompts(spec.vocab_size, spec.max_position_embeddings - 1, lengths)
+        prompts = default_prompts(spec.vocab_size, spec.max_position_embeddings - 1, lengths, avoid=avoid)
     if not prompts or any(not p for p in prompts):
         raise ValueError("every prompt needs at least one token")
+    prompts = [list(p) for p in prompts]
+    per_prompt = with_images(prompts, list(images), image_token, ph, middle=not given) if images else None
     bad = sorted({t for p in prompts for t in p if not 0 <= t < spec.vocab_size})
     if bad:
         raise ValueError(f"prompt token ids must be in [0, {spec.vocab_size}), got {bad[:5]}")
-    longest = max(map(len, prompts))
+    inputs = ref_inputs = None
+    if images:
+        inputs = prompt_inputs(model, prompts, per_prompt)
+        ref_inputs = inputs if reference_model == model else prompt_inputs(reference_model, prompts, per_prompt)
+        long = max(inputs + ref_inputs, key=lambda p: len(p.wide))
+        if len(long.wide) >= spec.max_position_embeddings:
+            raise ValueError(f"a prompt is {len(long.wide)} tokens with its images' tokens, past the context "
+                             f"({spec.max_position_embeddings}): use shorter --lengths or smaller images")
+        longest = len(long.wide)
+    else:
+        longest = max(map(len, prompts))
     if threshold is None:
         threshold = default_threshold(dtype, precision)
 
     dummy = {"load_format": "dummy", "seed": precision.get("seed", 0)} if bare else {}
-    ours, spec, device = capture_dayzero(model, prompts, "model under test", progress,
+    ours, spec, device = capture_dayzero(model, prompts, "model under test", progress, images=per_prompt,
                                          **engine_kwargs(dtype, device, precision, longest, num_threads=num_threads,
                                                           **dummy))
     if len(ours) < len(prompts):
         raise KeyboardInterrupt  # nothing to compare yet
     ref_device = device if bare else "cpu"  # random weights are drawn on the device they live on
     if reference == "hf":
-        ref = capture_hf(reference_model, prompts, spec.num_hidden_layers, progress)
+        ref = capture_hf(reference_model, ref_inputs or prompts, spec.num_hidden_layers, progress)
     else:
-        ref, ref_spec, _ = capture_dayzero(reference_model, prompts, "fp32 reference", progress,
+        ref, ref_spec, _ = capture_dayzero(reference_model, prompts, "fp32 reference", progress, images=per_prompt,
                                            **engine_kwargs("float32", ref_device, {}, longest, num_threads=num_threads,
                                                             **dummy))
         if ref_spec.num_hidden_layers != spec.num_hidden_layers:
@@ -294,10 +366,27 @@ def align(
     done = prompts[:len(ref)]
     kinds = layer_kinds(spec)
     rows, first, jump, suggestions, end = compare(ours[:len(ref)], ref, kinds, threshold, jump_factor)
+    vision_rows, vision_first, vision_jump = [], None, None
+    if images:
+        vision_rows, vision_first, vision_jump = compare_vision(ours[:len(ref)], ref, vision_names(model), threshold,
+                                                                jump_factor)
+    lengths_done = [len(p.wide) for p in inputs[:len(ref)]] if images else [len(p) for p in done]
     return AlignResult(
         model=model, reference=reference, reference_model=reference_model, dtype=dtype, device=device,
-        precision=precision, threshold=threshold, jump_factor=jump_factor, prompt_lengths=[len(p) for p in done],
-        rows=rows, first_failing=first, jump_layer=jump, suggestions=suggestions, by_kind=by_kind(rows), **end,
-        reference_device="cpu" if reference == "hf" else ref_device, random_weights=bare,
+        precision=precision, threshold=threshold, jump_factor=jump_factor, prompt_lengths=lengths_done,
+        rows=rows, first_failing=first, jump_layer=jump, suggestions=suggestions, by_kind=by_kind(vision_rows + rows),
+        **end, reference_device="cpu" if reference == "hf" else ref_device, random_weights=bare,
         interrupted=len(ref) < len(prompts), prompts_planned=len(prompts),
+        prompt_images=[len(i) for i in per_prompt[:len(ref)]] if images else [], vision_rows=vision_rows,
+        vision_first_failing=vision_first, vision_jump=vision_jump,
     )
+
+
+def vision_names(model: str | Path) -> list[str]:
+    """The names of the checkpoint's vision layers in the order they run (the tower built on the meta device)."""
+    from dayzero.tools.align_images import vision_config, vision_points
+
+    raw, family = vision_config(model)
+    with torch.device("meta"):
+        tower = family.build(raw)
+    return [p.name for p in vision_points(tower)]

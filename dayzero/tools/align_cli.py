@@ -9,6 +9,7 @@ from pathlib import Path
 
 from dayzero.engine.engine import DEFAULT_MODEL
 from dayzero.tools.align import align, text_prompts
+from dayzero.tools.align_images import read_images
 from dayzero.tools.align_report import format_report, plot
 from dayzero.tools.progress import note
 
@@ -38,12 +39,13 @@ def _lengths(text: str) -> tuple[int, ...]:
 
 def run(args) -> int:
     lengths = _lengths(args.lengths)
+    images = read_images(args.images or [])
     prompts = text_prompts(args.prompts, args.model or DEFAULT_MODEL) if args.prompts else None
     result = align(
         args.model, reference=args.reference, reference_model=args.reference_model,
         precision=_precision(args.precision), dtype=args.dtype, device=args.device, prompts=prompts,
         lengths=lengths, threshold=args.threshold, jump_factor=args.jump_factor, num_threads=args.num_threads,
-        progress=True,
+        progress=True, images=images or None,
     )
     print(result.to_json() if args.json else format_report(result))
     if args.plot:

@@ -6,6 +6,10 @@ last entry: transformers replaces it with the final norm's output. The residual 
 taken from the input of the final norm instead (a pre-hook), or, in models with hyper-connections, from the
 input of the head that collapses the streams (``hc_head``) before that norm; a model whose norm cannot be
 found compares the last layer after the final norm on both sides, and says so in the row.
+
+With images the model is transformers' vision-language class (``AutoModelForImageTextToText``), given the
+widened prompt, the processor's pixel rows and grids; forward hooks on its tower's layers (``model.visual`` or
+``model.model.visual``) record each vision layer's output.
 """
 from __future__ import annotations
 
@@ -43,30 +47,53 @@ def block_kernels() -> None:
 def final_norm(model) -> torch.nn.Module | None:
     """The module whose input is the residual stream after the last layer (the final norm, or hc_head)."""
     base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
-    for name in NORM_NAMES:
-        norm = getattr(base, name, None)
-        if isinstance(norm, torch.nn.Module):
-            return norm
+    for holder in (base, getattr(base, "language_model", None)):  # a vision-language model's text model
+        for name in NORM_NAMES:
+            norm = getattr(holder, name, None)
+            if isinstance(norm, torch.nn.Module):
+                return norm
     return None
 
 
 @torch.inference_mode()
-def capture_hf(path: str | Path, prompts: list[list[int]], num_layers: int, progress: bool = False) -> list[Capture]:
-    """Every prompt through transformers (fewer captures when interrupted, see ``capture_each``)."""
+def capture_hf(path: str | Path, prompts: list, num_layers: int, progress: bool = False) -> list[Capture]:
+    """Every prompt through transformers (fewer captures when interrupted, see ``capture_each``). A prompt is
+    its token ids, or a :class:`~dayzero.tools.align_images.PromptInputs` (widened ids and pixel rows)."""
     block_kernels()
-    from transformers import AutoModelForCausalLM
+    import transformers
 
+    from dayzero.tools.align_images import PromptInputs, Recorder, hf_tower, vision_points
+
+    vision = any(isinstance(p, PromptInputs) and p.images for p in prompts)
+    auto = transformers.AutoModelForImageTextToText if vision else transformers.AutoModelForCausalLM
     if progress:
         note(f"align: loading the transformers reference (fp32 on cpu) from {path}")
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
+    model = auto.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
     seen: dict[str, torch.Tensor] = {}
+    rec = None
+    if vision:
+        tower = hf_tower(model)
+        if tower is None:
+            raise ValueError(f"transformers' {type(model).__name__} has no vision model (model.visual or model.model.visual)")
+        rec = Recorder(vision_points(tower))
 
     def pre_norm(_module, args, kwargs):
         seen["x"] = args[0] if args else next(iter(kwargs.values()))
 
-    def run_one(ids: list[int]) -> Capture:
+    def run_one(prompt) -> Capture:
         seen.clear()
-        out = model(torch.tensor([ids]), output_hidden_states=True, use_cache=False)
+        kwargs = {}
+        if isinstance(prompt, PromptInputs):
+            ids = prompt.wide
+            if prompt.images:
+                image_token = model.config.image_token_id
+                kwargs = dict(pixel_values=prompt.pixel_values, image_grid_thw=prompt.grid_thw,
+                              mm_token_type_ids=(torch.tensor([ids]) == image_token).int())
+        else:
+            ids = prompt
+        if rec is not None:
+            rec.clear()
+        out = model(torch.tensor([ids]), output_hidden_states=True, use_cache=False, **kwargs)
         hs = out.hidden_states
         if hs is None or len(hs) != num_layers + 1:
             got = "none" if hs is None else len(hs) - 1
@@ -77,7 +104,8 @@ def capture_hf(path: str | Path, prompts: list[list[int]], num_layers: int, prog
             layers[-1] = seen["x"][0].float()
         else:
             notes[num_layers - 1] = "after final norm"
-        return Capture(layers, None, out.logits[0].float(), notes)
+        shown = rec.take() if rec is not None and kwargs else []
+        return Capture(layers, None, out.logits[0].float(), notes, shown)
 
     norm = final_norm(model)
     handle = norm.register_forward_pre_hook(pre_norm, with_kwargs=True) if norm is not None else None
@@ -86,5 +114,7 @@ def capture_hf(path: str | Path, prompts: list[list[int]], num_layers: int, prog
     finally:
         if handle is not None:
             handle.remove()
+        if rec is not None:
+            rec.remove()
         del model
         release_memory()

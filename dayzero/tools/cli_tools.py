@@ -85,6 +85,9 @@ def add_profile(sub) -> None:
     f.add_argument("--batch", type=int, default=1, help="sequences per step")
     f.add_argument("--steps", type=int, default=8, help="decode steps")
     f.add_argument("--repeats", type=int, default=3, help="measured rounds (the median is reported)")
+    f.add_argument("--image", dest="images", action="append", default=None, metavar="PATH",
+                   help="an image each prompt holds before its text, repeatable (qwen3_5_moe, qwen3_vl_moe): the "
+                        "prefill encodes it, the vision tower timed per block")
     f.add_argument("--ep", type=int, default=1, help="group each MoE layer's routed load into this many "
                                                      "expert-parallel ranks")
     f.add_argument("--device", type=device, default="auto", help="auto (CUDA when present, else cpu), cpu, cuda, cuda:N")
@@ -113,6 +116,11 @@ def add_align(sub) -> None:
     add_threads(a)
     a.add_argument("--prompts", default=None, metavar="FILE", help="text prompts, one a line (needs a tokenizer)")
     a.add_argument("--lengths", default="6,48,300", help="lengths of the default token-id prompts")
+    a.add_argument("--image", dest="images", action="append", default=None, metavar="PATH",
+                   help="an image for the prompts, repeatable (qwen3_5_moe, qwen3_vl_moe): its tower's layers are "
+                        "compared too. The default prompts each hold every image; --prompts lines take the images "
+                        "in order at their placeholders (<|vision_start|><|image_pad|><|vision_end|>), or, when no "
+                        "line has one, each line holds every image before its text")
     a.add_argument("--threshold", type=float, default=None, help="relative error per layer (default: by dtype)")
     a.add_argument("--jump-factor", type=float, default=4.0, help="error growth over the previous layer that marks a jump")
     a.add_argument("--plot", default=None, metavar="FILE.png", help="relative error by layer, log scale")

@@ -9,6 +9,12 @@ Three kinds of run, on the model runner the engine uses:
   split inside each layer. Whatever is left of the layer's time is glue ("other").
 On CUDA every interval is a pair of CUDA events read after the step; on the CPU ``time.perf_counter``.
 A checkpoint loads its weights; a bare config gets random ones (the numbers do not depend on the values).
+
+With images (vision-language checkpoints, :data:`~dayzero.tools.align_images.VISION_FAMILIES`), each
+sequence's prompt holds them before its text; a prefill step then encodes them (once a step: the sequences
+share them, as the engine's encoder cache would) before the decoder runs, and the step time covers both.
+Every tower block, deep-stack merger and the merger is timed as a layer of kind "vision", listed before the
+decoder layers (their decode times are zero: decode steps do not run the tower).
 """
 from __future__ import annotations
 
@@ -67,8 +73,9 @@ class _Clock:
 
 
 def _setup(model: str | None, device: str, dtype: str, batch: int, tokens: int, block_size: int = 16,
-           progress: bool = False, num_threads: int | None = None):
-    """(model, runner, cache manager, spec) with caches for ``batch`` sequences of ``tokens`` tokens."""
+           progress: bool = False, num_threads: int | None = None, images: bool = False):
+    """(model, runner, cache manager, spec, image runner) with caches for ``batch`` sequences of ``tokens``
+    tokens; the image runner (the tower, its processor and encoder cache) only with ``images``, else None."""
     from dayzero.config.model_config import DTYPES
     from dayzero.engine.builder import assemble, prepare_weights
     from dayzero.engine.device import configure_threads, resolve_device
@@ -85,7 +92,7 @@ def _setup(model: str | None, device: str, dtype: str, batch: int, tokens: int, 
                                      num_cache_blocks=blocks, max_num_seqs=batch, max_model_len=tokens,
                                      max_num_batched_tokens=max(2048, tokens * batch), enforce_eager=True,
                                      num_threads=num_threads))
-        return eng.model, eng.runner, eng.cache, eng.model_config
+        return eng.model, eng.runner, eng.cache, eng.model_config, eng.images if images else None
     dev = resolve_device(device)
     configure_threads(num_threads)
     dt = DTYPES[dtype] if dtype != "auto" else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
@@ -93,31 +100,67 @@ def _setup(model: str | None, device: str, dtype: str, batch: int, tokens: int, 
         note(f"profile: building {info.name} with random weights ({fmt.count(sum(p.logical for p in info.params))} "
              f"parameters) on {dev} in {str(dt).removeprefix('torch.')}")
     net = build_uninitialised(info.spec, dt, dev)
+    family = None
+    if images:
+        from dayzero.multimodal.families import attach_tower
+        from dayzero.tools.align_images import vision_config
+
+        _, family = vision_config(info.source)
+        with torch.device(dev):
+            attach_tower(net, family, info.raw).to(dt)
     random_init_(net)
     prepare_weights(net)
     # eager: the profiler's hooks time each layer and op, which a replayed graph would skip
     built = assemble(net, dev, dt, block_size=block_size, max_model_len=tokens, max_num_seqs=batch,
                      max_num_batched_tokens=max(2048, tokens * batch), num_cache_blocks=blocks)
-    return net, built.runner, built.cache, info.spec
+    image_runner = None
+    if family is not None:
+        from dayzero.engine.images import ImageRunner
+        from dayzero.tools.align_images import processor_of
+
+        image_runner = ImageRunner(family, net.visual, processor_of(info.source, info.raw, family), info.raw, dev, dt,
+                                   cache_tokens=0)
+    return net, built.runner, built.cache, info.spec, image_runner
 
 
 class Profiler:
-    """Runs prefill and decode steps of ``batch`` sequences of ``prompt_len`` tokens and times them."""
+    """Runs prefill and decode steps of ``batch`` sequences of ``prompt_len`` tokens and times them. With an
+    ``image_runner`` and ``images``, each prompt holds the images' placeholders (``placeholder``) before its
+    ``prompt_len`` text tokens, and the tower's layers are timed before the decoder layers."""
 
-    def __init__(self, model, runner, cache, spec, batch: int, prompt_len: int, steps: int, seed: int = 0):
+    def __init__(self, model, runner, cache, spec, batch: int, prompt_len: int, steps: int, seed: int = 0,
+                 image_runner=None, images=(), placeholder=(), avoid=()):
         from dayzero.engine.request import Sequence
         from dayzero.engine.sampling_params import SamplingParams
+        from dayzero.tools.align_images import VISION_KIND, random_text, vision_points
 
         self.model, self.runner, self.cache, self.spec = model, runner, cache, spec
-        self.prompt_len, self.steps = prompt_len, steps
+        self.steps = steps
         self.clock = _Clock(runner.device)
-        self.layers = list(model.model.layers)
-        self.kinds = [f"{l.attn_kind or '-'}+{l.mlp_kind or '-'}" for l in spec.layers]
+        self.image_runner = image_runner if images else None
+        points = vision_points(image_runner.tower) if self.image_runner is not None else []
+        self.names = [p.name for p in points] + list(range(len(spec.layers)))  # the vision layers, then the decoder's
+        self.layers = [p.module for p in points] + list(model.model.layers)
+        self.num_vision = len(points)
+        self.kinds = [VISION_KIND] * len(points) + [f"{l.attn_kind or '-'}+{l.mlp_kind or '-'}" for l in spec.layers]
         g = torch.Generator().manual_seed(seed)
         n = prompt_len + steps
-        self.ids = [torch.randint(0, spec.vocab_size, (n,), generator=g).tolist() for _ in range(batch)]
-        self.seqs = [Sequence("profile", 0, ids[:prompt_len], prompt_len, SamplingParams(max_tokens=steps))
-                     for ids in self.ids]
+        if self.image_runner is None:
+            self.ids = [torch.randint(0, spec.vocab_size, (n,), generator=g).tolist() for _ in range(batch)]
+            mm = [None] * batch
+        else:
+            self.ids, mm = [], []
+            for _ in range(batch):
+                text = random_text(n, spec.vocab_size, set(avoid), g)
+                wide, seq_images = self.image_runner.prepare(list(placeholder) * len(images) + text[:prompt_len],
+                                                             list(images))
+                self.ids.append(wide + text[prompt_len:])
+                mm.append(seq_images)
+            prompt_len = len(self.ids[0]) - steps
+            n = prompt_len + steps
+        self.prompt_len = prompt_len  # with the images' tokens
+        self.seqs = [Sequence("profile", 0, ids[:prompt_len], prompt_len, SamplingParams(max_tokens=steps), images=m)
+                     for ids, m in zip(self.ids, mm)]
         for s in self.seqs:
             if not cache.grow(s.seq_id, n):
                 raise RuntimeError(f"the cache cannot hold {len(self.seqs)} sequences of {n} tokens")
@@ -133,9 +176,12 @@ class Profiler:
         for s, ids in zip(self.seqs, self.ids):
             s.token_ids = ids[:start + n]
             s.num_computed = start
-        return self.runner.build_batch([ScheduledSeq(s, n) for s in self.seqs], self.cache)
+        self._scheduled = [ScheduledSeq(s, n) for s in self.seqs]
+        return self.runner.build_batch(self._scheduled, self.cache, eager=self.image_runner is not None)
 
     def prefill_batch(self):
+        if self.image_runner is not None:  # every prefill encodes its images: none is in the cache yet
+            self.image_runner.reset_cache()
         return self._batch(0, self.prompt_len)
 
     def decode_batch(self, k: int):
@@ -144,6 +190,8 @@ class Profiler:
     def step(self, batch) -> float:
         self.clock.sync()
         a = self.clock.mark()
+        if self.image_runner is not None:  # the images' features (a prefill's tower calls) and 3-axis positions
+            batch.images, batch.rope_positions = self.image_runner.step_inputs(self._scheduled)
         self.runner.execute(batch)
         b = self.clock.mark()
         self.clock.sync()
@@ -286,6 +334,8 @@ class Profiler:
                 parts.append(split)
             out[phase] = {"step_s": plain, "timed_step_s": statistics.median(t for t, _ in timed),
                           "layers_s": layer_s, "layers_sum_s": sum(layer_s), "coverage": coverage, "parts": parts}
+            if self.num_vision:
+                out[phase]["vision_s"] = sum(layer_s[:self.num_vision])
         if not out:
             raise KeyboardInterrupt  # interrupted before one phase was measured in every mode: nothing to report
         return out
@@ -315,14 +365,27 @@ def _nbytes(t) -> int:
 
 def profile(model: str | None = None, prompt_len: int = 128, batch: int = 1, steps: int = 8, device: str = "auto",
             dtype: str = "auto", repeats: int = 3, warmup: int = 1, progress: bool = False,
-            num_threads: int | None = None, ep: int = 1) -> dict:
+            num_threads: int | None = None, ep: int = 1, images: list | None = None) -> dict:
     """Per-layer and per-part times, and each MoE layer's routed load (grouped into ``ep`` expert-parallel ranks).
     ``interrupted`` in the result: Ctrl-C stopped the measured rounds, and ``phases`` lists those measured (the
-    others' numbers are None)."""
-    net, runner, cache, spec = _setup(model, device, dtype, batch, prompt_len + steps, progress=progress,
-                                      num_threads=num_threads)
-    prof = Profiler(net, runner, cache, spec, batch, prompt_len, steps)
-    moe = {i: l.mlp for i, l in enumerate(prof.layers) if isinstance(getattr(l, "mlp", None), MoE)}
+    others' numbers are None). ``images`` (Pillow images or encoded bytes): each prompt holds them before its
+    ``prompt_len`` text tokens; the vision layers are the first rows of ``layers`` (index "v0", ..., "merger")."""
+    placeholder, avoid, image_tokens = [], set(), 0
+    if images:
+        from dayzero.engine.engine import DEFAULT_MODEL
+        from dayzero.tools.align_images import placeholder as placeholder_of
+        from dayzero.tools.align_images import processor_of, special_ids, vision_config
+
+        source = model or DEFAULT_MODEL
+        raw, family = vision_config(source)
+        placeholder, avoid = placeholder_of(raw, family), special_ids(raw, family)
+        image_tokens = sum(processor_of(source, raw, family)(list(images)).num_tokens)
+    tokens = prompt_len + len(placeholder) * len(images or ()) + image_tokens - len(images or ()) + steps
+    net, runner, cache, spec, image_runner = _setup(model, device, dtype, batch, tokens, progress=progress,
+                                                    num_threads=num_threads, images=bool(images))
+    prof = Profiler(net, runner, cache, spec, batch, prompt_len, steps, image_runner=image_runner,
+                    images=list(images or ()), placeholder=placeholder, avoid=avoid)
+    moe = {i: l.mlp for i, l in enumerate(net.model.layers) if isinstance(getattr(l, "mlp", None), MoE)}
     for m in moe.values():
         if m.spec.n_experts % ep:
             raise ValueError(f"ep={ep} does not divide n_experts={m.spec.n_experts}")
@@ -333,7 +396,7 @@ def profile(model: str | None = None, prompt_len: int = 128, batch: int = 1, ste
     layers = []
     for i, layer in enumerate(prof.layers):
         cache_bytes = sum(_nbytes(t) for m in layer.children() for t in (getattr(m, "cache", None) or {}).values())
-        row = {"index": i, "kind": prof.kinds[i]}
+        row = {"index": prof.names[i], "kind": prof.kinds[i]}
         for ph in ("prefill", "decode"):
             row[f"{ph}_s"] = timing[ph]["layers_s"][i] if ph in timing else None
         row.update({
@@ -347,6 +410,7 @@ def profile(model: str | None = None, prompt_len: int = 128, batch: int = 1, ste
         "model": str(model or "default"), "device": str(runner.device),
         "dtype": str(runner.cache_dtype).removeprefix("torch."),
         "prompt_len": prompt_len, "batch": batch, "steps": steps, "repeats": repeats,
+        "images": len(images or ()), "image_tokens": image_tokens,
         "timer": "cuda events" if prof.clock.cuda else "perf_counter",
         "phases": phases, "interrupted": prof.interrupted, "rounds_done": prof.rounds_done,
         **{ph: ({k: v for k, v in timing[ph].items() if k != "parts"} if ph in timing else None)
@@ -397,8 +461,11 @@ def total(row: dict) -> float:
 def main(args) -> int:
     from dayzero.tools.profile_report import plot, render
 
+    from dayzero.tools.align_images import read_images
+
+    images = read_images(getattr(args, "images", None) or [])
     r = profile(args.model, args.prompt_len, args.batch, args.steps, args.device, args.dtype, args.repeats,
-                progress=True, num_threads=args.num_threads, ep=args.ep)
+                progress=True, num_threads=args.num_threads, ep=args.ep, images=images or None)
     if args.plot:
         plot(r, args.plot)
     print(json.dumps(r, indent=1, default=str) if args.json else render(r))

@@ -11,15 +11,18 @@ def _ms(s: float | None) -> str:
 
 
 def render(r: dict, top: int = 16) -> str:
-    out = [f"profile: {r['model']} on {r['device']} ({r['dtype']}, {r['timer']}): prompt {r['prompt_len']} tokens × "
-           f"batch {r['batch']}, {r['steps']} decode steps"]
+    images = (f" + {r['images']} image{'s' * (r['images'] != 1)} ({r['image_tokens']} tokens)"
+              if r.get("images") else "")
+    out = [f"profile: {r['model']} on {r['device']} ({r['dtype']}, {r['timer']}): prompt {r['prompt_len']} tokens"
+           f"{images} × batch {r['batch']}, {r['steps']} decode steps"]
     if r["interrupted"]:
         out.append(f"  interrupted after {r['rounds_done']} of {r['repeats']} rounds: medians of what was measured"
                    + ("" if len(r["phases"]) == 2 else f"; measured: {', '.join(r['phases'])}"))
     for phase in r["phases"]:
         p = r[phase]
+        vision = f", the vision tower's {_ms(p['vision_s'])} ms" if p.get("vision_s") else ""
         out.append(f"  {phase}: step {_ms(p['step_s'])} ms; with layer timers {_ms(p['timed_step_s'])} ms, of which "
-                   f"the layers {_ms(p['layers_sum_s'])} ms ({p['coverage'] * 100:.0f}%)")
+                   f"the layers {_ms(p['layers_sum_s'])} ms ({p['coverage'] * 100:.0f}%){vision}")
     out.append("by layer kind:")
     tot = sum(total(k) for k in r["by_kind"]) or 1.0
     out.append(fmt.table([[k["kind"], k["layers"], _ms(k["prefill_s"]), _ms(k["decode_s"]),
@@ -60,7 +63,7 @@ def figure(r: dict):
     colors = {p: plt.get_cmap("tab20")(i % 20) for i, p in enumerate(parts)}
     fig, axes = plt.subplots(len(phases), 1, figsize=(max(11, 0.3 * len(r["layers"]) + 5), 4 * len(phases) + 1.5),
                              sharex=True, squeeze=False)
-    x = [l["index"] for l in r["layers"]]
+    x = list(range(len(r["layers"])))  # the vision layers (index "v0", ...) first, then the decoder layers
     for ax, phase in zip(axes[:, 0], phases):
         bottom = [0.0] * len(x)
         for p in parts:
@@ -72,11 +75,13 @@ def figure(r: dict):
         ax.set_title(f"{phase}: step {r[phase]['step_s'] * 1e3:.2f} ms, layers {r[phase]['layers_sum_s'] * 1e3:.2f} ms")
     last = axes[-1, 0]
     last.set_xticks(x, [f"{l['index']} {l['kind']}" for l in r["layers"]], rotation=90, fontsize="small")
-    last.set_xlabel("layer and kind (attention+MLP)")
+    last.set_xlabel("layer and kind (attention+MLP; vision: the tower's blocks and mergers)"
+                    if any(l["kind"] == "vision" for l in r["layers"]) else "layer and kind (attention+MLP)")
     handles, labels = axes[0, 0].get_legend_handles_labels()
     fig.legend(handles, labels, fontsize="small", loc="center right")
     cut = " (interrupted)" if r["interrupted"] else ""
-    fig.suptitle(f"{r['model']} on {r['device']}: prompt {r['prompt_len']} × batch {r['batch']}{cut}")
+    images = f" + {r['images']} image{'s' * (r['images'] != 1)}" if r.get("images") else ""
+    fig.suptitle(f"{r['model']} on {r['device']}: prompt {r['prompt_len']}{images} × batch {r['batch']}{cut}")
     fig.tight_layout(rect=(0, 0, 0.8, 1))
     return fig
 
