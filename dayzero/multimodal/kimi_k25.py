@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dayzero.loader.rules import Rule, pairs_to_halves
-from dayzero.multimodal.vision_layers import (VisionOutput, activation, axial_inv_freq, check_grids, cu_seqlens,
-                                              rope_theta, segment_attention)
+from dayzero.multimodal.vision_layers import (VisionBlock, VisionOutput, axial_inv_freq, check_grids, cu_seqlens,
+                                              rope_theta)
 
 
 # the release's ``vision_config`` keys -> transformers' (which win where both are present)
@@ -120,43 +120,6 @@ class PatchEmbed(nn.Module):
         return h + self.pos_emb(grids).to(h.dtype)
 
 
-class VisionAttention(nn.Module):
-    def __init__(self, dim: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(dim, 3 * dim, bias=True)  # [q; k; v] rows, q and k in rotate-half order per head
-        self.proj = nn.Linear(dim, dim, bias=True)
-
-    def forward(self, x, cos, sin, cu):
-        # x: [N, D] -> [N, 3, H, Dh]; q, k, v: [N, H, Dh]
-        q, k, v = self.qkv(x).view(x.shape[0], 3, self.heads, -1).unbind(1)
-        return self.proj(segment_attention(q, k, v, cos, sin, cu))
-
-
-class VisionMLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, act: str):
-        super().__init__()
-        self.fc1 = nn.Linear(dim, hidden)
-        self.fc2 = nn.Linear(hidden, dim)
-        self.act = activation(act)
-
-    def forward(self, x):
-        return self.fc2(self.act(self.fc1(x)))
-
-
-class EncoderLayer(nn.Module):
-    def __init__(self, cfg: KimiK25VisionConfig):
-        super().__init__()
-        self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=1e-5)
-        self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=1e-5)
-        self.attn = VisionAttention(cfg.hidden_size, cfg.num_attention_heads)
-        self.mlp = VisionMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
-
-    def forward(self, x, cos, sin, cu):
-        x = x + self.attn(self.norm1(x), cos, sin, cu)
-        return x + self.mlp(self.norm2(x))
-
-
 class KimiK25VisionTower(nn.Module):
     """Patches -> merged windows [M, kh*kw, D] (transformers' ``Kimi_K25VisionModel``)."""
 
@@ -164,7 +127,9 @@ class KimiK25VisionTower(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.patch_embed = PatchEmbed(cfg)
-        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(VisionBlock(cfg.hidden_size, cfg.num_attention_heads, cfg.intermediate_size,
+                                                cfg.hidden_act, eps=1e-5, mlp_names=("fc1", "fc2"))
+                                    for _ in range(cfg.num_hidden_layers))
         self.final_layernorm = nn.LayerNorm(cfg.hidden_size, eps=1e-5)
 
     def rotary(self, grids, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dayzero.multimodal.vision_layers import (VisionOutput, activation, axial_inv_freq, check_grids, cu_seqlens,
-                                              rope_theta, segment_attention)
+from dayzero.multimodal.vision_layers import (VisionBlock, VisionOutput, axial_inv_freq, check_grids, cu_seqlens,
+                                              rope_theta)
 
 DEEPSTACK_LAYERS = (8, 16, 24)  # transformers' default for Qwen3-VL
 
@@ -73,43 +73,6 @@ class PatchEmbed(nn.Module):
         return F.linear(x.to(w.dtype), w.view(w.shape[0], -1), self.proj.bias)
 
 
-class VisionAttention(nn.Module):
-    def __init__(self, dim: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(dim, 3 * dim, bias=True)
-        self.proj = nn.Linear(dim, dim, bias=True)
-
-    def forward(self, x, cos, sin, cu):
-        # x: [N, D]; q, k, v: [N, H, Dh]
-        q, k, v = self.qkv(x).view(x.shape[0], 3, self.heads, -1).unbind(1)
-        return self.proj(segment_attention(q, k, v, cos, sin, cu))
-
-
-class VisionMLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, act: str):
-        super().__init__()
-        self.linear_fc1 = nn.Linear(dim, hidden, bias=True)
-        self.linear_fc2 = nn.Linear(hidden, dim, bias=True)
-        self.act = activation(act)
-
-    def forward(self, x):
-        return self.linear_fc2(self.act(self.linear_fc1(x)))
-
-
-class VisionBlock(nn.Module):
-    def __init__(self, cfg: Qwen3VLVisionConfig):
-        super().__init__()
-        self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
-        self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
-        self.attn = VisionAttention(cfg.hidden_size, cfg.num_heads)
-        self.mlp = VisionMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
-
-    def forward(self, x, cos, sin, cu):
-        x = x + self.attn(self.norm1(x), cos, sin, cu)
-        return x + self.mlp(self.norm2(x))
-
-
 class PatchMerger(nn.Module):
     """2x2 windows of patches -> one token of the text model's width. ``postshuffle``: LayerNorm over the
     concatenated window (deep-stack mergers) instead of over each patch (the final merger)."""
@@ -137,7 +100,8 @@ class Qwen3VLVision(nn.Module):
             raise ValueError(f"num_position_embeddings={cfg.num_position_embeddings} is not a square grid")
         self.patch_embed = PatchEmbed(cfg)
         self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
-        self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
+        self.blocks = nn.ModuleList(VisionBlock(cfg.hidden_size, cfg.num_heads, cfg.intermediate_size, cfg.hidden_act,
+                                                eps=1e-6) for _ in range(cfg.depth))
         self.merger = PatchMerger(cfg, postshuffle=False)
         self.deepstack_merger_list = nn.ModuleList(PatchMerger(cfg, postshuffle=True)
                                                    for _ in cfg.deepstack_visual_indexes)

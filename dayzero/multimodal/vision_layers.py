@@ -1,10 +1,12 @@
-"""Pieces the vision towers share: activations by config name, 2-D rotary, packed-segment attention."""
+"""Pieces the vision towers share: activations by config name, 2-D rotary, packed-segment attention, the ViT
+block."""
 from __future__ import annotations
 
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from dayzero import ops
 
@@ -52,6 +54,52 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
     q, k = rotate(q, cos, sin), rotate(k, cos, sin)
     out = ops.call("vision_attention", q, k, v, cu, q.shape[-1] ** -0.5)
     return out.flatten(1)
+
+
+class VisionAttention(nn.Module):
+    """Fused ``qkv`` (q and k rows in rotate-half order per head) and ``proj``, both with bias."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=True)
+        self.proj = nn.Linear(dim, dim, bias=True)
+
+    def forward(self, x, cos, sin, cu):
+        # x: [N, D] -> [N, 3, H, Dh]; q, k, v: [N, H, Dh]
+        q, k, v = self.qkv(x).view(x.shape[0], 3, self.heads, -1).unbind(1)
+        return self.proj(segment_attention(q, k, v, cos, sin, cu))
+
+
+class VisionMLP(nn.Module):
+    """Up, activation, down; ``names``: what the family's checkpoints call the two linears."""
+
+    def __init__(self, dim: int, hidden: int, act: str, names: tuple[str, str] = ("linear_fc1", "linear_fc2")):
+        super().__init__()
+        self.names = names
+        setattr(self, names[0], nn.Linear(dim, hidden))
+        setattr(self, names[1], nn.Linear(hidden, dim))
+        self.act = activation(act)
+
+    def forward(self, x):
+        up, down = (getattr(self, n) for n in self.names)
+        return down(self.act(up(x)))
+
+
+class VisionBlock(nn.Module):
+    """A pre-LN ViT block: bidirectional attention within each segment, then the MLP, each with its residual."""
+
+    def __init__(self, dim: int, heads: int, hidden: int, act: str, eps: float,
+                 mlp_names: tuple[str, str] = ("linear_fc1", "linear_fc2")):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=eps)
+        self.norm2 = nn.LayerNorm(dim, eps=eps)
+        self.attn = VisionAttention(dim, heads)
+        self.mlp = VisionMLP(dim, hidden, act, mlp_names)
+
+    def forward(self, x, cos, sin, cu):
+        x = x + self.attn(self.norm1(x), cos, sin, cu)
+        return x + self.mlp(self.norm2(x))
 
 
 class VisionOutput(NamedTuple):
