@@ -11,6 +11,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from dayzero.engine import host_copy, sampler as sampler_mod
 from dayzero.engine.host_copy import to_device
@@ -190,23 +191,26 @@ def test_host_values_reach_the_device_only_through_to_device(monkeypatch):
             return fn(*a, **kw)
         return wrapped
 
-    def watch_index(fn, name):
-        def wrapped(self, key, *a):
-            keys = key if isinstance(key, tuple) else (key,)
-            if any(isinstance(k, list) for k in keys):
-                stray.append(name)
-            return fn(self, key, *a)
-        return wrapped
+    class WatchIndex(TorchFunctionMode):
+        """A Python list as an index, seen through the torch-function mode (patching ``torch.Tensor.__getitem__``
+        on the class would leave the type a "sequence" for the rest of the process: ``torch.tensor([t])`` of a
+        0-d tensor ``t`` then fails)."""
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and len(args) > 1:
+                keys = args[1] if isinstance(args[1], tuple) else (args[1],)
+                if any(isinstance(k, list) for k in keys):
+                    stray.append(func.__name__)
+            return func(*args, **(kwargs or {}))
 
     inputs = mixed_inputs()
     monkeypatch.setattr(sampler_mod, "to_device", staged)
     for name in ("tensor", "as_tensor", "from_numpy"):
         monkeypatch.setattr(torch, name, watch(getattr(torch, name), name))
-    for name in ("__getitem__", "__setitem__"):
-        monkeypatch.setattr(torch.Tensor, name, watch_index(getattr(torch.Tensor, name), name))
-    Sampler()(*inputs)
-    assert stray == []
-    torch.tensor([1]), torch.zeros(3)[[0, 1]]  # and the watch does see strays
+    with WatchIndex():
+        Sampler()(*inputs)
+        assert stray == []
+        torch.tensor([1]), torch.zeros(3)[[0, 1]]  # and the watch does see strays
     assert stray == ["tensor", "__getitem__"]
 
 
