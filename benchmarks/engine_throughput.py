@@ -73,13 +73,14 @@ def active_params(model, spec) -> tuple[int, int]:
     return total, int(total - inactive - model.model.embed_tokens.weight.numel())
 
 
-def timed(eng, prompts: list[list[int]], decode: int, dev) -> tuple[float, float, int, list]:
+def timed(eng, prompts: list[list[int]], decode: int, dev, images: list | None = None) -> tuple[float, float, int, list]:
     """(prefill seconds, decode seconds, decode steps, the sequences) of ``prompts`` through the engine's step
     loop, greedy and EOS ignored: the steps until every prompt is in the cache (sampling the first token), then
     the ``decode`` steps after them. Uses only the engine's public step loop, so it also times earlier versions."""
     sp = SamplingParams(max_tokens=decode + 1, temperature=0.0, ignore_eos=True)
-    for i, ids in enumerate(prompts):
-        eng.add_request(f"bench-{time.perf_counter_ns()}-{i}", ids, sp)
+    for i, ids in enumerate(prompts):  # images (each prompt's list) only when given: earlier versions lack them
+        extra = {"images": images[i]} if images is not None else {}
+        eng.add_request(f"bench-{time.perf_counter_ns()}-{i}", ids, sp, **extra)
     seqs = list(eng.scheduler.waiting)
     _sync(dev)
     t = time.perf_counter()

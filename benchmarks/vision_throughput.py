@@ -111,26 +111,14 @@ def hf_run(model, processor, image_token: int, dev: torch.device):
 
 
 def dayzero_run(llm, dev: torch.device):
-    """Through the engine's step loop: the steps until every prompt is in the cache (images preprocessed,
-    encoded and spliced inside them), then the decode steps, timed apart."""
-    from dayzero import SamplingParams
-    eng = llm.engine
+    """Through the engine's step loop (``engine_throughput.timed``): the steps until every prompt is in the cache
+    (images preprocessed, encoded and spliced inside them), then the decode steps, timed apart."""
+    from engine_throughput import timed
 
     def run(batch, new):
-        sp = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
-        _sync(dev)
-        t = time.perf_counter()
-        for i, (ids, img) in enumerate(batch):
-            eng.add_request(f"img-{time.perf_counter_ns()}-{i}", ids, sp, images=[img])
-        seqs = list(eng.scheduler.waiting)
-        while any(s.num_computed < s.num_prompt_tokens for s in seqs):
-            eng.step()
-        _sync(dev)
-        prefill, t = time.perf_counter() - t, time.perf_counter()
-        while eng.has_unfinished():
-            eng.step()
-        _sync(dev)
-        return seqs[0].output_ids, seqs[0].num_prompt_tokens, prefill, time.perf_counter() - t
+        prefill, decode, _, seqs = timed(llm.engine, [ids for ids, _ in batch], new - 1, dev,
+                                         images=[[img] for _, img in batch])
+        return seqs[0].output_ids, seqs[0].num_prompt_tokens, prefill, decode
     return run
 
 

@@ -27,6 +27,14 @@ class ImageLimits:
 DEFAULT_LIMITS = ImageLimits()
 
 
+def check_size(w: int, h: int, limits: ImageLimits) -> None:
+    """A canvas of w x h pixels: not empty, and within the pixel limit."""
+    if w <= 0 or h <= 0:
+        raise ValueError(f"image has zero size ({w}x{h})")
+    if w * h > limits.max_pixels:
+        raise ValueError(f"image is {w}x{h} = {w * h} pixels, over the limit of {limits.max_pixels}")
+
+
 def decode_image(data: bytes, limits: ImageLimits = DEFAULT_LIMITS) -> Image.Image:
     """Decode PNG/JPEG/WebP/GIF bytes into a loaded Pillow image (first frame of an animation, EXIF
     orientation applied, mode kept: :func:`to_rgb` converts)."""
@@ -49,11 +57,7 @@ def decode_image(data: bytes, limits: ImageLimits = DEFAULT_LIMITS) -> Image.Ima
         raise ValueError(f"image data cannot be decoded ({type(e).__name__}: {e})") from None
     if img.format not in FORMATS:
         raise ValueError(f"image format {img.format} is not supported (supported: {', '.join(FORMATS)})")
-    w, h = img.size
-    if w <= 0 or h <= 0:
-        raise ValueError(f"image has zero size ({w}x{h})")
-    if w * h > limits.max_pixels:
-        raise ValueError(f"image is {w}x{h} = {w * h} pixels, over the limit of {limits.max_pixels}")
+    check_size(*img.size, limits)
     try:
         img.seek(0)  # the first frame of an animated GIF / WebP
         img.load()  # decodes the pixels: truncated or corrupt data fails here
@@ -77,11 +81,7 @@ def load_image(image: Image.Image | bytes, limits: ImageLimits = DEFAULT_LIMITS)
     """An RGB Pillow image from encoded bytes (checked by :func:`decode_image`) or from a Pillow image
     (whose size is checked against the same limits)."""
     if isinstance(image, Image.Image):
-        w, h = image.size
-        if w <= 0 or h <= 0:
-            raise ValueError(f"image has zero size ({w}x{h})")
-        if w * h > limits.max_pixels:
-            raise ValueError(f"image is {w}x{h} = {w * h} pixels, over the limit of {limits.max_pixels}")
+        check_size(*image.size, limits)
     else:
         image = decode_image(image, limits)
     return to_rgb(image)
