@@ -105,7 +105,10 @@ class ForwardBatch:
         # what a forward pass computes once for all its layers (cleared as each pass starts, a captured one
         # too): cos/sin of the positions per rotary frequency set, the slots to zero for fresh sequences
         self.memo: dict = {}
-        self.graph: tuple[int, int] | None = None  # the captured (batch size, table width) this step replays
+        # the captured shape this step replays (decode: (batch size, table width); prefill: (rows, sequences,
+        # width)) and the graph set holding it; None: the step runs eagerly
+        self.graph: tuple[int, ...] | None = None
+        self.graph_set = None
         # images: the step's image rows (dayzero.multimodal.inputs.StepImages), set by the engine; None: text only.
         # rope_positions (multimodal RoPE models): [3, T] (t, h, w) positions in steps that cover an image prompt's
         # positions, else [T] (index + the sequence's rope delta, from a step buffer); None for other models
@@ -126,6 +129,12 @@ class ForwardBatch:
     @property
     def max_query_len(self) -> int:
         return self.plan.max_query_len
+
+    @property
+    def host_lengths(self) -> bool:
+        """Whether the plan holds the host lengths; a captured step's has none (its ops read the device tensors,
+        and an op that eagerly builds something from the lengths on the host builds it on the device instead)."""
+        return self.plan.seq_start_ is not None
 
     @property
     def is_decode(self) -> bool:

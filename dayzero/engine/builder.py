@@ -25,6 +25,7 @@ class Assembled:
     cache: CacheManager
     plan: CachePlan
     graph_note: str  # how decode steps run: "CUDA graphs ..." or "eager (why)"
+    prefill_note: str = "eager"  # how prefill and mixed steps run, the same way
 
 
 def prepare_weights(model: torch.nn.Module) -> None:
@@ -80,7 +81,8 @@ def assemble(model, device: torch.device, dtype: torch.dtype, *, block_size: int
              max_num_seqs: int, max_num_batched_tokens: int, budget_bytes: int | None = None,
              memory_fraction: float = 0.5, num_cache_blocks: int | None = None, kv_cache_dtype: str = "auto",
              cuda_graphs: bool = False, cuda_graph_sizes: list[int] | None = None,
-             cuda_graph_max_len: int = 8192, prefix_caching: bool = False, snapshot_interval: int = 512,
+             cuda_graph_max_len: int = 8192, cuda_graph_prefill_tokens: int = 2048, prefix_caching: bool = False,
+             snapshot_interval: int = 512,
              num_snapshots: int | None = None, index_cache_dtype: str = "auto", host_cache_bytes: int = 0,
              extra_scratch_bytes: int = 0, agree=None) -> Assembled:
     """Plan and allocate the cache, build the runner and cache manager, and (``cuda_graphs`` on a CUDA device)
@@ -99,7 +101,8 @@ def assemble(model, device: torch.device, dtype: torch.dtype, *, block_size: int
     ranks: every rank then plans for the smallest budget and keeps the same numbers of blocks, slots and snapshots
     and the same cache rules (a pipeline stage without paged or state layers still hands out blocks and slots
     as the others do), because every rank's scheduler must take the same decisions."""
-    from dayzero.engine.cuda_graphs import DecodeGraphs, default_sizes, default_widths, measure_step_bytes
+    from dayzero.engine.cuda_graphs import (DecodeGraphs, PrefillGraphs, default_sizes, default_widths,
+                                            measure_step_bytes, prefill_seats, prefill_token_buckets)
 
     runner = ModelRunner(model, device, dtype, kv_cache_dtype, index_cache_dtype)
     block_size = block_size or auto_block_size(runner.specs)
@@ -107,10 +110,13 @@ def assemble(model, device: torch.device, dtype: torch.dtype, *, block_size: int
     graphs_on = cuda_graphs and device.type == "cuda"
     sizes = widths = None
     graph_bytes = 0
+    # prefill graphs: steps of up to this many rows (never more than a step holds)
+    prefill_tokens = prefill_token_buckets(min(cuda_graph_prefill_tokens, max_num_batched_tokens)) if graphs_on else []
     if graphs_on:
         sizes = sorted(s for s in (cuda_graph_sizes or default_sizes(max_num_seqs)) if 1 <= s <= max_num_seqs)
         widths = default_widths(max_blocks, block_size, min(max_model_len, cuda_graph_max_len))
-        graph_bytes = measure_step_bytes(runner, sizes[-1], widths[-1], block_size)
+        largest = (prefill_tokens[-1], prefill_seats(max_num_seqs)[-1], widths[-1]) if prefill_tokens else None
+        graph_bytes = measure_step_bytes(runner, sizes[-1], widths[-1], block_size, largest)
     scratch = prefill_scratch_bytes(model, max_num_batched_tokens, max_model_len) + extra_scratch_bytes
     if budget_bytes is None and num_cache_blocks is None:
         budget_bytes = int(available_memory(device) * memory_fraction) - graph_bytes - scratch
@@ -134,22 +140,41 @@ def assemble(model, device: torch.device, dtype: torch.dtype, *, block_size: int
     if host_cache_bytes and cache.prefix_caching:
         plan = attach_host_tier(runner, cache, plan, host_cache_bytes)
     max_seqs = min(max_num_seqs, plan.num_slots)
-    runner.reserve_buffers(max(max_num_batched_tokens, max_seqs), max_seqs, max_blocks)
-    note = "eager"
+    # one sequence more than the seats: a captured prefill step's padding rows are a sequence of their own
+    runner.reserve_buffers(max(max_num_batched_tokens, max_seqs), max_seqs + bool(prefill_tokens), max_blocks)
+    note, prefill_note = "eager", "eager"
     if graphs_on:
         sizes = [s for s in sizes if s <= max_seqs] or [max_seqs]
+        pool = None
+        if prefill_tokens:  # captured first, the larger steps: the decode graphs then reuse their pool
+            prefill = PrefillGraphs(runner, prefill_tokens, prefill_seats(max_seqs), widths, block_size)
+            prefill_note, ok = _capture(prefill, device)
+            if ok:
+                runner.prefill_graphs, pool = prefill, prefill.pool
         graphs = DecodeGraphs(runner, sizes, widths, block_size)
-        try:
-            graphs.capture()
-        except Exception as e:  # noqa: BLE001 - any failure leaves the engine correct, only slower
-            torch.cuda.synchronize(device)
-            note = f"eager (decode graph capture failed: {type(e).__name__}: {str(e).splitlines()[0][:300]})"
-            log.warning("decode steps run eagerly: %s", note)
-        else:
+        note, ok = _capture(graphs, device, pool)
+        if ok:
             runner.graphs = graphs
-            plan = replace(plan, graph_bytes=graphs.nbytes)
             note = (f"CUDA graphs for batch sizes {sizes[0]}..{sizes[-1]} ({len(sizes)}) and contexts up to "
                     f"{widths[-1] * block_size} tokens, {graphs.nbytes / 2**20:.0f} MiB")
+        held = sum(g.nbytes for g in (runner.graphs, runner.prefill_graphs) if g is not None)
+        plan = replace(plan, graph_bytes=held)
     elif cuda_graphs:
-        note = "eager (CUDA graphs need a CUDA device)"
-    return Assembled(runner, cache, plan, note)
+        note = prefill_note = "eager (CUDA graphs need a CUDA device)"
+    return Assembled(runner, cache, plan, note, prefill_note)
+
+
+def _capture(graphs, device: torch.device, pool=None) -> tuple[str, bool]:
+    """Capture a graph set: (how its steps run, whether they replay). A failure leaves the steps eager."""
+    try:
+        graphs.capture(pool)
+    except Exception as e:  # noqa: BLE001 - any failure leaves the engine correct, only slower
+        torch.cuda.synchronize(device)
+        graphs.graphs.clear()
+        note = f"eager ({graphs.kind} graph capture failed: {type(e).__name__}: {str(e).splitlines()[0][:300]})"
+        log.warning("%s steps run eagerly: %s", graphs.kind, note)
+        return note, False
+    if graphs.kind == "prefill":
+        return (f"CUDA graphs for steps of up to {graphs.tokens[-1]} rows in 1 or up to {graphs.seats[-1] - 1} "
+                f"sequences ({len(graphs.graphs)} graphs, {graphs.seconds:.1f} s)"), True
+    return "", True

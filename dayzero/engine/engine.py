@@ -60,6 +60,9 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no CUDA graphs, every step runs eagerly
     cuda_graph_sizes: tuple[int, ...] | None = None  # decode batch sizes captured (default 1, 2, 4, 8, 16, .. max_num_seqs)
     cuda_graph_max_len: int = 8192  # decode steps whose longest sequence is longer run eagerly
+    # prefill and mixed steps of up to this many rows (and tables of up to cuda_graph_max_len tokens) replay
+    # graphs captured at load; 0: they run eagerly
+    cuda_graph_prefill_tokens: int = 2048
     enable_prefix_caching: bool = True  # reuse the cached blocks (and state snapshots) of a shared prefix
     prefix_snapshot_interval: int = 512  # tokens between state snapshots (models with per-sequence states)
     num_prefix_snapshots: int | None = None  # state snapshots kept (default: one per sequence seat)
@@ -117,6 +120,9 @@ class EngineConfig:
                 raise ValueError(f"cuda_graph_sizes must be positive ints, got {self.cuda_graph_sizes!r}")
         if not isinstance(self.cuda_graph_max_len, int) or self.cuda_graph_max_len < 1:
             raise ValueError(f"cuda_graph_max_len must be a positive int, got {self.cuda_graph_max_len!r}")
+        if isinstance(self.cuda_graph_prefill_tokens, bool) or not isinstance(self.cuda_graph_prefill_tokens, int) \
+                or self.cuda_graph_prefill_tokens < 0:
+            raise ValueError(f"cuda_graph_prefill_tokens must be an int >= 0, got {self.cuda_graph_prefill_tokens!r}")
         if not isinstance(self.prefix_snapshot_interval, int) or self.prefix_snapshot_interval < 1:
             raise ValueError(f"prefix_snapshot_interval must be a positive int, got {self.prefix_snapshot_interval!r}")
         if self.num_prefix_snapshots is not None and (not isinstance(self.num_prefix_snapshots, int)
@@ -179,7 +185,8 @@ class LLMEngine:
             num_cache_blocks=config.num_cache_blocks, kv_cache_dtype=config.kv_cache_dtype,
             cuda_graphs=not config.enforce_eager and parallel.ep_size == parallel.pp_size == 1,
             cuda_graph_sizes=config.cuda_graph_sizes,
-            cuda_graph_max_len=config.cuda_graph_max_len, prefix_caching=config.enable_prefix_caching,
+            cuda_graph_max_len=config.cuda_graph_max_len, cuda_graph_prefill_tokens=config.cuda_graph_prefill_tokens,
+            prefix_caching=config.enable_prefix_caching,
             snapshot_interval=config.prefix_snapshot_interval, num_snapshots=config.num_prefix_snapshots,
             index_cache_dtype=config.index_cache_dtype, host_cache_bytes=int(config.host_cache_gib * 2**30),
             extra_scratch_bytes=encoder,  # the vision encoder's calls and cache
@@ -187,10 +194,13 @@ class LLMEngine:
             agree=None if parallel.backend is None else lambda values: world_min(values, parallel.device),
         )
         self.runner, self.cache, self.cache_plan, self.decode_mode = built.runner, built.cache, built.plan, built.graph_note
+        self.prefill_mode = built.prefill_note  # how prefill and mixed steps run
         if self.device.type == "cuda" and not config.enforce_eager and parallel.ep_size > 1:
-            self.decode_mode = "eager (expert parallelism reads its all-to-all split sizes on the host)"
+            self.decode_mode = self.prefill_mode = "eager (expert parallelism reads its all-to-all split sizes on the host)"
         elif self.device.type == "cuda" and not config.enforce_eager and parallel.pp_size > 1:
-            self.decode_mode = "eager (pipeline stages are not captured yet)"
+            self.decode_mode = self.prefill_mode = "eager (pipeline stages are not captured yet)"
+        elif not config.cuda_graph_prefill_tokens and self.prefill_mode == "eager":
+            self.prefill_mode = "eager (cuda_graph_prefill_tokens=0)"
         self.scheduler = Scheduler(self.cache, min(config.max_num_seqs, self.cache_plan.num_slots), config.max_num_batched_tokens)
         self.images = None if family is None else ImageRunner(
             family, self.model.visual, processor, raw, self.device, self.dtype, cache_tokens=cache_tokens)

@@ -30,8 +30,9 @@ class LLM:
     "fp8"), or read packed by the expert kernels ("fused", no workspace); ``high_precision_layers`` lists layers whose experts are instead dequantised once at load.
     ``load_format="dummy"`` gives random weights from the config alone (``model`` may then be a config file).
     On CUDA, decode steps run as CUDA graphs captured at load for the batch sizes ``cuda_graph_sizes`` (default
-    1, 2, 4, 8, 16, 24, .. ``max_num_seqs``) and contexts up to ``cuda_graph_max_len`` tokens; ``enforce_eager``
-    turns them off. ``async_scheduling`` overlaps each step's host work (appending tokens, stop checks, text)
+    1, 2, 4, 8, 16, 24, .. ``max_num_seqs``) and contexts up to ``cuda_graph_max_len`` tokens, and prefill and
+    mixed steps of up to ``cuda_graph_prefill_tokens`` rows (0: none) as graphs of power-of-two row counts
+    (from 32), one sequence or up to ``max_num_seqs``, padded; ``enforce_eager`` turns them all off. ``async_scheduling`` overlaps each step's host work (appending tokens, stop checks, text)
     with the next step on the device (``LLMEngine.step``); the outputs are the same. By default (None) it is on
     for CUDA devices, where the device runs ahead of the host, and off on CPUs, where it would gain nothing.
     ``host_cache_gib`` of pinned host memory keep the prefix-cache blocks and snapshots the device evicts, for
@@ -67,6 +68,7 @@ class LLM:
         enforce_eager: bool = False,
         cuda_graph_sizes: Seq[int] | None = None,
         cuda_graph_max_len: int = 8192,
+        cuda_graph_prefill_tokens: int = 2048,
         cache_memory_fraction: float = 0.5,
         num_threads: int | None = None,
         enable_prefix_caching: bool = True,
@@ -88,7 +90,7 @@ class LLM:
             seed=seed, cache_memory_bytes=cache_memory_bytes, kv_cache_dtype=kv_cache_dtype,
             index_cache_dtype=index_cache_dtype, expert_compute=expert_compute, high_precision_layers=tuple(high_precision_layers), load_format=load_format,
             enforce_eager=enforce_eager, cuda_graph_sizes=cuda_graph_sizes, cuda_graph_max_len=cuda_graph_max_len,
-            cache_memory_fraction=cache_memory_fraction, num_threads=num_threads,
+            cuda_graph_prefill_tokens=cuda_graph_prefill_tokens, cache_memory_fraction=cache_memory_fraction, num_threads=num_threads,
             enable_prefix_caching=enable_prefix_caching, prefix_snapshot_interval=prefix_snapshot_interval,
             num_prefix_snapshots=num_prefix_snapshots, async_scheduling=async_scheduling, host_cache_gib=host_cache_gib,
             tp=tp, ep=ep, pp=pp, num_redundant_experts=num_redundant_experts, eplb_interval=eplb_interval,

@@ -33,6 +33,7 @@ class ModelRunner:
         self.specs = [s for specs in self.layer_specs for s in specs]  # every spec, for planning
         self.buffers: StepBuffers | None = None
         self.graphs = None  # DecodeGraphs once captured
+        self.prefill_graphs = None  # PrefillGraphs once captured
         self._workspaces: list | None = None
         self.state_tensors: list[torch.Tensor] = []
         # the widest DSA selection a layer writes: the width of the step's selection buffer
@@ -74,9 +75,9 @@ class ModelRunner:
     def _buffers_for(self, tokens: int, seqs: int, blocks: int) -> StepBuffers:
         buf = self.buffers
         if buf is None or not buf.fits(tokens, seqs, blocks):
-            if self.graphs is not None:
+            if self.graphs is not None or self.prefill_graphs is not None:
                 raise RuntimeError(f"a step of {tokens} tokens, {seqs} sequences and {blocks} blocks exceeds the buffers "
-                                   "the decode graphs were captured with")
+                                   "the CUDA graphs were captured with")
             grow = (lambda have, need: max(have, need)) if buf is not None else (lambda have, need: need)
             self.reserve_buffers(grow(buf.max_tokens if buf else 0, tokens), grow(buf.max_seqs if buf else 0, seqs),
                                  grow(buf.max_blocks if buf else 0, blocks))
@@ -88,11 +89,17 @@ class ModelRunner:
         handles = [cache.handle(s.seq.seq_id) for s in scheduled]
         width = max((len(h.blocks) for h in handles), default=0) or 1
         rows = len(scheduled)
-        graph = None
-        if self.graphs is not None and not eager and all(s.num_tokens == 1 for s in scheduled):
-            graph = self.graphs.lookup(rows, width)
-            if graph is not None:
-                rows, width = graph  # padded to the captured size and block-table width
+        graphs = key = None
+        if not eager and all(s.num_tokens == 1 for s in scheduled):
+            graphs = self.graphs
+            key = graphs.lookup(rows, width) if graphs is not None else None
+            if key is not None:
+                rows, width = key  # padded to the captured size and block-table width
+        elif not eager and self.prefill_graphs is not None:
+            graphs = self.prefill_graphs
+            key = graphs.lookup(sum(s.num_tokens for s in scheduled), rows, width)
+            if key is not None:
+                rows, width = key[1:]  # then rows sequences, the padding one and the empty ones included
         ids, pos, slots, starts, lens, tables, state_slots, fresh, sample_rows = [], [], [], [], [], [], [], [], []
         rope = [] if self.mrope else None  # 1-D multimodal RoPE positions: index + the sequence's rope delta
         query_start = [0]
@@ -113,11 +120,19 @@ class ModelRunner:
             query_start.append(query_start[-1] + n)
             if s.samples:
                 sample_rows.append(query_start[-1] - 1)
-        for _ in range(rows - len(scheduled)):  # padding rows: one fresh token at position 0 in the null block/slot
-            ids.append(0), pos.append(0), slots.append(NULL_BLOCK * bs), starts.append(0), lens.append(1)
+        # padding: in a decode graph, sequences of one fresh token at position 0 in the null block and slot; in a
+        # prefill graph, one such sequence holds every row up to the capture's row count and the rest have none
+        pad = [1] * (rows - len(scheduled))
+        if key is not None and graphs is self.prefill_graphs:
+            pad = [key[0] - len(ids)] + [0] * (rows - len(scheduled) - 1)
+        for n in pad:
+            ids += [0] * n
+            pos += [0] * n
+            slots += [NULL_BLOCK * bs] * n
             if rope is not None:
-                rope.append(0)
-            state_slots.append(NULL_SLOT), fresh.append(True), query_start.append(query_start[-1] + 1)
+                rope += [0] * n
+            starts.append(0), lens.append(min(n, 1))
+            state_slots.append(NULL_SLOT), fresh.append(True), query_start.append(query_start[-1] + n)
         buf = self._buffers_for(len(ids), rows, width)
         buf.begin()
         batch = ForwardBatch(
@@ -129,7 +144,7 @@ class ModelRunner:
         if rope is not None:
             batch.rope_positions = buf.put("rope_positions", rope)
         buf.end()
-        batch.graph = graph
+        batch.graph, batch.graph_set = key, graphs if key is not None else None
         return batch
 
     def patch_inputs(self, batch: ForwardBatch, rows: list[int], src: list[int], tokens: torch.Tensor) -> None:
@@ -158,6 +173,25 @@ class ModelRunner:
         buf.end()
         return batch
 
+    def prefill_padding_batch(self, tokens: int, seqs: int, width: int, block_size: int) -> ForwardBatch:
+        """A prefill step of ``tokens`` rows in ``seqs`` sequences over ``width`` table columns, written into the
+        step buffers: what a prefill graph is captured with. Every row is the first sequence's (position 0, the
+        null block and slot), the others have none. Its plan has no host lengths."""
+        buf = self._buffers_for(tokens, seqs, width)
+        buf.begin()
+        query_start = [0] + [tokens] * seqs
+        batch = ForwardBatch(
+            buf.put("input_ids", [0] * tokens), buf.put("positions", [0] * tokens), query_start, None, None,
+            buf.put("slot_mapping", [NULL_BLOCK] * tokens), buf.put_table([], seqs, width),
+            buf.put("state_slots", [NULL_SLOT] * seqs), buf.put("logits_indices", []), block_size,
+            cu_seqlens=buf.put("cu_seqlens", query_start), fresh=buf.put("fresh", [True] * seqs),
+            topk_buffer=buf.topk[:tokens],
+        )
+        if self.mrope:
+            batch.rope_positions = buf.put("rope_positions", [0] * tokens)
+        buf.end()
+        return batch
+
     def before_step(self) -> None:
         """Packed-expert workspaces forget what they hold: a replayed graph may have overwritten them."""
         if self._workspaces is None:
@@ -170,5 +204,5 @@ class ModelRunner:
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [S, vocab] fp32 for the rows in ``batch.logits_indices``."""
         self.before_step()
-        hidden = self.graphs.replay(batch.graph) if batch.graph is not None else self.model(batch)
+        hidden = batch.graph_set.replay(batch.graph) if batch.graph is not None else self.model(batch)
         return self.model.compute_logits(hidden[batch.logits_indices])

@@ -168,6 +168,7 @@ def serve(args) -> int:
              "at once; platform %s", str(engine.dtype).removeprefix("torch."), plan.capacity_tokens, plan.num_blocks - 1,
              plan.block_size, plan.num_slots, engine.max_model_len, engine.scheduler.max_num_seqs, _platform(engine))
     log.info("decode steps: %s", engine.decode_mode)
+    log.info("prefill steps: %s", engine.prefill_mode)
     if plan.host_blocks or plan.host_snapshots:
         log.info("host cache tier: %d blocks (%d tokens) and %d state snapshots", plan.host_blocks,
                  plan.host_blocks * plan.block_size, plan.host_snapshots)

@@ -139,6 +139,8 @@ def add_engine_options(p) -> None:
                    help="decode batch sizes captured as CUDA graphs (default 1 2 4 8 16 24 .. --max-num-seqs)")
     e.add_argument("--cuda-graph-max-len", type=int, default=8192, metavar="L",
                    help="decode steps with a longer sequence run eagerly")
+    e.add_argument("--cuda-graph-prefill-tokens", type=int, default=2048, metavar="T",
+                   help="prefill and mixed steps of up to T rows replay CUDA graphs captured at load (0: eager)")
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the cached blocks and state snapshots of a prefix shared with an earlier request")
     e.add_argument("--prefix-snapshot-interval", type=int, default=512, metavar="T",

@@ -3,7 +3,7 @@
 ``kda_pooled`` runs fla-core's kernels when fla is installed (the optional ``cuda`` extra): decode rows with
 ``fused_recurrent_kda_fwd``, which reads and writes each sequence's state in the pool in place by its slot in
 one kernel; prefill and mixed chunks with ``chunk_kda`` over the step's packed rows (``cu_seqlens``) from the
-sequences' pooled states. fla's chunk kernel multiplies fp32 operands in TF32 (about 1e-3 relative), so fp32
+sequences' pooled states (in a captured prefill step, fla's graph mode: its chunk list built on the device). fla's chunk kernel multiplies fp32 operands in TF32 (about 1e-3 relative), so fp32
 activations keep the reference's chunk form unless ``DAYZERO_FLA_CHUNK=tf32`` allows it; ``DAYZERO_FLA_CHUNK=0``
 turns the chunk kernel off for every dtype (a comparison). Without fla,
 decode rows run the recurrent step in PyTorch (a gather, the update, one ``index_copy_`` back); prefill chunks
@@ -97,10 +97,14 @@ def kda_pooled_cuda(q, k, v, g, beta, scale: float, state_pool: torch.Tensor, ba
                                        ssm_state_indices=batch.state_slots, use_qk_l2norm_in_kernel=use_qk_l2norm,
                                        out=torch.empty_like(v1), **activate)  # every row is written: no zeros
         return o[:, 0]
-    cu_host = torch.tensor(batch.query_start, dtype=torch.int64)  # host lengths: no device read for the chunk list
+    if batch.host_lengths:  # the chunk list from the host lengths: no device read
+        lengths = dict(cu_seqlens_cpu=torch.tensor(batch.query_start, dtype=torch.int64))
+    else:  # a captured step: fla's graph mode builds a fixed-size chunk list on the device (one entry per chunk
+        # of the step's rows, plus one per sequence, the rest marked empty)
+        lengths = dict(use_graph=True, max_num_seqs=batch.num_seqs)
     o, state = chunk_kda(q[None], k[None], v[None], g[None], beta[None], scale=scale,
                          initial_state=pooled_state(state_pool, batch).contiguous(), output_final_state=True,
-                         use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=batch.cu_seqlens, cu_seqlens_cpu=cu_host)
+                         use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=batch.cu_seqlens, **lengths)
     state_pool.index_copy_(0, batch.state_slots, state.float())
     return o[0].to(v.dtype)
 
