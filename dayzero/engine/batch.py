@@ -115,7 +115,6 @@ class ForwardBatch:
         self.images = None
         self.rope_positions: torch.Tensor | None = None
         self._key_slots: list[torch.Tensor] | None = None
-        self._seq_of_row: torch.Tensor | None = None
 
     # --- the step's shape (fixed for a captured graph) ---------------------------------------------
     @property
@@ -153,10 +152,13 @@ class ForwardBatch:
     def seq_of_row(self) -> torch.Tensor:
         """[T] int64: the sequence (row of ``block_tables``) each query row belongs to, found on the device from
         ``cu_seqlens`` (no host read; computed once per step, shared by layers)."""
-        if self._seq_of_row is None:
+        # in the pass's memo, not on the batch: a captured pass must compute it inside the capture (a tensor kept
+        # from the warm pass before it would be freed, and read by every replay)
+        seq_of_row = self.memo.get("seq_of_row")
+        if seq_of_row is None:
             rows = torch.arange(self.num_tokens, device=self.cu_seqlens.device)
-            self._seq_of_row = torch.searchsorted(self.cu_seqlens[1:], rows, right=True)
-        return self._seq_of_row
+            seq_of_row = self.memo["seq_of_row"] = torch.searchsorted(self.cu_seqlens[1:], rows, right=True)
+        return seq_of_row
 
     def topk_buffer(self, topk: int) -> torch.Tensor:
         """The step's [T, topk] selection buffer (a view of the runner's persistent one when it gave one)."""

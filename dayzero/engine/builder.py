@@ -108,7 +108,7 @@ def assemble(model, device: torch.device, dtype: torch.dtype, *, block_size: int
     block_size = block_size or auto_block_size(runner.specs)
     max_blocks = -(-max_model_len // block_size)
     graphs_on = cuda_graphs and device.type == "cuda"
-    sizes = widths = None
+    sizes = widths = prefill_failure = None
     graph_bytes = 0
     # prefill graphs: steps of up to this many rows (never more than a step holds)
     prefill_tokens = prefill_token_buckets(min(cuda_graph_prefill_tokens, max_num_batched_tokens)) if graphs_on else []
@@ -116,7 +116,13 @@ def assemble(model, device: torch.device, dtype: torch.dtype, *, block_size: int
         sizes = sorted(s for s in (cuda_graph_sizes or default_sizes(max_num_seqs)) if 1 <= s <= max_num_seqs)
         widths = default_widths(max_blocks, block_size, min(max_model_len, cuda_graph_max_len))
         largest = (prefill_tokens[-1], prefill_seats(max_num_seqs)[-1], widths[-1]) if prefill_tokens else None
-        graph_bytes = measure_step_bytes(runner, sizes[-1], widths[-1], block_size, largest)
+        try:
+            graph_bytes = measure_step_bytes(runner, sizes[-1], widths[-1], block_size, largest)
+        except Exception as e:  # noqa: BLE001 - the padded prefill step cannot run as captured: eager prefill
+            if largest is None:
+                raise
+            prefill_tokens, prefill_failure = [], _failure("prefill", e)
+            graph_bytes = measure_step_bytes(runner, sizes[-1], widths[-1], block_size)
     scratch = prefill_scratch_bytes(model, max_num_batched_tokens, max_model_len) + extra_scratch_bytes
     if budget_bytes is None and num_cache_blocks is None:
         budget_bytes = int(available_memory(device) * memory_fraction) - graph_bytes - scratch
@@ -142,7 +148,7 @@ def assemble(model, device: torch.device, dtype: torch.dtype, *, block_size: int
     max_seqs = min(max_num_seqs, plan.num_slots)
     # one sequence more than the seats: a captured prefill step's padding rows are a sequence of their own
     runner.reserve_buffers(max(max_num_batched_tokens, max_seqs), max_seqs + bool(prefill_tokens), max_blocks)
-    note, prefill_note = "eager", "eager"
+    note, prefill_note = "eager", prefill_failure or "eager"
     if graphs_on:
         sizes = [s for s in sizes if s <= max_seqs] or [max_seqs]
         pool = None
@@ -164,6 +170,12 @@ def assemble(model, device: torch.device, dtype: torch.dtype, *, block_size: int
     return Assembled(runner, cache, plan, note, prefill_note)
 
 
+def _failure(kind: str, e: Exception) -> str:
+    note = f"eager ({kind} graph capture failed: {type(e).__name__}: {str(e).splitlines()[0][:300]})"
+    log.warning("%s steps run eagerly: %s", kind, note)
+    return note
+
+
 def _capture(graphs, device: torch.device, pool=None) -> tuple[str, bool]:
     """Capture a graph set: (how its steps run, whether they replay). A failure leaves the steps eager."""
     try:
@@ -171,9 +183,7 @@ def _capture(graphs, device: torch.device, pool=None) -> tuple[str, bool]:
     except Exception as e:  # noqa: BLE001 - any failure leaves the engine correct, only slower
         torch.cuda.synchronize(device)
         graphs.graphs.clear()
-        note = f"eager ({graphs.kind} graph capture failed: {type(e).__name__}: {str(e).splitlines()[0][:300]})"
-        log.warning("%s steps run eagerly: %s", graphs.kind, note)
-        return note, False
+        return _failure(graphs.kind, e), False
     if graphs.kind == "prefill":
         return (f"CUDA graphs for steps of up to {graphs.tokens[-1]} rows in 1 or up to {graphs.seats[-1] - 1} "
                 f"sequences ({len(graphs.graphs)} graphs, {graphs.seconds:.1f} s)"), True

@@ -71,19 +71,21 @@ def measure_step_bytes(runner, size: int, width: int, block_size: int,
     if prefill is not None:
         steps.append(lambda: runner.prefill_padding_batch(*prefill, block_size))
     peak = 0
-    for make in steps:
-        batch = make()
-        torch.cuda.synchronize(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        base = torch.cuda.memory_allocated(dev)
-        runner.before_step()
-        runner.model(batch)
-        torch.cuda.synchronize(dev)
-        peak = max(peak, torch.cuda.max_memory_allocated(dev) - base)
-    for _, layer in runner.layers:  # the stand-in cache goes; the planned one replaces it
-        layer.bind_cache(None)
-    runner.buffers = None
-    torch.cuda.empty_cache()
+    try:
+        for make in steps:
+            batch = make()
+            torch.cuda.synchronize(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+            base = torch.cuda.memory_allocated(dev)
+            runner.before_step()
+            runner.model(batch)
+            torch.cuda.synchronize(dev)
+            peak = max(peak, torch.cuda.max_memory_allocated(dev) - base)
+    finally:
+        for _, layer in runner.layers:  # the stand-in cache goes; the planned one replaces it
+            layer.bind_cache(None)
+        runner.buffers = None
+        torch.cuda.empty_cache()
     return int(peak * 1.25) + (64 << 20)  # allocator rounding and per-graph bookkeeping
 
 

@@ -125,6 +125,11 @@ class TrainBatch(ForwardBatch):
         self.losses: dict[str, list[torch.Tensor]] = {}
         self.pending_indexer: tuple | None = None  # (q, weights, keys) of the DSA layer running now
 
+    @property
+    def seq_of_row(self) -> torch.Tensor:
+        """[T]: each row's sequence, made with the batch (a training step is never captured)."""
+        return self._seq_of_row
+
     # block size 1, block table = the sequence's own rows (built only when a reference op asks for it)
     @property
     def block_tables(self) -> torch.Tensor:

@@ -29,9 +29,7 @@ class EagerReplay(PrefillGraphs):
             self.graphs[key] = (batch, None)
 
     def replay(self, key):
-        batch = self.graphs[key][0]
-        batch._seq_of_row = batch._key_slots = None  # a graph recomputes these from the buffers
-        batch.selection, batch.selection_set = None, False
+        batch = self.graphs[key][0]  # what the pass computes once for its layers is recomputed, as in a graph
         self.replays += 1
         return self.output(key, self.runner.model(batch))
 
