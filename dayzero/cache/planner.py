@@ -42,7 +42,7 @@ class CachePlan:
     num_slots: int
     bytes_per_block: int
     bytes_per_slot: int
-    graph_bytes: int = 0  # what the decode CUDA graphs hold beside the cache (taken from the budget)
+    graph_bytes: int = 0  # what the decode and prefill CUDA graphs hold beside the cache (taken from the budget)
     scratch_bytes: int = 0  # transient prefill scratch beside the cache (indexer scores, MLA; from the budget)
     num_snapshots: int = 0  # prefix-cache state snapshots: rows of the state tensors after the slots
     host_blocks: int = 0  # the prefix cache's host tier: evicted blocks and snapshots kept in pinned host memory

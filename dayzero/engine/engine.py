@@ -457,7 +457,8 @@ class LLMEngine:
         return self.cache.usage()
 
     def stats(self) -> dict:
-        """Counters for metrics: queue lengths, cache use, preemptions, aborts, and the expert loads (read from
+        """Counters for metrics: queue lengths, cache use, preemptions, aborts, model steps by kind (decode,
+        prefill) and how they ran (a replayed CUDA graph, eager), and the expert loads (read from
         the device at most once a second while requests run, as decoder layer index -> pairs per expert: a read
         waits for the queued steps)."""
         now = time.monotonic()
@@ -468,6 +469,7 @@ class LLMEngine:
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
             "preemptions": self.scheduler.num_preemptions, "aborts": self.num_aborted, **self.cache.usage(),
             "expert_load": self._load_read[1], "ep_size": self.parallel.ep_size,
+            "model_steps": dict(self.runner.step_counts),
             **(self.images.stats() if self.images is not None else {"encoder_runs": 0, "encoder_cache_hits": 0}),
         }
 

@@ -34,6 +34,8 @@ class ModelRunner:
         self.buffers: StepBuffers | None = None
         self.graphs = None  # DecodeGraphs once captured
         self.prefill_graphs = None  # PrefillGraphs once captured
+        # steps run, by kind ("decode": one row per sequence; "prefill": any other) and how ("graph": replayed)
+        self.step_counts = {(kind, how): 0 for kind in ("decode", "prefill") for how in ("graph", "eager")}
         self._workspaces: list | None = None
         self.state_tensors: list[torch.Tensor] = []
         # the widest DSA selection a layer writes: the width of the step's selection buffer
@@ -204,5 +206,6 @@ class ModelRunner:
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [S, vocab] fp32 for the rows in ``batch.logits_indices``."""
         self.before_step()
+        self.step_counts["decode" if batch.is_decode else "prefill", "eager" if batch.graph is None else "graph"] += 1
         hidden = batch.graph_set.replay(batch.graph) if batch.graph is not None else self.model(batch)
         return self.model.compute_logits(hidden[batch.logits_indices])

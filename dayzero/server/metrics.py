@@ -64,6 +64,12 @@ class _EngineCollector:
             c = CounterMetricFamily(name, doc)
             c.add_metric([], s.get(key, 0))
             yield c
+        steps = CounterMetricFamily("dayzero_model_steps", "Model forward passes, by kind (decode: one row per "
+                                    "sequence; prefill: any other, mixed included) and mode (graph: a replayed "
+                                    "CUDA graph; eager)", labels=["kind", "mode"])
+        for (kind, mode), n in sorted((s.get("model_steps") or {}).items()):
+            steps.add_metric([kind, mode], n)
+        yield steps
         yield from _expert_families(s.get("expert_load") or {}, s.get("ep_size", 1))
 
 

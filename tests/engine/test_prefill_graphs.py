@@ -131,6 +131,7 @@ def test_replayed_prefill_gives_the_plain_engines_tokens(family, chunk, tmp_path
     graphs = with_replayed_prefill(replayed, [16, 64], [8, 32])
     got = [[o.outputs[0].token_ids for o in replayed.generate(ps, sp)] for _ in range(2)]
     assert graphs.replays >= 2
+    assert replayed.engine.stats()["model_steps"]["prefill", "graph"] == graphs.replays
     assert got == want
 
 

@@ -67,6 +67,11 @@ def test_completion_and_usage(server, client):
     assert after["dayzero_generation_tokens_total"] - before["dayzero_generation_tokens_total"] == 7
     assert after["dayzero_prompt_tokens_total"] - before["dayzero_prompt_tokens_total"] == 19
     assert after["dayzero_time_to_first_token_seconds_count"] > before["dayzero_time_to_first_token_seconds_count"]
+    # the CPU server runs every step eagerly: one prefill step and a decode step per token after the first
+    steps = {k: after[k] - before.get(k, 0) for k in after if k.startswith("dayzero_model_steps_total{")}
+    assert steps["dayzero_model_steps_total{kind=prefill,mode=eager}"] >= 1
+    assert steps["dayzero_model_steps_total{kind=decode,mode=eager}"] == 6
+    assert not any(v for k, v in steps.items() if "mode=graph" in k)
     # the bundled model's MoE layers count every routed (token, expert) pair: top-k per MoE layer for each of the
     # 25 tokens run (the prompt's 19, then 6 of the 7 sampled: the last is not fed back)
     routed = after["dayzero_ep_rank_routed_tokens_total{rank=0}"] - before["dayzero_ep_rank_routed_tokens_total{rank=0}"]
