@@ -51,7 +51,7 @@ def test_engine_options_reach_llm(monkeypatch, capsys):
             "--cache-memory-fraction", "0.25", "--kv-cache-dtype", "int8", "--index-cache-dtype", "fp8",
             "--expert-compute", "fp8",
             "--high-precision-layers", "0", "2", "--enforce-eager", "--cuda-graph-sizes", "1", "4",
-            "--cuda-graph-max-len", "512", "--no-enable-prefix-caching", "--prefix-snapshot-interval", "256",
+            "--cuda-graph-max-len", "512", "--cuda-graph-prefill-tokens", "256", "--no-enable-prefix-caching", "--prefix-snapshot-interval", "256",
             "--num-prefix-snapshots", "5", "--async-scheduling", "--host-cache-gib", "1.5", "--tp", "2", "--ep", "2",
             "--pp", "2", "--num-redundant-experts", "4", "--eplb-interval", "100", "--distributed-host", "10.0.0.1", "--distributed-port", "29555"]
     assert cli.main(argv) == 1  # the fake LLM stops the run
@@ -61,7 +61,7 @@ def test_engine_options_reach_llm(monkeypatch, capsys):
                    "cache_memory_fraction": 0.25, "kv_cache_dtype": "int8", "index_cache_dtype": "fp8",
                    "expert_compute": "fp8",
                    "high_precision_layers": [0, 2], "enforce_eager": True, "cuda_graph_sizes": [1, 4],
-                   "cuda_graph_max_len": 512, "enable_prefix_caching": False, "prefix_snapshot_interval": 256,
+                   "cuda_graph_max_len": 512, "cuda_graph_prefill_tokens": 256, "enable_prefix_caching": False, "prefix_snapshot_interval": 256,
                    "num_prefix_snapshots": 5, "async_scheduling": True, "host_cache_gib": 1.5, "tp": 2, "ep": 2,
                    "pp": 2, "num_redundant_experts": 4, "eplb_interval": 100, "distributed_host": "10.0.0.1", "distributed_port": 29555}
 

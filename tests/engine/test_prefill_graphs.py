@@ -114,10 +114,13 @@ def _family_dir(name: str, tmp_path, tiny_ckpt) -> str:
     return str(tmp_path)
 
 
-# KDA + DSA + MoE in mixed steps; MLA with the indexer, and KDA with NoPE MLA, in steps of up to 64 rows
-@pytest.mark.parametrize("family,chunk", [("dayzero_hybrid", 7), ("deepseek_v32", 64), ("kimi_linear", 64),
-                                          ("qwen3_next", 7)])
-def test_replayed_prefill_gives_the_plain_engines_tokens(family, chunk, tmp_path, tiny_ckpt, monkeypatch):
+# KDA + DSA + MoE in mixed steps; MLA with the indexer, and KDA with NoPE MLA, in steps of up to 64 rows; Gated
+# DeltaNet and gated attention in mixed steps; mixed steps overlapped with the next (decode rows' inputs written
+# into the step buffers on the device from the previous step's samples, after the batch is built)
+@pytest.mark.parametrize("family,chunk,overlap", [("dayzero_hybrid", 7, False), ("deepseek_v32", 64, False),
+                                                  ("kimi_linear", 64, False), ("qwen3_next", 7, False),
+                                                  ("kimi_linear", 7, True)])
+def test_replayed_prefill_gives_the_plain_engines_tokens(family, chunk, overlap, tmp_path, tiny_ckpt, monkeypatch):
     """Greedy tokens of prompts of 1..29 tokens, prefilled in steps of up to 64 rows or in chunks of 7 (mixed
     steps), and a second round served from the prefix cache: equal to the engine that runs every step eagerly,
     with the prefill steps replayed."""
@@ -127,7 +130,7 @@ def test_replayed_prefill_gives_the_plain_engines_tokens(family, chunk, tmp_path
     plain = _engine(path, max_num_batched_tokens=chunk)
     ps = prompts(5, plain.engine.model_config.vocab_size, 5)
     want = [[o.outputs[0].token_ids for o in plain.generate(ps, sp)] for _ in range(2)]
-    replayed = _engine(path, max_num_batched_tokens=chunk)
+    replayed = _engine(path, max_num_batched_tokens=chunk, async_scheduling=overlap)
     graphs = with_replayed_prefill(replayed, [16, 64], [8, 32])
     got = [[o.outputs[0].token_ids for o in replayed.generate(ps, sp)] for _ in range(2)]
     assert graphs.replays >= 2
