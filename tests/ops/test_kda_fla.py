@@ -79,3 +79,24 @@ def test_the_gate_applied_by_the_op_equals_the_reference(step, lower):
     assert_close(out.float(), ref, RTOL[torch.bfloat16], "o")
     used = batch.state_slots
     assert_close(pool[used], ref_pool[used], RTOL[torch.bfloat16], "states")
+
+
+@pytest.mark.parametrize("step", ["prefill", "mixed"])
+def test_graph_mode_equals_host_lengths(step):
+    """A step without host lengths (a captured one) runs fla's graph mode, its chunk list built on the device: the
+    same outputs and states as the step with them."""
+    from dayzero.engine.batch import StepPlan
+
+    starts, news = STEPS[step]
+    H, K = 4, 128
+    outs = []
+    for host in (True, False):
+        batch = to_cuda(make_batch(starts, news, 16, seed=3))
+        if not host:
+            batch.plan = StepPlan(batch.plan.query_start, None, None, batch.plan.block_size)
+        assert batch.host_lengths == host
+        pool = torch.randn(17, H, K, K, generator=torch.Generator().manual_seed(1)).cuda() * 0.1
+        q, k, v, g, beta = (x.cuda() for x in delta_inputs(batch.num_tokens, H, K, K, 5))
+        q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+        outs.append((kda_dev.kda_pooled_cuda(q, k, v, g, beta, K**-0.5, pool, batch), pool[batch.state_slots]))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
