@@ -1,6 +1,6 @@
 """Prefill and mixed steps replayed from graphs, checked on any machine: the shapes captured, how a step finds its
 capture, and the padded layout replayed (one padding sequence, then sequences with no rows) giving the plain
-engine's tokens and logits. On a CPU a "replay" runs the captured batch eagerly: the same ops over the same step
+engine's tokens and logits, with decode steps replayed the same way. On a CPU a "replay" runs the captured batch eagerly: the same ops over the same step
 buffers, shapes and plan (no host lengths) as a CUDA graph replays, with the device implementations chosen as on
 a GPU (Triton kernels through the interpreter)."""
 from __future__ import annotations
@@ -12,14 +12,14 @@ import torch
 
 from dayzero import LLM, SamplingParams
 from dayzero.engine.batch import HostLengthsUnavailable
-from dayzero.engine.cuda_graphs import PrefillGraphs, prefill_seats, prefill_token_buckets
+from dayzero.engine.cuda_graphs import DecodeGraphs, PrefillGraphs, prefill_seats, prefill_token_buckets
 from dayzero.engine.engine import EngineConfig
 from dayzero.ops import registry
 from tests.engine.families import hf_config, prompts
 
 
-class EagerReplay(PrefillGraphs):
-    """``PrefillGraphs`` whose capture keeps each padded batch (after the warm pass every capture makes) and whose
+class EagerReplayMixin:
+    """A graph set whose capture keeps each padded batch (after the warm pass every capture makes) and whose
     replay runs it again over whatever the step buffers hold."""
 
     def capture(self, pool=None) -> None:
@@ -32,6 +32,14 @@ class EagerReplay(PrefillGraphs):
         batch = self.graphs[key][0]  # what the pass computes once for its layers is recomputed, as in a graph
         self.replays += 1
         return self.output(key, self.runner.model(batch))
+
+
+class EagerReplay(EagerReplayMixin, PrefillGraphs):
+    pass
+
+
+class EagerDecodeReplay(EagerReplayMixin, DecodeGraphs):
+    pass
 
 
 def with_replayed_prefill(llm: LLM, tokens: list[int], widths: list[int]) -> EagerReplay:
@@ -162,3 +170,24 @@ def test_replayed_prefill_logits_match(tiny_ckpt, monkeypatch):
         wa, wb = a.outputs[0].top_logprobs[0], b.outputs[0].top_logprobs[0]
         assert [t for t, _ in wa] == [t for t, _ in wb]
         assert torch.allclose(torch.tensor([v for _, v in wa]), torch.tensor([v for _, v in wb]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["dayzero_hybrid", "deepseek_v32"])
+def test_replayed_decode_and_prefill_give_the_plain_engines_tokens(family, tmp_path, tiny_ckpt, monkeypatch):
+    """Decode steps replayed too (padded to batch sizes 2 and 8, block-table widths 8 and 32): with every step
+    replayed that fits a capture, greedy tokens equal the plain engine's."""
+    monkeypatch.setattr(registry, "platform_of", lambda device: "cuda")
+    path = _family_dir(family, tmp_path, tiny_ckpt)
+    sp = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    plain = _engine(path, max_num_batched_tokens=64)
+    ps = prompts(5, plain.engine.model_config.vocab_size, 21)
+    want = [o.outputs[0].token_ids for o in plain.generate(ps, sp)]
+    replayed = _engine(path, max_num_batched_tokens=64)
+    prefill = with_replayed_prefill(replayed, [64], [8, 32])
+    runner = replayed.engine.runner
+    decode = EagerDecodeReplay(runner, [2, 8], [8, 32], replayed.engine.cache.block_size)
+    decode.capture()
+    runner.graphs = decode
+    got = [o.outputs[0].token_ids for o in replayed.generate(ps, sp)]
+    assert prefill.replays >= 1 and decode.replays >= 4
+    assert got == want
