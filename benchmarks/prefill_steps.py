@@ -21,12 +21,16 @@ import io
 import json
 import pstats
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from dayzero import LLM, SamplingParams
-from engine_throughput import active_params, measured_ceilings
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_throughput import active_params, measured_ceilings  # noqa: E402
 
 
 def _sync(dev) -> None:
@@ -61,7 +65,7 @@ def host_profile(eng, ids: list[int], dev, path: str) -> None:
         f.write(out.getvalue())
 
 
-def main() -> None:
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/dayzero-small.json")
     ap.add_argument("--device", default="auto")
@@ -72,7 +76,7 @@ def main() -> None:
     ap.add_argument("--cprofile-len", type=int, default=512)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     extra = {"enforce_eager": True} if args.enforce_eager else {}
     longest = max(args.lengths + [args.cprofile_len])
@@ -112,11 +116,12 @@ def main() -> None:
         host_profile(eng, draw(args.cprofile_len), dev, args.cprofile)
         runner.prefill_graphs = graphs
         print(f"host profile of an eager {args.cprofile_len}-token step: {args.cprofile}")
+    result = {"config": args.config, "device": str(dev), "rows": rows, "capture_s": getattr(graphs, "seconds", 0),
+              "graph_bytes": getattr(graphs, "nbytes", 0), "prefill_mode": getattr(eng, "prefill_mode", "eager")}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"config": args.config, "device": str(dev), "rows": rows, "capture_s": getattr(graphs, "seconds", 0),
-                       "graph_bytes": getattr(graphs, "nbytes", 0),
-                       "prefill_mode": getattr(eng, "prefill_mode", "eager")}, f, indent=2)
+            json.dump(result, f, indent=2)
+    return result
 
 
 if __name__ == "__main__":
