@@ -149,6 +149,8 @@ def assemble(model, device: torch.device, dtype: torch.dtype, *, block_size: int
     # one sequence more than the seats: a captured prefill step's padding rows are a sequence of their own
     runner.reserve_buffers(max(max_num_batched_tokens, max_seqs), max_seqs + bool(prefill_tokens), max_blocks)
     note, prefill_note = "eager", prefill_failure or "eager"
+    if graphs_on and not prefill_tokens and prefill_failure is None:
+        prefill_note = "eager (cuda_graph_prefill_tokens=0)"
     if graphs_on:
         sizes = [s for s in sizes if s <= max_seqs] or [max_seqs]
         pool = None
@@ -161,8 +163,6 @@ def assemble(model, device: torch.device, dtype: torch.dtype, *, block_size: int
         note, ok = _capture(graphs, device, pool)
         if ok:
             runner.graphs = graphs
-            note = (f"CUDA graphs for batch sizes {sizes[0]}..{sizes[-1]} ({len(sizes)}) and contexts up to "
-                    f"{widths[-1] * block_size} tokens, {graphs.nbytes / 2**20:.0f} MiB")
         held = sum(g.nbytes for g in (runner.graphs, runner.prefill_graphs) if g is not None)
         plan = replace(plan, graph_bytes=held)
     elif cuda_graphs:
@@ -184,7 +184,4 @@ def _capture(graphs, device: torch.device, pool=None) -> tuple[str, bool]:
         torch.cuda.synchronize(device)
         graphs.graphs.clear()
         return _failure(graphs.kind, e), False
-    if graphs.kind == "prefill":
-        return (f"CUDA graphs for steps of up to {graphs.tokens[-1]} rows in 1 or up to {graphs.seats[-1] - 1} "
-                f"sequences ({len(graphs.graphs)} graphs, {graphs.seconds:.1f} s)"), True
-    return "", True
+    return graphs.note(), True

@@ -146,6 +146,10 @@ class _StepGraphs:
     def describe(self) -> str:
         return ""
 
+    def note(self) -> str:
+        """How the steps these graphs cover run, once captured."""
+        raise NotImplementedError
+
     def replay(self, key: tuple) -> torch.Tensor:
         graph, out = self.graphs[key]
         graph.replay()
@@ -176,6 +180,10 @@ class DecodeGraphs(_StepGraphs):
 
     def describe(self) -> str:
         return f"batch sizes {self.sizes}, block-table widths {self.widths}"
+
+    def note(self) -> str:
+        return (f"CUDA graphs for batch sizes {self.sizes[0]}..{self.sizes[-1]} ({len(self.sizes)}) and contexts up "
+                f"to {self.widths[-1] * self.block_size} tokens, {self.nbytes / 2**20:.0f} MiB")
 
 
 def prefill_token_buckets(max_tokens: int, min_tokens: int = 32) -> list[int]:
@@ -216,7 +224,7 @@ class PrefillGraphs(_StepGraphs):
         super().__init__(runner, block_size)
         self.tokens, self.seats, self.widths = sorted(set(tokens)), sorted(set(seats)), sorted(set(widths))
         self.out: torch.Tensor | None = None
-        self._order: list[tuple[int, int, int]] | None = None
+        self._order = sorted(self.keys())  # smallest first, for lookup
 
     def keys(self) -> list[tuple[int, int, int]]:
         """Every (rows, sequences, width) that a step can need: a width is captured for a row bucket when a
@@ -232,8 +240,6 @@ class PrefillGraphs(_StepGraphs):
     def lookup(self, num_tokens: int, num_seqs: int, width: int) -> tuple[int, int, int] | None:
         """The smallest captured (rows, sequences, width) a step of ``num_tokens`` rows in ``num_seqs`` sequences
         over ``width`` table columns fits in (one sequence more for its padding rows), or None (it runs eagerly)."""
-        if self._order is None:
-            self._order = sorted(self.graphs or self.keys())
         return next((k for k in self._order if k[0] >= num_tokens and k[1] > num_seqs and k[2] >= width), None)
 
     def padding_batch(self, key: tuple[int, int, int]):
@@ -249,3 +255,7 @@ class PrefillGraphs(_StepGraphs):
 
     def describe(self) -> str:
         return f"rows {self.tokens}, sequences {self.seats}, block-table widths {self.widths}"
+
+    def note(self) -> str:
+        return (f"CUDA graphs for steps of up to {self.tokens[-1]} rows in 1 or up to {self.seats[-1] - 1} sequences "
+                f"({len(self.graphs)} graphs, {self.seconds:.1f} s)")

@@ -199,8 +199,6 @@ class LLMEngine:
             self.decode_mode = self.prefill_mode = "eager (expert parallelism reads its all-to-all split sizes on the host)"
         elif self.device.type == "cuda" and not config.enforce_eager and parallel.pp_size > 1:
             self.decode_mode = self.prefill_mode = "eager (pipeline stages are not captured yet)"
-        elif not config.cuda_graph_prefill_tokens and self.prefill_mode == "eager":
-            self.prefill_mode = "eager (cuda_graph_prefill_tokens=0)"
         self.scheduler = Scheduler(self.cache, min(config.max_num_seqs, self.cache_plan.num_slots), config.max_num_batched_tokens)
         self.images = None if family is None else ImageRunner(
             family, self.model.visual, processor, raw, self.device, self.dtype, cache_tokens=cache_tokens)

@@ -97,9 +97,9 @@ def kda_pooled_cuda(q, k, v, g, beta, scale: float, state_pool: torch.Tensor, ba
                                        ssm_state_indices=batch.state_slots, use_qk_l2norm_in_kernel=use_qk_l2norm,
                                        out=torch.empty_like(v1), **activate)  # every row is written: no zeros
         return o[:, 0]
-    if getattr(batch, "host_lengths", True):  # the chunk list from the host lengths: no device read. One host tensor for the pass:
+    if batch.host_lengths:  # the chunk list from the host lengths: no device read. One host tensor for the pass:
         # fla caches the chunk list by the identity of its inputs, so the step's other KDA layers reuse it
-        memo = getattr(batch, "memo", {})
+        memo = batch.memo
         if "cu_seqlens_cpu" not in memo:
             memo["cu_seqlens_cpu"] = torch.tensor(batch.query_start, dtype=torch.int64)
         lengths = dict(cu_seqlens_cpu=memo["cu_seqlens_cpu"])
