@@ -11,7 +11,9 @@ Each token goes to top-k experts drawn uniformly at random (fixed seed); rows = 
 FP8 ``BlockScaled`` (E2M1 codes are exact in e4m3), packed ``PackedMXFP4`` read by the kernels (``fused``).
 Variants: ``triton-bf16``, ``grouped_mm-bf16`` (torch, where it runs), ``triton-fp8`` (BlockScaled),
 ``triton-mxfp4`` (fused), ``convert`` (``ExpertWorkspace`` converting one layer MXFP4 -> FP8, timed alone) and
-``reference`` (the per-expert loop, small token counts only). Columns: time, TFLOP/s and % of the bf16 matmul
+``reference`` (the per-expert loop, small token counts only); for steps of at most ``direct_max_pairs`` pairs
+also the whole routed op (expert outputs weighted and summed per token): ``direct-bf16`` / ``-fp8`` / ``-mxfp4``
+(the unsorted kernels) beside ``sorted-bf16`` (sort, grouped kernels, weighted gather). Columns: time, TFLOP/s and % of the bf16 matmul
 peak (2 x rows x L x I x 3 FLOPs, gated SiLU), GB/s of expert weights read (the experts hit, in the variant's
 format; for ``convert`` packed read + FP8 written) and % of the copy bandwidth. CUDA events, after a warm-up.
 
@@ -33,7 +35,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for benchmarks.* below
 from benchmarks.timing import ceilings, timer  # noqa: E402
 
-FORMATS = ("triton-bf16", "grouped_mm-bf16", "triton-fp8", "triton-mxfp4", "convert", "reference")
+FORMATS = ("triton-bf16", "grouped_mm-bf16", "triton-fp8", "triton-mxfp4", "convert", "reference", "direct-bf16",
+           "direct-fp8", "direct-mxfp4", "sorted-bf16")
 BYTES_PER_WEIGHT = {"bf16": 2.0, "fp8": 1 + 4 / 32, "mxfp4": 0.5 + 1 / 32}
 
 
@@ -64,16 +67,40 @@ def routed_rows(T: int, E: int, k: int, L: int, device: str, seed: int):
     ids = torch.rand(T, E, generator=g, device=device).topk(k, dim=-1).indices  # k distinct experts per token
     order, offsets = permute(ids, E)
     x = torch.randn(T, L, generator=g, device=device).to(torch.bfloat16)
-    return x[order // k], offsets, int(ids.unique().numel())
+    weights = torch.rand(T, k, generator=g, device=device)
+    return x[order // k], offsets, int(ids.unique().numel()), (x, ids, weights)
 
 
-def variants(w, xs, offsets, formats, ref_ok: bool):
+def whole_op_variants(w, routing, formats) -> dict:
+    """The whole routed op (the tokens' k experts, weighted and summed) for few pairs: ``direct-*`` (the unsorted
+    kernels) and ``sorted-bf16`` (sort, the grouped kernels, the weighted gather), side by side."""
+    from dayzero.ops.moe import direct_kernels as D
+    from dayzero.ops.moe import permute_kernels, unpermute_kernels
+    from dayzero.ops.moe import triton_moe as T
+
+    x, ids, weights = routing
+    out = {}
+    for name, fmt in (("direct-bf16", "bf16"), ("direct-fp8", "fp8"), ("direct-mxfp4", "mxfp4")):
+        w1, w2 = w["w1"][fmt], w["w2"][fmt]
+        if name in formats and D.refusal(x, ids, weights, w1, w2) is None:
+            out[name] = fmt, lambda w1=w1, w2=w2: D.moe_experts_direct(x, ids, weights, w1, w2)
+    w1, w2 = w["w1"]["bf16"], w["w2"]["bf16"]
+    if "sorted-bf16" in formats and out and permute_kernels.refusal(ids, w1.shape[0]) is None:
+        def sorted_op():
+            order, offsets = permute_kernels.permute(ids, w1.shape[0])
+            ys = T.moe_experts_grouped(x, offsets, w1, w2, order=order, top_k=ids.shape[1])
+            return unpermute_kernels.unpermute(ys, order, weights, x.shape[0])
+        out["sorted-bf16"] = "bf16", sorted_op
+    return out
+
+
+def variants(w, xs, offsets, formats, ref_ok: bool, routing=None):
     """name -> (format of the weights read, fn) for the variants that can run these rows."""
     from dayzero.ops.moe import cuda as moe_cuda
     from dayzero.ops.moe import reference
     from dayzero.ops.moe import triton_moe as T
 
-    out = {}
+    out = whole_op_variants(w, routing, formats) if routing is not None else {}
     for name, fmt in (("triton-bf16", "bf16"), ("triton-fp8", "fp8"), ("triton-mxfp4", "mxfp4")):
         w1, w2 = w["w1"][fmt], w["w2"][fmt]
         if name in formats and T.refusal(xs, offsets, w1, w2) is None:
@@ -115,7 +142,7 @@ def tune(args, w, E, L, I, timed, table: dict) -> None:
         w1, w2 = w["w1"][fmt], w["w2"][fmt]
         entry = table.setdefault(T.table_key(T.format_key(w1, w2), E, L, I), {})
         for tokens in args.tokens:
-            xs, offsets, _ = routed_rows(tokens, E, args.top_k, L, args.device, seed=tokens)
+            xs, offsets, _, _ = routed_rows(tokens, E, args.top_k, L, args.device, seed=tokens)
             if T.refusal(xs, offsets, w1, w2) is not None:
                 continue
             best = T.default_config(xs.shape[0], E)
@@ -150,8 +177,9 @@ def bench_layer(args, w, E: int, L: int, I: int, timed, bw: float, flops: float)
     print(f"\nE {E}, top-{args.top_k}, L {L}, I {I}\n{HEADER}")
     out = []
     for tokens in args.tokens:
-        xs, offsets, hit = routed_rows(tokens, E, args.top_k, L, args.device, seed=tokens)
-        for name, (fmt, fn) in variants(w, xs, offsets, args.formats, tokens <= args.reference_max_tokens).items():
+        xs, offsets, hit, routing = routed_rows(tokens, E, args.top_k, L, args.device, seed=tokens)
+        ref_ok = tokens <= args.reference_max_tokens
+        for name, (fmt, fn) in variants(w, xs, offsets, args.formats, ref_ok, routing).items():
             out.append(row(name, E, L, I, timed(fn), hit * 3 * L * I * BYTES_PER_WEIGHT[fmt], 2 * xs.shape[0] * L * I * 3,
                            bw, flops, tokens, xs.shape[0], hit))
     if "convert" in args.formats:

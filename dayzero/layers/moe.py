@@ -4,7 +4,9 @@ Experts are stored stacked (``w1`` [E, 2I, L] with gate rows then up rows, ``w2`
 expert computation is one GEMM per expert over the tokens routed to it, and so expert parallelism and
 quantised (MXFP4) storage can later replace the tensors without touching the model. The routed experts
 run as separate ops, route -> permute -> grouped expert MLP -> unpermute: none waits on the host on CUDA
-(the block can be captured in a CUDA graph), and expert parallelism can put its all-to-all between them.
+(the block can be captured in a CUDA graph), and expert parallelism can put its all-to-all between them. Without
+expert parallelism and gradients they run as the one op ``moe_experts``, whose CUDA implementation skips the sort
+for a decode step's few pairs.
 
 With ``latent_size`` set (LatentMoE, ARCHITECTURE.md 3.3) routing still reads the full-width x, but the
 routed experts run at width L between a shared down-projection ``fc1_latent_proj`` [L, D] and
@@ -196,11 +198,16 @@ class MoE(nn.Module):
         """The routed experts' weighted sum [T, L] for every token, all experts on this rank."""
         k = self.spec.top_k
         weights, ids = self._route(x, batch)
-        # [T*k] pairs by expert, [E] row ends (added to the load counters in the same kernel)
-        order, offsets = ops.call("moe_permute", ids, self.spec.n_experts, load=self.load_ends)
-        # [T*k, L] rows in expert order, each read from its token's row of h (order[r] // top_k)
-        ys = self._experts(h, offsets, order, k, w1, w2)
-        y = ops.call("moe_unpermute", ys, order, weights, x.shape[0])  # [T, L]
+        if torch.is_grad_enabled():  # training: the three ops below, each with a backward (the train platform's)
+            # [T*k] pairs by expert, [E] row ends (added to the load counters in the same kernel)
+            order, offsets = ops.call("moe_permute", ids, self.spec.n_experts, load=self.load_ends)
+            # [T*k, L] rows in expert order, each read from its token's row of h (order[r] // top_k)
+            ys = self._experts(h, offsets, order, k, w1, w2)
+            y = ops.call("moe_unpermute", ys, order, weights, x.shape[0])  # [T, L]
+        else:  # one op, free to skip the sort when the step has few pairs (a decode step)
+            clamp = {} if self.spec.swiglu_limit is None else {"limit": self.spec.swiglu_limit}
+            y = ops.call("moe_experts", h, ids, weights, w1, w2, self.spec.activation, self.b1, self.b2, **clamp,
+                         load=self.load_ends)  # [T, L]
         return tp_all_reduce(y, self.parallel) if self.expert_tp else y  # expert TP: the slices' partial sums
 
     def _routed_ep(self, x, h, w1, w2, batch) -> torch.Tensor:

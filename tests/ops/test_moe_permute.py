@@ -267,12 +267,17 @@ def test_moe_layer_reads_nothing_on_the_host_with_the_cuda_expert_op():
     m = HybridConfig.from_dict(tiny_config()).to_spec()
     moe = init_random_weights(MoE(m.hidden_size, m.layers[-1].mlp).float(), seed=3, std=0.2)
     x = torch.randn(7, m.hidden_size)
-    registry.override("moe_experts_grouped", "cuda")  # its sync-free path runs on CPU tensors too
+    # their sync-free paths run on CPU tensors too: the whole op (inference) and the sorted one's expert part
+    for op in ("moe_experts", "moe_experts_grouped"):
+        registry.override(op, "cuda")
     try:
         with torch.no_grad(), HostReads() as mode:
             got = moe(x)
+        with HostReads() as sorted_mode:  # with gradients the layer runs the split ops
+            moe(x)
     finally:
-        registry.override("moe_experts_grouped", None)
-    assert mode.found == []
+        for op in ("moe_experts", "moe_experts_grouped"):
+            registry.override(op, None)
+    assert mode.found == [] and sorted_mode.found == []
     with torch.no_grad():
         assert_close_rel(got, moe(x), torch.float32)  # the reference expert op

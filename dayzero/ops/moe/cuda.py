@@ -22,7 +22,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from dayzero.ops.moe import triton_moe
+from dayzero.ops.moe import direct_kernels, permute_kernels, triton_moe, unpermute_kernels
 from dayzero.ops.moe.reference import _activation, _mlp, permute, unpermute
 from dayzero.ops.registry import register
 from dayzero.quant.fp8 import TileScaled
@@ -124,11 +124,18 @@ def _verify_experts(x, ids, weights, w1, w2, *args, **kwargs) -> str | None:
     return _verify(x, None, w1, w2)
 
 
-@register("moe_experts", "cuda", verifier=_verify_experts, note="permute, grouped MLP (moe_experts_grouped), unpermute")
+@register("moe_experts", "cuda", verifier=_verify_experts,
+          note="few pairs: two Triton GEMV launches reading each pair's expert (no sort); else permute, grouped MLP "
+               "(moe_experts_grouped), unpermute")
 def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w2, activation: str = "silu",
                     b1: torch.Tensor | None = None, b2: torch.Tensor | None = None,
-                    limit: float | None = None) -> torch.Tensor:
-    # x: [T, D]; ids, weights: [T, k]; w1: [E, r*I, D]; w2: [E, D, I]
-    order, offsets = permute(ids, w1.shape[0])
+                    limit: float | None = None, load: torch.Tensor | None = None) -> torch.Tensor:
+    # x: [T, D]; ids, weights: [T, k]; w1: [E, r*I, D]; w2: [E, D, I]; load: int64 [E] counters, raised
+    E = w1.shape[0]
+    if direct_kernels.refusal(x, ids, weights, w1, w2, activation, b1, b2, limit) is None:
+        return direct_kernels.moe_experts_direct(x, ids, weights, w1, w2, activation, b1, b2, limit, load)
+    sort = permute_kernels.permute if permute_kernels.refusal(ids, E, load) is None else permute
+    order, offsets = sort(ids, E, load)
     ys = grouped_mlp(x, offsets, w1, w2, activation, b1, b2, limit, order, ids.shape[1])  # [T*k, D]
-    return unpermute(ys, order, weights, x.shape[0])
+    gather = unpermute_kernels.unpermute if unpermute_kernels.refusal(ys, order, weights, x.shape[0]) is None else unpermute
+    return gather(ys, order, weights, x.shape[0])

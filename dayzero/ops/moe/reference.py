@@ -211,8 +211,9 @@ def unpermute(ys: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, num_
 def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                     w1: torch.Tensor, w2: torch.Tensor, activation: str = "silu",
                     b1: torch.Tensor | None = None, b2: torch.Tensor | None = None,
-                    limit: float | None = None) -> torch.Tensor:
-    """Routed experts: ``y_t = sum_j weights[t, j] * Expert_{ids[t, j]}(x_t)``; ``limit``: clamped SwiGLU.
+                    limit: float | None = None, load: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed experts: ``y_t = sum_j weights[t, j] * Expert_{ids[t, j]}(x_t)``; ``limit``: clamped SwiGLU;
+    ``load``: the layer's counters, raised as :func:`permute` raises them.
 
     The composition ``moe_permute`` -> gather rows -> ``moe_experts_grouped`` -> ``moe_unpermute``: the
     (token, slot) pairs are sorted by expert so that each expert's rows are one contiguous segment and
@@ -227,7 +228,7 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         raise ValueError(f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be [T={T}, k]")
     if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < E):
         raise ValueError(f"expert ids must lie in [0, {E})")
-    order, offsets = permute(ids, E)
+    order, offsets = permute(ids, E, load)
     ys = grouped_mlp(x[order // ids.shape[1]], offsets, w1, w2, activation, b1, b2, limit)  # [T*k, D]
     return unpermute(ys, order, weights, T)
 

@@ -177,7 +177,7 @@ def _weight_refusal(name: str, w, shape: tuple[int, int, int], device: torch.dev
 
 def refusal(xs, offsets, w1, w2, activation: str = "silu", b1=None, b2=None, limit=None, order=None) -> str | None:
     """Why the Triton expert kernels cannot run these rows (or tokens read through ``order``) and weights, or None
-    when they can."""
+    when they can (``offsets`` None: the weights and rows only)."""
     why = triton_refusal(xs)
     if why is not None:
         return why
@@ -200,7 +200,9 @@ def refusal(xs, offsets, w1, w2, activation: str = "silu", b1=None, b2=None, lim
         return f"{E} experts: the schedule takes 1 to {MAX_EXPERTS}"
     if order is not None and (order.dim() != 1 or order.device != xs.device or order.is_floating_point()):
         return f"order must be a 1-D integer tensor on {xs.device}, got {order.dtype} {tuple(order.shape)}"
-    if offsets.shape != (E,) or offsets.dtype not in (torch.int32, torch.int64) or offsets.device != xs.device:
+    bad = offsets is not None and (offsets.shape != (E,) or offsets.dtype not in (torch.int32, torch.int64)
+                                   or offsets.device != xs.device)
+    if bad:
         return f"offsets must be int32 [{E}] on {xs.device}, got {offsets.dtype} {tuple(offsets.shape)}"
     r = 1 if activation == "relu2" else 2
     for name, w, shape in (("w1", w1, (E, r * I, L)), ("w2", w2, (E, L, I))):

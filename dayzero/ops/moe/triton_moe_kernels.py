@@ -77,31 +77,39 @@ def _e2m1_x2(code):
 
 
 @triton.jit
-def _weight_tile(w_ptr, s_ptr, e, n, n_ok, k0, K, s_we, s_wn, s_wk, s_se, s_sn, s_sk,
-                 FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr):
-    """Weight rows ``n`` [BLOCK_N], columns k0..k0+BLOCK_K of expert e as [BLOCK_N, BLOCK_K] in ``dtype``,
-    dequantised; for TILE the raw codes (the caller scales the product). Masked entries are 0."""
+def _weight_rows(w_ptr, s_ptr, w_row, s_row, n_ok, k0, K, s_wk, s_sk,
+                 FMT: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr):
+    """Columns k0..k0+BLOCK_K of the weight rows starting at element offsets ``w_row`` [ROWS] (their scales' rows
+    at ``s_row``) as [ROWS, BLOCK_K] in ``dtype``, dequantised; for TILE the raw codes (the caller scales the
+    product). Rows may belong to different experts. Masked entries are 0."""
     if FMT == BLOCK or FMT == MXFP4:
         g = k0 // 32 + tl.arange(0, BLOCK_K // 32)  # [G]: the 32-blocks of this K step
-        ok = n_ok[:, None] & (g[None, :] < K // 32)  # [BLOCK_N, G]
-        s = tl.load(s_ptr + e * s_se + n[:, None] * s_sn + g[None, :] * s_sk, mask=ok, other=0)
+        ok = n_ok[:, None] & (g[None, :] < K // 32)  # [ROWS, G]
+        s = tl.load(s_ptr + s_row[:, None] + g[None, :] * s_sk, mask=ok, other=0)
         if FMT == BLOCK:
             j = tl.arange(0, 32)
-            ptr = w_ptr + e * s_we + n[:, None, None] * s_wn + (g[None, :, None] * 32 + j[None, None, :]) * s_wk
-            codes = tl.load(ptr, mask=ok[:, :, None], other=0.0)  # [BLOCK_N, G, 32] e4m3
+            ptr = w_ptr + w_row[:, None, None] + (g[None, :, None] * 32 + j[None, None, :]) * s_wk
+            codes = tl.load(ptr, mask=ok[:, :, None], other=0.0)  # [ROWS, G, 32] e4m3
             w = codes.to(tl.float32) * s[:, :, None]
         else:
             j = tl.arange(0, 16)
-            ptr = w_ptr + e * s_we + n[:, None, None] * s_wn + (g[None, :, None] * 16 + j[None, None, :]) * s_wk
-            byte = tl.load(ptr, mask=ok[:, :, None], other=0).to(tl.int32)  # [BLOCK_N, G, 16]: elements 2j, 2j+1
-            pair = tl.join(_e2m1_x2(byte & 15), _e2m1_x2(byte >> 4))  # [BLOCK_N, G, 16, 2]
+            ptr = w_ptr + w_row[:, None, None] + (g[None, :, None] * 16 + j[None, None, :]) * s_wk
+            byte = tl.load(ptr, mask=ok[:, :, None], other=0).to(tl.int32)  # [ROWS, G, 16]: elements 2j, 2j+1
+            pair = tl.join(_e2m1_x2(byte & 15), _e2m1_x2(byte >> 4))  # [ROWS, G, 16, 2]
             w = pair.to(tl.float32) * _e8m0_half(s)[:, :, None, None]
-        w = tl.reshape(w, (BLOCK_N, BLOCK_K))
+        w = tl.reshape(w, (ROWS, BLOCK_K))
     else:
         k = k0 + tl.arange(0, BLOCK_K)
-        ptr = w_ptr + e * s_we + n[:, None] * s_wn + k[None, :] * s_wk
-        w = tl.load(ptr, mask=n_ok[:, None] & (k[None, :] < K), other=0.0)
+        w = tl.load(w_ptr + w_row[:, None] + k[None, :] * s_wk, mask=n_ok[:, None] & (k[None, :] < K), other=0.0)
     return w.to(dtype)
+
+
+@triton.jit
+def _weight_tile(w_ptr, s_ptr, e, n, n_ok, k0, K, s_we, s_wn, s_wk, s_se, s_sn, s_sk,
+                 FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr):
+    """Weight rows ``n`` [BLOCK_N], columns k0..k0+BLOCK_K of expert e as [BLOCK_N, BLOCK_K] (:func:`_weight_rows`)."""
+    return _weight_rows(w_ptr, s_ptr, e * s_we + n * s_wn, e * s_se + n * s_sn, n_ok, k0, K, s_wk, s_sk,
+                        FMT, BLOCK_N, BLOCK_K, dtype)
 
 
 @triton.jit

@@ -23,7 +23,7 @@ if HAS_TRITON:
         tl.store(out_ptr + t * L + cols, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
-def _verify(ys, order, weights, num_tokens) -> str | None:
+def refusal(ys, order, weights, num_tokens) -> str | None:
     why = triton_refusal(ys)
     if why is not None:
         return why
@@ -36,7 +36,7 @@ def _verify(ys, order, weights, num_tokens) -> str | None:
     return None
 
 
-@register("moe_unpermute", "cuda", verifier=_verify, note="Triton gather of each token's k rows")
+@register("moe_unpermute", "cuda", verifier=refusal, note="Triton gather of each token's k rows")
 def unpermute(ys: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, num_tokens: int) -> torch.Tensor:
     # ys: [N, L] rows in expert order; order: [N] flat pair index of each row; weights: [T, k] -> [T, L]
     N, L = ys.shape

@@ -1,0 +1,231 @@
+"""The routed experts of a step with few (token, expert) pairs, without sorting them: two Triton launches.
+
+A decode step routes a handful of tokens: at batch 1 with top-8 there are 8 pairs over 64+ experts, so the
+sorted path's four or five launches (the sort, the two grouped GEMMs with row tiles of at least 16 rows for
+one real row, the inverse of the sort and the weighted gather) are mostly fixed cost. Here
+
+- ``_direct_up_kernel``, one program per (pair, column block of I): ``h[p] = act(x[t] · w1[e]^T + b1[e])``
+  for pair p = t·k + j of expert e = ids[t, j], read straight from the ids; the programs of the first column
+  block also raise the layer's load counters (``load[e'] += 1`` for every e' >= e: the running sums of the
+  sorted path's row ends, so the counters read the same whichever path ran);
+- ``_direct_down_kernel``, one program per (token, column block of L): ``y[t] = Σ_j w[t, j] · (h[t·k+j] ·
+  w2[e_j]^T + b2[e_j])`` with the k slots' weight rows read together (one tile of k × BLOCK_N rows, not one
+  expert after another), the k expert outputs rounded to the activations' dtype before the fp32 weighted sum,
+  as the sorted path rounds its rows, and summed in slot order (the same result from run to run).
+
+Each program is a GEMV over its weight rows (fp32 products summed along K, no tensor-core tile to fill with
+one row); weights are read in their stored format through the grouped kernels' ``_weight_rows``. Nothing is
+read on the host and the grid comes from shapes alone, so a CUDA graph captures it. An expert hit by several
+pairs is read once per pair, so the path pays off while pairs are at most about the expert count
+(:func:`direct_max_pairs`); longer steps keep the sort.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from dayzero.ops.moe import triton_moe
+from dayzero.ops.triton_support import HAS_TRITON, next_pow2, tl, triton, triton_refusal
+from dayzero.quant.fp8 import TILE
+
+if HAS_TRITON:
+    from dayzero.ops.moe import triton_moe_kernels as K
+
+# Weight formats the engine sends through these kernels: plain weights passed every GPU check; the quantised formats
+# pass on the CPU (Triton's interpreter) and at most shapes on the H200, but one token of MXFP4 at 512 : 512 or of
+# FP8 tiles at 7168 : 2048 gave rows unlike the sorted kernels' there (one of the two; not yet isolated), so they keep
+# the sort until it is found.
+GPU_CHECKED = ("bfloat16", "float16", "float32")
+MAX_TOP_K = 32  # the second kernel holds a row block per slot
+TILE_ELEMS = 4096  # weight elements a program holds per K step (fp32 products: 32 registers a thread at 4 warps)
+
+if HAS_TRITON:
+    @triton.jit
+    def _gemv(acc, v, w_ptr, s_ptr, e, n, n_ok, k0, KW, s_we, s_wn, s_wk, s_se, s_sn, s_sk,
+              FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """acc [BLOCK_N] += W[e, n, k0:k0+BLOCK_K] · v [BLOCK_K], in fp32."""
+        w = K._weight_tile(w_ptr, s_ptr, e, n, n_ok, k0, KW, s_we, s_wn, s_wk, s_se, s_sn, s_sk,
+                           FMT, BLOCK_N, BLOCK_K, tl.float32)
+        part = tl.sum(w * v[None, :], 1)
+        if FMT == K.TILE:  # one scale per 128x128 tile, constant over this K step (BLOCK_K divides 128)
+            part *= tl.load(s_ptr + e * s_se + (n // 128) * s_sn + (k0 // 128) * s_sk, mask=n_ok, other=0.0)
+        return acc + part
+
+    @triton.jit(do_not_specialize=["limit"])
+    def _direct_up_kernel(x_ptr, ids_ptr, w_ptr, ws_ptr, b_ptr, h_ptr, load_ptr, limit, E,
+                          L: tl.constexpr, I: tl.constexpr, s_xm, s_we, s_wn, s_wk, s_se, s_sn, s_sk, s_be, s_bn,
+                          FMT: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          HAS_LIMIT: tl.constexpr, HAS_LOAD: tl.constexpr, TOP_K: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, E_POW2: tl.constexpr):
+        # x: [T, L] (unit column stride); ids: [T*k]; w1: [E, r*I, L]; h: [T*k, I]; grid: T*k x cdiv(I, BLOCK_N)
+        p = tl.program_id(0).to(tl.int64)
+        pid_n = tl.program_id(1)
+        e = tl.load(ids_ptr + p).to(tl.int64)
+        t = p // TOP_K
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < I
+        acc_a = tl.zeros((BLOCK_N,), dtype=tl.float32)  # gate (or relu2's only) half
+        acc_b = tl.zeros((BLOCK_N,), dtype=tl.float32)  # up half
+        for k0 in range(0, L, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            v = tl.load(x_ptr + t * s_xm + k, mask=k < L, other=0.0).to(tl.float32)
+            acc_a = _gemv(acc_a, v, w_ptr, ws_ptr, e, cols, col_ok, k0, L, s_we, s_wn, s_wk, s_se, s_sn, s_sk,
+                          FMT, BLOCK_N, BLOCK_K)
+            if GATED:
+                acc_b = _gemv(acc_b, v, w_ptr, ws_ptr, e, cols + I, col_ok, k0, L, s_we, s_wn, s_wk, s_se, s_sn,
+                              s_sk, FMT, BLOCK_N, BLOCK_K)
+        if HAS_BIAS:
+            acc_a += tl.load(b_ptr + e * s_be + cols * s_bn, mask=col_ok, other=0.0).to(tl.float32)
+            if GATED:
+                acc_b += tl.load(b_ptr + e * s_be + (cols + I) * s_bn, mask=col_ok, other=0.0).to(tl.float32)
+        h = K._activate(acc_a, acc_b, limit, ACT, HAS_LIMIT)
+        tl.store(h_ptr + p * I + cols, h.to(h_ptr.dtype.element_ty), mask=col_ok)
+        if HAS_LOAD:
+            if pid_n == 0:  # one program per pair: every row end at or past its expert moves by one
+                idx = tl.arange(0, E_POW2)
+                tl.atomic_add(load_ptr + idx, tl.full((E_POW2,), 1, tl.int64), mask=(idx >= e) & (idx < E))
+
+    @triton.jit
+    def _direct_down_kernel(h_ptr, ids_ptr, wt_ptr, w_ptr, ws_ptr, b_ptr, y_ptr,
+                            L: tl.constexpr, I: tl.constexpr, s_we, s_wn, s_wk, s_se, s_sn, s_sk, s_be, s_bn, s_ym,
+                            FMT: tl.constexpr, HAS_BIAS: tl.constexpr, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # h: [T*k, I]; ids, wt: [T*k]; w2: [E, L, I]; y: [T, L]; grid: T x cdiv(L, BLOCK_N)
+        # The program's rows are (slot j, column n) for all k slots at once, so the k experts' weights are read
+        # in one go rather than one expert after another: R = K_POW2 * BLOCK_N rows, r = j * BLOCK_N + c.
+        R: tl.constexpr = K_POW2 * BLOCK_N
+        t = tl.program_id(0).to(tl.int64)
+        r = tl.arange(0, R)
+        j = r // BLOCK_N
+        n = tl.program_id(1) * BLOCK_N + r % BLOCK_N
+        ok = (j < TOP_K) & (n < L)
+        p = t * TOP_K + j  # each row's pair
+        e = tl.load(ids_ptr + p, mask=ok, other=0).to(tl.int64)
+        w_row, s_row = e * s_we + n * s_wn, e * s_se + n * s_sn
+        if FMT == K.TILE:  # one scale row per 128 weight rows
+            s_row = e * s_se + (n // 128) * s_sn
+        acc = tl.zeros((R,), dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            v = tl.load(h_ptr + p[:, None] * I + k[None, :], mask=ok[:, None] & (k[None, :] < I), other=0.0)
+            w = K._weight_rows(w_ptr, ws_ptr, w_row, s_row, ok, k0, I, s_wk, s_sk, FMT, R, BLOCK_K, tl.float32)
+            part = tl.sum(w * v.to(tl.float32), 1)
+            if FMT == K.TILE:  # one scale per 128x128 tile, constant over this K step (BLOCK_K divides 128)
+                part *= tl.load(ws_ptr + s_row + (k0 // 128) * s_sk, mask=ok, other=0.0)
+            acc += part
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + e * s_be + n * s_bn, mask=ok, other=0.0).to(tl.float32)
+        row = acc.to(y_ptr.dtype.element_ty).to(tl.float32)  # each expert's output, rounded as stored rows are
+        wgt = tl.load(wt_ptr + p, mask=ok, other=0.0).to(tl.float32)
+        out = tl.sum(tl.reshape(wgt * row, (K_POW2, BLOCK_N)), 0)  # over the slots, in slot order
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(y_ptr + t * s_ym + cols, out.to(y_ptr.dtype.element_ty), mask=cols < L)
+
+
+def direct_max_pairs(num_experts: int) -> int:
+    """The most (token, expert) pairs the direct path takes: half the experts (at least 8). Pairs that hit one
+    expert read its weights once each here, where the sort reads them once for all; with k of E experts drawn
+    per token, T tokens hit E·(1 - (1 - k/E)^T) distinct experts, so at half the experts in pairs the direct
+    path reads ~1.2x the sort's weight bytes, against the sort's three or four extra launches."""
+    return max(num_experts // 2, 8)
+
+
+@functools.lru_cache(maxsize=8)
+def _programs_wanted(device: torch.device) -> int:
+    """Programs that fill the device about twice (two per SM on a GPU)."""
+    if device.type == "cuda":
+        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 8
+
+
+def _k_step(rows: int, depth: int, fmt: str, elems: int = TILE_ELEMS) -> int:
+    """K step for ``rows`` weight rows a program holds: as long as fits ``elems`` (32 to 512; whole 32-blocks for the
+    block-scaled formats, within one 128-tile for the tile-scaled one)."""
+    bk = max(32, min(elems // rows, next_pow2(depth), 512))
+    return min(bk, TILE) if fmt == "fp8_tile" else bk
+
+
+def blocks(rows: int, width: int, depth: int, want: int, fmt: str) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) of the first kernel, ``rows`` GEMVs of ``width`` outputs over ``depth`` inputs: column
+    blocks as wide as leaves about ``want`` programs (4 to 64 columns), then the K step (:func:`_k_step`)."""
+    bn = 64
+    while bn > 4 and rows * -(-width // bn) < want:
+        bn //= 2
+    bn = min(bn, next_pow2(width))
+    return bn, _k_step(bn, depth, fmt)
+
+
+def down_blocks(tokens: int, top_k: int, width: int, depth: int, want: int, fmt: str) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) of the second kernel, whose programs hold the rows of all k slots (k_pow2 · BLOCK_N of
+    them, at most 256): column blocks as wide as leaves about ``want`` programs, down to one column."""
+    kp = next_pow2(top_k)
+    bn = max(1, min(64, 256 // kp, next_pow2(width)))
+    while bn > 1 and tokens * -(-width // bn) < want:
+        bn //= 2
+    return bn, _k_step(kp * bn, depth, fmt, 2 * TILE_ELEMS)
+
+
+def refusal(x, ids, weights, w1, w2, activation: str = "silu", b1=None, b2=None, limit=None,
+            max_pairs: int | None = None, quantised: bool = False) -> str | None:
+    """Why the direct kernels should not run this step (more pairs than ``max_pairs``, by default
+    :func:`direct_max_pairs`; quantised weights unless ``quantised``, see :data:`GPU_CHECKED`) or cannot, or None."""
+    if ids.dim() != 2 or weights.shape != ids.shape or x.dim() != 2 or ids.shape[0] != x.shape[0]:
+        return "the reference checks these shapes"
+    fmt = triton_moe.format_key(w1, w2)
+    if not quantised and fmt not in GPU_CHECKED:
+        return (f"{fmt} expert weights keep the sorted path: the direct kernels' quantised reads gave wrong rows "
+                "on the H200 at one realistic shape (MXFP4 at 512 : 512 or FP8 tiles at 7168 : 2048, one token)")
+    most = direct_max_pairs(w1.shape[0]) if max_pairs is None else max_pairs
+    if ids.numel() > most:
+        return f"{ids.numel()} (token, expert) pairs: past {most} the sorted path reads less"
+    if ids.shape[1] > MAX_TOP_K:
+        return f"{ids.shape[1]} experts per token exceed the kernel's {MAX_TOP_K}"
+    if x.stride(-1) != 1:
+        return "the token rows must have contiguous columns"
+    if ids.device != x.device or ids.is_floating_point():
+        return f"ids must be integer expert ids on {x.device}"
+    return triton_moe.refusal(x, None, w1, w2, activation, b1, b2, limit)
+
+
+def _empty(rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
+    """Output and scratch buffers (tests replace this to fill them with NaN)."""
+    return torch.empty(rows, cols, dtype=like.dtype, device=like.device)
+
+
+def moe_experts_direct(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w2, activation: str = "silu",
+                       b1: torch.Tensor | None = None, b2: torch.Tensor | None = None, limit: float | None = None,
+                       load: torch.Tensor | None = None, block: tuple[tuple[int, int], tuple[int, int]] | None = None,
+                       ) -> torch.Tensor:
+    """``y_t = Σ_j weights[t, j] · Expert_{ids[t, j]}(x_t)``, the reference ``moe_experts``'s contract (``load``
+    raised as ``moe_permute`` raises it). Call only when :func:`refusal` is None; ``block`` overrides the
+    ((BLOCK_N, BLOCK_K) of the first kernel, that of the second) (tests)."""
+    # x: [T, L]; ids, weights: [T, k]; w1: [E, r*I, L]; w2: [E, L, I] -> [T, L]
+    (T, L), k = x.shape, ids.shape[1]
+    E, I = w1.shape[0], w2.shape[-1]
+    y = _empty(T, L, x)
+    if T == 0:
+        return y
+    gated = activation != "relu2"
+    fmt = triton_moe.format_key(w1, w2)
+    want = _programs_wanted(x.device)
+    (bn1, bk1), (bn2, bk2) = block or (blocks(T * k, I, L, want, fmt), down_blocks(T, k, L, I, want, fmt))
+    flat_ids = ids.reshape(-1).contiguous()
+    h = _empty(T * k, I, x)
+    act = {"silu": K.SILU, "relu2": K.RELU2, "swiglu_oai": K.SWIGLU_OAI}[activation].value
+
+    f, data, scale, st, ss = triton_moe._operand(w1)
+    _direct_up_kernel[(T * k, triton.cdiv(I, bn1))](
+        x, flat_ids, data, scale, x if b1 is None else b1, h, flat_ids if load is None else load,
+        0.0 if limit is None else float(limit), E, L, I, x.stride(0), *st, *ss,
+        *((0, 0) if b1 is None else b1.stride()),
+        FMT=f, ACT=act, GATED=gated, HAS_BIAS=b1 is not None, HAS_LIMIT=limit is not None, HAS_LOAD=load is not None,
+        TOP_K=k, BLOCK_N=bn1, BLOCK_K=bk1, E_POW2=next_pow2(E), num_warps=4)
+
+    f, data, scale, st, ss = triton_moe._operand(w2)
+    wt = weights.reshape(-1).float().contiguous()
+    _direct_down_kernel[(T, triton.cdiv(L, bn2))](
+        h, flat_ids, wt, data, scale, h if b2 is None else b2, y, L, I, *st, *ss,
+        *((0, 0) if b2 is None else b2.stride()), y.stride(0),
+        FMT=f, HAS_BIAS=b2 is not None, TOP_K=k, K_POW2=next_pow2(k), BLOCK_N=bn2, BLOCK_K=bk2, num_warps=8)
+    return y

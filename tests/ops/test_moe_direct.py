@@ -1,0 +1,217 @@
+"""The direct (unsorted) routed-expert kernels of few-pair steps against the reference ``moe_experts``.
+
+On the CPU they run through Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1) at tiny shapes: every
+activation, biases, the clamp, every weight format, odd widths, experts hit by several pairs (of one token too, as
+hash routing can), and the load counters. Scratch and output buffers start as NaN. On a CUDA device the same
+checks run, and the CUDA ``moe_experts`` op is checked on both of its paths and inside a CUDA graph.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dayzero.ops.moe import cuda as moe_cuda
+from dayzero.ops.moe import direct_kernels as D
+from dayzero.ops.moe import reference
+from dayzero.ops import triton_support
+from tests.ops.test_moe_triton import TOL, scaled_randn, to_format
+
+pytestmark = [pytest.mark.skipif(not triton_support.HAS_TRITON, reason="needs triton"),
+              pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")]
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def poisoned(monkeypatch):
+    monkeypatch.setattr(D, "_empty", lambda r, c, like: torch.full((r, c), float("nan"), dtype=like.dtype, device=like.device))
+
+
+def case(T, k, E, L, I, activation="silu", fmt="plain", dtype=torch.float32, bias=False, seed=0, repeats=False):
+    g = torch.Generator(DEV).manual_seed(seed)
+    r = 1 if activation == "relu2" else 2
+    x = torch.randn(T, L, generator=g, device=DEV).to(dtype)
+    if repeats:  # any ids, a token's k included (hash routing may pick one expert twice)
+        ids = torch.randint(0, E, (T, k), generator=g, device=DEV)
+    else:
+        ids = torch.rand(T, E, generator=g, device=DEV).topk(k, dim=-1).indices
+    weights = torch.rand(T, k, generator=g, device=DEV)
+    w1 = to_format(scaled_randn(E, r * I, L, g=g), fmt, dtype)
+    w2 = to_format(scaled_randn(E, L, I, g=g), fmt, dtype)
+    b1, b2 = (torch.randn(E, r * I, generator=g, device=DEV), torch.randn(E, L, generator=g, device=DEV)) if bias else (None, None)
+    return x, ids, weights, w1, w2, b1, b2
+
+
+def check(out, ref, dtype):
+    assert out.dtype == ref.dtype and out.shape == ref.shape and torch.isfinite(out).all()
+    o, r = out.float(), ref.float()
+    scale = r.abs().max().clamp(min=1e-6)
+    assert (o - r).abs().max() / scale < TOL[dtype], f"max-abs error {(o - r).abs().max() / scale:.2e}"
+    assert (o - r).norm() / r.norm().clamp(min=1e-6) < TOL[dtype]
+
+
+def run(T, k, E, L, I, activation="silu", fmt="plain", dtype=torch.float32, bias=False, limit=None, seed=0,
+        repeats=False, block=None):
+    x, ids, weights, w1, w2, b1, b2 = case(T, k, E, L, I, activation, fmt, dtype, bias, seed, repeats)
+    assert D.refusal(x, ids, weights, w1, w2, activation, b1, b2, limit, max_pairs=64, quantised=True) is None
+    load, want_load = torch.full((E,), 5, dtype=torch.int64, device=DEV), torch.full((E,), 5, dtype=torch.int64, device=DEV)
+    out = D.moe_experts_direct(x, ids, weights, w1, w2, activation, b1, b2, limit, load, block=block)
+    ref = reference.grouped_experts(x, ids, weights, w1, w2, activation, b1, b2, limit, load=want_load)
+    check(out, ref, dtype)
+    assert torch.equal(load, want_load)  # the sorted path's running row ends, raised from where they were
+
+
+ACTS = [("silu", False, None), ("silu", True, 0.7), ("relu2", True, None), ("swiglu_oai", True, None)]
+
+
+@pytest.mark.parametrize("activation,bias,limit", ACTS, ids=str)
+@pytest.mark.parametrize("T,k,E,L,I", [(1, 2, 6, 48, 40), (3, 3, 9, 37, 24)], ids=str)
+def test_plain_fp32_matches_reference(T, k, E, L, I, activation, bias, limit):
+    run(T, k, E, L, I, activation, bias=bias, limit=limit)
+
+
+@pytest.mark.parametrize("activation", ["silu", "relu2", "swiglu_oai"])
+def test_plain_bf16_matches_reference(activation):
+    run(2, 4, 8, 64, 32, activation, dtype=torch.bfloat16, bias=True)
+
+
+@pytest.mark.parametrize("fmt,L,I", [("fp8_tile", 160, 96), ("fp8_block", 64, 32), ("mxfp4", 96, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_quantised_weights_match_reference(fmt, L, I, dtype):
+    """fp8_tile at L=160, I=96 crosses 128-tiles along n (gate/up rows) and k; K steps of 32 make MXFP4 and the
+    32-block FP8 take several scale blocks."""
+    run(2, 2, 5, L, I, "silu", fmt, dtype, bias=True, block=((16, 32), (8, 32)))
+    run(1, 3, 5, L, I, "swiglu_oai", fmt, dtype)
+
+
+def test_repeated_experts_and_one_token_choosing_one_twice():
+    run(5, 3, 4, 32, 32, "silu", bias=True, repeats=True, seed=3)
+
+
+@pytest.mark.parametrize("block", [((4, 32), (1, 32)), ((64, 512), (32, 128)), ((8, 64), (16, 64))], ids=str)
+def test_block_sizes(block):
+    run(2, 3, 7, 72, 40, "silu", bias=True, block=block)
+
+
+def test_blocks_fill_the_device_and_fit_the_formats():
+    for rows, width, depth, fmt in ((8, 512, 512, "bfloat16"), (1, 512, 512, "bfloat16"), (64, 2048, 7168, "bfloat16"),
+                                    (1, 7168, 2048, "fp8_tile"), (3, 40, 24, "mxfp4")):
+        bn, bk = D.blocks(rows, width, depth, 264, fmt)
+        assert rows * -(-width // bn) >= 264 or bn == 4 or bn >= width  # enough programs, or as narrow as allowed
+        assert bn * bk <= D.TILE_ELEMS and bk >= 32 and bk & (bk - 1) == 0
+        assert fmt != "fp8_tile" or 128 % bk == 0  # a K step within one 128-tile
+    assert D.blocks(64, 2048, 7168, 264, "bfloat16")[0] == 64  # many programs already: the widest blocks
+    for tokens, k, width, depth, fmt in ((1, 8, 512, 512, "bfloat16"), (4, 8, 7168, 2048, "fp8_tile"), (2, 22, 64, 96, "mxfp4")):
+        bn, bk = D.down_blocks(tokens, k, width, depth, 264, fmt)
+        kp = 1 << (k - 1).bit_length()
+        assert tokens * -(-width // bn) >= 264 or bn == 1 or bn * kp == 256
+        assert kp * bn <= 256 and kp * bn * bk <= 2 * D.TILE_ELEMS and bk >= 32
+        assert fmt != "fp8_tile" or 128 % bk == 0
+
+
+def test_no_tokens():
+    x, ids, weights, w1, w2, _, _ = case(1, 2, 4, 32, 32)
+    out = D.moe_experts_direct(x[:0], ids[:0], weights[:0], w1, w2)
+    assert out.shape == (0, 32)
+
+
+def test_refusals_name_the_reason():
+    x, ids, weights, w1, w2, b1, b2 = case(3, 2, 4, 32, 32)
+    assert D.refusal(x, ids, weights, w1, w2) is None
+    assert D.direct_max_pairs(4) == 8 and D.direct_max_pairs(64) == 32
+    assert "past 8" in D.refusal(x.repeat(2, 1), ids.repeat(2, 1), weights.repeat(2, 1), w1, w2)  # 12 pairs
+    assert D.refusal(x.repeat(2, 1), ids.repeat(2, 1), weights.repeat(2, 1), w1, w2, max_pairs=12) is None
+    assert "contiguous columns" in D.refusal(x.t().contiguous().t(), ids, weights, w1, w2)
+    assert "integer" in D.refusal(x, ids.float(), weights, w1, w2)
+    assert "activation" in D.refusal(x, ids, weights, w1, w2, "gelu")
+    assert "reference" in D.refusal(x, ids[:2], weights, w1, w2)
+    packed = to_format(w1.float(), "mxfp4", torch.float32), to_format(w2.float(), "mxfp4", torch.float32)
+    assert "sorted path" in D.refusal(x, ids, weights, *packed)  # not GPU-checked: the engine keeps the sort
+    assert D.refusal(x, ids, weights, *packed, quantised=True) is None
+
+
+def test_cuda_op_takes_the_direct_path_for_few_pairs_and_the_sort_for_many(monkeypatch):
+    x, ids, weights, w1, w2, b1, b2 = case(9, 2, 8, 32, 32, bias=True, seed=5)
+    taken = []
+    real = D.moe_experts_direct
+    monkeypatch.setattr(D, "moe_experts_direct", lambda *a, **kw: taken.append(1) or real(*a, **kw))
+    for T in (4, 9):  # 8 pairs (direct), 18 (past direct_max_pairs(8) = 8: sorted)
+        load, want = torch.zeros(8, dtype=torch.int64, device=DEV), torch.zeros(8, dtype=torch.int64, device=DEV)
+        out = moe_cuda.grouped_experts(x[:T], ids[:T], weights[:T], w1, w2, "silu", b1, b2, load=load)
+        check(out, reference.grouped_experts(x[:T], ids[:T], weights[:T], w1, w2, "silu", b1, b2, load=want), torch.float32)
+        assert torch.equal(load, want)
+    assert taken == [1]
+
+
+def sorted_path(x, ids, weights, w1, w2):
+    """The sort, the grouped kernels and the weighted gather: the same roundings as the direct kernels (h and each
+    expert's output row in bf16, the weighted sum in fp32)."""
+    from dayzero.ops.moe import permute_kernels, unpermute_kernels
+    from dayzero.ops.moe import triton_moe
+
+    order, offsets = permute_kernels.permute(ids, w1.shape[0])
+    ys = triton_moe.moe_experts_grouped(x, offsets, w1, w2, order=order, top_k=ids.shape[1])
+    return unpermute_kernels.unpermute(ys, order, weights, x.shape[0])
+
+
+# One of these two gave rows unlike the sorted kernels' on the H200 (D.GPU_CHECKED keeps quantised weights on the sort)
+KNOWN_BAD = pytest.mark.xfail(reason="quantised reads at this shape failed on the H200; not yet isolated", strict=False)
+
+
+@cuda
+@pytest.mark.parametrize("fmt", ["plain", "fp8_tile", "mxfp4"])
+@pytest.mark.parametrize("T,L,I", [(1, 512, 512), (4, 512, 512), (2, 2048, 768), (1, 7168, 2048)], ids=str)
+def test_realistic_shapes_bf16_on_the_gpu(T, L, I, fmt, request):
+    if (fmt, T, L) in (("mxfp4", 1, 512), ("fp8_tile", 1, 7168)):
+        request.applymarker(KNOWN_BAD)
+    """At the default block sizes: against the sorted path (same roundings, so close), and against the fp32
+    reference on weights without the scaled rows (whose cancellations the bf16 roundings of h would amplify)."""
+    x, ids, weights, w1, w2, _, _ = case(T, 8, 64, L, I, "silu", fmt, torch.bfloat16, seed=T)
+    assert D.refusal(x, ids, weights, w1, w2, quantised=True) is None
+    out = D.moe_experts_direct(x, ids, weights, w1, w2)
+    want = sorted_path(x, ids, weights, w1, w2)
+    assert (out.float() - want.float()).abs().max() <= 2e-2 * want.float().abs().max()
+    g = torch.Generator(DEV).manual_seed(T)
+    w1 = to_format(0.05 * torch.randn(64, 2 * I, L, generator=g, device=DEV), fmt, torch.bfloat16)
+    w2 = to_format(0.05 * torch.randn(64, L, I, generator=g, device=DEV), fmt, torch.bfloat16)
+    check(D.moe_experts_direct(x, ids, weights, w1, w2), reference.grouped_experts(x, ids, weights, w1, w2), torch.bfloat16)
+
+
+@cuda
+def test_moe_layer_with_and_without_the_direct_path_on_the_gpu():
+    """A LatentMoE block in bf16: inference (one ``moe_experts`` call: the direct kernels for these few pairs)
+    against the sorted ops the layer runs with gradients; the load counters raised the same."""
+    from dayzero.config.model_config import HybridConfig
+    from dayzero.layers.moe import MoE
+    from dayzero.models.init import init_random_weights
+    from tests.conftest import tiny_config
+
+    m = HybridConfig.from_dict(tiny_config(moe_intermediate_size=64, moe_latent_size=64, n_routed_experts=16,
+                                           num_experts_per_tok=4, n_group=2, topk_group=1)).to_spec()
+    moe = init_random_weights(MoE(m.hidden_size, m.layers[-1].mlp).float(), seed=1, std=0.2).to(DEV, torch.bfloat16)
+    x = torch.randn(2, m.hidden_size, device=DEV, dtype=torch.bfloat16)
+    assert D.direct_max_pairs(16) >= 2 * 4
+    with torch.no_grad():
+        direct = moe(x)
+    loads = moe.load_ends.clone()
+    moe.load_ends.zero_()
+    sorted_ = moe(x).detach()
+    assert torch.equal(loads, moe.load_ends)
+    assert (direct.float() - sorted_.float()).abs().max() <= 2e-2 * sorted_.float().abs().max()
+
+
+@cuda
+def test_replayed_in_a_cuda_graph_with_other_ids():
+    x, ids, weights, w1, w2, _, _ = case(4, 8, 64, 512, 256, dtype=torch.bfloat16)
+    load = torch.zeros(64, dtype=torch.int64, device=DEV)
+    D.moe_experts_direct(x, ids, weights, w1, w2, load=load)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = D.moe_experts_direct(x, ids, weights, w1, w2, load=load)
+    new_x, new_ids, new_w, _, _, _, _ = case(4, 8, 64, 512, 256, dtype=torch.bfloat16, seed=9)
+    x.copy_(new_x), ids.copy_(new_ids), weights.copy_(new_w)
+    load.zero_()
+    graph.replay()
+    want = torch.zeros_like(load)
+    check(out, reference.grouped_experts(x, ids, weights, w1, w2, load=want), torch.bfloat16)
+    assert torch.equal(load, want)
