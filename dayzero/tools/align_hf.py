@@ -9,7 +9,8 @@ found compares the last layer after the final norm on both sides, and says so in
 
 With images the model is transformers' vision-language class (``AutoModelForImageTextToText``), given the
 widened prompt, the processor's pixel rows and grids; forward hooks on its tower's layers (``model.visual`` or
-``model.model.visual``) record each vision layer's output.
+``model.model.visual``; Kimi-K2.5's ``model.model.vision_tower.layers`` and ``mm_projector``) record each vision
+layer's output.
 """
 from __future__ import annotations
 
@@ -74,7 +75,8 @@ def capture_hf(path: str | Path, prompts: list, num_layers: int, progress: bool 
     if vision:
         tower = hf_tower(model)
         if tower is None:
-            raise ValueError(f"transformers' {type(model).__name__} has no vision model (model.visual or model.model.visual)")
+            raise ValueError(f"transformers' {type(model).__name__} has no vision model (model.visual, model.model.visual "
+                             "or model.model.vision_tower with mm_projector)")
         rec = Recorder(vision_points(tower))
 
     def pre_norm(_module, args, kwargs):

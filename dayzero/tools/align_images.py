@@ -4,6 +4,9 @@ token-id prompts, each prompt's pixel rows and widened ids, and the vision tower
 The layers of a Qwen3-VL tower, in the order they run: block i (``v<i>``), the deep-stack merger that reads
 block i's output right after it (``ds<j>``, Qwen3-VL only), and the final merger (``merger``). Transformers'
 tower (``model.model.visual``) and ours (``model.visual``) have the same module names, so one walk names both.
+Kimi-K2.5 keeps its tower and projector side by side (``vision_tower.layers``, ``mm_projector``; transformers'
+under ``model.model``, ours in :class:`~dayzero.multimodal.kimi_k25.KimiK25Vision`): its blocks are ``v<i>`` and
+the projector, which merges each 2x2 window into one text embedding, is its ``merger``.
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from pathlib import Path
 import torch
 
 # the families whose images run through the engine
-VISION_FAMILIES = ("qwen3_5_moe", "qwen3_vl_moe")
+VISION_FAMILIES = ("qwen3_5_moe", "qwen3_vl_moe", "kimi_k25")
 VISION_KIND = "vision"
 
 
@@ -133,6 +136,9 @@ class VisionPoint:
 
 def vision_points(tower: torch.nn.Module) -> list[VisionPoint]:
     """The tower's layers in the order they run (see the module docstring)."""
+    if _side_by_side(tower):  # Kimi-K2.5: the tower's blocks, then the projector
+        blocks = tower.vision_tower.layers
+        return [VisionPoint(f"v{i}", b, False) for i, b in enumerate(blocks)] + [VisionPoint("merger", tower.mm_projector, True)]
     mergers = list(getattr(tower, "deepstack_merger_list", None) or [])
     deep = getattr(tower, "deepstack_visual_indexes", None)
     if deep is None:
@@ -146,12 +152,19 @@ def vision_points(tower: torch.nn.Module) -> list[VisionPoint]:
     return points + [VisionPoint("merger", tower.merger, True)]
 
 
+def _side_by_side(module) -> bool:
+    return all(isinstance(getattr(module, n, None), torch.nn.Module) for n in ("vision_tower", "mm_projector"))
+
+
 def hf_tower(model) -> torch.nn.Module | None:
-    """transformers' vision model: ``model.visual`` or ``model.model.visual``."""
+    """transformers' vision model: ``model.visual`` or ``model.model.visual``, or the module holding a tower and
+    its projector side by side (Kimi-K2.5's ``model.model``)."""
     for holder in (model, getattr(model, "model", None)):
         tower = getattr(holder, "visual", None)
         if isinstance(tower, torch.nn.Module):
             return tower
+        if holder is not None and _side_by_side(holder):
+            return holder
     return None
 
 
@@ -166,7 +179,8 @@ class Recorder:
     def _hook(self, j: int):
         def hook(_module, _args, out):
             out = out[0] if isinstance(out, (tuple, list)) else out
-            self.calls[j].append(out.detach().float().cpu())
+            # rows of the layer's width ([M, 1, D] from transformers' Kimi projector, [M, D] from ours)
+            self.calls[j].append(out.detach().float().cpu().reshape(-1, out.shape[-1]))
         return hook
 
     def clear(self) -> None:

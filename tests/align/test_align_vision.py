@@ -19,13 +19,16 @@ from tests.multimodal.vl_checkpoints import (IMAGE_TOKEN, INIT, PREPROCESSOR, VI
 
 RTOL = 1e-4
 SHORT = ["--lengths", "7,40", "--device", "cpu", "--dtype", "float32"]
-# three tower blocks, Qwen3-VL's deep-stack merger after the middle one
-NAMES = {"qwen3_5_moe": ["v0", "v1", "v2", "merger"], "qwen3_vl_moe": ["v0", "v1", "ds0", "v2", "merger"]}
+# three tower blocks, Qwen3-VL's deep-stack merger after the middle one; Kimi-K2.5's projector as its merger
+NAMES = {"qwen3_5_moe": ["v0", "v1", "v2", "merger"], "qwen3_vl_moe": ["v0", "v1", "ds0", "v2", "merger"],
+         "kimi_k25": ["v0", "v1", "v2", "merger"]}
+# one attention output projection of a tower block, by the checkpoint's names
+BLOCK_PROJ = {"kimi_k25": "vision_tower.encoder.blocks.{}.wo.weight"}
 
 
 def make(path, model_type: str):
     cfg = config(model_type)
-    vision = {**cfg["vision_config"], "depth": 3}
+    vision = {**cfg["vision_config"], "num_hidden_layers" if model_type == "kimi_k25" else "depth": 3}
     if model_type == "qwen3_vl_moe":
         vision["deepstack_visual_indexes"] = [1]
     make_hf_checkpoint(path, model_type, init=INIT.get(model_type), auto_class="AutoModelForImageTextToText",
@@ -69,8 +72,11 @@ def test_every_vision_and_decoder_layer_matches(vl_ckpt, image_files, capsys, re
     assert all(row["kind"] == "vision" for row in r["vision_rows"])
     assert all(row["rel_err"] < RTOL and row["passed"] for row in r["vision_rows"] + r["rows"]), r
     assert len(r["rows"]) == 3 and r["vision_first_failing"] is None and r["first_failing"] is None
-    # each default prompt holds both images (8 + 6 merged tokens, each placeholder with its start and end tokens)
-    assert r["prompt_images"] == [2, 2] and r["prompt_lengths"] == [7 + 2 * 2 + 8 + 6, 40 + 2 * 2 + 8 + 6]
+    # each default prompt holds both images (Qwen: 8 + 6 merged tokens, each placeholder with its start and end
+    # tokens; Kimi's 28-pixel cells give other counts)
+    assert r["prompt_images"] == [2, 2]
+    if model_type != "kimi_k25":
+        assert r["prompt_lengths"] == [7 + 2 * 2 + 8 + 6, 40 + 2 * 2 + 8 + 6]
     assert r["top1"] == 1.0 and r["logits_rel_err"] < RTOL
     assert "vision" in r["by_kind"]
 
@@ -100,10 +106,10 @@ def test_an_image_twice_in_a_prompt_and_text_only_prompts(vl_ckpt, image_files):
     assert all(row.rel_err < RTOL for row in r.vision_rows + r.rows)
 
 
-def corrupt_block(src, dst, block: int, scale: float = 4.0):
+def corrupt_block(src, dst, block: int, model_type: str, scale: float = 4.0):
     shutil.copytree(src, dst)
     tensors = load_file(dst / "model.safetensors")
-    name = f"model.visual.blocks.{block}.attn.proj.weight"
+    name = BLOCK_PROJ.get(model_type, "model.visual.blocks.{}.attn.proj.weight").format(block)
     tensors[name] = tensors[name] * scale
     save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
 
@@ -111,7 +117,7 @@ def corrupt_block(src, dst, block: int, scale: float = 4.0):
 def test_corrupted_vision_block_fails_from_there(vl_ckpt, image_files, tmp_path, capsys):
     model_type, path = vl_ckpt
     bad = tmp_path / "bad"
-    corrupt_block(path, bad, block=1)
+    corrupt_block(path, bad, block=1, model_type=model_type)
     rc, out, err = run_cli(capsys, bad, "--reference", "hf", "--reference-model", path, *SHORT,
                            *images_args(image_files), "--json")
     assert rc == 1, err

@@ -12,8 +12,9 @@ from dayzero.tools.profile_report import figure, render
 from tests.conftest import CONFIGS
 from tests.multimodal.vl_checkpoints import make_checkpoint, noise_image
 
-# the tiny towers have one block; Qwen3-VL's deep-stack merger reads it
-NAMES = {"qwen3_5_moe": ["v0", "merger"], "qwen3_vl_moe": ["v0", "ds0", "merger"]}
+# the tiny towers have one block; Qwen3-VL's deep-stack merger reads it; Kimi-K2.5's projector is its merger
+NAMES = {"qwen3_5_moe": ["v0", "merger"], "qwen3_vl_moe": ["v0", "ds0", "merger"], "kimi_k25": ["v0", "merger"]}
+
 
 
 @pytest.fixture(scope="module", params=sorted(NAMES))
@@ -21,6 +22,19 @@ def vl_ckpt(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     make_checkpoint(path, request.param)
     return request.param, path
+
+
+def merged_tokens(model_type: str, path, image_file) -> int:
+    """The 128 x 64 image's merged tokens: Qwen's 32-pixel cells, 4 x 2; Kimi's processor resizes to its 28-pixel
+    cells (its count is the processor's, compared with transformers' in tests/multimodal)."""
+    if model_type != "kimi_k25":
+        return 8
+    from PIL import Image
+
+    from dayzero.tools.align_images import processor_of, vision_config
+
+    raw, family = vision_config(path)
+    return int(processor_of(path, raw, family)([Image.open(image_file).convert("RGB")]).num_tokens[0])
 
 
 @pytest.fixture(scope="module")
@@ -38,13 +52,13 @@ def test_vision_layers_are_timed_before_the_decoder_layers(vl_ckpt, image_file):
     assert [l["index"] for l in vision] == names and all(l["kind"] == "vision" for l in vision)
     assert all(l["prefill_s"] > 0 and l["decode_s"] == 0 and l["weights_bytes"] > 0 for l in vision)
     assert [l["index"] for l in decoder] == [0, 1, 2] and all(l["prefill_s"] > 0 for l in decoder)
-    assert r["images"] == 1 and r["image_tokens"] == 8  # 128 x 64 pixels: 4 x 2 merged tokens
+    assert r["images"] == 1 and r["image_tokens"] == merged_tokens(model_type, path, image_file)
     assert r["prefill"]["vision_s"] == pytest.approx(sum(l["prefill_s"] for l in vision))
     kinds = {k["kind"]: k for k in r["by_kind"]}
     assert kinds["vision"]["layers"] == len(names) and kinds["vision"]["prefill_s"] > 0
     assert kinds["vision"]["parts"]["attention"]["prefill_s"] > 0  # the tower's vision_attention op
     text = render(r)
-    assert "+ 1 image (8 tokens)" in text and "the vision tower's" in text
+    assert f"+ 1 image ({r['image_tokens']} tokens)" in text and "the vision tower's" in text
     assert "  v0      vision" in text and "  merger  vision" in text
     labels = [t.get_text() for t in figure(r).axes[1].get_xticklabels()]
     assert labels == [f"{n} vision" for n in names] + [f"{i} {l['kind']}" for i, l in enumerate(decoder)]
