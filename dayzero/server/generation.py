@@ -122,11 +122,16 @@ class ServerState:
                                             for p in raw])
 
     async def images(self, refs: list[ImageRef]) -> list | None:
-        """The request's images, decoded, or the 400 that refuses them: the count and every URL are checked
-        before anything is read, then they are read and decoded off the event loop."""
+        """The request's images, decoded, or the 400 that refuses them: a model without a vision encoder refuses
+        them unread (no file read, no fetch, no decode); otherwise the count and every URL are checked before
+        anything is read, then they are read and decoded off the event loop."""
         if not refs:
             return None
         self.metrics.images_received.inc(len(refs))
+        if not self.takes_images:
+            self.metrics.images_rejected.labels("no_vision_encoder").inc(len(refs))
+            raise bad_request(f"{refs[0].param}: this model has no vision encoder, so image content is not supported",
+                              refs[0].param, code="image_input_not_supported")
         try:
             content.check_count(refs, self.media)
             sources = [content.resolve(r, self.media) for r in refs]
@@ -139,10 +144,6 @@ class ServerState:
         except content.MediaError as e:
             self.metrics.images_rejected.labels(e.reason).inc()
             raise APIError(_MEDIA_STATUS.get(e.reason, 400), str(e), e.param, "invalid_image") from None
-        if not self.takes_images:
-            self.metrics.images_rejected.labels("no_vision_encoder").inc(len(refs))
-            raise bad_request(f"{refs[0].param}: this model has no vision encoder, so image content is not supported",
-                              refs[0].param, code="image_input_not_supported")
         return images
 
     def close(self) -> None:

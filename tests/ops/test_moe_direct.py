@@ -99,14 +99,14 @@ def test_blocks_fill_the_device_and_fit_the_formats():
         bn, bk = D.blocks(rows, width, depth, 264, fmt)
         assert rows * -(-width // bn) >= 264 or bn == 4 or bn >= width  # enough programs, or as narrow as allowed
         assert bn * bk <= D.TILE_ELEMS and bk >= 32 and bk & (bk - 1) == 0
-        assert fmt != "fp8_tile" or 128 % bk == 0  # a K step within one 128-tile
+        assert fmt in D.GPU_CHECKED or 128 % bk == 0  # quantised: a K step within one 128-tile, at most 4 blocks
     assert D.blocks(64, 2048, 7168, 264, "bfloat16")[0] == 64  # many programs already: the widest blocks
     for tokens, k, width, depth, fmt in ((1, 8, 512, 512, "bfloat16"), (4, 8, 7168, 2048, "fp8_tile"), (2, 22, 64, 96, "mxfp4")):
         bn, bk = D.down_blocks(tokens, k, width, depth, 264, fmt)
         kp = 1 << (k - 1).bit_length()
         assert tokens * -(-width // bn) >= 264 or bn == 1 or bn * kp == 256
         assert kp * bn <= 256 and kp * bn * bk <= 2 * D.TILE_ELEMS and bk >= 32
-        assert fmt != "fp8_tile" or 128 % bk == 0
+        assert fmt in D.GPU_CHECKED or 128 % bk == 0
 
 
 def test_no_tokens():

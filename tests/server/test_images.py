@@ -1,6 +1,7 @@
-"""Image content parts in chat messages: :mod:`dayzero.multimodal.content` on its own, then every bad image of
-RELIABILITY.md against a running server of the bundled text-only model (each a 400 naming what was wrong, and
-the server serves the next request), then a chat with an image through a tiny random vision-language model."""
+"""Image content parts in chat messages: :mod:`dayzero.multimodal.content` on its own; images sent to a running
+server of the bundled text-only model, refused unread; every bad image of RELIABILITY.md against a server of a tiny
+random vision-language model with tight limits (each a 400 naming what was wrong, and the server serves the next
+request); then chats with an image through that model."""
 from __future__ import annotations
 
 import base64
@@ -179,7 +180,7 @@ def test_remote_fetch(http_images):
         assert e.value.reason == reason and fragment in str(e.value)
 
 
-# --- the server, bundled text-only model ---------------------------------------------------------------
+# --- servers: the bundled text-only model, and a tiny vision-language model with tight limits --------------
 LIMITS = ("--limit-mm-per-prompt", "2", "--max-image-pixels", "4096", "--max-image-bytes", "8192")
 
 
@@ -202,6 +203,42 @@ def text_server(tmp_path_factory, media_root):
     assert srv.stop() == 0, srv.log()
 
 
+@pytest.fixture(scope="module")
+def strict_vl_server(tmp_path_factory, vl_checkpoint, media_root):
+    """The tiny vision-language model with the limits and the allowed directory: bad images reach the checks."""
+    srv = ServerProcess(tmp_path_factory.mktemp("serve-vl-strict"), str(vl_checkpoint), "--dtype", "float32",
+                        "--num-cache-blocks", "256", "--max-model-len", "512",
+                        "--allowed-local-media-path", str(media_root), *LIMITS)
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+def _text_only_cases():
+    """Images sent to a model without a vision encoder: refused unread, whatever they hold (a URL never fetched,
+    a file never opened, data never decoded)."""
+    return {
+        "good-image": user(data_url(encoded())),
+        "local-file": user("cat.png"),
+        "undecodable": user(data_url(b"\x89PNG\r\n\x1a\n garbage")),
+        "remote": user("https://example.com/cat.png"),
+        "outside-allowed-dir": user("file:///etc/hostname"),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_text_only_cases()))
+def test_text_only_model_refuses_images_unread(text_server, case):
+    client = text_server.client()
+    key = "dayzero_images_rejected_total{reason=no_vision_encoder}"
+    before = text_server.metrics().get(key, 0)
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=_text_only_cases()[case], max_tokens=2, stream=stream)
+        assert e.value.status_code == 400 and "no vision encoder" in e.value.message, e.value.message
+        assert e.value.body["param"].startswith("messages[0].content[")
+    assert text_server.metrics()[key] == before + 2
+    complete_ok(text_server)
+
+
 def _bad_server_cases():
     good = data_url(encoded())
     return {
@@ -213,8 +250,6 @@ def _bad_server_cases():
         "over-pixel-limit": (user(data_url(plain((80, 60)))), "4800 pixels, over the limit of 4096", "too_large"),
         "over-byte-limit": (user(data_url(encoded((60, 60), seed=3))), "over the limit of 8192", "too_large"),
         "too-many-images": (user(good, good, good), "3 images, the limit is 2", "too_many_images"),
-        "text-only-model": (user(good), "no vision encoder", "no_vision_encoder"),
-        "text-only-model-local-file": (user("cat.png"), "no vision encoder", "no_vision_encoder"),
         "scheme": (user("gopher://example.com/cat.png"), "scheme 'gopher' is not supported", "scheme_not_allowed"),
         "remote-off": (user("https://example.com/cat.png"), "fetching remote images is not enabled",
                        "remote_not_allowed"),
@@ -226,21 +261,25 @@ def _bad_server_cases():
 
 
 @pytest.mark.parametrize("case", sorted(_bad_server_cases()))
-def test_bad_images_refused(text_server, case):
+def test_bad_images_refused(strict_vl_server, case):
     messages, fragment, reason = _bad_server_cases()[case]
-    client = text_server.client()
+    client = strict_vl_server.client()
+    name = client.models.list().data[0].id
     key = f"dayzero_images_rejected_total{{reason={reason}}}"
-    before = text_server.metrics().get(key, 0)
+    before = strict_vl_server.metrics().get(key, 0)
     for stream in (False, True):
         with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, stream=stream)
+            client.chat.completions.create(model=name, messages=messages, max_tokens=2, stream=stream)
         assert e.value.status_code == 400
         assert fragment in e.value.message, e.value.message
         assert e.value.body["param"].startswith("messages[0].content[")
-    assert text_server.metrics()[key] == before + 2
-    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert strict_vl_server.metrics()[key] == before + 2
+    # nothing else affected: a text chat and a good image still answer
+    reply = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert reply.choices[0].message.content is not None
-    complete_ok(text_server)
+    ok = client.chat.completions.create(model=name, messages=user(data_url(encoded())), max_tokens=2)
+    assert ok.usage.completion_tokens >= 1
+    strict_vl_server.wait_idle()
 
 
 def test_images_counted(text_server):
@@ -300,7 +339,7 @@ def _byte_tokenizer(path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def vl_server(tmp_path_factory):
+def vl_checkpoint(tmp_path_factory):
     from tests.hf.harness import make_hf_checkpoint
 
     path = tmp_path_factory.mktemp("qwen3_5_moe")
@@ -309,8 +348,13 @@ def vl_server(tmp_path_factory):
     (path / "preprocessor_config.json").write_text(json.dumps({
         "image_processor_type": "Qwen2VLImageProcessor", "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
         "min_pixels": 32 * 32, "max_pixels": 64 * 64, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}))
-    srv = ServerProcess(tmp_path_factory.mktemp("serve-vl"), str(path), "--dtype", "float32", "--num-cache-blocks",
-                        "256", "--max-model-len", "512")
+    return path
+
+
+@pytest.fixture(scope="module")
+def vl_server(tmp_path_factory, vl_checkpoint):
+    srv = ServerProcess(tmp_path_factory.mktemp("serve-vl"), str(vl_checkpoint), "--dtype", "float32",
+                        "--num-cache-blocks", "256", "--max-model-len", "512")
     yield srv
     assert srv.stop() == 0, srv.log()
 

@@ -35,7 +35,8 @@ if HAS_TRITON:
 # Weight formats the engine sends through these kernels: plain weights passed every GPU check; the quantised formats
 # pass on the CPU (Triton's interpreter) and at most shapes on the H200, but one token of MXFP4 at 512 : 512 or of
 # FP8 tiles at 7168 : 2048 gave rows unlike the sorted kernels' there (one of the two; not yet isolated), so they keep
-# the sort until it is found.
+# the sort until it is found. The MXFP4 case read 16 scale blocks a K step; quantised K steps are now capped at 128
+# (four blocks, as the grouped kernels read them), not yet run on the GPU.
 GPU_CHECKED = ("bfloat16", "float16", "float32")
 MAX_TOP_K = 32  # the second kernel holds a row block per slot
 TILE_ELEMS = 4096  # weight elements a program holds per K step (fp32 products: 32 registers a thread at 4 warps)
@@ -140,10 +141,11 @@ def _programs_wanted(device: torch.device) -> int:
 
 
 def _k_step(rows: int, depth: int, fmt: str, elems: int = TILE_ELEMS) -> int:
-    """K step for ``rows`` weight rows a program holds: as long as fits ``elems`` (32 to 512; whole 32-blocks for the
-    block-scaled formats, within one 128-tile for the tile-scaled one)."""
+    """K step for ``rows`` weight rows a program holds: as long as fits ``elems`` (32 to 512; within one 128-tile for
+    the tile-scaled format; at most four 32-blocks for the block-scaled ones, as the grouped kernels read them: the
+    one quantised case that failed on the H200 was an MXFP4 step of 16 blocks, see :data:`GPU_CHECKED`)."""
     bk = max(32, min(elems // rows, next_pow2(depth), 512))
-    return min(bk, TILE) if fmt == "fp8_tile" else bk
+    return bk if fmt in GPU_CHECKED else min(bk, TILE)
 
 
 def blocks(rows: int, width: int, depth: int, want: int, fmt: str) -> tuple[int, int]:
