@@ -2,6 +2,7 @@
 
     python benchmarks/parallel_layouts.py --config configs/dayzero-tiny.json --layouts 1 tp2 ep2 pp2 tp2,ep2 \
         --batch 8 --prompt-len 128 --decode 16 [--device cpu] [--json FILE]
+    python benchmarks/parallel_layouts.py --layouts 1 pp2,mb1 pp2 pp2,mb4   # pipeline micro-batches
 
 Random weights from the config (``load_format="dummy"``). Each layout starts its ranks (Gloo on CPUs, NCCL on
 GPUs, one device per rank), every rank runs the same engine steps: ``--batch`` prompts of ``--prompt-len`` tokens
@@ -31,14 +32,15 @@ from dayzero.engine.sampling_params import SamplingParams  # noqa: E402
 
 
 def parse_layout(text: str) -> dict[str, int]:
-    """``1``, ``tp2``, ``ep2,pp2`` -> {"tp": .., "ep": .., "pp": ..}."""
-    out = {"tp": 1, "ep": 1, "pp": 1}
+    """``1``, ``tp2``, ``ep2,pp2``, ``pp2,mb1`` -> {"tp": .., "ep": .., "pp": .., "mb": ..} (``mb``: pipeline
+    micro-batches, 0 = the engine's default, two per stage)."""
+    out = {"tp": 1, "ep": 1, "pp": 1, "mb": 0}
     if text == "1":
         return out
     for part in text.split(","):
         key, num = part[:2], part[2:]
         if key not in out or not num.isdigit() or int(num) < 1:
-            raise SystemExit(f"bad layout {text!r}: use e.g. 1, tp2, ep2, pp2, tp2,ep2")
+            raise SystemExit(f"bad layout {text!r}: use e.g. 1, tp2, ep2, pp2, tp2,ep2, pp2,mb1")
         out[key] = int(num)
     return out
 
@@ -57,6 +59,7 @@ def _rank(rank: int, layout: dict, world: int, port: int, args, threads: int, ou
         device = f"cuda:{rank}" if backend == "nccl" else args.device
         engine = LLMEngine(EngineConfig(model=args.config, load_format="dummy", device=device, dtype=args.dtype,
                                         max_num_seqs=args.batch, num_threads=threads, enforce_eager=True,
+                                        pp_micro_batches=layout["mb"],
                                         max_num_batched_tokens=max(args.batch * args.prompt_len, 256),
                                         max_model_len=args.prompt_len + args.decode + 8), state)
         g = torch.Generator().manual_seed(0)

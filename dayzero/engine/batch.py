@@ -16,9 +16,13 @@ plan has none, so a reference that sneaks into a capture fails at once instead o
 
 Rows past the real batch (a decode step padded to a captured size) read and write only the reserved null
 block 0 and the reserved null state slot 0, start fresh at position 0, and are never sampled.
+
+:meth:`ForwardBatch.split` cuts an eager step into batches of consecutive sequences (pipeline micro-batches):
+every op sees a whole batch of its own, and the parts' outputs, in order, are the step's rows.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
@@ -159,6 +163,37 @@ class ForwardBatch:
             rows = torch.arange(self.num_tokens, device=self.cu_seqlens.device)
             seq_of_row = self.memo["seq_of_row"] = torch.searchsorted(self.cu_seqlens[1:], rows, right=True)
         return seq_of_row
+
+    def split(self, parts: int) -> list["ForwardBatch"] | None:
+        """The step as up to ``parts`` batches of consecutive sequences with about equal rows, whose outputs
+        concatenated in order are the step's; None when it stays whole: fewer than two sequences, no host lengths
+        (a captured step), padding sequences, or image inputs (their rows index the whole step). A part's
+        ``logits_indices`` are empty: the runner samples from the concatenated output."""
+        B, qs = self.num_seqs, self.plan.query_start
+        padded = self.plan.num_real not in (None, B)
+        if parts < 2 or B < 2 or not self.host_lengths or padded or self.images is not None:
+            return None
+        bounds = [0]
+        for i in range(1, parts):  # the sequence boundary at or after each equal share of the rows
+            b = bisect.bisect_left(qs, qs[-1] * i / parts, bounds[-1] + 1, B - 1)
+            if bounds[-1] < b < B:
+                bounds.append(b)
+        bounds.append(B)
+        if len(bounds) < 3:
+            return None
+        return [self._part(a, b) for a, b in zip(bounds, bounds[1:])]
+
+    def _part(self, a: int, b: int) -> "ForwardBatch":
+        """Sequences a .. b-1 as a batch of their own."""
+        qs = self.plan.query_start
+        rows = slice(qs[a], qs[b])
+        part = ForwardBatch(
+            self.input_ids[rows], self.positions[rows], [q - qs[a] for q in qs[a:b + 1]], self.plan.seq_start[a:b],
+            self.plan.seq_lens[a:b], self.slot_mapping[rows], self.block_tables[a:b], self.state_slots[a:b],
+            self.logits_indices[:0], self.plan.block_size, fresh=self.fresh[a:b])
+        if self.rope_positions is not None:  # [T] or [3, T]
+            part.rope_positions = self.rope_positions[..., rows]
+        return part
 
     def topk_buffer(self, topk: int) -> torch.Tensor:
         """The step's [T, topk] selection buffer (a view of the runner's persistent one when it gave one)."""

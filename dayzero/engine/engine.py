@@ -79,6 +79,9 @@ class EngineConfig:
     tp: int = 1  # tensor-parallel ranks
     ep: int = 1  # expert-parallel ranks: 1 (each expert's width split over tp) or every rank of a pipeline stage
     pp: int = 1  # pipeline stages
+    # eager steps of several sequences run as up to this many micro-batches (of at least 32 rows), so pipeline
+    # stages overlap (0: twice the stages under pp, whole steps without; 1: whole steps)
+    pp_micro_batches: int = 0
     distributed_host: str = "127.0.0.1"  # where the ranks meet (rank 0's address); torchrun's MASTER_ADDR wins
     distributed_port: int | None = None  # None: a free port (torchrun's MASTER_PORT wins)
 
@@ -89,7 +92,7 @@ class EngineConfig:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
-        for name in ("num_redundant_experts", "eplb_interval"):
+        for name in ("num_redundant_experts", "eplb_interval", "pp_micro_batches"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {v!r}")
@@ -156,6 +159,8 @@ class LLMEngine:
         adapter = adapter_for(raw, cfg_file)
         self.model_config = adapter.to_spec(raw)
         self.model = build_model(self.model_config, self.dtype, self.device, parallel)
+        # m parts over pp stages take (m + pp - 1) / m part-times per step against pp whole ones
+        self.model.micro_batches = config.pp_micro_batches or (2 * parallel.pp_size if parallel.pp_size > 1 else 1)
         rules, ignore = adapter.rules(self.model_config), adapter.ignore
         self.vision_family = family = vision_family(raw)
         self.tower_problem = tower_problem(raw)  # a tower in the config that cannot take images: why

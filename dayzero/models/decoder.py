@@ -158,6 +158,12 @@ class Backbone(Stages, nn.Module):
         return x
 
 
+# Rows a pipeline micro-batch needs before cutting a step pays: on two CPU ranks (docs/performance.md, "Pipeline
+# micro-batches") parts of 16 decode rows ran no faster than whole steps (each part pays the per-layer fixed costs
+# and a send), parts of 64 rows 1.2x faster.
+MICRO_BATCH_MIN_ROWS = 32
+
+
 class CausalLM(nn.Module):
     def __init__(self, m: ModelSpec, parallel: ParallelState = SINGLE):
         super().__init__()
@@ -175,8 +181,23 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # parameter-name prefixes other stages hold: the loader leaves their checkpoint tensors alone
         self.elsewhere = tuple(f"{n}." for n, mod in self.named_modules() if isinstance(mod, Elsewhere))
+        # Pipeline micro-batches: an eager step of several sequences runs as up to this many parts of consecutive
+        # sequences, one after another, so that a stage computes part i + 1 while the next stage computes part i
+        # (the engine sets it: by default twice the stages), each part of at least
+        # ``micro_batch_min_rows`` rows. Each part is a whole batch to the layers.
+        self.micro_batches = 1
+        self.micro_batch_min_rows = MICRO_BATCH_MIN_ROWS
+        self.split_steps = 0  # steps run in parts
 
     def forward(self, batch) -> torch.Tensor:
+        n = min(self.micro_batches, batch.num_tokens // max(self.micro_batch_min_rows, 1))
+        parts = batch.split(n) if n > 1 and hasattr(batch, "split") else None
+        if parts is None:
+            return self._forward(batch)
+        self.split_steps += 1
+        return torch.cat([self._forward(part) for part in parts])
+
+    def _forward(self, batch) -> torch.Tensor:
         memo = getattr(batch, "memo", None)
         if memo is not None:  # what a forward pass computes once for all its layers (a captured one included)
             memo.clear()

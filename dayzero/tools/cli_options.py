@@ -154,6 +154,9 @@ def add_engine_options(p) -> None:
     d.add_argument("--ep", type=positive_int, default=1, metavar="N",
                    help="expert-parallel ranks: 1 (experts split by tp) or every rank of a pipeline stage")
     d.add_argument("--pp", type=positive_int, default=1, metavar="N", help="pipeline stages (of max(tp, ep) ranks)")
+    d.add_argument("--pp-micro-batches", type=int, default=0, metavar="M",
+                   help="run steps of several sequences as up to M micro-batches (of at least 32 rows) so the "
+                        "pipeline stages overlap (0: twice the stages; 1: whole steps)")
     d.add_argument("--num-redundant-experts", type=int, default=0, metavar="R",
                    help="extra expert slots per MoE layer over the ep ranks, for copies of the hottest experts")
     d.add_argument("--eplb-interval", type=int, default=0, metavar="STEPS",

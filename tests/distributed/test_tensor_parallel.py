@@ -137,6 +137,7 @@ MODELS = ("qwen3_moe", "glm4_moe", "deepseek_v3", "kimi_linear")
 def run_model(path: Path, state: ParallelState | None = None) -> dict:
     """Prompt logits, decode-step logits and greedy tokens of the model at ``path`` (tp=1 without ``state``)."""
     engine = LLMEngine(EngineConfig(model=str(path), **ENGINE), *([state] if state else []))
+    engine.model.micro_batch_min_rows = 1  # these steps are small: cut them anyway (under pp, two parts a stage)
     if state is not None and state.tp_size > 1:  # the rank holds its slices, and still runs q/k/v as one GEMM
         tp, spec = state.tp_size, engine.model_config
         for i, attn in engine.model.cached_layers():  # (test_tp_mixers checks Gated DeltaNet's and Mamba-2's heads)
@@ -156,6 +157,7 @@ def run_model(path: Path, state: ParallelState | None = None) -> dict:
     out = {"prompt": [run_chunks(engine, ids, [len(ids)]) for ids in prompts],
            "decode": run_chunks(engine, prompts[1], [20, 1, 1, 1])}
     out["tokens"] = greedy_tokens(engine, prompts)
+    out["split_steps"] = engine.model.split_steps  # steps of several sequences run as pipeline micro-batches
     out["load"] = dict(zip(engine.moe_layer_index, engine.expert_load()))
     assert all(int(load.sum()) > 0 for load in out["load"].values())
     return out
@@ -205,6 +207,7 @@ def compare_paths(tmp_path: Path, paths: list[Path], tp: int, ep: int = 1, pp: i
                 assert rel <= RTOL, f"{model_type} tp={tp} ep={ep} rank {r}: {name} logits relative error {rel:.2e}"
                 worst = max(worst, rel)
             assert got["tokens"] == want["tokens"], f"{model_type} tp={tp} ep={ep} rank {r}: greedy tokens differ"
+            assert (got["split_steps"] > 0) == (pp > 1), got["split_steps"]  # by default two micro-batches a stage
             for layer, a in got["load"].items():
                 b = want["load"][layer]
                 assert torch.equal(a, b), f"{model_type} tp={tp} ep={ep} rank {r}: layer {layer} expert load {a} != {b}"

@@ -109,6 +109,16 @@ def test_blocks_fill_the_device_and_fit_the_formats():
         assert fmt in D.GPU_CHECKED or 128 % bk == 0
 
 
+def test_token_rows_read_from_a_wider_projection():
+    """The latent rows of LatentMoE are a column slice of the fused input projection's output (row stride wider
+    than the row): read in place, the same as from a contiguous copy."""
+    x, ids, weights, w1, w2, b1, b2 = case(3, 2, 5, 40, 32, bias=True, seed=4)
+    wide = torch.cat((x, torch.full_like(x[:, :24], float("nan"))), dim=1)[:, :40]  # NaN past each row
+    assert wide.stride(0) == 64 and D.refusal(wide, ids, weights, w1, w2, "silu", b1, b2) is None
+    out = D.moe_experts_direct(wide, ids, weights, w1, w2, "silu", b1, b2)
+    assert torch.equal(out, D.moe_experts_direct(x, ids, weights, w1, w2, "silu", b1, b2))
+
+
 def test_no_tokens():
     x, ids, weights, w1, w2, _, _ = case(1, 2, 4, 32, 32)
     out = D.moe_experts_direct(x[:0], ids[:0], weights[:0], w1, w2)
