@@ -52,6 +52,11 @@ def test_parts_are_consecutive_sequences_with_about_equal_rows():
     assert [p.num_seqs for p in whole.split(9)] == [2, 1, 1, 1, 1]  # never more parts than sequences
 
 
+def test_bad_micro_batch_setting_names_it():
+    with pytest.raises(ValueError, match="pp_micro_batches must be an int >= 0"):
+        EngineConfig(pp_micro_batches=-1)
+
+
 def test_steps_that_stay_whole():
     assert batch([0, 4], [0]).split(2) is None  # one sequence
     assert batch([0, 1, 2], [3, 4]).split(1) is None
