@@ -14,7 +14,7 @@ one real row, the inverse of the sort and the weighted gather) are mostly fixed 
   as the sorted path rounds its rows, and summed in slot order (the same result from run to run).
 
 Each program is a GEMV over its weight rows (fp32 products summed along K, no tensor-core tile to fill with
-one row); weights are read in their stored format through the grouped kernels' ``_weight_rows``. Nothing is
+one row); weights are read in their stored format through the grouped kernels' ``weight_rows``. Nothing is
 read on the host and the grid comes from shapes alone, so a CUDA graph captures it. An expert hit by several
 pairs is read once per pair, so the path pays off while pairs are at most about the expert count
 (:func:`direct_max_pairs`); longer steps keep the sort.
@@ -46,7 +46,7 @@ if HAS_TRITON:
     def _gemv(acc, v, w_ptr, s_ptr, e, n, n_ok, k0, KW, s_we, s_wn, s_wk, s_se, s_sn, s_sk,
               FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """acc [BLOCK_N] += W[e, n, k0:k0+BLOCK_K] · v [BLOCK_K], in fp32."""
-        w = K._weight_tile(w_ptr, s_ptr, e, n, n_ok, k0, KW, s_we, s_wn, s_wk, s_se, s_sn, s_sk,
+        w = K.weight_tile(w_ptr, s_ptr, e, n, n_ok, k0, KW, s_we, s_wn, s_wk, s_se, s_sn, s_sk,
                            FMT, BLOCK_N, BLOCK_K, tl.float32)
         part = tl.sum(w * v[None, :], 1)
         if FMT == K.TILE:  # one scale per 128x128 tile, constant over this K step (BLOCK_K divides 128)
@@ -80,7 +80,7 @@ if HAS_TRITON:
             acc_a += tl.load(b_ptr + e * s_be + cols * s_bn, mask=col_ok, other=0.0).to(tl.float32)
             if GATED:
                 acc_b += tl.load(b_ptr + e * s_be + (cols + I) * s_bn, mask=col_ok, other=0.0).to(tl.float32)
-        h = K._activate(acc_a, acc_b, limit, ACT, HAS_LIMIT)
+        h = K.activate(acc_a, acc_b, limit, ACT, HAS_LIMIT)
         tl.store(h_ptr + p * I + cols, h.to(h_ptr.dtype.element_ty), mask=col_ok)
         if HAS_LOAD:
             if pid_n == 0:  # one program per pair: every row end at or past its expert moves by one
@@ -110,7 +110,7 @@ if HAS_TRITON:
         for k0 in range(0, I, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             v = tl.load(h_ptr + p[:, None] * I + k[None, :], mask=ok[:, None] & (k[None, :] < I), other=0.0)
-            w = K._weight_rows(w_ptr, ws_ptr, w_row, s_row, ok, k0, I, s_wk, s_sk, FMT, R, BLOCK_K, tl.float32)
+            w = K.weight_rows(w_ptr, ws_ptr, w_row, s_row, ok, k0, I, s_wk, s_sk, FMT, R, BLOCK_K, tl.float32)
             part = tl.sum(w * v.to(tl.float32), 1)
             if FMT == K.TILE:  # one scale per 128x128 tile, constant over this K step (BLOCK_K divides 128)
                 part *= tl.load(ws_ptr + s_row + (k0 // 128) * s_sk, mask=ok, other=0.0)
@@ -216,7 +216,7 @@ def moe_experts_direct(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     h = _empty(T * k, I, x)
     act = {"silu": K.SILU, "relu2": K.RELU2, "swiglu_oai": K.SWIGLU_OAI}[activation].value
 
-    f, data, scale, st, ss = triton_moe._operand(w1)
+    f, data, scale, st, ss = triton_moe.weight_operand(w1)
     _direct_up_kernel[(T * k, triton.cdiv(I, bn1))](
         x, flat_ids, data, scale, x if b1 is None else b1, h, flat_ids if load is None else load,
         0.0 if limit is None else float(limit), E, L, I, x.stride(0), *st, *ss,
@@ -224,7 +224,7 @@ def moe_experts_direct(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
         FMT=f, ACT=act, GATED=gated, HAS_BIAS=b1 is not None, HAS_LIMIT=limit is not None, HAS_LOAD=load is not None,
         TOP_K=k, BLOCK_N=bn1, BLOCK_K=bk1, E_POW2=next_pow2(E), num_warps=4)
 
-    f, data, scale, st, ss = triton_moe._operand(w2)
+    f, data, scale, st, ss = triton_moe.weight_operand(w2)
     wt = weights.reshape(-1).float().contiguous()
     _direct_down_kernel[(T, triton.cdiv(L, bn2))](
         h, flat_ids, wt, data, scale, h if b2 is None else b2, y, L, I, *st, *ss,

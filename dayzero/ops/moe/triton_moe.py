@@ -217,7 +217,7 @@ def refusal(xs, offsets, w1, w2, activation: str = "silu", b1=None, b2=None, lim
 
 # ---------------------------------------------------------------- launch
 
-def _operand(w):
+def weight_operand(w):
     """(format code, data, scale, data strides [e, n, k], scale strides [e, n, k-block]) for the kernels."""
     if isinstance(w, TileScaled):
         return K.TILE.value, w.data, w.scale_inv, w.data.stride(), w.scale_inv.stride()
@@ -266,7 +266,7 @@ def moe_experts_grouped(xs: torch.Tensor, offsets: torch.Tensor, w1, w2, activat
     common = dict(E_POW2=next_pow2(E), DOT_F32=DOT_F32, PRECISION="ieee" if xs.dtype == torch.float32 else None)
     act = {"silu": K.SILU, "relu2": K.RELU2, "swiglu_oai": K.SWIGLU_OAI}[activation].value
 
-    fmt, data, scale, st, ss = _operand(w1)
+    fmt, data, scale, st, ss = weight_operand(w1)
     c = _fit(cfg.up, fmt)
     m_tiles = row_tiles(N, E, c.block_m)
     K.moe_up_kernel[(m_tiles * -(-I // c.block_n),)](
@@ -278,7 +278,7 @@ def moe_experts_grouped(xs: torch.Tensor, offsets: torch.Tensor, w1, w2, activat
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, num_warps=c.num_warps,
         num_stages=c.num_stages, **common)
 
-    fmt, data, scale, st, ss = _operand(w2)
+    fmt, data, scale, st, ss = weight_operand(w2)
     c = _fit(cfg.down, fmt)
     m_tiles = row_tiles(N, E, c.block_m)
     K.moe_down_kernel[(m_tiles * -(-L // c.block_n),)](

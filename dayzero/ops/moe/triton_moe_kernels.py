@@ -77,7 +77,7 @@ def _e2m1_x2(code):
 
 
 @triton.jit
-def _weight_rows(w_ptr, s_ptr, w_row, s_row, n_ok, k0, K, s_wk, s_sk,
+def weight_rows(w_ptr, s_ptr, w_row, s_row, n_ok, k0, K, s_wk, s_sk,
                  FMT: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr):
     """Columns k0..k0+BLOCK_K of the weight rows starting at element offsets ``w_row`` [ROWS] (their scales' rows
     at ``s_row``) as [ROWS, BLOCK_K] in ``dtype``, dequantised; for TILE the raw codes (the caller scales the
@@ -105,10 +105,10 @@ def _weight_rows(w_ptr, s_ptr, w_row, s_row, n_ok, k0, K, s_wk, s_sk,
 
 
 @triton.jit
-def _weight_tile(w_ptr, s_ptr, e, n, n_ok, k0, K, s_we, s_wn, s_wk, s_se, s_sn, s_sk,
+def weight_tile(w_ptr, s_ptr, e, n, n_ok, k0, K, s_we, s_wn, s_wk, s_se, s_sn, s_sk,
                  FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr):
-    """Weight rows ``n`` [BLOCK_N], columns k0..k0+BLOCK_K of expert e as [BLOCK_N, BLOCK_K] (:func:`_weight_rows`)."""
-    return _weight_rows(w_ptr, s_ptr, e * s_we + n * s_wn, e * s_se + n * s_sn, n_ok, k0, K, s_wk, s_sk,
+    """Weight rows ``n`` [BLOCK_N], columns k0..k0+BLOCK_K of expert e as [BLOCK_N, BLOCK_K] (:func:`weight_rows`)."""
+    return weight_rows(w_ptr, s_ptr, e * s_we + n * s_wn, e * s_se + n * s_sn, n_ok, k0, K, s_wk, s_sk,
                         FMT, BLOCK_N, BLOCK_K, dtype)
 
 
@@ -117,7 +117,7 @@ def _mma(acc, x, w_ptr, s_ptr, e, n, n_ok, k0, K, s_we, s_wn, s_wk, s_se, s_sn, 
          FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
          PRECISION: tl.constexpr):
     """acc [BLOCK_M, BLOCK_N] += x [BLOCK_M, BLOCK_K] @ W[e, n, k0:k0+BLOCK_K]^T, in fp32."""
-    w = _weight_tile(w_ptr, s_ptr, e, n, n_ok, k0, K, s_we, s_wn, s_wk, s_se, s_sn, s_sk,
+    w = weight_tile(w_ptr, s_ptr, e, n, n_ok, k0, K, s_we, s_wn, s_wk, s_se, s_sn, s_sk,
                      FMT, BLOCK_N, BLOCK_K, x.dtype)
     a, b = x, tl.trans(w)  # b: [BLOCK_K, BLOCK_N]
     if DOT_F32:  # Triton's interpreter multiplies 16-bit dot operands wrongly
@@ -131,7 +131,7 @@ def _mma(acc, x, w_ptr, s_ptr, e, n, n_ok, k0, K, s_we, s_wn, s_wk, s_se, s_sn, 
 
 
 @triton.jit
-def _activate(a, b, limit, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr):
+def activate(a, b, limit, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr):
     """The expert activation on fp32 pre-activations: a = gate (or the only half for relu2), b = up."""
     if ACT == RELU2:
         r = tl.maximum(a, 0.0)
@@ -188,7 +188,7 @@ def moe_up_kernel(x_ptr, ord_ptr, offs_ptr, w_ptr, ws_ptr, b_ptr, h_ptr, limit, 
             acc_a += tl.load(b_ptr + ex * s_be + cols * s_bn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             if GATED:
                 acc_b += tl.load(b_ptr + ex * s_be + (cols + I) * s_bn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        h = _activate(acc_a, acc_b, limit, ACT, HAS_LIMIT)
+        h = activate(acc_a, acc_b, limit, ACT, HAS_LIMIT)
         tl.store(h_ptr + rows[:, None] * s_hm + cols[None, :], h.to(h_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & col_ok[None, :])
 
