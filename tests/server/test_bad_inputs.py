@@ -74,11 +74,12 @@ CASES = {
     "message-part-without-type": (CHAT, chat(messages=[{"role": "user", "content": [{"text": "x"}]}]), 400, "'type'", "messages[0].content[0]"),
     "message-part-text-not-string": (CHAT, chat(messages=[{"role": "user", "content": [{"type": "text", "text": 1}]}]), 400, "text must be a string", "messages[0].content[0].text"),
     "message-part-audio": (CHAT, chat(messages=[{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]), 400, "not supported", "messages[0].content[0]"),
-    # images: each URL is checked and decoded first (tests/server/test_images.py has every case)
-    "image-url": (CHAT, chat(messages=image_part("https://example.com/cat.png")), 400, "fetching remote images is not enabled", "messages[0].content[1]"),
-    "image-data-url": (CHAT, chat(messages=image_part("data:image/png;base64,iVBORw0KGgo=")), 400, "cannot be decoded", "messages[0].content[1]"),
-    "image-not-base64": (CHAT, chat(messages=image_part("data:image/png;base64,@@@not base64@@@")), 400, "not valid base64", "messages[0].content[1]"),
-    "image-file-path": (CHAT, chat(messages=image_part("file:///etc/passwd")), 400, "reading local image files is not enabled", "messages[0].content[1]"),
+    # images sent to the bundled text-only model: refused unread, whatever they hold (tests/server/test_images.py
+    # has every media check against a vision-language model)
+    "image-url": (CHAT, chat(messages=image_part("https://example.com/cat.png")), 400, "no vision encoder", "messages[0].content[1]"),
+    "image-data-url": (CHAT, chat(messages=image_part("data:image/png;base64,iVBORw0KGgo=")), 400, "no vision encoder", "messages[0].content[1]"),
+    "image-not-base64": (CHAT, chat(messages=image_part("data:image/png;base64,@@@not base64@@@")), 400, "no vision encoder", "messages[0].content[1]"),
+    "image-file-path": (CHAT, chat(messages=image_part("file:///etc/passwd")), 400, "no vision encoder", "messages[0].content[1]"),
     # prompts
     "prompt-missing": (COMPLETIONS, {"model": MODEL, "max_tokens": 4}, 400, "prompt is required", "prompt"),
     "prompt-empty-string": (COMPLETIONS, completion(prompt=""), 400, "prompt is empty", "prompt"),
