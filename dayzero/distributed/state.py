@@ -5,8 +5,10 @@ exist yet). Pipeline parallelism cuts the layers into ``pp`` contiguous stages o
 ranks each; the ranks of one in-stage position form a pp group (hidden states go from each rank to the same
 position of the next stage, and the last stage's logits are broadcast back). Inside a stage, attention, dense MLPs
 and shared experts are split over tp groups of ``tp`` consecutive ranks (with ``G / tp`` replicas of each
-split); routed experts are spread over the ``ep`` ranks of the expert group, which is either the whole stage
-(``ep = G``) or nothing (``ep = 1``: each expert's width is split over tp instead). A :class:`ParallelState` is a
+split); routed experts are spread over the ``ep`` ranks of an expert group: the whole stage (``ep = G``), none
+(``ep = 1``: each expert's width is split over tp instead), or in between, where the stage holds ``G / ep``
+expert groups (every ``G / ep``-th rank) and each expert's width is split over the ``G / ep`` consecutive ranks of
+an expert-TP group, one rank of each expert group. A :class:`ParallelState` is a
 plain frozen value: the layers keep the one they were built with, and a collective reads its group from it,
 never from a global. In one process the collectives return their input before anything of
 ``torch.distributed`` is touched.
@@ -42,9 +44,14 @@ class ParallelState:
     pp_rank: int = 0  # this rank's pipeline stage
     pp_size: int = 1
     pp_group: object = None  # the ranks of this in-stage position, one per stage
+    # with 1 < ep < a stage's G ranks: each expert's width is split over the G / ep ranks of an expert-TP group
+    # (consecutive ranks, one per expert group); see etp_size
+    ep_tp_rank: int = 0
+    ep_tp_size: int = 1
+    ep_tp_group: object = None
 
     def __post_init__(self):
-        for name in ("tp", "ep", "pp"):
+        for name in ("tp", "ep", "pp", "ep_tp"):
             size, rank = getattr(self, f"{name}_size"), getattr(self, f"{name}_rank")
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(f"{name} must be a positive int, got {size!r}")
@@ -56,6 +63,20 @@ class ParallelState:
         if R and (self.ep_size == 1 or R % self.ep_size):
             raise ValueError(f"num_redundant_experts={R} needs expert parallelism and a multiple of ep={self.ep_size} "
                              "(each rank gets the same number of extra slots)")
+
+    @property
+    def etp_size(self) -> int:
+        """Ranks each routed expert's intermediate width is split over: tp without expert parallelism (expert TP),
+        1 when ep spans the stage, ``G / ep`` in between."""
+        return self.tp_size if self.ep_size == 1 else self.ep_tp_size
+
+    @property
+    def etp_rank(self) -> int:
+        return self.tp_rank if self.ep_size == 1 else self.ep_tp_rank
+
+    @property
+    def etp_group(self):
+        return self.tp_group if self.ep_size == 1 else self.ep_tp_group
 
     @property
     def first_stage(self) -> bool:
@@ -108,6 +129,16 @@ def tp_all_reduce(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
     import torch.distributed as dist
 
     dist.all_reduce(x, group=state.tp_group)
+    return x
+
+
+def etp_all_reduce(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
+    """The sum of ``x`` over the ranks that split each expert's width (in place). Identity when they are one."""
+    if state.etp_size == 1:
+        return x
+    import torch.distributed as dist
+
+    dist.all_reduce(x, group=state.etp_group)
     return x
 
 
@@ -196,7 +227,7 @@ def init_parallel(tp: int | None = None, backend: str = "gloo", *, ep: int = 1, 
     ``rank``, ``world_size`` and ``local_rank`` default to torchrun's ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``
     (and to a job of ``pp · max(tp, ep)`` processes when those are unset); ``init_method`` to ``env://`` when
     ``MASTER_ADDR`` is set, else ``tcp://127.0.0.1:<port>`` (``port``, ``MASTER_PORT`` or 29500). ``pp`` must divide
-    the world size; ``tp`` defaults to a stage's ranks and must divide them; ``ep`` must be 1 or a stage's ranks.
+    the world size; ``tp`` defaults to a stage's ranks and must divide them; ``ep`` must divide them too.
     A single process joins no group at all. Impossible layouts stop here with a ``ValueError`` naming the setting."""
     global _current
     if backend not in BACKENDS:
@@ -239,18 +270,29 @@ def init_parallel(tp: int | None = None, backend: str = "gloo", *, ep: int = 1, 
         g = dist.group.WORLD if len(ranks) == world else dist.new_group(ranks)
         return g if rank in ranks else None
 
-    tp_group = ep_group = pp_group = None
+    tp_group = ep_group = pp_group = etp_group = None
     for first in range(0, world, tp):
         tp_group = group(list(range(first, first + tp))) or tp_group
-    if ep > 1:
+    etp = expert_tp_ranks(tp, ep, G) if 1 < ep < G else 1
+    if ep > 1:  # expert group: the ranks of a stage at one position of the expert-TP groups
         for first in range(0, world, G):
-            ep_group = group(list(range(first, first + G))) or ep_group
+            for j in range(etp):
+                ep_group = group(list(range(first + j, first + G, etp))) or ep_group
+    if etp > 1:  # expert-TP group: etp consecutive ranks, one of each expert group
+        for first in range(0, world, etp):
+            etp_group = group(list(range(first, first + etp))) or etp_group
     if pp > 1:
         for j in range(G):
             pp_group = group(list(range(j, world, G))) or pp_group
-    _current = ParallelState(rank % tp, tp, tp_group, backend, device, rank % G if ep > 1 else 0, ep, ep_group,
-                             rank, world, 0, rank // G, pp, pp_group)
+    _current = ParallelState(rank % tp, tp, tp_group, backend, device, (rank % G) // etp if ep > 1 else 0, ep, ep_group,
+                             rank, world, 0, rank // G, pp, pp_group, rank % etp, etp, etp_group)
     return _current
+
+
+def expert_tp_ranks(tp: int, ep: int, stage: int) -> int:
+    """Ranks each routed expert's width is split over in a stage of ``stage`` ranks: tp at ep = 1, 1 at ep = stage,
+    ``stage / ep`` in between (expert TP inside the expert groups)."""
+    return tp if ep == 1 else stage // ep
 
 
 def check_layout(tp: int, ep: int, world: int, pp: int = 1) -> None:
@@ -260,9 +302,9 @@ def check_layout(tp: int, ep: int, world: int, pp: int = 1) -> None:
     stage, what = world // pp, "world_size" if pp == 1 else "world_size/pp"
     if stage % tp:
         raise ValueError(f"tp={tp} does not divide {what}={stage}: every rank belongs to one tp group")
-    if ep not in (1, stage):
-        raise ValueError(f"ep={ep} with {what}={stage}: routed experts are spread over every rank of a stage "
-                         f"(ep={stage}) or replicated (ep=1)")
+    if stage % ep:
+        raise ValueError(f"ep={ep} does not divide {what}={stage}: a stage's ranks form expert groups of ep ranks "
+                         f"(each expert's width split over the {what}/ep groups)")
 
 
 def destroy_parallel() -> None:

@@ -77,7 +77,9 @@ class EngineConfig:
     # the job's layout, for the launcher (dayzero.engine.launch), which starts a process per rank and gives each
     # LLMEngine its rank's ParallelState (docs/parallelism.md, "Launching")
     tp: int = 1  # tensor-parallel ranks
-    ep: int = 1  # expert-parallel ranks: 1 (each expert's width split over tp) or every rank of a pipeline stage
+    # expert-parallel ranks: 1 (each expert's width split over tp), every rank of a pipeline stage, or a divisor of
+    # a stage's ranks G in between (each expert's width split over G / ep ranks)
+    ep: int = 1
     pp: int = 1  # pipeline stages
     # eager steps of several sequences run as up to this many micro-batches (of at least 32 rows), so pipeline
     # stages overlap (0: twice the stages under pp, whole steps without; 1: whole steps)

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from dayzero.distributed import ParallelState, check_layout, current, init_parallel
+from dayzero.distributed import ParallelState, check_layout, current, expert_tp_ranks, init_parallel
 from dayzero.distributed.control import broadcast_object
 from dayzero.engine.device import resolve_device
 from dayzero.engine.engine import DEFAULT_MODEL, EngineConfig, LLMEngine
@@ -73,10 +73,12 @@ def check_model_layout(config: EngineConfig, layout: Layout) -> None:
 
     raw, cfg_file = read_config(Path(config.model) if config.model else DEFAULT_MODEL)
     spec = adapter_for(raw, cfg_file).to_spec(raw)
+    stage_ranks = layout.world // layout.pp
+    etp = expert_tp_ranks(layout.tp, layout.ep, stage_ranks) if 1 < layout.ep < stage_ranks else 1
     for stage in range(layout.pp):  # each stage holds other layers: each may refuse its own
         build_model(spec, torch.float32, "meta", ParallelState(
             0, layout.tp, ep_rank=0, ep_size=layout.ep, pp_rank=stage, pp_size=layout.pp,
-            redundant_experts=config.num_redundant_experts))
+            redundant_experts=config.num_redundant_experts, ep_tp_size=etp))
 
 
 def rank_config(config: EngineConfig, layout: Layout, local_rank: int) -> EngineConfig:

@@ -33,7 +33,7 @@ from torch import nn
 
 from dayzero import ops
 from dayzero.config.spec import MLPSpec, MoESpec
-from dayzero.distributed import SINGLE, ParallelState, divide, ep_all_gather, ep_all_to_all, tp_all_reduce
+from dayzero.distributed import SINGLE, ParallelState, divide, ep_all_gather, ep_all_to_all, etp_all_reduce
 from dayzero.layers.expert_placement import balanced_placement, initial_placement, move_experts, replica_table
 from dayzero.layers.fused import fuse, project
 from dayzero.layers.mlp import MLP
@@ -62,15 +62,18 @@ class MoE(nn.Module):
             self.register_buffer("slot_of", torch.tensor(self.slot_expert), persistent=False)
         # running sums of moe_permute's row ends: their differences are the pairs routed to each expert
         self.register_buffer("load_ends", torch.zeros(spec.n_experts, dtype=torch.int64), persistent=False)
-        # without expert parallelism, tensor parallelism splits every expert's intermediate width (expert TP)
-        self.expert_tp = parallel.tp_size > 1 and parallel.ep_size == 1
+        # each expert's intermediate width split over etp ranks (expert TP): tp without expert parallelism, the
+        # ranks of an expert-TP group with 1 < ep < the stage's ranks
+        self.expert_tp = parallel.etp_size > 1
         if self.expert_tp:
+            what = f"tp={parallel.tp_size}" if parallel.ep_size == 1 else f"ep={parallel.ep_size} (expert TP over {parallel.etp_size})"
             if spec.expert_format == "fp8_block":
-                parallel.require_single("block-FP8 routed experts")
-            I = divide(I, parallel, "moe_intermediate_size")
+                raise ValueError(f"{what}: block-FP8 routed experts have no width-split form yet (their 128x128 scale "
+                                 "tiles would need cutting); run them with tp=1, or with ep spanning the stage")
+            I = divide(I, parallel, "moe_intermediate_size", over="etp")
             if spec.expert_format == "mxfp4" and I % 32:
-                raise ValueError(f"tp={parallel.tp_size} splits MXFP4 experts into {I}-wide slices, not whole 32-value "
-                                 "blocks; use a tp that divides moe_intermediate_size / 32")
+                raise ValueError(f"{what} splits MXFP4 experts into {I}-wide slices, not whole 32-value "
+                                 "blocks; use a layout whose expert split divides moe_intermediate_size / 32")
         gated = spec.activation != "relu2"
         rows = 2 * I if gated else I
         # The router stays in fp32: selection is sensitive to rounding (ARCHITECTURE.md 3.1).
@@ -104,14 +107,17 @@ class MoE(nn.Module):
                 setattr(self, f"{name}_scale_inv", nn.Parameter(torch.empty(E, -(-n // 128), -(-k // 128), dtype=torch.float32), requires_grad=False))
         self.b1 = nn.Parameter(torch.empty(E, rows)) if spec.expert_bias else None
         self.b2 = nn.Parameter(torch.empty(E, L)) if spec.expert_bias else None
+        width = {}  # expert TP: w1's gate and up rows, w2's input columns (dim 2 of [E, L, I] and of [E, L, I/32, ..])
+        if self.expert_tp:
+            etp, r = parallel.etp_size, parallel.etp_rank
+            first = Shard(1, r, etp, 2 if gated else 1)
+            width = {n: first for n in ("w1", "w1_blocks", "w1_scales", "b1") if getattr(self, n, None) is not None}
+            width |= {n: Shard(2, r, etp) for n in ("w2", "w2_blocks", "w2_scales") if getattr(self, n, None) is not None}
         if parallel.ep_size > 1:  # every stacked expert tensor holds this rank's slots, the first El from the checkpoint
-            cut = Shard(0, parallel.ep_rank, parallel.ep_size, experts=El)
-            self.shards = {n: cut for n, _ in self.named_parameters(recurse=False) if n not in self._replicated}
-        elif self.expert_tp:  # w1's gate and up rows, w2's input columns (dim 2 of [E, L, I] and of [E, L, I/32, ..])
-            tp, r = parallel.tp_size, parallel.tp_rank
-            first = Shard(1, r, tp, 2 if gated else 1)
-            self.shards = {n: first for n in ("w1", "w1_blocks", "w1_scales", "b1") if getattr(self, n, None) is not None}
-            self.shards |= {n: Shard(2, r, tp) for n in ("w2", "w2_blocks", "w2_scales") if getattr(self, n, None) is not None}
+            self.shards = {n: Shard(0, parallel.ep_rank, parallel.ep_size, experts=El, inner=width.get(n))
+                           for n, _ in self.named_parameters(recurse=False) if n not in self._replicated}
+        elif width:
+            self.shards = width
         self.latent = spec.latent_size is not None
         if self.latent:
             self.fc1_latent_proj = nn.Linear(D, L, bias=False)
@@ -151,8 +157,8 @@ class MoE(nn.Module):
         hash-routing table once, after loading, so that routing never reads ids back to the host."""
         if self.in_proj_members:
             fuse(self, "fused_in", self.in_proj_members)
-        if self.expert_tp and self.b2 is not None and self.parallel.tp_rank:
-            self.b2.data.zero_()  # each rank's partial output is summed over tp: one rank adds the bias
+        if self.expert_tp and self.b2 is not None and self.parallel.etp_rank:
+            self.b2.data.zero_()  # each rank's partial output is summed over the expert split: one rank adds the bias
         if self.parallel.redundant_experts:
             per, S = self.spec.n_experts // self.parallel.ep_size, len(self.slot_expert) // self.parallel.ep_size
             loaded = [e if q % S < per else -1 for q, e in enumerate(self.slot_expert)]  # what the checkpoint filled
@@ -208,7 +214,7 @@ class MoE(nn.Module):
             clamp = {} if self.spec.swiglu_limit is None else {"limit": self.spec.swiglu_limit}
             y = ops.call("moe_experts", h, ids, weights, w1, w2, self.spec.activation, self.b1, self.b2, **clamp,
                          load=self.load_ends)  # [T, L]
-        return tp_all_reduce(y, self.parallel) if self.expert_tp else y  # expert TP: the slices' partial sums
+        return etp_all_reduce(y, self.parallel) if self.expert_tp else y  # expert TP: the slices' partial sums
 
     def _routed_ep(self, x, h, w1, w2, batch) -> torch.Tensor:
         """:meth:`_routed` with the experts spread over the ep ranks: this rank routes its share of the tokens,
@@ -242,7 +248,8 @@ class MoE(nn.Module):
         home = ep_all_to_all(out, recv, send, p)  # [t*k, L] this rank's pairs, in its slot order
         y = ops.call("moe_unpermute", home, order, weights, rows.stop - rows.start)  # [t, L]
         y = torch.nn.functional.pad(y, (0, 0, 0, per - y.shape[0]))
-        return torch.cat(ep_all_gather(y, p))[:T]
+        y = torch.cat(ep_all_gather(y, p))[:T]
+        return etp_all_reduce(y, p) if self.expert_tp else y  # 1 < ep < G: the width slices' partial sums
 
     def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
         # x: [T, D]; ``batch`` gives hash routing its token ids

@@ -36,13 +36,15 @@ class Shard:
     along ``dim`` (a fused [gate; up]) and each block is cut the same way, the rank's pieces kept in order.
     ``experts`` > 0: ``dim`` 0 is a stack of expert slots (``rank`` of ``size`` ep ranks) whose first ``experts``
     the checkpoint fills (the rest hold copies made after loading); a checkpoint tensor may also hold one expert's
-    part, which belongs to one rank only."""
+    part, which belongs to one rank only. ``inner`` cuts the expert slots' tensors again along another dim (each
+    expert's width split over the ranks of an expert-TP group)."""
 
     dim: int
     rank: int
     size: int
     parts: int = 1
     experts: int = 0
+    inner: "Shard | None" = None  # a second cut of the expert slots' tensors (expert TP inside expert groups)
 
     def span(self, n: int) -> tuple[int, int, int]:
         """For a full length ``n``: (start, length read, length held); held - read rows are padding."""

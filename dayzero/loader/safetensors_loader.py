@@ -109,6 +109,30 @@ def _cut(shard: Shard, param: torch.Tensor, view: torch.Tensor, stored: torch.Si
     return _Cut(d, tuple((j * step + start, length) for j in range(parts)), held)
 
 
+def _cuts(shard: Shard, param: torch.Tensor, view: torch.Tensor, stored: torch.Size) -> tuple[_Cut, ...] | str | None:
+    """The cuts of a stored tensor into ``view``: along the shard's dim (not for one expert's part, which goes whole
+    to its slot), then along its ``inner`` shard's dim; None when nothing is cut, or why it does not fit."""
+    out = []
+    if not (shard.experts and view.dim() < param.dim()):
+        whole = view  # what the first cut gives: the view, but whole along the inner cut's dim
+        if shard.inner is not None and len(stored) >= param.dim() - shard.inner.dim:
+            d = shard.inner.dim - param.dim()
+            shape = list(view.shape)
+            shape[d] = stored[d]
+            whole = torch.empty(shape, dtype=view.dtype, device="meta")
+        cut = _cut(shard, _filled(param, shard), whole, stored)
+        if isinstance(cut, str):
+            return cut
+        out.append(cut)
+        stored = torch.Size(s if i != len(stored) + cut.dim else cut.held * len(cut.pieces) for i, s in enumerate(stored))
+    if shard.inner is not None:
+        cut = _cut(shard.inner, param, view, stored)
+        if isinstance(cut, str):
+            return cut
+        out.append(cut)
+    return tuple(out) or None
+
+
 def _target(rule: Rule, m: re.Match, param: torch.Tensor, shard: Shard | None) -> torch.Tensor | None:
     """The part of ``param`` the checkpoint tensor fills; None when it is one expert's part and another ep rank
     holds that expert. A rule views the whole stack of experts, so for a parameter holding this rank's experts
@@ -171,13 +195,14 @@ def _plan(model: torch.nn.Module, path: Path, rules: list[Rule], ignore: list[st
                 continue  # another ep rank's expert
             stored = rule.transform(torch.empty(shape, dtype=dtype, device="meta"))  # as the parameter receives it
             got, cut = tuple(stored.shape), None
-            if target in shards and not (shards[target].experts and view.dim() < param.dim()):
-                cut = _cut(shards[target], _filled(param, shards[target]), view, stored.shape)
+            if target in shards:
+                cut = _cuts(shards[target], param, view, stored.shape)
                 if isinstance(cut, str):
                     plan.problems.append(f"{file}: tensor {name!r} of shape {shape} {cut}; {target} holds "
                                          f"{tuple(view.shape)}")
                     continue
-                got = tuple(view.shape)  # checked by the cut, the slice has the view's shape
+                if cut is not None:
+                    got = tuple(view.shape)  # checked by the cuts, the slice has the view's shape
             if got != tuple(view.shape):
                 plan.problems.append(
                     f"{file}: tensor {name!r} has shape {shape}, the model built from config.json expects "
@@ -222,15 +247,22 @@ def load_weights(model: torch.nn.Module, path: str | Path, rules: list[Rule], ig
                 handles[file] = safe_open(str(file), framework="pt", device="cpu")
             param = params[target]
             view = _target(rule, m, param, shards.get(target))
-            sliced = cut is not None and rule.transform is same and len(cut.pieces) == 1
+            sliced = cut is not None and len(cut) == 1 and rule.transform is same and len(cut[0].pieces) == 1
             try:
-                t = _read_slice(handles[file].get_slice(name), cut) if sliced else handles[file].get_tensor(name)
+                t = _read_slice(handles[file].get_slice(name), cut[0]) if sliced else handles[file].get_tensor(name)
             except Exception as e:  # safetensors raises its own error types for damaged data
                 raise CheckpointError(f"{file}: tensor {name!r} cannot be read ({e}); the file may be truncated") from e
             if cut is None:
                 view.copy_(rule.transform(t).to(param.dtype))
             else:  # the slice read alone starts at its first stored row
-                _copy_cut(view, rule.transform(t), cut, offset=cut.pieces[0][0] if sliced else 0)
+                t = rule.transform(t)
+                if len(cut) == 2:  # expert slots, then each expert's width: the first cut into a tensor of its own
+                    held = list(t.shape)
+                    held[t.dim() + cut[0].dim] = cut[0].held * len(cut[0].pieces)
+                    outer = t.new_empty(held)
+                    _copy_cut(outer, t, cut[0])
+                    t = outer
+                _copy_cut(view, t, cut[-1], offset=cut[0].pieces[0][0] if sliced else 0)
 
 
 def _read_slice(handle, cut: _Cut) -> torch.Tensor:

@@ -152,7 +152,8 @@ def add_engine_options(p) -> None:
     d = p.add_argument_group("parallelism (one process per rank: started here, or the ranks of a torchrun job)")
     d.add_argument("--tp", type=positive_int, default=1, metavar="N", help="tensor-parallel ranks")
     d.add_argument("--ep", type=positive_int, default=1, metavar="N",
-                   help="expert-parallel ranks: 1 (experts split by tp) or every rank of a pipeline stage")
+                   help="expert-parallel ranks, dividing a pipeline stage's G ranks: 1 (experts split by tp), G, "
+                        "or in between (each expert's width split over G/ep ranks)")
     d.add_argument("--pp", type=positive_int, default=1, metavar="N", help="pipeline stages (of max(tp, ep) ranks)")
     d.add_argument("--pp-micro-batches", type=int, default=0, metavar="M",
                    help="run steps of several sequences as up to M micro-batches (of at least 32 rows) so the "

@@ -81,12 +81,9 @@ def layouts(costs: ModelCosts, n: int) -> list[Layout]:
 def engine_gap(lay: Layout) -> str | None:
     """Why dayzero's engine cannot run ``lay`` yet, or None when it can (``check_layout``'s rules): the plan
     models every layout worth considering, the engine runs a subset of them today."""
-    g = lay.tp * lay.dp
     if lay.dp > 1:
         return (f"attention data parallelism (dp={lay.dp}) is not built: the engine's tp groups within a stage are "
                 f"replicas that all hold every sequence")
-    if lay.ep not in (1, g):
-        return f"ep={lay.ep}: the engine spreads routed experts over every rank of a stage (ep={g}) or none (ep=1)"
     return None
 
 

@@ -8,6 +8,8 @@ relative of one process, the same greedy tokens and the same per-expert load cou
   a correction bias, shared experts, MLA), kimi_linear (KDA);
 - tp=2 with ep=2 on the same two ranks: qwen3_moe, glm4_moe;
 - ep=4 over two tp=2 replicas: qwen3_moe;
+- ep=2 inside a stage of four ranks (tp=4): two expert groups, each expert's width split over two ranks, qwen3_moe
+  and MXFP4 gpt-oss;
 - gpt-oss with MXFP4 experts (stacked packed tensors, expert biases) at ep=2, and split by tp=2 (expert TP),
   converted per layer in the workspace as on one process;
 - with redundant copies of experts, rebalanced from the observed loads every two steps, outputs do not change.
@@ -38,6 +40,35 @@ def test_tp2_with_ep2_matches_one_process(tmp_path):
 
 def test_ep4_over_two_tp_replicas_matches_one_process(tmp_path):
     compare_with_one_process(tmp_path, ("qwen3_moe",), tp=2, ep=4)
+
+
+def test_ep2_inside_a_stage_of_four_splits_each_expert_over_two(tmp_path):
+    """1 < ep < G: tp=4 with ep=2 is two expert groups of two ranks (ranks 0, 2 and 1, 3), each expert's width split
+    over the two ranks of an expert-TP group (0, 1 and 2, 3)."""
+    compare_with_one_process(tmp_path, ("qwen3_moe",), tp=4, ep=2)
+
+
+def test_mxfp4_experts_in_expert_groups_split_by_width_match_one_process(tmp_path):
+    make_hf_checkpoint(tmp_path / "bf16", "gpt_oss", seed=3, **{**GPT_OSS, "intermediate_size": 64})
+    quantize_checkpoint(tmp_path / "bf16", tmp_path / "gpt_oss", progress=False)
+    compare_paths(tmp_path, [tmp_path / "gpt_oss"], tp=4, ep=2)
+
+
+def test_a_rank_of_an_expert_group_holds_its_experts_slice(tmp_path):
+    """The loader cuts each checkpoint tensor twice: the rank's expert slots, then its slice of each expert's width
+    (per-expert tensors: only the slice)."""
+    path = tmp_path / "qwen3_moe"
+    make_hf_checkpoint(path, "qwen3_moe", **CONFIGS["qwen3_moe"])
+    spec = load_config(path)
+    state = ParallelState(1, 4, ep_rank=1, ep_size=2, world_rank=3, world_size=4, ep_tp_rank=1, ep_tp_size=2)
+    model = build_model(spec, torch.float32, "meta", state)
+    moe = next(m for m in model.modules() if isinstance(m, MoE))
+    I = spec.layers[-1].mlp.intermediate_size
+    assert moe.expert_tp and tuple(moe.w1.shape[:2]) == (4, I) and moe.w2.shape[-1] == I // 2
+    assert moe.shards["w1"].inner.dim == 1 and moe.shards["w2"].inner.dim == 2
+    raw, cfg_file = read_config(path)
+    adapter = adapter_for(raw, cfg_file)
+    assert check_headers(model, path, adapter.rules(spec), adapter.ignore) == []
 
 
 def test_mxfp4_experts_at_ep2_match_one_process(tmp_path):

@@ -114,8 +114,8 @@ def test_startup_failures_name_the_setting(qwen3_moe, monkeypatch):
         LLM(str(qwen3_moe), tp=3, **ENGINE)
     with pytest.raises(ValueError, match="tp=2 does not divide world_size=3"):
         LLM(str(qwen3_moe), tp=2, ep=3, **ENGINE)
-    with pytest.raises(ValueError, match="ep=2 with world_size=4"):
-        LLM(str(qwen3_moe), tp=4, ep=2, **ENGINE)
+    with pytest.raises(ValueError, match="ep=3 does not divide world_size=4"):
+        LLM(str(qwen3_moe), tp=4, ep=3, **ENGINE)
     with pytest.raises(ValueError, match="pp=4 exceeds num_hidden_layers=3"):
         LLM(str(qwen3_moe), pp=4, **ENGINE)
     with pytest.raises(ValueError, match="num_redundant_experts=3 needs expert parallelism and a multiple of ep=2"):

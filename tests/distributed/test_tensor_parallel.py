@@ -152,7 +152,9 @@ def run_model(path: Path, state: ParallelState | None = None) -> dict:
             assert engine.model.lm_head.weight.shape[0] == -(-spec.vocab_size // tp)
         moe = [m for m in engine.model.modules() if isinstance(m, MoE)]
         assert all(isinstance(m.shared_experts.down_proj, RowParallelLinear) for m in moe if m.shared_experts)
-        assert all(m.expert_tp == (state.ep_size == 1) for m in moe)  # every expert's width split, without ep
+        # every expert's width split without ep (over tp), or with 1 < ep < G (over G / ep); whole at ep = G
+        assert all(m.expert_tp == (state.etp_size > 1) for m in moe)
+        assert state.etp_size == (tp if state.ep_size == 1 else (state.world_size // state.pp_size) // state.ep_size)
     prompts = prompt_batch(engine.model_config.vocab_size, lengths=(5, 23, 12))
     out = {"prompt": [run_chunks(engine, ids, [len(ids)]) for ids in prompts],
            "decode": run_chunks(engine, prompts[1], [20, 1, 1, 1])}
@@ -255,8 +257,8 @@ def test_compressed_attention_splits_heads_and_output_groups():
 def test_impossible_process_layouts():
     with pytest.raises(ValueError, match="tp=3 does not divide world_size=4"):
         init_parallel(tp=3, world_size=4, rank=0)
-    with pytest.raises(ValueError, match=r"ep=2 with world_size=4: routed experts are spread over every rank of a stage"):
-        init_parallel(tp=2, ep=2, world_size=4, rank=0)
+    with pytest.raises(ValueError, match=r"ep=4 does not divide world_size=6: a stage's ranks form expert groups"):
+        init_parallel(tp=2, ep=4, world_size=6, rank=0)
     with pytest.raises(ValueError, match="tp must be a positive int, got 0"):
         init_parallel(tp=0)
     with pytest.raises(ValueError, match="ep must be a positive int, got -1"):
