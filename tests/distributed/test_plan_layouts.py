@@ -1,5 +1,6 @@
 """``dayzero plan``'s per-device memory for a layout against what the engine allocates on each rank of that
-layout (weights and cache, within 10%), for tensor, expert and pipeline parallelism on the CPU with Gloo."""
+layout (weights and cache, within 10%), for tensor, expert (also in expert groups: tp=4 with ep=2) and pipeline
+parallelism on the CPU with Gloo."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -25,10 +26,12 @@ def allocate_rank(state: ParallelState, path: str, out_dir: str) -> None:
                Path(out_dir) / f"alloc{state.world_rank}.pt")
 
 
-@pytest.mark.parametrize("layout", [dict(tp=2), dict(tp=2, ep=2), dict(tp=1, pp=2)], ids=["tp2", "tp2-ep2", "pp2"])
-def test_plan_predicts_each_ranks_allocation(tmp_path, layout):
-    path = tmp_path / "kimi_linear"
-    make_hf_checkpoint(path, "kimi_linear", **CONFIGS["kimi_linear"])
+@pytest.mark.parametrize("model,layout", [("kimi_linear", dict(tp=2)), ("kimi_linear", dict(tp=2, ep=2)),
+                                          ("qwen3_moe", dict(tp=4, ep=2)), ("kimi_linear", dict(tp=1, pp=2))],
+                         ids=["tp2", "tp2-ep2", "tp4-ep2", "pp2"])  # the tiny kimi_linear has 2 KDA heads
+def test_plan_predicts_each_ranks_allocation(tmp_path, model, layout):
+    path = tmp_path / model
+    make_hf_checkpoint(path, model, **CONFIGS[model])
     tp, ep, pp = layout.get("tp", 1), layout.get("ep", 1), layout.get("pp", 1)
     spawn(allocate_rank, str(path), str(tmp_path), tp=tp, ep=ep, pp=pp)
     stage_ranks = max(tp, ep)
