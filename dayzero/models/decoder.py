@@ -190,8 +190,9 @@ class CausalLM(nn.Module):
         self.split_steps = 0  # steps run in parts
 
     def forward(self, batch) -> torch.Tensor:
-        n = min(self.micro_batches, batch.num_tokens // max(self.micro_batch_min_rows, 1))
-        parts = batch.split(n) if n > 1 and hasattr(batch, "split") else None
+        parts = None
+        if self.micro_batches > 1 and hasattr(batch, "split"):
+            parts = batch.split(min(self.micro_batches, batch.num_tokens // max(self.micro_batch_min_rows, 1)))
         if parts is None:
             return self._forward(batch)
         self.split_steps += 1
