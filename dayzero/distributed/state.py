@@ -273,7 +273,7 @@ def init_parallel(tp: int | None = None, backend: str = "gloo", *, ep: int = 1, 
     tp_group = ep_group = pp_group = etp_group = None
     for first in range(0, world, tp):
         tp_group = group(list(range(first, first + tp))) or tp_group
-    etp = expert_tp_ranks(tp, ep, G) if 1 < ep < G else 1
+    etp = expert_tp_ranks(ep, G)
     if ep > 1:  # expert group: the ranks of a stage at one position of the expert-TP groups
         for first in range(0, world, G):
             for j in range(etp):
@@ -289,10 +289,10 @@ def init_parallel(tp: int | None = None, backend: str = "gloo", *, ep: int = 1, 
     return _current
 
 
-def expert_tp_ranks(tp: int, ep: int, stage: int) -> int:
-    """Ranks each routed expert's width is split over in a stage of ``stage`` ranks: tp at ep = 1, 1 at ep = stage,
-    ``stage / ep`` in between (expert TP inside the expert groups)."""
-    return tp if ep == 1 else stage // ep
+def expert_tp_ranks(ep: int, stage: int) -> int:
+    """The ranks of an expert-TP group (``ParallelState.ep_tp_size``) in a stage of ``stage`` ranks: ``stage / ep``
+    with 1 < ep < stage, else 1 (at ep = 1 the experts' width is split over tp, see ``etp_size``)."""
+    return stage // ep if 1 < ep < stage else 1
 
 
 def check_layout(tp: int, ep: int, world: int, pp: int = 1) -> None:

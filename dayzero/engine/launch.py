@@ -73,8 +73,7 @@ def check_model_layout(config: EngineConfig, layout: Layout) -> None:
 
     raw, cfg_file = read_config(Path(config.model) if config.model else DEFAULT_MODEL)
     spec = adapter_for(raw, cfg_file).to_spec(raw)
-    stage_ranks = layout.world // layout.pp
-    etp = expert_tp_ranks(layout.tp, layout.ep, stage_ranks) if 1 < layout.ep < stage_ranks else 1
+    etp = expert_tp_ranks(layout.ep, layout.world // layout.pp)
     for stage in range(layout.pp):  # each stage holds other layers: each may refuse its own
         build_model(spec, torch.float32, "meta", ParallelState(
             0, layout.tp, ep_rank=0, ep_size=layout.ep, pp_rank=stage, pp_size=layout.pp,
