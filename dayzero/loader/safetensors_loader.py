@@ -89,6 +89,12 @@ class _Cut:
     pieces: tuple[tuple[int, int], ...]
     held: int
 
+    def shape(self, stored) -> torch.Size:
+        """The shape the cut gives a stored tensor of shape ``stored``."""
+        out = list(stored)
+        out[len(out) + self.dim] = self.held * len(self.pieces)
+        return torch.Size(out)
+
 
 def _cut(shard: Shard, param: torch.Tensor, view: torch.Tensor, stored: torch.Size) -> _Cut | str:
     """The :class:`_Cut` of a stored tensor of shape ``stored`` into ``view`` of a parameter sharded by ``shard``,
@@ -102,11 +108,10 @@ def _cut(shard: Shard, param: torch.Tensor, view: torch.Tensor, stored: torch.Si
         return f"cannot be cut into {max(parts, 1)} parts along dim {shard.dim}"
     step = n // parts
     start, length, held = shard.span(step)
-    expected = list(stored)
-    expected[d] = held * parts
-    if tuple(expected) != tuple(view.shape):
+    cut = _Cut(d, tuple((j * step + start, length) for j in range(parts)), held)
+    if cut.shape(stored) != view.shape:
         return f"gives {held * parts} rows along dim {shard.dim} to tp rank {shard.rank} of {shard.size}"
-    return _Cut(d, tuple((j * step + start, length) for j in range(parts)), held)
+    return cut
 
 
 def _cuts(shard: Shard, param: torch.Tensor, view: torch.Tensor, stored: torch.Size) -> tuple[_Cut, ...] | str | None:
@@ -124,7 +129,7 @@ def _cuts(shard: Shard, param: torch.Tensor, view: torch.Tensor, stored: torch.S
         if isinstance(cut, str):
             return cut
         out.append(cut)
-        stored = torch.Size(s if i != len(stored) + cut.dim else cut.held * len(cut.pieces) for i, s in enumerate(stored))
+        stored = cut.shape(stored)
     if shard.inner is not None:
         cut = _cut(shard.inner, param, view, stored)
         if isinstance(cut, str):
@@ -256,11 +261,9 @@ def load_weights(model: torch.nn.Module, path: str | Path, rules: list[Rule], ig
                 view.copy_(rule.transform(t).to(param.dtype))
             else:  # the slice read alone starts at its first stored row
                 t = rule.transform(t)
-                if len(cut) == 2:  # expert slots, then each expert's width: the first cut into a tensor of its own
-                    held = list(t.shape)
-                    held[t.dim() + cut[0].dim] = cut[0].held * len(cut[0].pieces)
-                    outer = t.new_empty(held)
-                    _copy_cut(outer, t, cut[0])
+                for c in cut[:-1]:  # expert slots before each expert's width: an earlier cut into a tensor of its own
+                    outer = t.new_empty(c.shape(t.shape))
+                    _copy_cut(outer, t, c)
                     t = outer
                 _copy_cut(view, t, cut[-1], offset=cut[0].pieces[0][0] if sliced else 0)
 
