@@ -76,6 +76,7 @@ class MoE(nn.Module):
                                  "blocks; use a layout whose expert split divides moe_intermediate_size / 32")
         gated = spec.activation != "relu2"
         rows = 2 * I if gated else I
+        self.clamp = {} if spec.swiglu_limit is None else {"limit": spec.swiglu_limit}  # the experts' clamped SwiGLU
         # The router stays in fp32: selection is sensitive to rounding (ARCHITECTURE.md 3.1).
         N = spec.n_experts  # the router chooses among all of them
         self.gate = nn.Linear(D, N, bias=spec.router_bias, dtype=torch.float32)
@@ -196,9 +197,8 @@ class MoE(nn.Module):
                         s.topk_group, s.norm_topk_prob, scale, fixed)
 
     def _experts(self, h, offsets, order, top_k, w1, w2) -> torch.Tensor:
-        clamp = {} if self.spec.swiglu_limit is None else {"limit": self.spec.swiglu_limit}
-        return ops.call("moe_experts_grouped", h, offsets, w1, w2, self.spec.activation, self.b1, self.b2, **clamp,
-                        order=order, top_k=top_k)
+        return ops.call("moe_experts_grouped", h, offsets, w1, w2, self.spec.activation, self.b1, self.b2,
+                        **self.clamp, order=order, top_k=top_k)
 
     def _routed(self, x, h, w1, w2, batch) -> torch.Tensor:
         """The routed experts' weighted sum [T, L] for every token, all experts on this rank."""
@@ -211,8 +211,7 @@ class MoE(nn.Module):
             ys = self._experts(h, offsets, order, k, w1, w2)
             y = ops.call("moe_unpermute", ys, order, weights, x.shape[0])  # [T, L]
         else:  # one op, free to skip the sort when the step has few pairs (a decode step)
-            clamp = {} if self.spec.swiglu_limit is None else {"limit": self.spec.swiglu_limit}
-            y = ops.call("moe_experts", h, ids, weights, w1, w2, self.spec.activation, self.b1, self.b2, **clamp,
+            y = ops.call("moe_experts", h, ids, weights, w1, w2, self.spec.activation, self.b1, self.b2, **self.clamp,
                          load=self.load_ends)  # [T, L]
         return etp_all_reduce(y, self.parallel) if self.expert_tp else y  # expert TP: the slices' partial sums
 
