@@ -74,9 +74,9 @@ def routed_rows(T: int, E: int, k: int, L: int, device: str, seed: int):
 def whole_op_variants(w, routing, formats) -> dict:
     """The whole routed op (the tokens' k experts, weighted and summed) for few pairs: ``direct-*`` (the unsorted
     kernels) and ``sorted-bf16`` (sort, the grouped kernels, the weighted gather), side by side."""
+    from dayzero.ops.moe import cuda as moe_cuda
     from dayzero.ops.moe import direct_kernels as D
-    from dayzero.ops.moe import permute_kernels, unpermute_kernels
-    from dayzero.ops.moe import triton_moe as T
+    from dayzero.ops.moe import permute_kernels
 
     x, ids, weights = routing
     out = {}
@@ -86,11 +86,7 @@ def whole_op_variants(w, routing, formats) -> dict:
             out[name] = fmt, lambda w1=w1, w2=w2: D.moe_experts_direct(x, ids, weights, w1, w2)
     w1, w2 = w["w1"]["bf16"], w["w2"]["bf16"]
     if "sorted-bf16" in formats and out and permute_kernels.refusal(ids, w1.shape[0]) is None:
-        def sorted_op():
-            order, offsets = permute_kernels.permute(ids, w1.shape[0])
-            ys = T.moe_experts_grouped(x, offsets, w1, w2, order=order, top_k=ids.shape[1])
-            return unpermute_kernels.unpermute(ys, order, weights, x.shape[0])
-        out["sorted-bf16"] = "bf16", sorted_op
+        out["sorted-bf16"] = "bf16", lambda: moe_cuda.sorted_experts(x, ids, weights, w1, w2)
     return out
 
 

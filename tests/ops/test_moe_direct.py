@@ -12,6 +12,7 @@ import torch
 
 from dayzero.ops.moe import cuda as moe_cuda
 from dayzero.ops.moe import direct_kernels as D
+from dayzero.ops.moe import triton_moe
 from dayzero.ops.moe import reference
 from dayzero.ops import triton_support
 from tests.ops.test_moe_triton import TOL, scaled_randn, to_format
@@ -24,7 +25,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.fixture(autouse=True)
 def poisoned(monkeypatch):
-    monkeypatch.setattr(D, "_empty", lambda r, c, like: torch.full((r, c), float("nan"), dtype=like.dtype, device=like.device))
+    monkeypatch.setattr(triton_moe, "new_buffer", lambda r, c, like: torch.full((r, c), float("nan"), dtype=like.dtype, device=like.device))
 
 
 def case(T, k, E, L, I, activation="silu", fmt="plain", dtype=torch.float32, bias=False, seed=0, repeats=False):
@@ -153,17 +154,6 @@ def test_cuda_op_takes_the_direct_path_for_few_pairs_and_the_sort_for_many(monke
     assert taken == [1]
 
 
-def sorted_path(x, ids, weights, w1, w2):
-    """The sort, the grouped kernels and the weighted gather: the same roundings as the direct kernels (h and each
-    expert's output row in bf16, the weighted sum in fp32)."""
-    from dayzero.ops.moe import permute_kernels, unpermute_kernels
-    from dayzero.ops.moe import triton_moe
-
-    order, offsets = permute_kernels.permute(ids, w1.shape[0])
-    ys = triton_moe.moe_experts_grouped(x, offsets, w1, w2, order=order, top_k=ids.shape[1])
-    return unpermute_kernels.unpermute(ys, order, weights, x.shape[0])
-
-
 # One of these two gave rows unlike the sorted kernels' on the H200 (D.GPU_CHECKED keeps quantised weights on the sort)
 KNOWN_BAD = pytest.mark.xfail(reason="quantised reads at this shape failed on the H200; not yet isolated", strict=False)
 
@@ -179,7 +169,7 @@ def test_realistic_shapes_bf16_on_the_gpu(T, L, I, fmt, request):
     x, ids, weights, w1, w2, _, _ = case(T, 8, 64, L, I, "silu", fmt, torch.bfloat16, seed=T)
     assert D.refusal(x, ids, weights, w1, w2, quantised=True) is None
     out = D.moe_experts_direct(x, ids, weights, w1, w2)
-    want = sorted_path(x, ids, weights, w1, w2)
+    want = moe_cuda.sorted_experts(x, ids, weights, w1, w2)  # the same roundings: h and each row in bf16
     assert (out.float() - want.float()).abs().max() <= 2e-2 * want.float().abs().max()
     g = torch.Generator(DEV).manual_seed(T)
     w1 = to_format(0.05 * torch.randn(64, 2 * I, L, generator=g, device=DEV), fmt, torch.bfloat16)

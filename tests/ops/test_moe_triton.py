@@ -37,7 +37,7 @@ SMALL = T.Config(T.KernelConfig(16, 32, 32, group_m=2), T.KernelConfig(16, 16, 3
 @pytest.fixture(autouse=True)
 def poisoned(monkeypatch):
     """Scratch h and output y start as NaN: a kernel that reads or leaves unwritten memory fails."""
-    monkeypatch.setattr(T, "_empty", lambda r, c, like: torch.full((r, c), float("nan"), dtype=like.dtype, device=like.device))
+    monkeypatch.setattr(T, "new_buffer", lambda r, c, like: torch.full((r, c), float("nan"), dtype=like.dtype, device=like.device))
 
 
 def scaled_randn(*shape, g):

@@ -131,9 +131,17 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
                     b1: torch.Tensor | None = None, b2: torch.Tensor | None = None,
                     limit: float | None = None, load: torch.Tensor | None = None) -> torch.Tensor:
     # x: [T, D]; ids, weights: [T, k]; w1: [E, r*I, D]; w2: [E, D, I]; load: int64 [E] counters, raised
-    E = w1.shape[0]
     if direct_kernels.refusal(x, ids, weights, w1, w2, activation, b1, b2, limit) is None:
         return direct_kernels.moe_experts_direct(x, ids, weights, w1, w2, activation, b1, b2, limit, load)
+    return sorted_experts(x, ids, weights, w1, w2, activation, b1, b2, limit, load)
+
+
+def sorted_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w2, activation: str = "silu",
+                   b1: torch.Tensor | None = None, b2: torch.Tensor | None = None, limit: float | None = None,
+                   load: torch.Tensor | None = None) -> torch.Tensor:
+    """The routed experts for any number of pairs, without a host read: the sort (one Triton launch where it runs),
+    the grouped MLP reading each sorted row from its token, the weighted gather (Triton where it runs)."""
+    E = w1.shape[0]
     sort = permute_kernels.permute if permute_kernels.refusal(ids, E, load) is None else permute
     order, offsets = sort(ids, E, load)
     ys = grouped_mlp(x, offsets, w1, w2, activation, b1, b2, limit, order, ids.shape[1])  # [T*k, D]

@@ -26,7 +26,7 @@ import functools
 import torch
 
 from dayzero.ops.moe import triton_moe
-from dayzero.ops.triton_support import HAS_TRITON, next_pow2, tl, triton, triton_refusal
+from dayzero.ops.triton_support import HAS_TRITON, next_pow2, tl, triton
 from dayzero.quant.fp8 import TILE
 
 if HAS_TRITON:
@@ -190,11 +190,6 @@ def refusal(x, ids, weights, w1, w2, activation: str = "silu", b1=None, b2=None,
     return triton_moe.refusal(x, None, w1, w2, activation, b1, b2, limit)
 
 
-def _empty(rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
-    """Output and scratch buffers (tests replace this to fill them with NaN)."""
-    return torch.empty(rows, cols, dtype=like.dtype, device=like.device)
-
-
 def moe_experts_direct(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w2, activation: str = "silu",
                        b1: torch.Tensor | None = None, b2: torch.Tensor | None = None, limit: float | None = None,
                        load: torch.Tensor | None = None, block: tuple[tuple[int, int], tuple[int, int]] | None = None,
@@ -205,7 +200,7 @@ def moe_experts_direct(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     # x: [T, L]; ids, weights: [T, k]; w1: [E, r*I, L]; w2: [E, L, I] -> [T, L]
     (T, L), k = x.shape, ids.shape[1]
     E, I = w1.shape[0], w2.shape[-1]
-    y = _empty(T, L, x)
+    y = triton_moe.new_buffer(T, L, x)
     if T == 0:
         return y
     gated = activation != "relu2"
@@ -213,7 +208,7 @@ def moe_experts_direct(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     want = _programs_wanted(x.device)
     (bn1, bk1), (bn2, bk2) = block or (blocks(T * k, I, L, want, fmt), down_blocks(T, k, L, I, want, fmt))
     flat_ids = ids.reshape(-1).contiguous()
-    h = _empty(T * k, I, x)
+    h = triton_moe.new_buffer(T * k, I, x)
     act = {"silu": K.SILU, "relu2": K.RELU2, "swiglu_oai": K.SWIGLU_OAI}[activation].value
 
     f, data, scale, st, ss = triton_moe.weight_operand(w1)

@@ -239,8 +239,9 @@ def row_tiles(rows: int, num_experts: int, block_m: int) -> int:
     return -(-rows // block_m) + min(num_experts, rows)
 
 
-def _empty(rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
-    """Output and scratch buffers (tests replace this to fill them with NaN: nothing may read what no kernel wrote)."""
+def new_buffer(rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
+    """Output and scratch buffers of the expert kernels, grouped and direct (tests replace this to fill them with
+    NaN: nothing may read what no kernel wrote)."""
     return torch.empty(rows, cols, dtype=like.dtype, device=like.device)
 
 
@@ -256,12 +257,12 @@ def moe_experts_grouped(xs: torch.Tensor, offsets: torch.Tensor, w1, w2, activat
     # xs: [N, L] (or [T, L] with order [N]); offsets: [E] int32 row ends; w1: [E, r*I, L]; w2: [E, L, I] -> [N, L]
     L, E, I = xs.shape[1], w1.shape[0], w2.shape[-1]
     N = xs.shape[0] if order is None else order.shape[0]
-    y = _empty(N, L, xs)
+    y = new_buffer(N, L, xs)
     if N == 0:
         return y
     gated = activation != "relu2"
     cfg = config or config_for(format_key(w1, w2), N, E, L, I, gated, xs.dtype, device_name(xs.device))
-    h = _empty(N, I, xs)  # [N, I]: rounded to xs.dtype between the kernels
+    h = new_buffer(N, I, xs)  # [N, I]: rounded to xs.dtype between the kernels
     offsets = offsets.contiguous()
     common = dict(E_POW2=next_pow2(E), DOT_F32=DOT_F32, PRECISION="ieee" if xs.dtype == torch.float32 else None)
     act = {"silu": K.SILU, "relu2": K.RELU2, "swiglu_oai": K.SWIGLU_OAI}[activation].value
