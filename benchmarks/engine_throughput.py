@@ -123,8 +123,20 @@ def gpu_busy(llm, batch: int, prompt_len: int, steps: int, vocab: int, table_fil
         with open(table_file, "w") as f:
             for key in ("self_cuda_time_total", "self_cpu_time_total"):
                 f.write(prof.key_averages().table(sort_by=key, row_limit=40) + "\n\n")
+            f.write(step_timeline(prof, kernels // steps))
     return {"batch": batch, "busy_fraction": busy * 1e-6 / wall, "kernels_per_step": kernels / steps,
             "step_ms": 1e3 * wall / steps}
+
+
+def step_timeline(prof, per_step: int) -> str:
+    """The last step's kernels in launch order: start (us from the step's first), duration, gap before, name."""
+    ks = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)[-per_step:]
+    lines = [f"kernels of one decode step in order ({len(ks)}):", f"{'start':>9} {'us':>7} {'gap':>6}  name"]
+    for i, (a, b, name) in enumerate(ks):
+        gap = a - ks[i - 1][1] if i else 0.0
+        lines.append(f"{a - ks[0][0]:>9.1f} {b - a:>7.1f} {gap:>6.1f}  {name[:110]}")
+    return "\n".join(lines) + "\n"
 
 
 def kernel_spans(prof) -> tuple[float, int]:

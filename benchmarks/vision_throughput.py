@@ -122,7 +122,7 @@ def dayzero_run(llm, dev: torch.device):
     return run
 
 
-def measure(run, config: dict, batch: int, args, dev: torch.device) -> dict:
+def measure(name: str, run, config: dict, batch: int, args, dev: torch.device) -> dict:
     run(prompts(config, batch, args.text_len, args.image_size, seed=1000 + batch), 2)  # warm-up
     work = prompts(config, batch, args.text_len, args.image_size, seed=batch)
     res = {}
@@ -139,8 +139,10 @@ def measure(run, config: dict, batch: int, args, dev: torch.device) -> dict:
     else:
         prefill_s = pre_wall
         decode_tok_s = batch * args.decode / (full_wall - pre_wall) if full_wall > pre_wall else None
-    return {"prompt_tokens": length, "prefill_s": prefill_s, "prefill_tok_s": batch * length / prefill_s,
-            "decode_tok_s": decode_tok_s, "tokens": list(tokens)}
+    row = {"prompt_tokens": length, "prefill_s": prefill_s, "prefill_tok_s": batch * length / prefill_s,
+           "decode_tok_s": decode_tok_s, "tokens": list(tokens)}
+    log(f"{name} batch {batch}: prefill {row['prefill_tok_s']:,.0f} tok/s, decode {decode_tok_s or 0:,.1f} tok/s")
+    return row
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -164,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         model, result["parameters"] = build_checkpoint(config, root, dev, dtype, args.image_size)
         processor = Qwen3VLImageProcessor.from_config(json.loads((root / "preprocessor_config.json").read_text()))
-        hf = {b: measure(hf_run(model, processor, config["image_token_id"], dev), config, b, args, dev)
+        hf = {b: measure("transformers", hf_run(model, processor, config["image_token_id"], dev), config, b, args, dev)
               for b in args.batch}
         del model
         _free(dev)
@@ -172,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
         llm = LLM(str(root), device=dev.type, dtype=str(dtype).removeprefix("torch."), max_num_seqs=max(args.batch),
                   max_num_batched_tokens=max(args.batch) * longest, max_model_len=longest)
         log(f"dayzero: decode {llm.engine.decode_mode}")
-        dz = {b: measure(dayzero_run(llm, dev), config, b, args, dev) for b in args.batch}
+        dz = {b: measure("dayzero", dayzero_run(llm, dev), config, b, args, dev) for b in args.batch}
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"\nqwen3_5_moe {_params(result['parameters'])}, one {args.image_size}px image per prompt of "

@@ -32,12 +32,10 @@ from dayzero.quant.fp8 import TILE
 if HAS_TRITON:
     from dayzero.ops.moe import triton_moe_kernels as K
 
-# Weight formats the engine sends through these kernels: plain weights passed every GPU check; the quantised formats
-# pass on the CPU (Triton's interpreter) and at most shapes on the H200, but one token of MXFP4 at 512 : 512 or of
-# FP8 tiles at 7168 : 2048 gave rows unlike the sorted kernels' there (one of the two; not yet isolated), so they keep
-# the sort until it is found. The MXFP4 case read 16 scale blocks a K step; quantised K steps are now capped at 128
-# (four blocks, as the grouped kernels read them), not yet run on the GPU.
-GPU_CHECKED = ("bfloat16", "float16", "float32")
+# Formats whose K step may span the whole 4096-element budget; the quantised ones read at most one 128-column tile
+# a K step (the tile-scaled FP8 kernel applies one scale per step; MXFP4 steps of eight 32-blocks gave wrong rows on
+# the H200 at one shape while four blocks, as the grouped kernels read them, passed at every checked shape).
+PLAIN = ("bfloat16", "float16", "float32")
 MAX_TOP_K = 32  # the second kernel holds a row block per slot
 TILE_ELEMS = 4096  # weight elements a program holds per K step (fp32 products: 32 registers a thread at 4 warps)
 
@@ -141,11 +139,10 @@ def _programs_wanted(device: torch.device) -> int:
 
 
 def _k_step(rows: int, depth: int, fmt: str, elems: int = TILE_ELEMS) -> int:
-    """K step for ``rows`` weight rows a program holds: as long as fits ``elems`` (32 to 512; within one 128-tile for
-    the tile-scaled format; at most four 32-blocks for the block-scaled ones, as the grouped kernels read them: the
-    one quantised case that failed on the H200 was an MXFP4 step of 16 blocks, see :data:`GPU_CHECKED`)."""
+    """K step for ``rows`` weight rows a program holds: as long as fits ``elems`` (32 to 512; at most one 128-tile
+    for quantised weights, see :data:`PLAIN`)."""
     bk = max(32, min(elems // rows, next_pow2(depth), 512))
-    return bk if fmt in GPU_CHECKED else min(bk, TILE)
+    return bk if fmt in PLAIN else min(bk, TILE)
 
 
 def blocks(rows: int, width: int, depth: int, want: int, fmt: str) -> tuple[int, int]:
@@ -169,15 +166,11 @@ def down_blocks(tokens: int, top_k: int, width: int, depth: int, want: int, fmt:
 
 
 def refusal(x, ids, weights, w1, w2, activation: str = "silu", b1=None, b2=None, limit=None,
-            max_pairs: int | None = None, quantised: bool = False) -> str | None:
+            max_pairs: int | None = None) -> str | None:
     """Why the direct kernels should not run this step (more pairs than ``max_pairs``, by default
-    :func:`direct_max_pairs`; quantised weights unless ``quantised``, see :data:`GPU_CHECKED`) or cannot, or None."""
+    :func:`direct_max_pairs`) or cannot, or None."""
     if ids.dim() != 2 or weights.shape != ids.shape or x.dim() != 2 or ids.shape[0] != x.shape[0]:
         return "the reference checks these shapes"
-    fmt = triton_moe.format_key(w1, w2)
-    if not quantised and fmt not in GPU_CHECKED:
-        return (f"{fmt} expert weights keep the sorted path: the direct kernels' quantised reads gave wrong rows "
-                "on the H200 at one realistic shape (MXFP4 at 512 : 512 or FP8 tiles at 7168 : 2048, one token)")
     most = direct_max_pairs(w1.shape[0]) if max_pairs is None else max_pairs
     if ids.numel() > most:
         return f"{ids.numel()} (token, expert) pairs: past {most} the sorted path reads less"
@@ -207,6 +200,8 @@ def moe_experts_direct(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     fmt = triton_moe.format_key(w1, w2)
     want = _programs_wanted(x.device)
     (bn1, bk1), (bn2, bk2) = block or (blocks(T * k, I, L, want, fmt), down_blocks(T, k, L, I, want, fmt))
+    if fmt not in PLAIN and max(bk1, bk2) > TILE:
+        raise ValueError(f"{fmt} weights take K steps of at most {TILE}, not {max(bk1, bk2)} (see PLAIN)")
     flat_ids = ids.reshape(-1).contiguous()
     h = triton_moe.new_buffer(T * k, I, x)
     act = {"silu": K.SILU, "relu2": K.RELU2, "swiglu_oai": K.SWIGLU_OAI}[activation].value
