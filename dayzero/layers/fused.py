@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dayzero import ops
+
 from dayzero.layers.parallel import ColumnParallelLinear
 
 
@@ -32,7 +34,7 @@ class FusedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, split: bool = True) -> tuple[torch.Tensor, ...] | torch.Tensor:
         """Each member's output (column slices of one result), or with ``split=False`` the whole [.., sum N]."""
-        y = torch.nn.functional.linear(x, self.weight, self.bias)
+        y = ops.call("linear", x, self.weight, self.bias)  # a decode step's few rows: maybe the skinny kernel
         return y.split(self.widths, dim=-1) if split else y
 
     def extra_repr(self) -> str:

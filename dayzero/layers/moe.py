@@ -190,8 +190,7 @@ class MoE(nn.Module):
     def _route(self, x: torch.Tensor, batch, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
         """Routing weights fp32 [t, k] and expert ids [t, k] of the tokens ``x`` (rows ``rows`` of the step)."""
         s = self.spec
-        bias = None if self.gate.bias is None else self.gate.bias.float()
-        logits = torch.nn.functional.linear(x.float(), self.gate.weight.float(), bias)  # [t, E] fp32
+        logits = ops.call("linear", x, self.gate.weight, self.gate.bias, out_dtype=torch.float32)  # [t, E] fp32
         fixed = None
         if self.tid2eid is not None:
             if batch is None:

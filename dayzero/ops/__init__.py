@@ -7,6 +7,7 @@ from dayzero.ops.attention import reference as _attention  # noqa: F401,E402
 from dayzero.ops.hyper import reference as _hyper  # noqa: F401,E402
 from dayzero.ops.indexer import reference as _indexer  # noqa: F401,E402
 from dayzero.ops.kda import reference as _kda  # noqa: F401,E402
+from dayzero.ops.linear import reference as _linear  # noqa: F401,E402
 from dayzero.ops.moe import reference as _moe  # noqa: F401,E402
 from dayzero.ops.moe import cuda as _moe_cuda  # noqa: F401,E402
 from dayzero.ops.norm import reference as _norm  # noqa: F401,E402
@@ -24,6 +25,7 @@ from dayzero.ops.ssd import cuda as _ssd_cuda  # noqa: F401,E402
 
 # Triton kernels (registered for the cuda platform; each refuses, with its reason, where Triton cannot run).
 from dayzero.ops.norm import kernels as _norm_kernels  # noqa: F401,E402
+from dayzero.ops.linear import kernels as _linear_kernels  # noqa: F401,E402
 from dayzero.ops.rotary import kernels as _rotary_kernels  # noqa: F401,E402
 from dayzero.ops.activation import kernels as _activation_kernels  # noqa: F401,E402
 from dayzero.ops.moe import route_kernels as _route_kernels  # noqa: F401,E402

@@ -1,0 +1,89 @@
+"""A decode step's projections, cuBLAS against the skinny Triton kernel, at a model config's shapes.
+
+    python benchmarks/decode_linear.py --config configs/dayzero-small.json --rows 1 2 4 8
+
+The model is built on the meta device to list the projections a decode step runs through the ``linear`` op
+(the fused input projections of every mixer and LatentMoE block, and the fp32 router GEMV) with how many of each
+a step runs. Each shape is timed replayed from a CUDA graph over copies of its weight that overflow the L2
+cache (``dayzero.ops.linear.kernels.graph_time``), cuBLAS and every block shape the op chooses among; the table
+gives microseconds, the weight bytes per microsecond as a share of the copy bandwidth measured in the run, and
+what the op's measured choice would take. The last lines sum a step's time over the shapes: cuBLAS only against
+the choice.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import copy_bandwidth  # noqa: E402
+
+
+def step_shapes(config: str, dtype: torch.dtype) -> dict[tuple, int]:
+    """(N, K, weight dtype, out dtype) -> how many a decode step runs through the ``linear`` op."""
+    from dayzero.layers.fused import fuse
+    from dayzero.layers.moe import MoE
+    from dayzero.models.registry import build_model, load_config
+
+    model = build_model(load_config(config), dtype, "meta")
+    shapes = collections.Counter()
+    for mod in model.modules():
+        members = getattr(mod, "in_proj_members", None)
+        if members and fuse(mod, "fused_in", members):
+            w = mod.fused_in.weight
+            shapes[(w.shape[0], w.shape[1], w.dtype, w.dtype)] += 1
+        if isinstance(mod, MoE):
+            w = mod.gate.weight
+            shapes[(w.shape[0], w.shape[1], w.dtype, torch.float32)] += 1
+    return dict(shapes)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/dayzero-small.json")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
+    args = ap.parse_args(argv)
+    from dayzero.ops.linear import kernels as L
+    from dayzero.ops.linear.reference import linear
+
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA device")
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    bw = copy_bandwidth("cuda") / 2  # bytes read per second (the copy reads and writes)
+    shapes = step_shapes(args.config, dtype)
+    print(f"{args.config} on {torch.cuda.get_device_name()}: copy bandwidth {2 * bw / 1e9:,.0f} GB/s "
+          f"(read {bw / 1e9:,.0f}); {sum(shapes.values())} projections a step through the linear op")
+    print(f"{'rows':>4} {'N x K':>12} {'weight':>7} {'/step':>5} {'cuBLAS us':>9} {'of bw':>6} {'Triton us':>9} "
+          f"{'of bw':>6} {'block':>14} {'ratio':>6}")
+    rows_out, totals = [], collections.defaultdict(lambda: [0.0, 0.0])
+    for rows in args.rows:
+        for (n, k, wdt, out), count in sorted(shapes.items(), key=lambda s: -s[0][0] * s[0][1]):
+            w = (torch.randn(n, k, device=dev) / k ** 0.5).to(wdt)
+            x = torch.randn(rows, k, device=dev).to(dtype)
+            ws = L.cold_copies(w)
+            t_ref = L.graph_time([lambda w=w: linear(x, w, None, out) for w in ws]) * 1e3
+            tri = {b: L.graph_time([lambda w=w, b=b: L.skinny_linear(x, w, None, out, b) for w in ws]) * 1e3
+                   for b in L.candidates(rows, n, k)}
+            best = min(tri, key=tri.get)
+            nbytes = w.nbytes
+            chosen = tri[best] if tri[best] <= L.MARGIN * t_ref else t_ref
+            totals[rows][0] += count * t_ref
+            totals[rows][1] += count * chosen
+            print(f"{rows:>4} {f'{n} x {k}':>12} {str(wdt).removeprefix('torch.'):>7} {count:>5} {t_ref:>9.2f} "
+                  f"{nbytes / (t_ref * 1e-6) / bw:>6.0%} {tri[best]:>9.2f} {nbytes / (tri[best] * 1e-6) / bw:>6.0%} "
+                  f"{str(best):>14} {t_ref / tri[best]:>5.2f}x", flush=True)
+            rows_out.append({"rows": rows, "n": n, "k": k, "weight_dtype": str(wdt), "per_step": count,
+                             "cublas_us": t_ref, "triton_us": tri[best], "block": best})
+            del ws
+    for rows, (ref, chosen) in totals.items():
+        print(f"rows {rows}: a step's projections through the op {ref:.1f} us with cuBLAS, {chosen:.1f} us as chosen "
+              f"({ref / chosen:.2f}x)")
+    return rows_out
+
+
+if __name__ == "__main__":
+    main()

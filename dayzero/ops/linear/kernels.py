@@ -1,0 +1,195 @@
+"""Linears of a few rows (decode steps) as one Triton kernel, chosen per shape against cuBLAS by timing.
+
+At one to eight rows a projection is a matrix-vector product bound by reading its weight once. cuBLAS picks its
+kernel per shape, and at some decode shapes it picks a GEMM tile that streams the weight far below the copy rate
+(on the H200, dayzero-small's 2048 -> 1536 LatentMoE input projection ran as a 16x64-tile GEMM at 7.6 us, ~0.8
+TB/s; its fp32 router GEMV as two kernels after a copy of the tokens to fp32). The kernel here gives each program
+``BLOCK_N`` weight rows and walks K in ``BLOCK_K`` steps, accumulating every row of x in fp32 at once (x is a
+few KB and stays in cache), reading x and the weight in their own dtypes and writing the output dtype asked for.
+
+Which runs is measured, not guessed: the first call of a (rows bucket, N, K, dtypes) key that is not inside a
+CUDA-graph capture times cuBLAS and a few block shapes, each replayed in a CUDA graph (device time, not launch
+time) over copies of the weight that together overflow the L2 cache, as a decode step reads them, and keeps the
+fastest; a Triton shape must beat cuBLAS by :data:`MARGIN`. A key first met inside a capture, or on the CPU, keeps cuBLAS (the reference).
+``DAYZERO_OPS=linear=reference`` keeps cuBLAS everywhere.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from dayzero.ops.registry import register
+from dayzero.ops.triton_support import HAS_TRITON, next_pow2, triton_refusal
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+log = logging.getLogger("dayzero.ops")
+
+MAX_ROWS = 8  # past a GEMV's few rows cuBLAS's GEMM tiles read the weight once for all of them
+MARGIN = 0.95  # a Triton shape runs when it takes at most this share of cuBLAS's time
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+if HAS_TRITON:
+    @triton.jit
+    def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym,
+                       HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # x: [M, K], w: [N, K] (unit column strides); y: [M, N]; grid: cdiv(N, BLOCK_N)
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = tl.arange(0, BLOCK_M)
+        n_ok, m_ok = n < N, m < M
+        w_rows = w_ptr + n.to(tl.int64)[:, None] * s_wn
+        x_rows = x_ptr + m[:, None] * s_xm
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
+                x = tl.load(x_rows + k[None, :], mask=m_ok[:, None], other=0.0)
+            else:
+                k_ok = k < K
+                w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + m[:, None] * s_ym + n[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+
+Block = tuple[int, int, int]  # (BLOCK_N, BLOCK_K, warps)
+
+
+def candidates(rows: int, n: int, k: int) -> list[Block]:
+    """Block shapes worth timing for ``rows`` x [n, k]: 4, 8 or 16 weight rows a program, K steps as long as
+    keep the fp32 products at 64 (4 warps) or 128 (8 warps) registers a thread."""
+    bm, out = next_pow2(rows), []
+    for bn, elems, warps in ((8, 8192, 4), (4, 8192, 4), (16, 16384, 8)):
+        bn = min(bn, next_pow2(n))
+        bk = max(16, min(elems // (bm * bn), next_pow2(k), 2048))
+        if (bn, bk, warps) not in out:
+            out.append((bn, bk, warps))
+    return out
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  out_dtype: torch.dtype | None = None, block: Block | None = None) -> torch.Tensor:
+    """``x · weightᵀ + bias`` by the Triton kernel (``block``: (BLOCK_N, BLOCK_K, warps), by default the first
+    of :func:`candidates`); x [M <= MAX_ROWS, K] and weight [N, K] with unit column strides."""
+    (M, K), N = x.shape, weight.shape[0]
+    y = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
+    if M == 0:
+        return y
+    bn, bk, warps = block or candidates(M, N, K)[0]
+    _skinny_kernel[(triton.cdiv(N, bn),)](
+        x, weight, weight if bias is None else bias, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, EVEN_K=K % bk == 0, BLOCK_M=next_pow2(M), BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=warps)
+    return y
+
+
+_CHOICE: dict[tuple, Block | None] = {}  # key -> the measured block shape, None: cuBLAS
+
+
+def _key(x, weight, bias, out_dtype) -> tuple:
+    return (next_pow2(x.shape[0]), weight.shape[0], x.shape[1], x.dtype, weight.dtype, out_dtype or x.dtype,
+            None if bias is None else bias.dtype, x.device)
+
+
+def measured_choice(x, weight, bias=None, out_dtype=None) -> Block | None:
+    """The block shape that ran fastest at this call's key (measured at its first call), None for cuBLAS."""
+    key = _key(x, weight, bias, out_dtype)
+    if key in _CHOICE:
+        return _CHOICE[key]
+    if x.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return None  # not recorded: a later eager call measures
+    from dayzero.ops.linear.reference import linear
+
+    debug = torch.cuda.get_sync_debug_mode()  # the engine's warm-up passes forbid host waits; these are its own
+    torch.cuda.set_sync_debug_mode(0)
+    try:
+        with torch.cuda.device(x.device):
+            xs = torch.randn(key[0], x.shape[1], device=x.device).to(x.dtype)  # the bucket's rows, random
+            ws = cold_copies(weight)
+            times = {None: graph_time([lambda w=w: linear(xs, w, bias, out_dtype) for w in ws])}
+            for b in candidates(key[0], weight.shape[0], x.shape[1]):
+                times[b] = graph_time([lambda w=w, b=b: skinny_linear(xs, w, bias, out_dtype, b) for w in ws])
+            del ws
+            torch.cuda.empty_cache()  # the copies' memory back, not left in the allocator's cache
+    finally:
+        torch.cuda.set_sync_debug_mode(debug)
+    best = min((b for b in times if b is not None), key=times.get)
+    choice = best if times[best] <= MARGIN * times[None] else None
+    _CHOICE[key] = choice
+    log.info("linear %d x [%d, %d] %s: cuBLAS %.1f us, Triton %s %.1f us -> %s", key[0], key[1], key[2],
+             str(x.dtype).removeprefix("torch."), 1e3 * times[None], best, 1e3 * times[best], choice or "cuBLAS")
+    return choice
+
+
+def cold_copies(weight: torch.Tensor, total: int = 96 << 20, most: int = 16) -> list[torch.Tensor]:
+    """``weight`` and copies of it, together past the L2 cache (a decode step reads each weight from memory once):
+    as many as fit ``total`` bytes (at most ``most``), fewer where memory is short."""
+    ws = [weight]
+    try:
+        while len(ws) < min(most, -(-total // max(1, weight.nbytes))):
+            ws.append(weight.clone())
+    except torch.cuda.OutOfMemoryError:
+        pass
+    return ws
+
+
+def graph_time(calls: list, replays: int = 5) -> float:
+    """Device milliseconds per call of ``calls`` run in turn, captured once in a CUDA graph and replayed (each
+    call run once before, eagerly, so that its kernels compile outside the capture)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for c in calls:
+            c()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for c in calls:
+                c()
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        for _ in range(replays):
+            graph.replay()
+        end.record(stream)
+        end.synchronize()
+    torch.cuda.current_stream().wait_stream(stream)
+    return start.elapsed_time(end) / (replays * len(calls))
+
+
+def refusal(x, weight, bias=None, out_dtype=None) -> str | None:
+    """Why the skinny kernel cannot take this call (shapes, layouts, autograd), or None."""
+    why = triton_refusal(x)
+    if why is not None:
+        return why
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        return "the kernel takes x [rows, K] and a weight [N, K]"
+    if not 0 < x.shape[0] <= MAX_ROWS:
+        return f"{x.shape[0]} rows: the kernel takes 1 to {MAX_ROWS}, cuBLAS's GEMM tiles the rest"
+    if x.stride(1) != 1 or weight.stride(1) != 1 or (bias is not None and bias.stride(0) != 1):
+        return "operands need contiguous rows"
+    if any(t is not None and t.dtype not in DTYPES for t in (x, weight, bias)) or (out_dtype or x.dtype) not in DTYPES:
+        return "dtypes other than bf16, fp16 and fp32"
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+        return "no backward: autograd calls take cuBLAS"
+    return None
+
+
+def _verify(x, weight, bias=None, out_dtype=None) -> str | None:
+    why = refusal(x, weight, bias, out_dtype)
+    if why is None and measured_choice(x, weight, bias, out_dtype) is None:
+        return "cuBLAS is as fast or faster at this shape (measured), or its first call was inside a capture"
+    return why
+
+
+@register("linear", "cuda", verifier=_verify, note="Triton for 1-8 rows where measured faster than cuBLAS")
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    return skinny_linear(x, weight, bias, out_dtype, _CHOICE[_key(x, weight, bias, out_dtype)])

@@ -1,0 +1,134 @@
+"""The skinny linear kernel (1-8 rows) against the fp64 product, at every block shape it may be given, odd sizes
+and mixed dtypes (the router's bf16 tokens against fp32 weights, fp32 out); the reference op's dtype rule; the
+refusals; on a CUDA device the measured choice, the op inside a CUDA graph, and the layers that call it.
+
+On the CPU the kernel runs through Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dayzero import ops
+from dayzero.ops.linear import kernels as L
+from dayzero.ops.linear.reference import linear as reference
+from dayzero.ops import triton_support
+
+pytestmark = pytest.mark.skipif(not triton_support.HAS_TRITON, reason="needs triton")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def operands(M, N, K, x_dtype, w_dtype, bias, seed=0):
+    g = torch.Generator(DEV).manual_seed(seed)
+    x = torch.randn(M, K, generator=g, device=DEV).to(x_dtype)
+    w = (torch.randn(N, K, generator=g, device=DEV) / K ** 0.5).to(w_dtype)
+    b = torch.randn(N, generator=g, device=DEV).to(w_dtype) if bias else None
+    return x, w, b
+
+
+def exact(x, w, b):
+    y = x.double() @ w.double().t()
+    return y if b is None else y + b.double()
+
+
+def close(got, want, dtype):
+    err = ((got.double() - want).abs().max() / want.abs().max()).item()
+    assert err < TOL[dtype], f"max error {err:.2e} of the largest output"
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 37, 100), (3, 64, 256), (8, 24, 48), (5, 130, 33)], ids=str)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_every_candidate_block_matches_fp64(M, N, K, bias):
+    x, w, b = operands(M, N, K, torch.float32, torch.float32, bias)
+    for block in L.candidates(M, N, K) + [(4, 16, 4), (16, 64, 4)]:  # short K steps: several steps, a ragged last
+        got = L.skinny_linear(x, w, b, block=block)
+        assert got.shape == (M, N) and got.dtype == torch.float32
+        close(got, exact(x, w, b), torch.float32)
+
+
+def test_bf16_tokens_against_fp32_weights_give_fp32_like_the_router():
+    x, w, b = operands(2, 64, 2048, torch.bfloat16, torch.float32, True)
+    got = L.skinny_linear(x, w, b, out_dtype=torch.float32)
+    want = reference(x, w, b, out_dtype=torch.float32)
+    assert got.dtype == want.dtype == torch.float32
+    close(got, exact(x, w, b), torch.float32)
+    close(want, exact(x, w, b), torch.float32)
+
+
+def test_bf16_in_and_out():
+    x, w, b = operands(4, 96, 160, torch.bfloat16, torch.bfloat16, False)
+    got = L.skinny_linear(x, w, b)
+    assert got.dtype == torch.bfloat16
+    close(got, exact(x, w, b), torch.bfloat16)
+
+
+def test_strided_rows_and_no_rows():
+    x, w, _ = operands(6, 40, 64, torch.float32, torch.float32, False)
+    wide = torch.cat([x, x], 1)[:, :64]  # rows 128 apart
+    close(L.skinny_linear(wide, w), exact(x, w, None), torch.float32)
+    assert L.skinny_linear(x[:0], w).shape == (0, 40)
+
+
+def test_reference_keeps_one_dtype_gemms_and_upcasts_mixed_ones():
+    x, w, b = operands(3, 8, 16, torch.bfloat16, torch.bfloat16, True)
+    assert torch.equal(reference(x, w, b), torch.nn.functional.linear(x, w, b))
+    want = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    assert torch.equal(reference(x, w, b, out_dtype=torch.float32), want)
+
+
+def test_refusals_name_the_reason():
+    x, w, b = operands(3, 8, 16, torch.float32, torch.float32, True)
+    assert L.refusal(x, w, b) is None
+    assert "rows" in L.refusal(x.repeat(3, 1), w)
+    assert "rows" in L.refusal(x[:0], w)
+    assert "[rows, K]" in L.refusal(x[None], w)
+    assert "[rows, K]" in L.refusal(x[:, :8], w)
+    assert "contiguous" in L.refusal(x.t().contiguous().t(), w)
+    assert "dtypes" in L.refusal(x.double(), w)
+    assert "dtypes" in L.refusal(x, w, out_dtype=torch.int32)
+    w.requires_grad_(True)
+    assert "backward" in L.refusal(x, w)
+    with torch.no_grad():
+        assert L.refusal(x, w) is None
+
+
+def test_on_the_cpu_the_op_keeps_the_reference():
+    x, w, b = operands(2, 8, 16, torch.float32, torch.float32, True)
+    if DEV == "cpu":
+        assert L.measured_choice(x, w, b) is None
+        assert torch.equal(ops.call("linear", x, w, b), torch.nn.functional.linear(x, w, b))
+
+
+@cuda
+@pytest.mark.parametrize("M,N,K,x_dtype,w_dtype,out", [
+    (1, 1536, 2048, torch.bfloat16, torch.bfloat16, None),  # dayzero-small's LatentMoE input projection
+    (4, 2048, 2048, torch.bfloat16, torch.bfloat16, None),
+    (1, 64, 2048, torch.bfloat16, torch.float32, torch.float32),  # its router
+    (3, 7000, 7168, torch.bfloat16, torch.bfloat16, None),
+], ids=str)
+def test_measured_choice_and_every_candidate_on_the_gpu(M, N, K, x_dtype, w_dtype, out):
+    x, w, b = operands(M, N, K, x_dtype, w_dtype, False)
+    want = exact(x, w, b)
+    dtype = out or x_dtype
+    for block in L.candidates(M, N, K):
+        close(L.skinny_linear(x, w, b, out, block), want, dtype)
+    choice = L.measured_choice(x, w, b, out)
+    assert choice is None or choice in L.candidates(L.next_pow2(M), N, K)
+    got = ops.call("linear", x, w, b, out_dtype=out)
+    assert got.dtype == dtype
+    close(got, want, dtype)
+
+
+@cuda
+def test_replayed_in_a_cuda_graph():
+    x, w, _ = operands(2, 512, 1024, torch.bfloat16, torch.bfloat16, False)
+    block = L.candidates(2, 512, 1024)[0]
+    L.skinny_linear(x, w, block=block)  # compiled outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = L.skinny_linear(x, w, block=block)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    close(y, exact(x, w, None), torch.bfloat16)
