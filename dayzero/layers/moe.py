@@ -41,11 +41,6 @@ from dayzero.layers.norm import RMSNorm
 from dayzero.layers.parallel import Shard
 from dayzero.quant.fp8 import TileScaled
 
-# Rows from which the shared expert is added in the latent up-projection's GEMM epilogue: below them cuBLAS runs
-# ``addmm`` (beta = 1) as a 16x64-tile GEMM, 7.8 us for one row of dayzero-small's 512 -> 2048 on the H200, where
-# the plain GEMV and an add take about half that.
-EPILOGUE_MIN_ROWS = 16
-
 
 class MoE(nn.Module):
     _replicated = ("e_score_correction_bias", "tid2eid")  # indexed by every expert id, whole on every rank
@@ -286,8 +281,7 @@ class MoE(nn.Module):
             if self.latent_norm is not None:
                 y = self.latent_norm(y)
             fc2 = self.fc2_latent_proj
-            if (shared is not None and out_scale == 1.0 and type(fc2) is nn.Linear and fc2.bias is None
-                    and y.shape[0] >= EPILOGUE_MIN_ROWS):
+            if shared is not None and out_scale == 1.0 and type(fc2) is nn.Linear and fc2.bias is None:
                 return torch.addmm(shared, y, fc2.weight.t())  # the shared expert added in the GEMM's epilogue
             y = fc2(y)
         if out_scale != 1.0:

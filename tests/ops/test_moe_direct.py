@@ -168,15 +168,18 @@ def test_cuda_op_takes_the_direct_path_for_few_pairs_and_the_sort_for_many(monke
 @pytest.mark.parametrize("T,L,I", [(1, 512, 512), (4, 512, 512), (2, 2048, 768), (1, 7168, 2048)], ids=str)
 def test_realistic_shapes_bf16_on_the_gpu(T, L, I, fmt):
     """At the default block sizes: against the sorted path (same roundings, so close), and against the fp32
-    reference on weights without the scaled rows (whose cancellations the bf16 roundings of h would amplify)."""
-    x, ids, weights, w1, w2, _, _ = case(T, 8, 64, L, I, "silu", fmt, torch.bfloat16, seed=T)
-    assert D.refusal(x, ids, weights, w1, w2) is None
+    reference on weights without the scaled rows (whose cancellations the bf16 roundings of h would amplify).
+    16 experts: with 64, the 7168 : 2048 case's fp32 reference asked for 14 GB more with 108 GB held on the H200."""
+    E = 16
+    x, ids, weights, w1, w2, _, _ = case(T, 8, E, L, I, "silu", fmt, torch.bfloat16, seed=T)
+    assert D.refusal(x, ids, weights, w1, w2, max_pairs=32) is None
     out = D.moe_experts_direct(x, ids, weights, w1, w2)
     want = moe_cuda.sorted_experts(x, ids, weights, w1, w2)  # the same roundings: h and each row in bf16
     assert (out.float() - want.float()).abs().max() <= 2e-2 * want.float().abs().max()
+    del w1, w2, want
     g = torch.Generator(DEV).manual_seed(T)
-    w1 = to_format(0.05 * torch.randn(64, 2 * I, L, generator=g, device=DEV), fmt, torch.bfloat16)
-    w2 = to_format(0.05 * torch.randn(64, L, I, generator=g, device=DEV), fmt, torch.bfloat16)
+    w1 = to_format(0.05 * torch.randn(E, 2 * I, L, generator=g, device=DEV), fmt, torch.bfloat16)
+    w2 = to_format(0.05 * torch.randn(E, L, I, generator=g, device=DEV), fmt, torch.bfloat16)
     check(D.moe_experts_direct(x, ids, weights, w1, w2), reference.grouped_experts(x, ids, weights, w1, w2), torch.bfloat16)
 
 

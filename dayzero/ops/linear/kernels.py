@@ -1,17 +1,20 @@
 """Linears of a few rows (decode steps) as one Triton kernel, chosen per shape against cuBLAS by timing.
 
 At one to eight rows a projection is a matrix-vector product bound by reading its weight once. cuBLAS picks its
-kernel per shape, and at some decode shapes it picks a GEMM tile that streams the weight far below the copy rate
-(on the H200, dayzero-small's 2048 -> 1536 LatentMoE input projection ran as a 16x64-tile GEMM at 7.6 us, ~0.8
-TB/s; its fp32 router GEMV as two kernels after a copy of the tokens to fp32). The kernel here gives each program
-``BLOCK_N`` weight rows and walks K in ``BLOCK_K`` steps, accumulating every row of x in fp32 at once (x is a
-few KB and stays in cache), reading x and the weight in their own dtypes and writing the output dtype asked for.
+kernel per shape, and at some decode shapes it picks one that streams the weight far below the copy rate (on the
+H200, dayzero-small's 2048 -> 1536 LatentMoE input projection ran as a 16x64-tile GEMM at 7.9 us, 20% of the
+copy rate; its fp32 router GEMV as two kernels after a copy of the tokens to fp32, 6 us for 0.5 MB). The kernel
+here gives each program ``BLOCK_N`` weight rows and walks K in ``BLOCK_K`` steps, accumulating every row of x in
+fp32 at once (x is a few KB and stays in cache), reading x and the weight in their own dtypes and writing the
+output dtype asked for.
 
 Which runs is measured, not guessed: the first call of a (rows bucket, N, K, dtypes) key that is not inside a
 CUDA-graph capture times cuBLAS and a few block shapes, each replayed in a CUDA graph (device time, not launch
 time) over copies of the weight that together overflow the L2 cache, as a decode step reads them, and keeps the
-fastest; a Triton shape must beat cuBLAS by :data:`MARGIN`. A key first met inside a capture, or on the CPU, keeps cuBLAS (the reference).
-``DAYZERO_OPS=linear=reference`` keeps cuBLAS everywhere.
+fastest; a Triton shape must beat cuBLAS by :data:`MARGIN`. A key first met inside a capture, or on the CPU,
+keeps cuBLAS (the reference). ``DAYZERO_OPS=linear=reference`` keeps cuBLAS everywhere. On the H200 the kernel
+wins at one and two rows (1.9x on that projection, 3x on the router) and loses past four (cuBLAS's GEMM tiles
+then read the weight once for every row; ``benchmarks/decode_linear.py``).
 """
 from __future__ import annotations
 

@@ -1,0 +1,20 @@
+"""benchmarks/decode_linear.py's shape list on the CPU: a decode step of dayzero-small runs one fused input projection
+per mixer and LatentMoE block and one router GEMV per MoE layer through the ``linear`` op."""
+from __future__ import annotations
+
+import torch
+
+from benchmarks.decode_linear import step_shapes
+from dayzero.models.registry import load_config
+
+
+def test_dayzero_small_shapes_and_counts():
+    spec = load_config("configs/dayzero-small.json")
+    kinds = [layer.attn_kind for layer in spec.layers]
+    moe = sum(layer.mlp_kind == "moe" for layer in spec.layers)
+    shapes = step_shapes("configs/dayzero-small.json", torch.bfloat16)
+    assert sum(shapes.values()) == len(kinds) + 2 * moe  # every mixer, and each MoE layer's input GEMM and router
+    router = {s: c for s, c in shapes.items() if s[3] == torch.float32}
+    assert list(router.values()) == [moe]
+    assert next(iter(router))[:3] == (spec.layers[-1].mlp.n_experts, spec.hidden_size, torch.float32)
+    assert all(k == spec.hidden_size for _, k, _, _ in shapes)
