@@ -36,6 +36,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from dayzero import ops
 from dayzero.engine.host_copy import to_device
 from dayzero.engine.sampling_params import SamplingParams
 
@@ -110,15 +111,26 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
     return g
 
 
+def penalised_rows(params: Sequence[SamplingParams], output_token_ids: Sequence[Sequence[int]] | None) -> list[int]:
+    """The rows whose penalties change their logits: penalised, with tokens generated already."""
+    if output_token_ids is None:
+        return []
+    return [i for i, p in enumerate(params) if output_token_ids[i] and p.penalised]
+
+
+def greedy_fast(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, log-probabilities) of an all-greedy step without penalties or alternatives: the ``greedy_sample`` op
+    (one Triton launch on CUDA)."""
+    return ops.call("greedy_sample", logits)
+
+
 def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
                     output_token_ids: Sequence[Sequence[int]] | None) -> torch.Tensor:
     """Penalise, in place, the tokens each row has already generated; returns ``logits``.
 
     ``logits``: ``[B, V]`` fp32. Ids outside ``[0, V)`` in ``output_token_ids`` are ignored.
     """
-    if output_token_ids is None:
-        return logits
-    rows = [i for i, p in enumerate(params) if output_token_ids[i] and p.penalised]
+    rows = penalised_rows(params, output_token_ids)
     if not rows:
         return logits
     V = logits.shape[1]
@@ -216,6 +228,10 @@ class Sampler:
                              f"{len(generators)} generators"
                              + ("" if output_token_ids is None
                                 else f", {len(output_token_ids)} output_token_ids"))
+        k = min(max((p.logprobs or 0) for p in params), V) if B else 0
+        if k == 0 and all(p.greedy for p in params) and not penalised_rows(params, output_token_ids):
+            ids, logprobs = greedy_fast(logits)
+            return SamplerOutput(token_ids=ids, logprobs=logprobs)
         dev = logits.device
         x = logits.to(torch.float32, copy=True)  # the caller's logits are never modified
         ok = torch.isfinite(x).all(dim=-1)  # ok: [B]
@@ -240,7 +256,6 @@ class Sampler:
         chosen = logits.gather(1, token_ids[:, None]).squeeze(1).float()
         logprobs = torch.where(ok, chosen - log_z, float("nan"))
         token_ids = torch.where(ok, token_ids, -1)
-        k = min(max((p.logprobs or 0) for p in params), V) if B else 0
         if k == 0:
             return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
         top, top_ids = (logits.float() - log_z[:, None]).topk(k, dim=-1)  # alternatives under the raw distribution

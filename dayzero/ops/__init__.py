@@ -12,6 +12,7 @@ from dayzero.ops.moe import reference as _moe  # noqa: F401,E402
 from dayzero.ops.moe import cuda as _moe_cuda  # noqa: F401,E402
 from dayzero.ops.norm import reference as _norm  # noqa: F401,E402
 from dayzero.ops.rotary import reference as _rotary  # noqa: F401,E402
+from dayzero.ops.sampling import reference as _sampling  # noqa: F401,E402
 from dayzero.ops.ssd import reference as _ssd  # noqa: F401,E402
 
 # Batch-wide ops (one call per layer over the whole step) and their device implementations.
@@ -26,6 +27,7 @@ from dayzero.ops.ssd import cuda as _ssd_cuda  # noqa: F401,E402
 # Triton kernels (registered for the cuda platform; each refuses, with its reason, where Triton cannot run).
 from dayzero.ops.norm import kernels as _norm_kernels  # noqa: F401,E402
 from dayzero.ops.linear import kernels as _linear_kernels  # noqa: F401,E402
+from dayzero.ops.sampling import kernels as _sampling_kernels  # noqa: F401,E402
 from dayzero.ops.rotary import kernels as _rotary_kernels  # noqa: F401,E402
 from dayzero.ops.activation import kernels as _activation_kernels  # noqa: F401,E402
 from dayzero.ops.moe import route_kernels as _route_kernels  # noqa: F401,E402

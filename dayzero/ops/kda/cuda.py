@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from dayzero.ops.attention.cuda import _decode_only
 from dayzero.ops.kda.conv_kernels import causal_conv1d_pooled_triton, conv_refusal
 from dayzero.ops.kda.reference import _prep, grouped, kda_pooled, pooled_state
+from dayzero.ops.kda.slot_kernels import refusal as slot_refusal, zero_fresh_slots
 from dayzero.ops.registry import call, register
 
 try:  # fla-core: Triton kernels for KDA / Gated DeltaNet (optional, GPU only)
@@ -56,8 +57,12 @@ def _kda_verify(q, k, v, g, beta, scale, state_pool, batch, *a, **kw) -> str | N
 
 
 def _zero_fresh(state_pool: torch.Tensor, batch) -> None:
-    """Zero the slots of sequences that start this step (the others write the null slot, never read); the
-    slot list is made once per forward pass for every layer."""
+    """Zero the slots of sequences that start this step: a Triton launch writing only those; without it, all the
+    rows' slots through ``index_fill_`` (the others the null slot, never read), the slot list made once per
+    forward pass for every layer."""
+    if slot_refusal(state_pool) is None:
+        zero_fresh_slots(state_pool, batch.state_slots, batch.fresh)
+        return
     memo = getattr(batch, "memo", None)
     slots = None if memo is None else memo.get("fresh_slots")
     if slots is None:

@@ -1,0 +1,1 @@
+"""``greedy_sample``: a decode step's greedy tokens and their log-probabilities from the logits in one pass."""
