@@ -86,11 +86,6 @@ class ParallelState:
     def last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
 
-    def require_single(self, what: str) -> None:
-        """Refuse tp>1 for a block that has no tensor-parallel form yet, naming it."""
-        if self.tp_size > 1:
-            raise ValueError(f"tp={self.tp_size}: the {what} has no tensor-parallel form yet; run it with tp=1")
-
 
 def pipeline_stages(num_layers: int, pp: int) -> list[range]:
     """The decoder layers of each stage: ``num_layers`` cut into ``pp`` contiguous runs whose lengths differ by at

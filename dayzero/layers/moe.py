@@ -67,10 +67,10 @@ class MoE(nn.Module):
         self.expert_tp = parallel.etp_size > 1
         if self.expert_tp:
             what = f"tp={parallel.tp_size}" if parallel.ep_size == 1 else f"ep={parallel.ep_size} (expert TP over {parallel.etp_size})"
-            if spec.expert_format == "fp8_block":
-                raise ValueError(f"{what}: block-FP8 routed experts have no width-split form yet (their 128x128 scale "
-                                 "tiles would need cutting); run them with tp=1, or with ep spanning the stage")
             I = divide(I, parallel, "moe_intermediate_size", over="etp")
+            if spec.expert_format == "fp8_block" and I % 128:
+                raise ValueError(f"{what} splits block-FP8 experts into {I}-wide slices, not whole 128-wide scale "
+                                 "tiles; use a layout whose expert split divides moe_intermediate_size / 128")
             if spec.expert_format == "mxfp4" and I % 32:
                 raise ValueError(f"{what} splits MXFP4 experts into {I}-wide slices, not whole 32-value "
                                  "blocks; use a layout whose expert split divides moe_intermediate_size / 32")
@@ -112,8 +112,10 @@ class MoE(nn.Module):
         if self.expert_tp:
             etp, r = parallel.etp_size, parallel.etp_rank
             first = Shard(1, r, etp, 2 if gated else 1)
-            width = {n: first for n in ("w1", "w1_blocks", "w1_scales", "b1") if getattr(self, n, None) is not None}
-            width |= {n: Shard(2, r, etp) for n in ("w2", "w2_blocks", "w2_scales") if getattr(self, n, None) is not None}
+            width = {n: first for n in ("w1", "w1_blocks", "w1_scales", "w1_scale_inv", "b1")
+                     if getattr(self, n, None) is not None}
+            width |= {n: Shard(2, r, etp) for n in ("w2", "w2_blocks", "w2_scales", "w2_scale_inv")
+                      if getattr(self, n, None) is not None}
         if parallel.ep_size > 1:  # every stacked expert tensor holds this rank's slots, the first El from the checkpoint
             self.shards = {n: Shard(0, parallel.ep_rank, parallel.ep_size, experts=El, inner=width.get(n))
                            for n, _ in self.named_parameters(recurse=False) if n not in self._replicated}

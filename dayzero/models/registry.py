@@ -86,8 +86,6 @@ def build_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device | str 
     """The model with uninitialised weights, built directly on ``device`` (``"meta"`` reads nothing), holding
     this rank's slices under ``parallel`` (an impossible layout raises ``ValueError`` naming the setting).
     Parameters that must stay fp32 (router, A_log/dt_bias, indexer weights_proj, sinks) say so themselves."""
-    if spec.linear_format == "fp8_block":
-        parallel.require_single("block-FP8 linear format")
     with torch.device(device), default_dtype(dtype):
         model = CausalLM(spec, parallel).eval()
         if spec.linear_format == "fp8_block":

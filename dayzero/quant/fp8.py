@@ -46,19 +46,57 @@ class TileScaled:
 
 class BlockFp8Linear(torch.nn.Module):
     """A linear layer whose weight stays in FP8 with a per-tile ``weight_scale_inv`` and is dequantised
-    tile by tile when it runs (the DeepSeek-V3 checkpoint layout)."""
+    tile by tile when it runs (the DeepSeek-V3 checkpoint layout).
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None):
+    Under tensor parallelism it takes the place of a column- or row-parallel linear (:meth:`like`): ``weight``
+    and ``weight_scale_inv`` are cut along the same dim by the same :class:`~dayzero.layers.parallel.Shard`, which
+    needs every rank's piece of each part to be whole 128-wide tiles; a column-parallel one gathers its output
+    when the linear it replaces did, a row-parallel one sums the ranks' partial outputs, then adds the bias."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None, parallel=None,
+                 kind: str = "plain", gather: bool = False, full_out_features: int | None = None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=FP8, device=device), requires_grad=False)
         self.weight_scale_inv = torch.nn.Parameter(
             torch.empty(-(-out_features // TILE), -(-in_features // TILE), dtype=torch.float32, device=device), requires_grad=False)
         self.bias = torch.nn.Parameter(torch.empty(out_features, device=device)) if bias else None
+        self.parallel, self.kind, self.gather = parallel, kind, gather
+        self.full_out_features = full_out_features or out_features
+
+    @classmethod
+    def like(cls, linear: torch.nn.Linear, name: str) -> "BlockFp8Linear":
+        """The FP8 form of ``linear`` (plain, or a column- / row-parallel slice; ``name`` for the errors)."""
+        from dayzero.layers.parallel import ColumnParallelLinear, RowParallelLinear
+
+        kind = {ColumnParallelLinear: "column", RowParallelLinear: "row"}.get(type(linear), "plain")
+        fp8 = cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.device,
+                  getattr(linear, "parallel", None), kind, getattr(linear, "gather", False),
+                  getattr(linear, "full_out_features", None))
+        shards = getattr(linear, "shards", {})
+        if "weight" in shards:
+            cut = shards["weight"]
+            local = fp8.weight.shape[cut.dim] // cut.parts
+            if local % TILE:
+                raise ValueError(f"tp={cut.size} leaves {name} {local} {'output' if cut.dim == 0 else 'input'} "
+                                 f"features per rank{' per part' if cut.parts > 1 else ''}, not whole {TILE}-wide "
+                                 "block-FP8 tiles; use a tp that keeps them whole")
+            fp8.shards = {"weight": cut, "weight_scale_inv": cut} | ({"bias": shards["bias"]} if "bias" in shards else {})
+        return fp8
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = dequantize_fp8_blocks(self.weight, self.weight_scale_inv, x.dtype)
-        return torch.nn.functional.linear(x, w, self.bias)
+        if self.kind == "row":
+            from dayzero.distributed import tp_all_reduce
+
+            y = tp_all_reduce(torch.nn.functional.linear(x, w), self.parallel)
+            return y if self.bias is None else y + self.bias
+        y = torch.nn.functional.linear(x, w, self.bias)
+        if self.kind == "column" and self.gather:
+            from dayzero.layers.parallel import gather_logits
+
+            return gather_logits(y, self.full_out_features, self.parallel)
+        return y
 
 
 def dense_weight(linear: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
@@ -88,14 +126,18 @@ def _in(name: str, pattern: str) -> bool:
 
 
 def convert_linears_to_fp8(model: torch.nn.Module, exclude: tuple[str, ...] = ()) -> list[str]:
-    """Swap every ``nn.Linear`` of ``model`` not named by ``KEEP_HIGH`` or ``exclude`` (the checkpoint's
-    ``modules_to_not_convert``) for a :class:`BlockFp8Linear`; returns the swapped module names."""
+    """Swap every linear of ``model`` (plain, column- or row-parallel) not named by ``KEEP_HIGH`` or ``exclude``
+    (the checkpoint's ``modules_to_not_convert``) for a :class:`BlockFp8Linear`; returns the swapped module names.
+    A tensor-parallel cut that splits 128-wide tiles raises ``ValueError`` naming the module."""
+    from dayzero.layers.parallel import ColumnParallelLinear, RowParallelLinear
+
     swapped = []
     for name, mod in list(model.named_modules()):
-        if type(mod) is not torch.nn.Linear or any(_in(name, p) for p in (*KEEP_HIGH, *exclude)):
+        if (type(mod) not in (torch.nn.Linear, ColumnParallelLinear, RowParallelLinear)
+                or any(_in(name, p) for p in (*KEEP_HIGH, *exclude))):
             continue
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, leaf, BlockFp8Linear(mod.in_features, mod.out_features, mod.bias is not None, mod.weight.device))
+        setattr(parent, leaf, BlockFp8Linear.like(mod, name))
         swapped.append(name)
     return swapped
