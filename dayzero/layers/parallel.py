@@ -14,9 +14,9 @@ returns a subclass holding only this rank's slice, with ``shards`` naming how ea
 A vocabulary that tp does not divide is padded to ``ceil(V / tp)`` rows per rank: the loader zero-fills the
 rows past the checkpoint's end and the LM head drops their logits.
 
-The loader cuts a tensor into equal parts only. A projection whose output is parts of unequal widths, each cut
-by head (Gated DeltaNet's [q | k | v | z], Mamba-2's [z | x | B | C | dt], and their convs), is built and
-loaded whole instead, and :func:`keep_rank_blocks` keeps the rank's rows of each part once it has loaded.
+A projection whose output is parts of unequal widths, each cut by head (Gated DeltaNet's [q | k | v | z],
+Mamba-2's [z | x | B | C | dt], and their convs), declares them (:func:`cut_by_blocks`): the loader reads the
+rank's rows of each part and nothing else.
 """
 from __future__ import annotations
 
@@ -37,7 +37,13 @@ class Shard:
     ``experts`` > 0: ``dim`` 0 is a stack of expert slots (``rank`` of ``size`` ep ranks) whose first ``experts``
     the checkpoint fills (the rest hold copies made after loading); a checkpoint tensor may also hold one expert's
     part, which belongs to one rank only. ``inner`` cuts the expert slots' tensors again along another dim (each
-    expert's width split over the ranks of an expert-TP group)."""
+    expert's width split over the ranks of an expert-TP group). ``widths``: the full tensor is parts of these
+    unequal widths along ``dim`` (a projection's [q | k | v | z] by head), each cut into ``size`` equal pieces and
+    the rank's pieces kept in order."""
+
+    def local(self) -> int:
+        """The rank's length along ``dim`` of a ``widths`` cut."""
+        return sum(w // self.size for w in self.widths)
 
     dim: int
     rank: int
@@ -45,6 +51,7 @@ class Shard:
     parts: int = 1
     experts: int = 0
     inner: "Shard | None" = None  # a second cut of the expert slots' tensors (expert TP inside expert groups)
+    widths: tuple[int, ...] = ()  # full widths of unequal parts along ``dim`` ([q | k | v | z]), each cut alike
 
     def span(self, n: int) -> tuple[int, int, int]:
         """For a full length ``n``: (start, length read, length held); held - read rows are padding."""
@@ -164,21 +171,12 @@ def parameter_shards(model: nn.Module) -> dict[str, Shard]:
     return out
 
 
-@torch.no_grad()
-def keep_rank_blocks(module: nn.Linear | nn.Conv1d, blocks: Sequence[int], parallel: ParallelState) -> None:
-    """Cut ``module``'s output channels, loaded whole as parts of the full widths ``blocks`` (in order), to this
-    rank's piece of each part, the pieces kept in order (``weight`` and ``bias``; a depthwise conv's channels
-    and groups follow). The whole tensors are freed. Nothing at tp=1, or once the module holds its rank's rows."""
-    tp, r = parallel.tp_size, parallel.tp_rank
-    if tp == 1 or module.weight.shape[0] != sum(blocks):
-        return
-    local = [n // tp for n in blocks]
-    for name in ("weight", "bias"):
-        p = getattr(module, name)
-        if p is not None:
-            kept = torch.cat([part.narrow(0, r * n, n) for part, n in zip(p.split(list(blocks)), local)])
-            setattr(module, name, nn.Parameter(kept, requires_grad=p.requires_grad))
-    if isinstance(module, nn.Linear):
-        module.out_features = sum(local)
-    else:  # depthwise: one group per channel
-        module.in_channels = module.out_channels = module.groups = sum(local)
+def cut_by_blocks(blocks: Sequence[int], parallel: ParallelState, what: str) -> Shard | None:
+    """The :class:`Shard` of output channels that are parts of the full widths ``blocks`` (in order), each cut
+    into tp equal pieces (None at tp=1): the loader reads only the rank's rows of each part."""
+    tp = parallel.tp_size
+    if tp == 1:
+        return None
+    if any(b % tp for b in blocks):
+        raise ValueError(f"tp={tp} does not divide every part {tuple(blocks)} of {what}")
+    return Shard(0, parallel.tp_rank, tp, widths=tuple(blocks))

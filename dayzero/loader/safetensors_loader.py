@@ -81,18 +81,17 @@ def read_header(file: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
 @dataclass(frozen=True)
 class _Cut:
     """The rank's slice of a (transformed) checkpoint tensor: along ``dim`` (negative, counted from the end: a view
-    and the stored tensor share their trailing dims) the stored tensor is ``len(pieces)`` equal parts, and part j
-    gives rows ``pieces[j]`` = (start, length) to rows [j·held, j·held + length) of the view; the rest of each
-    ``held`` rows is padding, zero-filled."""
+    and the stored tensor share their trailing dims) piece j = (start, length, held) gives stored rows
+    [start, start + length) to the view's next ``held`` rows, in order; the rest of each ``held`` rows is padding,
+    zero-filled."""
 
     dim: int
-    pieces: tuple[tuple[int, int], ...]
-    held: int
+    pieces: tuple[tuple[int, int, int], ...]
 
     def shape(self, stored) -> torch.Size:
         """The shape the cut gives a stored tensor of shape ``stored``."""
         out = list(stored)
-        out[len(out) + self.dim] = self.held * len(self.pieces)
+        out[len(out) + self.dim] = sum(held for _, _, held in self.pieces)
         return torch.Size(out)
 
 
@@ -102,15 +101,22 @@ def _cut(shard: Shard, param: torch.Tensor, view: torch.Tensor, stored: torch.Si
     d = shard.dim - param.dim()
     if len(stored) < -d or view.dim() < -d:
         return f"has {len(stored)} dims, too few to cut along dim {shard.dim} of the parameter"
-    parts = shard.parts * view.shape[d] // param.shape[d]  # the parts of the sharded tensor this view spans
     n = stored[d]
-    if parts < 1 or n % parts or shard.parts * view.shape[d] % param.shape[d]:
-        return f"cannot be cut into {max(parts, 1)} parts along dim {shard.dim}"
-    step = n // parts
-    start, length, held = shard.span(step)
-    cut = _Cut(d, tuple((j * step + start, length) for j in range(parts)), held)
+    if shard.widths:  # unequal parts, each cut into equal pieces: the whole parameter at once
+        if view.shape[d] != param.shape[d] or n != sum(shard.widths):
+            return f"is not the {sum(shard.widths)} rows of parts {shard.widths} along dim {shard.dim}"
+        starts = [sum(shard.widths[:j]) for j in range(len(shard.widths))]
+        per = [w // shard.size for w in shard.widths]
+        cut = _Cut(d, tuple((o + shard.rank * p, p, p) for o, p in zip(starts, per)))
+    else:
+        parts = shard.parts * view.shape[d] // param.shape[d]  # the parts of the sharded tensor this view spans
+        if parts < 1 or n % parts or shard.parts * view.shape[d] % param.shape[d]:
+            return f"cannot be cut into {max(parts, 1)} parts along dim {shard.dim}"
+        step = n // parts
+        start, length, held = shard.span(step)
+        cut = _Cut(d, tuple((j * step + start, length, held) for j in range(parts)))
     if cut.shape(stored) != view.shape:
-        return f"gives {held * parts} rows along dim {shard.dim} to tp rank {shard.rank} of {shard.size}"
+        return f"gives {cut.shape(stored)[d]} rows along dim {shard.dim} to tp rank {shard.rank} of {shard.size}"
     return cut
 
 
@@ -252,36 +258,40 @@ def load_weights(model: torch.nn.Module, path: str | Path, rules: list[Rule], ig
                 handles[file] = safe_open(str(file), framework="pt", device="cpu")
             param = params[target]
             view = _target(rule, m, param, shards.get(target))
-            sliced = cut is not None and len(cut) == 1 and rule.transform is same and len(cut[0].pieces) == 1
+            sliced = cut is not None and len(cut) == 1 and rule.transform is same
             try:
-                t = _read_slice(handles[file].get_slice(name), cut[0]) if sliced else handles[file].get_tensor(name)
+                if sliced:  # the rank's rows of each piece read alone, never the rest of the tensor
+                    handle = handles[file].get_slice(name)
+                    _copy_cut(view, lambda start, n: _read_rows(handle, cut[0].dim, start, n), cut[0])
+                    continue
+                t = handles[file].get_tensor(name)
             except Exception as e:  # safetensors raises its own error types for damaged data
                 raise CheckpointError(f"{file}: tensor {name!r} cannot be read ({e}); the file may be truncated") from e
+            t = rule.transform(t)
             if cut is None:
-                view.copy_(rule.transform(t).to(param.dtype))
-            else:  # the slice read alone starts at its first stored row
-                t = rule.transform(t)
-                for c in cut[:-1]:  # expert slots before each expert's width: an earlier cut into a tensor of its own
-                    outer = t.new_empty(c.shape(t.shape))
-                    _copy_cut(outer, t, c)
-                    t = outer
-                _copy_cut(view, t, cut[-1], offset=cut[0].pieces[0][0] if sliced else 0)
+                view.copy_(t.to(param.dtype))
+                continue
+            for c in cut[:-1]:  # expert slots before each expert's width: an earlier cut into a tensor of its own
+                outer = t.new_empty(c.shape(t.shape))
+                _copy_cut(outer, lambda start, n, t=t, d=c.dim: t.narrow(d, start, n), c)
+                t = outer
+            _copy_cut(view, lambda start, n, t=t: t.narrow(cut[-1].dim, start, n), cut[-1])
 
 
-def _read_slice(handle, cut: _Cut) -> torch.Tensor:
-    """The rows of the cut's one piece, read from the file without the rest of the tensor."""
-    start, length = cut.pieces[0]
+def _read_rows(handle, dim: int, start: int, length: int) -> torch.Tensor:
+    """Rows [start, start + length) along ``dim`` (negative) of a stored tensor, read without the rest of it."""
     ndim = len(handle.get_shape())
     index = [slice(None)] * ndim
-    index[ndim + cut.dim] = slice(start, start + length)
+    index[ndim + dim] = slice(start, start + length)
     return handle[tuple(index)]
 
 
-def _copy_cut(view: torch.Tensor, t: torch.Tensor, cut: _Cut, offset: int = 0) -> None:
-    """Copy the cut's pieces of ``t`` (whose rows start at stored row ``offset``) into ``view``, padding zeroed."""
-    d, held = cut.dim, cut.held
-    for j, (start, length) in enumerate(cut.pieces):
-        dst = view.narrow(d, j * held, held)
-        dst.narrow(d, 0, length).copy_(t.narrow(d, start - offset, length).to(view.dtype))
+def _copy_cut(view: torch.Tensor, rows, cut: _Cut) -> None:
+    """Copy the cut's pieces into ``view``, padding zeroed; ``rows(start, length)`` gives the stored rows."""
+    d, at = cut.dim, 0
+    for start, length, held in cut.pieces:
+        dst = view.narrow(d, at, held)
+        dst.narrow(d, 0, length).copy_(rows(start, length).to(view.dtype))
         if length < held:
             dst.narrow(d, length, held - length).zero_()
+        at += held

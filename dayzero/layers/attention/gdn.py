@@ -18,8 +18,8 @@ Under tensor parallelism a rank holds Hk/tp key heads and the Hv/tp value heads 
 within a rank): its heads' rows of q, k, v, z, b and a and of the conv, ``A_log`` and ``dt_bias``; the output
 norm (per value head) is whole, ``out_proj`` row-parallel (one all-reduce of [T, D] per layer), and the state
 slots hold the rank's heads ([Hv/tp, K, V] and the conv windows of its channels). q, k and v, z have unequal
-widths, which the loader cannot cut, so ``in_proj_qkvz`` and the conv load whole and keep the rank's rows
-after loading (:func:`~dayzero.layers.parallel.keep_rank_blocks`); [b | a] is cut as it loads.
+widths: ``in_proj_qkvz`` and the conv declare them (:func:`~dayzero.layers.parallel.cut_by_blocks`) and the
+loader reads the rank's rows of each; [b | a] is cut as two equal parts.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from dayzero.distributed import SINGLE, ParallelState, divide
 from dayzero.layers.attention.kda import DeltaRuleLayer
 from dayzero.layers.fused import fuse, project
 from dayzero.layers.norm import RMSNorm
-from dayzero.layers.parallel import Shard, column_linear, keep_rank_blocks, row_linear
+from dayzero.layers.parallel import Shard, column_linear, cut_by_blocks, row_linear
 
 
 def ungroup_qkvz(spec: GDNSpec):
@@ -75,11 +75,15 @@ class GatedDeltaNet(DeltaRuleLayer):
         self.K, self.V = K, V
         self.conv_dim = 2 * self.Hk * K + self.Hv * V  # the rank's [q | k | v] channels
         # [q | k | v | z] widths of all heads: both projections below are built whole (see the module docstring)
-        self.qkvz_blocks = (spec.num_k_heads * K, spec.num_k_heads * K, spec.num_v_heads * V, spec.num_v_heads * V)
-        C = spec.conv_dim
-        self.in_proj_qkvz = nn.Linear(hidden, C + spec.num_v_heads * V, bias=False)  # [q | k | v | z]
+        blocks = (spec.num_k_heads * K, spec.num_k_heads * K, spec.num_v_heads * V, spec.num_v_heads * V)
+        C = self.conv_dim
+        self.in_proj_qkvz = nn.Linear(hidden, C + self.Hv * V, bias=False)  # the rank's [q | k | v | z]
         self.in_proj_ba = column_linear(hidden, 2 * spec.num_v_heads, False, parallel, what=heads, parts=2)  # [b | a]
         self.conv1d = nn.Conv1d(C, C, W, groups=C, bias=False)  # weight [C, 1, W]
+        for module, parts in ((self.in_proj_qkvz, blocks), (self.conv1d, blocks[:3])):
+            cut = cut_by_blocks(parts, parallel, heads)
+            if cut is not None:
+                module.shards = {"weight": cut}
         self.A_log = nn.Parameter(torch.zeros(self.Hv, dtype=torch.float32))
         self.dt_bias = nn.Parameter(torch.zeros(self.Hv, dtype=torch.float32))
         self.norm = RMSNorm(V, eps)
@@ -94,8 +98,6 @@ class GatedDeltaNet(DeltaRuleLayer):
                           "conv": ((self.conv_dim, self.spec.conv_size - 1), dtype)})
 
     def process_weights_after_loading(self) -> None:
-        keep_rank_blocks(self.in_proj_qkvz, self.qkvz_blocks, self.parallel)
-        keep_rank_blocks(self.conv1d, self.qkvz_blocks[:3], self.parallel)
         fuse(self, "fused_in", self.in_proj_members)
 
     def forward(self, x: torch.Tensor, batch) -> torch.Tensor:

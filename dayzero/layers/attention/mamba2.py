@@ -15,8 +15,8 @@ consecutive): its rows of z, x, B, C and dt, its conv channels, ``dt_bias``, ``A
 the output norm's weight; ``out_proj`` is row-parallel (one all-reduce of [T, D] per layer) and the state slots
 hold the rank's heads ([H/tp, P, N] and the conv windows of its channels). The output norm takes its mean
 square per group, so a rank needs whole groups: tp must divide ``n_groups``. The parts of the input projection
-and of the conv have unequal widths, which the loader cannot cut: they load whole and keep the rank's rows
-after loading (:func:`~dayzero.layers.parallel.keep_rank_blocks`).
+and of the conv have unequal widths: they declare them (:func:`~dayzero.layers.parallel.cut_by_blocks`) and
+the loader reads the rank's rows of each.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from dayzero.config.spec import Mamba2Spec  # noqa: F401  (re-exported for adapt
 from dayzero.distributed import SINGLE, ParallelState
 from dayzero.layers.attention.base import CachedLayer
 from dayzero.layers.norm import RMSNorm
-from dayzero.layers.parallel import Shard, keep_rank_blocks, row_linear
+from dayzero.layers.parallel import Shard, cut_by_blocks, row_linear
 
 
 class Mamba2Mixer(CachedLayer):
@@ -44,13 +44,14 @@ class Mamba2Mixer(CachedLayer):
         H, P, N, G = spec.num_heads, spec.head_dim, spec.state_size, spec.n_groups  # all of them
         self.H, self.G = H // tp, G // tp  # the rank's heads and groups
         self.I, self.conv_dim = self.H * P, self.H * P + 2 * self.G * N
-        # [z | x | B | C | dt] widths of all heads and groups: the projection and the conv are built whole (see
-        # the module docstring)
-        self.in_blocks = (H * P, H * P, G * N, G * N, H)
-        self.in_proj = nn.Linear(hidden, sum(self.in_blocks), bias=spec.bias)  # [z | xBC | dt]
+        blocks = (H * P, H * P, G * N, G * N, H)  # [z | x | B | C | dt] widths of all heads and groups
+        self.in_proj = nn.Linear(hidden, 2 * self.I + 2 * self.G * N + self.H, bias=spec.bias)  # the rank's [z | xBC | dt]
         # depthwise causal conv weights [conv_dim, 1, W], as checkpoints store them
-        conv_dim = sum(self.in_blocks[1:4])
-        self.conv1d = nn.Conv1d(conv_dim, conv_dim, spec.conv_size, groups=conv_dim, bias=spec.conv_bias)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, spec.conv_size, groups=self.conv_dim, bias=spec.conv_bias)
+        for module, parts in ((self.in_proj, blocks), (self.conv1d, blocks[1:4])):
+            cut = cut_by_blocks(parts, parallel, "the Mamba-2 layers")
+            if cut is not None:
+                module.shards = {"weight": cut} | ({"bias": cut} if module.bias is not None else {})
         # per-head SSM parameters stay fp32: they set the decay exp(dt·A), which compounds over the sequence
         self.dt_bias = nn.Parameter(torch.zeros(self.H, dtype=torch.float32))
         self.A_log = nn.Parameter(torch.zeros(self.H, dtype=torch.float32))
@@ -66,10 +67,6 @@ class Mamba2Mixer(CachedLayer):
         # the SSM state is fp32 whatever the model dtype: it accumulates over the whole sequence
         return StateSpec({"ssm": ((self.H, s.head_dim, s.state_size), torch.float32),
                           "conv": ((self.conv_dim, s.conv_size - 1), dtype)})
-
-    def process_weights_after_loading(self) -> None:
-        keep_rank_blocks(self.in_proj, self.in_blocks, self.parallel)
-        keep_rank_blocks(self.conv1d, self.in_blocks[1:4], self.parallel)
 
     def forward(self, x: torch.Tensor, batch) -> torch.Tensor:
         s, T = self.spec, x.shape[0]

@@ -1,0 +1,56 @@
+"""A parameter sharded into unequal parts (Gated DeltaNet's [q | k | v | z], Mamba-2's [z | x | B | C | dt]) loads
+the rank's rows of each part, read piece by piece from the file (never the whole tensor), with a bias cut alike;
+a stored tensor that is not those parts is reported, not loaded."""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+import dayzero.loader.safetensors_loader as L
+from dayzero.layers.parallel import Shard
+from dayzero.loader.rules import identity_rules
+from dayzero.loader.safetensors_loader import CheckpointError
+
+WIDTHS = (4, 4, 6, 6)
+
+
+def projection(rank: int) -> nn.Module:
+    m = nn.Module()
+    m.proj = nn.Linear(3, sum(WIDTHS) // 2)
+    cut = Shard(0, rank, 2, widths=WIDTHS)
+    m.proj.shards = {"weight": cut, "bias": cut}
+    return m
+
+
+def test_each_rank_reads_its_rows_of_each_part(tmp_path, monkeypatch):
+    full = {"proj.weight": torch.arange(20 * 3, dtype=torch.float32).view(20, 3), "proj.bias": torch.arange(20.0)}
+    save_file(full, str(tmp_path / "model.safetensors"))
+    whole_reads = []
+    real = L.safe_open
+
+    class Recording:
+        def __init__(self, *a, **k):
+            self.inner = real(*a, **k)
+
+        def get_tensor(self, name):
+            whole_reads.append(name)
+            return self.inner.get_tensor(name)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    monkeypatch.setattr(L, "safe_open", Recording)
+    for rank, rows in ((0, [0, 1, 4, 5, 8, 9, 10, 14, 15, 16]), (1, [2, 3, 6, 7, 11, 12, 13, 17, 18, 19])):
+        m = projection(rank)
+        L.load_weights(m, str(tmp_path), identity_rules())
+        assert torch.equal(m.proj.weight.data, full["proj.weight"][rows])
+        assert torch.equal(m.proj.bias.data, full["proj.bias"][rows])
+    assert whole_reads == []
+
+
+def test_a_tensor_that_is_not_the_parts_is_reported(tmp_path):
+    save_file({"proj.weight": torch.zeros(22, 3), "proj.bias": torch.zeros(22)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"is not the 20 rows of parts \(4, 4, 6, 6\)"):
+        L.load_weights(projection(0), str(tmp_path), identity_rules())
