@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from dayzero.distributed import tp_all_reduce
+from dayzero.layers.parallel import ColumnParallelLinear, RowParallelLinear, gather_logits
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 TILE = 128
@@ -67,8 +70,6 @@ class BlockFp8Linear(torch.nn.Module):
     @classmethod
     def like(cls, linear: torch.nn.Linear, name: str) -> "BlockFp8Linear":
         """The FP8 form of ``linear`` (plain, or a column- / row-parallel slice; ``name`` for the errors)."""
-        from dayzero.layers.parallel import ColumnParallelLinear, RowParallelLinear
-
         kind = {ColumnParallelLinear: "column", RowParallelLinear: "row"}.get(type(linear), "plain")
         fp8 = cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.device,
                   getattr(linear, "parallel", None), kind, getattr(linear, "gather", False),
@@ -87,14 +88,10 @@ class BlockFp8Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = dequantize_fp8_blocks(self.weight, self.weight_scale_inv, x.dtype)
         if self.kind == "row":
-            from dayzero.distributed import tp_all_reduce
-
             y = tp_all_reduce(torch.nn.functional.linear(x, w), self.parallel)
             return y if self.bias is None else y + self.bias
         y = torch.nn.functional.linear(x, w, self.bias)
         if self.kind == "column" and self.gather:
-            from dayzero.layers.parallel import gather_logits
-
             return gather_logits(y, self.full_out_features, self.parallel)
         return y
 
@@ -129,8 +126,6 @@ def convert_linears_to_fp8(model: torch.nn.Module, exclude: tuple[str, ...] = ()
     """Swap every linear of ``model`` (plain, column- or row-parallel) not named by ``KEEP_HIGH`` or ``exclude``
     (the checkpoint's ``modules_to_not_convert``) for a :class:`BlockFp8Linear`; returns the swapped module names.
     A tensor-parallel cut that splits 128-wide tiles raises ``ValueError`` naming the module."""
-    from dayzero.layers.parallel import ColumnParallelLinear, RowParallelLinear
-
     swapped = []
     for name, mod in list(model.named_modules()):
         if (type(mod) not in (torch.nn.Linear, ColumnParallelLinear, RowParallelLinear)
