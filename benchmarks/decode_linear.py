@@ -5,10 +5,10 @@
 The model is built on the meta device to list the projections a decode step runs through the ``linear`` op
 (the fused input projections of every mixer and LatentMoE block, and the fp32 router GEMV) with how many of each
 a step runs. Each shape is timed replayed from a CUDA graph over copies of its weight that overflow the L2
-cache (``dayzero.ops.linear.kernels.graph_time``), cuBLAS and every block shape the op chooses among; the table
-gives microseconds and the weight bytes read per second as a share of the copy bandwidth measured in the run
-(bytes read and written per second by a large copy). The last lines sum a step's time over the shapes: cuBLAS
-only against the op's choice (Triton where it is at least 5% faster).
+cache (``dayzero.ops.linear.kernels.timings``, what the op measures), cuBLAS and every block shape it chooses
+among; the table gives microseconds and the weight bytes read per second as a share of the copy bandwidth measured
+in the run (bytes read and written per second by a large copy). The last lines sum a step's time over the
+shapes: cuBLAS only against the op's choice (Triton where it is at least 5% faster).
 """
 from __future__ import annotations
 
@@ -48,7 +48,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
     args = ap.parse_args(argv)
     from dayzero.ops.linear import kernels as L
-    from dayzero.ops.linear.reference import linear
 
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
@@ -64,21 +63,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for (n, k, wdt, out), count in sorted(shapes.items(), key=lambda s: -s[0][0] * s[0][1]):
             w = (torch.randn(n, k, device=dev) / k ** 0.5).to(wdt)
             x = torch.randn(rows, k, device=dev).to(dtype)
-            ws = L.cold_copies(w)
-            t_ref = L.graph_time([lambda w=w: linear(x, w, None, out) for w in ws]) * 1e3
-            tri = {b: L.graph_time([lambda w=w, b=b: L.skinny_linear(x, w, None, out, b) for w in ws]) * 1e3
-                   for b in L.candidates(rows, n, k)}
-            best = min(tri, key=tri.get)
+            us = {b: 1e3 * t for b, t in L.timings(x, w, None, out).items()}  # what the op measures, in us
+            t_ref, best = us[None], L.fastest_triton(us)
             nbytes = w.nbytes
-            chosen = tri[best] if tri[best] <= L.MARGIN * t_ref else t_ref
             totals[rows][0] += count * t_ref
-            totals[rows][1] += count * chosen
+            totals[rows][1] += count * us[L.fastest(us)]
             print(f"{rows:>4} {f'{n} x {k}':>12} {str(wdt).removeprefix('torch.'):>7} {count:>5} {t_ref:>9.2f} "
-                  f"{nbytes / (t_ref * 1e-6) / bw:>6.0%} {tri[best]:>9.2f} {nbytes / (tri[best] * 1e-6) / bw:>6.0%} "
-                  f"{str(best):>14} {t_ref / tri[best]:>5.2f}x", flush=True)
+                  f"{nbytes / (t_ref * 1e-6) / bw:>6.0%} {us[best]:>9.2f} {nbytes / (us[best] * 1e-6) / bw:>6.0%} "
+                  f"{str(best):>14} {t_ref / us[best]:>5.2f}x", flush=True)
             rows_out.append({"rows": rows, "n": n, "k": k, "weight_dtype": str(wdt), "per_step": count,
-                             "cublas_us": t_ref, "triton_us": tri[best], "block": best})
-            del ws
+                             "cublas_us": t_ref, "triton_us": us[best], "block": best})
     for rows, (ref, chosen) in totals.items():
         print(f"rows {rows}: a step's projections through the op {ref:.1f} us with cuBLAS, {chosen:.1f} us as chosen "
               f"({ref / chosen:.2f}x)")

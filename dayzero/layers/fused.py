@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from dayzero import ops
-
 from dayzero.layers.parallel import ColumnParallelLinear
 
 

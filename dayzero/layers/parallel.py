@@ -41,10 +41,6 @@ class Shard:
     unequal widths along ``dim`` (a projection's [q | k | v | z] by head), each cut into ``size`` equal pieces and
     the rank's pieces kept in order."""
 
-    def local(self) -> int:
-        """The rank's length along ``dim`` of a ``widths`` cut."""
-        return sum(w // self.size for w in self.widths)
-
     dim: int
     rank: int
     size: int

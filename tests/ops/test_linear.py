@@ -94,6 +94,12 @@ def test_refusals_name_the_reason():
         assert L.refusal(x, w) is None
 
 
+def test_the_choice_takes_triton_only_past_the_margin():
+    a, b = (8, 1024, 4), (4, 2048, 4)
+    assert L.fastest({None: 10.0, a: 9.6, b: 9.4}) == b == L.fastest_triton({None: 10.0, a: 9.6, b: 9.4})
+    assert L.fastest({None: 10.0, a: 9.6}) is None and L.fastest_triton({None: 10.0, a: 9.6}) == a
+
+
 def test_on_the_cpu_the_op_keeps_the_reference():
     x, w, b = operands(2, 8, 16, torch.float32, torch.float32, True)
     if DEV == "cpu":

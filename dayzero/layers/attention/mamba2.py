@@ -45,7 +45,7 @@ class Mamba2Mixer(CachedLayer):
         self.H, self.G = H // tp, G // tp  # the rank's heads and groups
         self.I, self.conv_dim = self.H * P, self.H * P + 2 * self.G * N
         blocks = (H * P, H * P, G * N, G * N, H)  # [z | x | B | C | dt] widths of all heads and groups
-        self.in_proj = nn.Linear(hidden, 2 * self.I + 2 * self.G * N + self.H, bias=spec.bias)  # the rank's [z | xBC | dt]
+        self.in_proj = nn.Linear(hidden, self.I + self.conv_dim + self.H, bias=spec.bias)  # the rank's [z | xBC | dt]
         # depthwise causal conv weights [conv_dim, 1, W], as checkpoints store them
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, spec.conv_size, groups=self.conv_dim, bias=spec.conv_bias)
         for module, parts in ((self.in_proj, blocks), (self.conv1d, blocks[1:4])):

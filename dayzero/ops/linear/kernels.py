@@ -109,27 +109,43 @@ def measured_choice(x, weight, bias=None, out_dtype=None) -> Block | None:
         return _CHOICE[key]
     if x.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return None  # not recorded: a later eager call measures
-    from dayzero.ops.linear.reference import linear
-
     debug = torch.cuda.get_sync_debug_mode()  # the engine's warm-up passes forbid host waits; these are its own
     torch.cuda.set_sync_debug_mode(0)
     try:
         with torch.cuda.device(x.device):
             xs = torch.randn(key[0], x.shape[1], device=x.device).to(x.dtype)  # the bucket's rows, random
-            ws = cold_copies(weight)
-            times = {None: graph_time([lambda w=w: linear(xs, w, bias, out_dtype) for w in ws])}
-            for b in candidates(key[0], weight.shape[0], x.shape[1]):
-                times[b] = graph_time([lambda w=w, b=b: skinny_linear(xs, w, bias, out_dtype, b) for w in ws])
-            del ws
-            torch.cuda.empty_cache()  # the copies' memory back, not left in the allocator's cache
+            times = timings(xs, weight, bias, out_dtype)
+            torch.cuda.empty_cache()  # the weight copies' memory back, not left in the allocator's cache
     finally:
         torch.cuda.set_sync_debug_mode(debug)
-    best = min((b for b in times if b is not None), key=times.get)
-    choice = best if times[best] <= MARGIN * times[None] else None
+    best, choice = fastest_triton(times), fastest(times)
     _CHOICE[key] = choice
     log.info("linear %d x [%d, %d] %s: cuBLAS %.1f us, Triton %s %.1f us -> %s", key[0], key[1], key[2],
              str(x.dtype).removeprefix("torch."), 1e3 * times[None], best, 1e3 * times[best], choice or "cuBLAS")
     return choice
+
+
+def timings(x, weight, bias=None, out_dtype=None) -> dict[Block | None, float]:
+    """Device milliseconds per call at ``x``'s rows: cuBLAS (key None) and each of :func:`candidates`, each
+    replayed from a CUDA graph over L2-cold copies of ``weight`` (:func:`cold_copies`, :func:`graph_time`)."""
+    from dayzero.ops.linear.reference import linear
+
+    ws = cold_copies(weight)
+    times = {None: graph_time([lambda w=w: linear(x, w, bias, out_dtype) for w in ws])}
+    for b in candidates(x.shape[0], weight.shape[0], x.shape[1]):
+        times[b] = graph_time([lambda w=w, b=b: skinny_linear(x, w, bias, out_dtype, b) for w in ws])
+    return times
+
+
+def fastest_triton(times: dict[Block | None, float]) -> Block:
+    return min((b for b in times if b is not None), key=times.get)
+
+
+def fastest(times: dict[Block | None, float]) -> Block | None:
+    """The block shape to run from :func:`timings`: the fastest Triton one when it takes at most :data:`MARGIN` of
+    cuBLAS's time, else None (cuBLAS)."""
+    best = fastest_triton(times)
+    return best if times[best] <= MARGIN * times[None] else None
 
 
 def cold_copies(weight: torch.Tensor, total: int = 96 << 20, most: int = 16) -> list[torch.Tensor]:
