@@ -6,10 +6,11 @@ MLA its query and latent down-projections with the indexer key and the output ga
 down-projection with the shared expert's gate/up. :func:`fuse` runs such a group as one: the members' weights are
 copied into one [sum of N, K] weight and each member's weight becomes a row slice (a view) of it, so their names,
 loading rules and ``state_dict`` stay as they were and an in-place load (``load_state_dict``) still reaches the
-fused weight. Only plain ``nn.Linear`` members (or column-parallel ones that keep their output split: a rank then
-fuses its own shards) of one dtype and device, all with biases or none, fuse; a group with a quantised member
-(block FP8) keeps its separate linears. Moving the model after fusing leaves the fused
-weight behind (the next forward then fails on the device mismatch), so the engine fuses on the final device.
+fused weight. Only plain linears (``nn.Linear`` or :class:`~dayzero.layers.parallel.Linear`, or column-parallel
+ones that keep their output split: a rank then fuses its own shards) of one dtype and device, all with biases or
+none, fuse; a group with a quantised member (block FP8) keeps its separate linears. Moving the model after fusing
+leaves the fused weight behind (the next forward then fails on the device mismatch), so the engine fuses on the
+final device.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from dayzero import ops
-from dayzero.layers.parallel import ColumnParallelLinear
+from dayzero.layers.parallel import PLAIN_LINEARS, ColumnParallelLinear
 
 
 class FusedLinear(nn.Module):
@@ -61,7 +62,7 @@ def fuse(owner: nn.Module, name: str, members: list[str]) -> bool:
 
 def local_gemm(lin: nn.Module) -> bool:
     """Whether ``lin``'s forward is one GEMM of its own weight and nothing else (no collective, no dequantising)."""
-    return type(lin) is nn.Linear or (type(lin) is ColumnParallelLinear and not lin.gather)
+    return type(lin) in PLAIN_LINEARS or (type(lin) is ColumnParallelLinear and not lin.gather)
 
 
 @torch.no_grad()

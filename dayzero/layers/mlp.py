@@ -12,7 +12,7 @@ from dayzero import ops
 from dayzero.config.spec import MLPSpec
 from dayzero.distributed import SINGLE, ParallelState, tp_all_reduce
 from dayzero.layers.fused import local_gemm
-from dayzero.layers.parallel import RowParallelLinear, column_linear, row_linear
+from dayzero.layers.parallel import PLAIN_LINEARS, RowParallelLinear, column_linear, row_linear
 
 
 class MLP(nn.Module):
@@ -36,7 +36,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
         # ``batch`` is unused: every MLP kind takes the step's batch (hash-routed MoE reads its token ids)
         down = self.down_proj
-        plain = local_gemm(self.gate_up_proj) and (type(down) is nn.Linear or type(down) is RowParallelLinear)
+        plain = local_gemm(self.gate_up_proj) and (type(down) in PLAIN_LINEARS or type(down) is RowParallelLinear)
         if plain and self.gate_up_proj.bias is None and down.bias is None:
             y = ops.call("mlp", x, self.gate_up_proj.weight, down.weight, self.activation, **self.clamp)
             return tp_all_reduce(y, self.parallel)  # the row-parallel down's sum over ranks (identity at tp=1)

@@ -38,7 +38,7 @@ from dayzero.layers.expert_placement import balanced_placement, initial_placemen
 from dayzero.layers.fused import fuse, project
 from dayzero.layers.mlp import MLP
 from dayzero.layers.norm import RMSNorm
-from dayzero.layers.parallel import Shard
+from dayzero.layers.parallel import PLAIN_LINEARS, Linear, Shard
 from dayzero.quant.fp8 import TileScaled
 
 
@@ -123,8 +123,8 @@ class MoE(nn.Module):
             self.shards = width
         self.latent = spec.latent_size is not None
         if self.latent:
-            self.fc1_latent_proj = nn.Linear(D, L, bias=False)
-            self.fc2_latent_proj = nn.Linear(L, D, bias=False)
+            self.fc1_latent_proj = Linear(D, L, bias=False)
+            self.fc2_latent_proj = Linear(L, D, bias=False)
             self.latent_norm = RMSNorm(L, eps) if spec.latent_norm else None
         shared_limit = spec.swiglu_limit if spec.shared_clamp else None
         self.shared_experts = (
@@ -132,7 +132,7 @@ class MoE(nn.Module):
                            swiglu_limit=shared_limit), parallel, what="shared_intermediate_size")
             if spec.n_shared else None
         )
-        self.shared_expert_gate = nn.Linear(D, 1, bias=False) if spec.shared_gate else None
+        self.shared_expert_gate = Linear(D, 1, bias=False) if spec.shared_gate else None
         # LatentMoE: the latent down-projection and the shared expert's input projections read the same x, one
         # GEMM once fused (dayzero.layers.fused)
         self.in_proj_members = []
@@ -283,8 +283,8 @@ class MoE(nn.Module):
             if self.latent_norm is not None:
                 y = self.latent_norm(y)
             fc2 = self.fc2_latent_proj
-            if shared is not None and out_scale == 1.0 and type(fc2) is nn.Linear and fc2.bias is None:
-                return torch.addmm(shared, y, fc2.weight.t())  # the shared expert added in the GEMM's epilogue
+            if shared is not None and out_scale == 1.0 and type(fc2) in PLAIN_LINEARS and fc2.bias is None:
+                return ops.call("linear", y, fc2.weight, add=shared)  # the shared expert added in the epilogue
             y = fc2(y)
         if out_scale != 1.0:
             y = y * out_scale

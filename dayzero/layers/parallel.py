@@ -1,8 +1,9 @@
 """Tensor-parallel linears and embedding, and the shard declaration the loader narrows checkpoint tensors by.
 
-At tp=1 the constructors below return plain ``nn.Linear`` / ``nn.Embedding``: same parameter names, same
-``state_dict``, the same fast paths (fusion, block-FP8 conversion, fused MLP op) as before. At tp>1 each
-returns a subclass holding only this rank's slice, with ``shards`` naming how each parameter is cut:
+At tp=1 the constructors below return a plain :class:`Linear` (an ``nn.Linear`` whose product is the ``linear``
+op: a decode step's few rows may take the skinny kernel) / ``nn.Embedding``: same parameter names, same
+``state_dict``, the same fast paths (fusion, block-FP8 conversion, fused MLP op). At tp>1 each returns a
+subclass holding only this rank's slice, with ``shards`` naming how each parameter is cut:
 
 - :class:`ColumnParallelLinear`: output features split (attention heads, MLP gate/up); its output stays split
   unless ``gather`` (the LM head);
@@ -26,6 +27,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from dayzero import ops
 from dayzero.distributed import SINGLE, ParallelState, divide, tp_all_gather, tp_all_reduce
 
 
@@ -56,21 +58,32 @@ class Shard:
         return start, min(per, n - start), per
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters, same ``state_dict``) whose product goes through the ``linear`` op: on a GPU
+    a decode step's 1-8 rows take the skinny Triton kernel where it measured faster than cuBLAS."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.call("linear", x, self.weight, self.bias)
+
+
+PLAIN_LINEARS = (nn.Linear, Linear)  # one GEMM of the module's own weight: what fusion and FP8 conversion take
+
+
 def column_linear(in_features: int, out_features: int, bias: bool = False, parallel: ParallelState = SINGLE, *,
                   what: str = "out_features", gather: bool = False, parts: int = 1,
-                  shard: Shard | None = None) -> nn.Linear:
+                  shard: Shard | None = None) -> Linear:
     """A linear whose output features are split over tp (``what`` names the setting a bad tp fails to divide);
     ``shard`` overrides the default cut (k/v heads replicated over groups of ranks)."""
     if parallel.tp_size == 1:
-        return nn.Linear(in_features, out_features, bias=bias)
+        return Linear(in_features, out_features, bias=bias)
     return ColumnParallelLinear(in_features, out_features, bias, parallel, what=what, gather=gather, parts=parts,
                                 shard=shard)
 
 
 def row_linear(in_features: int, out_features: int, bias: bool = False, parallel: ParallelState = SINGLE, *,
-               what: str = "in_features") -> nn.Linear:
+               what: str = "in_features") -> Linear:
     if parallel.tp_size == 1:
-        return nn.Linear(in_features, out_features, bias=bias)
+        return Linear(in_features, out_features, bias=bias)
     return RowParallelLinear(in_features, out_features, bias, parallel, what=what)
 
 
@@ -80,11 +93,11 @@ def vocab_embedding(num_embeddings: int, dim: int, parallel: ParallelState = SIN
     return VocabParallelEmbedding(num_embeddings, dim, parallel)
 
 
-def lm_head(hidden: int, vocab: int, parallel: ParallelState = SINGLE) -> nn.Linear:
+def lm_head(hidden: int, vocab: int, parallel: ParallelState = SINGLE) -> Linear:
     """The LM head: vocabulary rows split like :func:`vocab_embedding` (so a tied weight has one shape);
     :func:`gather_logits` assembles its output."""
     if parallel.tp_size == 1:
-        return nn.Linear(hidden, vocab, bias=False)
+        return Linear(hidden, vocab, bias=False)
     return ColumnParallelLinear(hidden, vocab, False, parallel, gather=True, pad=True)
 
 
@@ -94,7 +107,7 @@ def gather_logits(logits: torch.Tensor, vocab: int, parallel: ParallelState) -> 
     return full if full.shape[-1] == vocab else full[..., :vocab]
 
 
-class ColumnParallelLinear(nn.Linear):
+class ColumnParallelLinear(Linear):
     """``weight`` [out/tp, in], ``bias`` [out/tp]: this rank's output features."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, parallel: ParallelState, *,
@@ -120,7 +133,7 @@ class ColumnParallelLinear(nn.Linear):
         return f"{super().extra_repr()}, tp_rank={s.rank}/{s.size}, gather={self.gather}"
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """``weight`` [out, in/tp]: this rank's input features; ``bias`` [out] whole, added after the all-reduce."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, parallel: ParallelState, *,
@@ -131,7 +144,7 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [.., in/tp], this rank's share of the features -> the whole [.., out] on every rank
-        y = tp_all_reduce(nn.functional.linear(x, self.weight), self.parallel)
+        y = tp_all_reduce(ops.call("linear", x, self.weight), self.parallel)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from dayzero.distributed import tp_all_reduce
-from dayzero.layers.parallel import ColumnParallelLinear, RowParallelLinear, gather_logits
+from dayzero.layers.parallel import PLAIN_LINEARS, ColumnParallelLinear, RowParallelLinear, gather_logits
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -128,7 +128,7 @@ def convert_linears_to_fp8(model: torch.nn.Module, exclude: tuple[str, ...] = ()
     A tensor-parallel cut that splits 128-wide tiles raises ``ValueError`` naming the module."""
     swapped = []
     for name, mod in list(model.named_modules()):
-        if (type(mod) not in (torch.nn.Linear, ColumnParallelLinear, RowParallelLinear)
+        if (type(mod) not in (*PLAIN_LINEARS, ColumnParallelLinear, RowParallelLinear)
                 or any(_in(name, p) for p in (*KEEP_HIGH, *exclude))):
             continue
         parent_name, _, leaf = name.rpartition(".")

@@ -24,8 +24,8 @@ from dayzero.engine.engine import EngineConfig, LLMEngine
 from dayzero.engine.sampling_params import SamplingParams
 from dayzero.layers.mlp import MLP
 from dayzero.layers.moe import MoE
-from dayzero.layers.parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, column_linear,
-                                     gather_logits, lm_head, row_linear, vocab_embedding)
+from dayzero.layers.parallel import (ColumnParallelLinear, Linear, RowParallelLinear, VocabParallelEmbedding,
+                                     column_linear, gather_logits, lm_head, row_linear, vocab_embedding)
 from dayzero.loader.rules import Rule, identity_rules, rows
 from dayzero.loader.safetensors_loader import load_weights
 from dayzero.models.registry import build_model, load_config
@@ -126,7 +126,7 @@ def test_parallel_blocks_equal_unsharded(tmp_path):
 
 def test_tp1_builds_plain_modules():
     b = Blocks(ParallelState())
-    assert [type(m) for m in (b.col, b.gate_up, b.packed, b.row, b.head)] == [nn.Linear] * 5 and type(b.embed) is nn.Embedding
+    assert [type(m) for m in (b.col, b.gate_up, b.packed, b.row, b.head)] == [Linear] * 5 and type(b.embed) is nn.Embedding
     assert not hasattr(b.col, "shards")
 
 
@@ -251,7 +251,7 @@ def test_compressed_attention_splits_heads_and_output_groups():
     model = build_model(spec, torch.float32, "meta", ParallelState(3, 8))
     attn = next(m for _, m in model.cached_layers() if getattr(m, "indexer", None) is not None)
     assert (attn.H, attn.groups, attn.indexer.H) == (8, 1, 8) and attn.sinks.shape == (8,)
-    assert isinstance(attn.o_b_proj, RowParallelLinear) and type(attn.kv_proj) is nn.Linear
+    assert isinstance(attn.o_b_proj, RowParallelLinear) and type(attn.kv_proj) is Linear
     assert attn.q_b_proj.weight.shape[0] == 8 * spec.layers[0].attn.head_dim
     with pytest.raises(ValueError, match="tp=16 does not divide o_groups=8"):
         build_model(spec, torch.float32, "meta", ParallelState(0, 16))

@@ -24,7 +24,7 @@ from dayzero.engine.engine import EngineConfig, LLMEngine
 from dayzero.layers.attention.dsa import MLAAttention
 from dayzero.layers.attention.gdn import GatedDeltaNet
 from dayzero.layers.attention.mamba2 import Mamba2Mixer
-from dayzero.layers.parallel import ColumnParallelLinear, RowParallelLinear
+from dayzero.layers.parallel import PLAIN_LINEARS, ColumnParallelLinear, Linear, RowParallelLinear
 from tests.conftest import tiny_config
 from tests.distributed.test_tensor_parallel import ENGINE, NEW_TOKENS, RTOL, TP, greedy_tokens, spawn
 from tests.engine.test_incremental import run_chunks
@@ -52,7 +52,7 @@ def check_rank_holds_its_heads(model, spec: ModelSpec, tp: int) -> None:
             ix = mixer.indexer
             assert ix.H * tp == s.indexer.n_heads and isinstance(ix.wq_b, ColumnParallelLinear)
             assert ix.weights_proj.weight.shape == (ix.H, spec.hidden_size)
-            assert ix.weights_proj.weight.dtype == torch.float32 and type(ix.wk) is nn.Linear  # the key: whole
+            assert ix.weights_proj.weight.dtype == torch.float32 and type(ix.wk) is Linear  # the key: whole
         elif isinstance(s, GDNSpec):
             assert (mixer.Hk * tp, mixer.Hv * tp) == (s.num_k_heads, s.num_v_heads)
             assert mixer.in_proj_qkvz.weight.shape[0] == (2 * s.num_k_heads * s.head_k_dim
@@ -118,11 +118,11 @@ def test_tp1_keeps_plain_modules_and_the_fused_topk(tiny_ckpt):
     gdn = GatedDeltaNet(64, GDNSpec(2, 4, 8, 12))
     mamba = Mamba2Mixer(64, Mamba2Spec(8, 12, 16, 2))
     for m in (gdn.in_proj_qkvz, gdn.in_proj_ba, gdn.out_proj, mamba.in_proj, mamba.out_proj):
-        assert type(m) is nn.Linear
+        assert type(m) is Linear
     assert not hasattr(gdn, "shards") and not hasattr(mamba, "shards")
     engine = LLMEngine(EngineConfig(model=str(tiny_ckpt), **ENGINE))
     indexers = [m.indexer for _, m in engine.model.cached_layers() if getattr(m, "indexer", None) is not None]
-    assert indexers and all(type(ix.wq_b) is nn.Linear and type(ix.weights_proj) is nn.Linear for ix in indexers)
+    assert indexers and all(type(ix.wq_b) is Linear and type(ix.weights_proj) in PLAIN_LINEARS for ix in indexers)
     called = []
     prev = ops.registry.set_hook(lambda op, chosen, reason, fn, args, kwargs: called.append(op) or fn(*args, **kwargs))
     try:

@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 from dayzero import LLM
 from dayzero.quant.fp8 import FP8, BlockFp8Linear, dequantize_fp8_blocks
 from dayzero.tools.quantize import quantize_checkpoint
+from dayzero.layers.parallel import Linear
 from tests.hf.harness import block_kernels, check_parity, make_hf_checkpoint, prompt_batch
 
 CONFIG = dict(
@@ -48,6 +49,6 @@ def test_block_fp8_deepseek_matches_dequantized_weights(tmp_path):
     assert model.model.layers[0].self_attn.q_a_proj.weight.dtype == FP8
     assert model.model.layers[1].mlp.w1.dtype == FP8 and model.model.layers[1].mlp.w1_scale_inv.shape == (4, 2, 1)
     assert type(model.model.layers[1].mlp.gate) is torch.nn.Linear and model.model.layers[1].mlp.gate.weight.dtype == torch.float32
-    assert type(model.lm_head) is torch.nn.Linear
+    assert type(model.lm_head) is Linear  # kept in high precision
     assert json.loads((tmp_path / "fp8" / "config.json").read_text())["quantization_config"]["weight_block_size"] == [128, 128]
     check_parity(tmp_path / "fp8", hf, prompt_batch(300))

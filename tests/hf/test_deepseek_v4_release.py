@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from dayzero import LLM
 from dayzero.quant.fp8 import BlockFp8Linear
+from dayzero.layers.parallel import Linear
 from tests.hf.harness import block_kernels, check_parity, make_hf_checkpoint, prompt_batch
 from tests.hf.test_deepseek_v4 import CONFIG, _init
 
@@ -93,7 +94,7 @@ def test_release_format_matches_transformers_on_dequantized_weights(tmp_path):
     engine = LLM(str(tmp_path / "release"), device="cpu", dtype="float32", num_cache_blocks=64).engine
     layer = engine.model.model.layers[1]
     assert isinstance(layer.self_attn.q_a_proj, BlockFp8Linear) and isinstance(layer.mlp.shared_experts.down_proj, BlockFp8Linear)
-    assert type(layer.self_attn.compressor.kv_proj) is torch.nn.Linear  # stored in high precision, no scale
-    assert type(layer.self_attn.indexer.compressor.gate_proj) is torch.nn.Linear
+    assert type(layer.self_attn.compressor.kv_proj) is Linear  # stored in high precision, no scale
+    assert type(layer.self_attn.indexer.compressor.gate_proj) is Linear
     assert layer.mlp.packed and len(engine.packed_moe_layers) == cfg["num_hidden_layers"]
     check_parity(tmp_path / "release", hf, prompt_batch(cfg["vocab_size"]))

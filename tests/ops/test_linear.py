@@ -11,7 +11,7 @@ import torch
 
 from dayzero import ops
 from dayzero.ops.linear import kernels as L
-from dayzero.ops.linear.reference import linear as reference
+from dayzero.ops.linear.reference import linear as reference, rms_norm_linear as reference_norm
 from dayzero.ops import triton_support
 
 pytestmark = pytest.mark.skipif(not triton_support.HAS_TRITON, reason="needs triton")
@@ -62,6 +62,19 @@ def test_bf16_in_and_out():
     got = L.skinny_linear(x, w, b)
     assert got.dtype == torch.bfloat16
     close(got, exact(x, w, b), torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_add_in_the_epilogue_matches_fp64_and_the_reference(dtype):
+    x, w, b = operands(3, 70, 96, dtype, dtype, True)
+    add = torch.randn(3, 70, device=DEV).to(dtype)
+    want = exact(x, w, b) + add.double()
+    for block in L.candidates(3, 70, 96) + [(4, 16, 4)]:
+        close(L.skinny_linear(x, w, b, block=block, add=add), want, dtype)
+    close(reference(x, w, b, add=add), want, dtype)
+    close(reference(x, w, None, add=add), exact(x, w, None) + add.double(), dtype)  # addmm: the add in cuBLAS
+    close(reference(x[None], w, None, add=add[None])[0], exact(x, w, None) + add.double(), dtype)  # 3-D x
+    assert "add must be" in L.refusal(x, w, b, add=add[:, :8])
 
 
 def test_strided_rows_and_no_rows():
@@ -128,6 +141,16 @@ def test_measured_choice_and_every_candidate_on_the_gpu(M, N, K, x_dtype, w_dtyp
 
 
 @cuda
+@pytest.mark.parametrize("M", [1, 2, 4])
+def test_measured_choice_with_an_add_like_the_latent_up_projection(M):
+    x, w, _ = operands(M, 2048, 512, torch.bfloat16, torch.bfloat16, False)  # dayzero-small's fc2_latent_proj
+    add = torch.randn(M, 2048, device=DEV).to(torch.bfloat16)  # the shared expert's output
+    want = exact(x, w, None) + add.double()
+    L.measured_choice(x, w, add=add)
+    close(ops.call("linear", x, w, add=add), want, torch.bfloat16)
+
+
+@cuda
 def test_replayed_in_a_cuda_graph():
     x, w, _ = operands(2, 512, 1024, torch.bfloat16, torch.bfloat16, False)
     block = L.candidates(2, 512, 1024)[0]
@@ -138,3 +161,65 @@ def test_replayed_in_a_cuda_graph():
     x.copy_(torch.randn_like(x))
     graph.replay()
     close(y, exact(x, w, None), torch.bfloat16)
+
+
+# --- rms_norm_linear: the norm inside the skinny kernel --------------------------------------------------------
+def norm_exact(x, r, g, eps, w, b):
+    """fp64: (the projection of the normalised rows, the normalised rows, the sum), the sum rounded to x's dtype
+    as the rms_norm op rounds it."""
+    s = x if r is None else (x.float() + r.float()).to(x.dtype)
+    h = s.double()
+    n = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps) * g.double()
+    return exact(n, w, b), n, s
+
+
+def same_sum(got, want):
+    """The residual sum rounded as the rms_norm op rounds it; Triton's interpreter truncates fp32 -> bf16 casts
+    (a GPU rounds to nearest), so there it is only close."""
+    if got.dtype == torch.float32 or got.is_cuda:
+        assert torch.equal(got, want)
+    else:
+        close(got, want.double(), got.dtype)
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 37, 100), (2, 64, 256), (5, 130, 48)], ids=str)
+@pytest.mark.parametrize("residual", [False, True], ids=["first", "residual"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_norm_in_the_kernel_matches_fp64_and_the_reference(M, N, K, residual, dtype):
+    x, w, b = operands(M, N, K, dtype, dtype, True)
+    g = torch.Generator(DEV).manual_seed(1)
+    r = (3 * torch.randn(M, K, generator=g, device=DEV)).to(dtype) if residual else None
+    gw = (1 + 0.1 * torch.randn(K, generator=g, device=DEV)).float()  # an offset norm's fp32 (1 + w)
+    want_y, want_n, want_s = norm_exact(x, r, gw, 1e-6, w, b)
+    for block in L.candidates(M, N, K) + [(4, 16, 4)]:  # several K steps, a ragged last one
+        y, n, s = L.norm_skinny_linear(x, r, gw, 1e-6, w, b, block)
+        close(y, want_y, dtype)
+        close(n, want_n, dtype)
+        assert r is not None or s is x
+        same_sum(s, want_s)
+    ry, rn, rs = reference_norm(x, r, gw, 1e-6, w, b)  # the two ops apart
+    close(ry, want_y, dtype)
+    close(rn, want_n, dtype)
+    assert torch.equal(rs, want_s)
+
+
+def test_norm_refusals_name_the_reason():
+    x, w, _ = operands(2, 8, 16, torch.float32, torch.float32, False)
+    g = torch.ones(16, device=DEV)
+    assert "weight of the rows' width" in L._verify_norm(x, None, g[:8], 1e-6, w)
+    assert "residual" in L._verify_norm(x, x[:1], g, 1e-6, w)
+    assert "residual" in L._verify_norm(x, x.double(), g, 1e-6, w)
+    assert "rows" in L._verify_norm(x.repeat(5, 1), None, g, 1e-6, w)
+
+
+@cuda
+@pytest.mark.parametrize("M", [1, 2])
+def test_norm_linear_op_at_the_kda_input_projection(M):
+    x, w, _ = operands(M, 6416, 2048, torch.bfloat16, torch.bfloat16, False)  # dayzero-small's KDA fused_in
+    r = torch.randn(M, 2048, device=DEV).to(torch.bfloat16)
+    gw = torch.rand(2048, device=DEV).to(torch.bfloat16)
+    want_y, want_n, want_s = norm_exact(x, r, gw, 1e-6, w, None)
+    y, n, s = ops.call("rms_norm_linear", x, r, gw, 1e-6, w, None)
+    close(y, want_y, torch.bfloat16)
+    close(n, want_n, torch.bfloat16)
+    assert torch.equal(s, want_s)

@@ -38,7 +38,7 @@ from dayzero.config.spec import CompressedAttnSpec, RopeSpec
 from dayzero.distributed import SINGLE, ParallelState, divide, tp_all_gather
 from dayzero.layers.attention.base import CachedLayer
 from dayzero.layers.norm import RMSNorm
-from dayzero.layers.parallel import Shard, column_linear, row_linear
+from dayzero.layers.parallel import Linear, Shard, column_linear, row_linear
 from dayzero.layers.rotary import RotaryEmbedding
 from dayzero.quant.fp8 import dense_weight
 
@@ -51,8 +51,8 @@ class Compressor(nn.Module):
         width = dim * (2 if overlap else 1)
         self.dim, self.ratio, self.overlap, self.name = dim, ratio, overlap, name
         self.ring = ratio * (2 if overlap else 1)  # raw rows kept per sequence
-        self.kv_proj = nn.Linear(hidden, width, bias=False)
-        self.gate_proj = nn.Linear(hidden, width, bias=False)
+        self.kv_proj = Linear(hidden, width, bias=False)
+        self.gate_proj = Linear(hidden, width, bias=False)
         self.position_bias = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32))
         self.kv_norm = RMSNorm(dim, eps)
         self.rotary = RotaryEmbedding(rope)
@@ -106,10 +106,10 @@ class CompressedAttention(CachedLayer):
             raise ValueError(f"{H} heads of {D} cannot be split into o_groups={spec.o_groups} equal groups")
         self.groups = divide(spec.o_groups, parallel, "o_groups")  # the rank's output groups and their heads
         self.H, self.D, self.eps = H // parallel.tp_size, D, eps
-        self.q_a_proj = nn.Linear(hidden, spec.q_lora_rank, bias=False)
+        self.q_a_proj = Linear(hidden, spec.q_lora_rank, bias=False)
         self.q_a_norm = RMSNorm(spec.q_lora_rank, eps)
         self.q_b_proj = column_linear(spec.q_lora_rank, H * D, False, parallel, what="num_attention_heads")
-        self.kv_proj = nn.Linear(hidden, D, bias=False)
+        self.kv_proj = Linear(hidden, D, bias=False)
         self.kv_norm = RMSNorm(D, eps)
         self.o_a_proj = column_linear(H * D // spec.o_groups, spec.o_groups * spec.o_lora_rank, False, parallel,
                                       what="o_groups")

@@ -36,7 +36,7 @@ from dayzero.distributed import SINGLE, ParallelState, divide, tp_all_reduce
 from dayzero.layers.attention.base import CachedLayer
 from dayzero.layers.fused import fuse, project
 from dayzero.layers.norm import LayerNorm, RMSNorm
-from dayzero.layers.parallel import Shard, column_linear, row_linear
+from dayzero.layers.parallel import Linear, Shard, column_linear, row_linear
 from dayzero.layers.rotary import RotaryEmbedding
 from dayzero.ops.indexer.triton_indexer import chunk_rows
 from dayzero.quant.fp8 import dense_weight
@@ -49,7 +49,7 @@ class Indexer(nn.Module):
         self.H, self.Dh, self.topk = divide(spec.n_heads, parallel, heads), spec.head_dim, spec.topk  # the rank's heads
         self.parallel = parallel
         self.wq_b = column_linear(q_in, spec.n_heads * self.Dh, False, parallel, what=heads)
-        self.wk = nn.Linear(hidden, self.Dh, bias=False)  # the key, shared by every head: whole on every rank
+        self.wk = Linear(hidden, self.Dh, bias=False)  # the key, shared by every head: whole on every rank
         self.k_norm = LayerNorm(self.Dh, spec.norm_eps)
         # weights_proj stays in high precision (ARCHITECTURE.md 2.2)
         if parallel.tp_size == 1:
@@ -99,12 +99,12 @@ class MLAAttention(CachedLayer):
         self.N, self.P = spec.qk_nope_head_dim, spec.qk_rope_head_dim
         self.V, self.R = spec.v_head_dim, spec.kv_lora_rank
         if spec.q_lora_rank:
-            self.q_a_proj = nn.Linear(hidden, spec.q_lora_rank, bias=spec.bias)
+            self.q_a_proj = Linear(hidden, spec.q_lora_rank, bias=spec.bias)
             self.q_a_layernorm = RMSNorm(spec.q_lora_rank, spec.latent_norm_eps or eps)
             self.q_b_proj = column_linear(spec.q_lora_rank, H * (self.N + self.P), False, parallel, what=heads)
         else:
             self.q_proj = column_linear(hidden, H * (self.N + self.P), False, parallel, what=heads)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.R + self.P, bias=spec.bias)
+        self.kv_a_proj_with_mqa = Linear(hidden, self.R + self.P, bias=spec.bias)
         self.kv_a_layernorm = RMSNorm(self.R, spec.latent_norm_eps or eps)
         self.kv_b_proj = column_linear(self.R, H * (self.N + self.V), False, parallel, what=heads)
         self.o_proj = row_linear(H * self.V, hidden, spec.bias, parallel, what=heads)

@@ -34,7 +34,7 @@ from dayzero.distributed import SINGLE, ParallelState, divide
 from dayzero.layers.attention.kda import DeltaRuleLayer
 from dayzero.layers.fused import fuse, project
 from dayzero.layers.norm import RMSNorm
-from dayzero.layers.parallel import Shard, column_linear, cut_by_blocks, row_linear
+from dayzero.layers.parallel import Linear, Shard, column_linear, cut_by_blocks, row_linear
 
 
 def ungroup_qkvz(spec: GDNSpec):
@@ -77,7 +77,7 @@ class GatedDeltaNet(DeltaRuleLayer):
         # [q | k | v | z] widths of all heads: both projections below are built whole (see the module docstring)
         blocks = (spec.num_k_heads * K, spec.num_k_heads * K, spec.num_v_heads * V, spec.num_v_heads * V)
         C = self.conv_dim
-        self.in_proj_qkvz = nn.Linear(hidden, C + self.Hv * V, bias=False)  # the rank's [q | k | v | z]
+        self.in_proj_qkvz = Linear(hidden, C + self.Hv * V, bias=False)  # the rank's [q | k | v | z]
         self.in_proj_ba = column_linear(hidden, 2 * spec.num_v_heads, False, parallel, what=heads, parts=2)  # [b | a]
         self.conv1d = nn.Conv1d(C, C, W, groups=C, bias=False)  # weight [C, 1, W]
         for module, parts in ((self.in_proj_qkvz, blocks), (self.conv1d, blocks[:3])):

@@ -25,7 +25,7 @@ from dayzero.layers.attention.base import CachedLayer
 from dayzero.distributed import SINGLE, ParallelState, divide
 from dayzero.layers.fused import concat_as_views, fuse, local_gemm, project
 from dayzero.layers.norm import RMSNorm
-from dayzero.layers.parallel import Shard, column_linear, row_linear
+from dayzero.layers.parallel import Linear, Shard, column_linear, row_linear
 
 
 class DeltaRuleLayer(CachedLayer):
@@ -64,12 +64,12 @@ class KDAAttention(DeltaRuleLayer):
         self.q_conv1d = nn.Conv1d(P, P, W, groups=P, bias=False)
         self.k_conv1d = nn.Conv1d(P, P, W, groups=P, bias=False)
         self.v_conv1d = nn.Conv1d(P, P, W, groups=P, bias=False)
-        self.f_a_proj = nn.Linear(D, self.K, bias=False)  # the low-rank gate inputs: whole on every rank
+        self.f_a_proj = Linear(D, self.K, bias=False)  # the low-rank gate inputs: whole on every rank
         self.f_b_proj = column_linear(self.K, full, False, parallel, what=heads)
         self.b_proj = column_linear(D, spec.num_heads, False, parallel, what=heads)
         self.A_log = nn.Parameter(torch.zeros(self.H, dtype=torch.float32))
         self.dt_bias = nn.Parameter(torch.zeros(P, dtype=torch.float32))
-        self.g_a_proj = nn.Linear(D, self.K, bias=False)
+        self.g_a_proj = Linear(D, self.K, bias=False)
         self.g_b_proj = column_linear(self.K, full, False, parallel, what=heads)
         self.o_norm = RMSNorm(self.K, eps)  # per-head gated norm over V
         self.o_proj = row_linear(full, D, False, parallel, what=heads)

@@ -30,7 +30,7 @@ from dayzero.config.spec import Mamba2Spec  # noqa: F401  (re-exported for adapt
 from dayzero.distributed import SINGLE, ParallelState
 from dayzero.layers.attention.base import CachedLayer
 from dayzero.layers.norm import RMSNorm
-from dayzero.layers.parallel import Shard, cut_by_blocks, row_linear
+from dayzero.layers.parallel import Linear, Shard, cut_by_blocks, row_linear
 
 
 class Mamba2Mixer(CachedLayer):
@@ -45,7 +45,7 @@ class Mamba2Mixer(CachedLayer):
         self.H, self.G = H // tp, G // tp  # the rank's heads and groups
         self.I, self.conv_dim = self.H * P, self.H * P + 2 * self.G * N
         blocks = (H * P, H * P, G * N, G * N, H)  # [z | x | B | C | dt] widths of all heads and groups
-        self.in_proj = nn.Linear(hidden, self.I + self.conv_dim + self.H, bias=spec.bias)  # the rank's [z | xBC | dt]
+        self.in_proj = Linear(hidden, self.I + self.conv_dim + self.H, bias=spec.bias)  # the rank's [z | xBC | dt]
         # depthwise causal conv weights [conv_dim, 1, W], as checkpoints store them
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, spec.conv_size, groups=self.conv_dim, bias=spec.conv_bias)
         for module, parts in ((self.in_proj, blocks), (self.conv1d, blocks[1:4])):

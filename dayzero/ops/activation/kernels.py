@@ -9,9 +9,8 @@ bf16 engine does.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from dayzero.ops.registry import register
+from dayzero.ops.registry import call, register
 from dayzero.ops.triton_support import HAS_TRITON, next_pow2, rows_view, tl, triton, triton_refusal
 
 SILU, RELU2, SWIGLU_OAI = 0, 1, 2
@@ -114,11 +113,12 @@ def dense_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: s
     if w1.shape[0] != rows * w2.shape[1] or w1.shape[1] != w2.shape[0]:
         raise ValueError(f"activation {activation!r} needs w1 [{rows}*I, D] and w2 [D, I]; "
                          f"got w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)}")
+    # the GEMMs through the linear op: a decode step's few rows may take the skinny kernel
     if kind == SWIGLU_OAI:
-        h = act(F.linear(x, w1), kind, 7.0 if limit is None else limit)
+        h = act(call("linear", x, w1), kind, 7.0 if limit is None else limit)
     else:
-        h = act(F.linear(x, w1), kind, limit)
-    return F.linear(h, w2)
+        h = act(call("linear", x, w1), kind, limit)
+    return call("linear", h, w2)
 
 
 def _gate_refusal(x: torch.Tensor, gate: torch.Tensor) -> str | None:

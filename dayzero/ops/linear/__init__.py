@@ -1,2 +1,3 @@
-"""``linear``: ``y = x · wᵀ + b`` with fp32 accumulation and a chosen output dtype (the fused input projections
-of the mixers and the MoE router's fp32 logits)."""
+"""``linear``: ``y = x · wᵀ + b (+ add)`` with fp32 accumulation and a chosen output dtype (the mixers' projections,
+the MoE router's fp32 logits, the LatentMoE up-projection with the shared expert added); ``rms_norm_linear``: a
+layer's input RMSNorm and its first (fused) projection, one launch on a decode step's few rows."""

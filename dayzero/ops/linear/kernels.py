@@ -37,16 +37,20 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 if HAS_TRITON:
     @triton.jit
-    def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym,
-                       HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # x: [M, K], w: [N, K] (unit column strides); y: [M, N]; grid: cdiv(N, BLOCK_N)
+    def _skinny_kernel(x_ptr, w_ptr, b_ptr, a_ptr, y_ptr, M, N, K, s_xm, s_wn, s_am, s_ym,
+                       r_ptr, g_ptr, xn_ptr, ro_ptr, s_rm, eps,
+                       HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+                       EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # x: [M, K], w: [N, K], add: [M, N] (unit column strides); y: [M, N]; grid: cdiv(N, BLOCK_N).
+        # NORM: x is first RMS-normalised with weight g [K] (after adding the residual r [M, K] when HAS_RES,
+        # rounded to x's dtype); program 0 also writes the normalised rows xn and the sum ro, both [M, K].
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
         n_ok, m_ok = n < N, m < M
         w_rows = w_ptr + n.to(tl.int64)[:, None] * s_wn
         x_rows = x_ptr + m[:, None] * s_xm
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             if EVEN_K:
@@ -56,11 +60,41 @@ if HAS_TRITON:
                 k_ok = k < K
                 w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            if NORM:  # the norm's scale factors out of the product: sum (x * g) * w over K, times rstd after
+                x = _norm_input(x, r_ptr, m, k, s_rm, M, K, HAS_RES).to(tl.float32)
+                ss += tl.sum(x * x, axis=1)
+                x = x * tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
             acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        if NORM:
+            rstd = tl.rsqrt(ss / K + eps)
+            acc *= rstd[:, None]
+            if tl.program_id(0) == 0:  # the normalised rows and the residual sum, for the layer's other readers
+                for k0 in range(0, K, BLOCK_K):
+                    k = k0 + tl.arange(0, BLOCK_K)
+                    ok = m_ok[:, None] & (k < K)[None, :]
+                    x = _norm_input(tl.load(x_rows + k[None, :], mask=ok, other=0.0), r_ptr, m, k, s_rm, M, K,
+                                    HAS_RES)
+                    if HAS_RES:
+                        tl.store(ro_ptr + m[:, None] * K + k[None, :], x, mask=ok)
+                    g = tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+                    xn = x.to(tl.float32) * rstd[:, None] * g[None, :]
+                    tl.store(xn_ptr + m[:, None] * K + k[None, :], xn.to(xn_ptr.dtype.element_ty), mask=ok)
         if HAS_BIAS:
             acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if HAS_ADD:
+            acc += tl.load(a_ptr + m[:, None] * s_am + n[None, :], mask=m_ok[:, None] & n_ok[None, :],
+                           other=0.0).to(tl.float32)
         tl.store(y_ptr + m[:, None] * s_ym + n[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
+
+
+    @triton.jit
+    def _norm_input(x, r_ptr, m, k, s_rm, M, K, HAS_RES: tl.constexpr):
+        """The norm's input rows: x, or x + residual rounded to x's dtype (as the rms_norm op rounds it)."""
+        if HAS_RES:
+            r = tl.load(r_ptr + m[:, None] * s_rm + k[None, :], mask=(m < M)[:, None] & (k < K)[None, :], other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        return x
 
 
 Block = tuple[int, int, int]  # (BLOCK_N, BLOCK_K, warps)
@@ -79,17 +113,19 @@ def candidates(rows: int, n: int, k: int) -> list[Block]:
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  out_dtype: torch.dtype | None = None, block: Block | None = None) -> torch.Tensor:
-    """``x · weightᵀ + bias`` by the Triton kernel (``block``: (BLOCK_N, BLOCK_K, warps), by default the first
-    of :func:`candidates`); x [M <= MAX_ROWS, K] and weight [N, K] with unit column strides."""
+                  out_dtype: torch.dtype | None = None, block: Block | None = None,
+                  add: torch.Tensor | None = None) -> torch.Tensor:
+    """``x · weightᵀ + bias + add`` by the Triton kernel (``block``: (BLOCK_N, BLOCK_K, warps), by default the
+    first of :func:`candidates`); x [M <= MAX_ROWS, K], weight [N, K] and add [M, N] with unit column strides."""
     (M, K), N = x.shape, weight.shape[0]
     y = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
     if M == 0:
         return y
     bn, bk, warps = block or candidates(M, N, K)[0]
     _skinny_kernel[(triton.cdiv(N, bn),)](
-        x, weight, weight if bias is None else bias, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=K % bk == 0, BLOCK_M=next_pow2(M), BLOCK_N=bn, BLOCK_K=bk,
+        x, weight, weight if bias is None else bias, y if add is None else add, y, M, N, K, x.stride(0),
+        weight.stride(0), 0 if add is None else add.stride(0), y.stride(0), x, x, x, x, 0, 0.0,
+        HAS_BIAS=bias is not None, HAS_ADD=add is not None, NORM=False, HAS_RES=False, EVEN_K=K % bk == 0, BLOCK_M=next_pow2(M), BLOCK_N=bn, BLOCK_K=bk,
         num_warps=warps)
     return y
 
@@ -97,14 +133,14 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 _CHOICE: dict[tuple, Block | None] = {}  # key -> the measured block shape, None: cuBLAS
 
 
-def _key(x, weight, bias, out_dtype) -> tuple:
+def _key(x, weight, bias, out_dtype, add) -> tuple:
     return (next_pow2(x.shape[0]), weight.shape[0], x.shape[1], x.dtype, weight.dtype, out_dtype or x.dtype,
-            None if bias is None else bias.dtype, x.device)
+            None if bias is None else bias.dtype, None if add is None else add.dtype, x.device)
 
 
-def measured_choice(x, weight, bias=None, out_dtype=None) -> Block | None:
+def measured_choice(x, weight, bias=None, out_dtype=None, add=None) -> Block | None:
     """The block shape that ran fastest at this call's key (measured at its first call), None for cuBLAS."""
-    key = _key(x, weight, bias, out_dtype)
+    key = _key(x, weight, bias, out_dtype, add)
     if key in _CHOICE:
         return _CHOICE[key]
     if x.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
@@ -114,7 +150,8 @@ def measured_choice(x, weight, bias=None, out_dtype=None) -> Block | None:
     try:
         with torch.cuda.device(x.device):
             xs = torch.randn(key[0], x.shape[1], device=x.device).to(x.dtype)  # the bucket's rows, random
-            times = timings(xs, weight, bias, out_dtype)
+            adds = None if add is None else torch.randn(key[0], weight.shape[0], device=x.device).to(add.dtype)
+            times = timings(xs, weight, bias, out_dtype, adds)
             torch.cuda.empty_cache()  # the weight copies' memory back, not left in the allocator's cache
     finally:
         torch.cuda.set_sync_debug_mode(debug)
@@ -125,15 +162,15 @@ def measured_choice(x, weight, bias=None, out_dtype=None) -> Block | None:
     return choice
 
 
-def timings(x, weight, bias=None, out_dtype=None) -> dict[Block | None, float]:
+def timings(x, weight, bias=None, out_dtype=None, add=None) -> dict[Block | None, float]:
     """Device milliseconds per call at ``x``'s rows: cuBLAS (key None) and each of :func:`candidates`, each
     replayed from a CUDA graph over L2-cold copies of ``weight`` (:func:`cold_copies`, :func:`graph_time`)."""
     from dayzero.ops.linear.reference import linear
 
     ws = cold_copies(weight)
-    times = {None: graph_time([lambda w=w: linear(x, w, bias, out_dtype) for w in ws])}
+    times = {None: graph_time([lambda w=w: linear(x, w, bias, out_dtype, add) for w in ws])}
     for b in candidates(x.shape[0], weight.shape[0], x.shape[1]):
-        times[b] = graph_time([lambda w=w, b=b: skinny_linear(x, w, bias, out_dtype, b) for w in ws])
+        times[b] = graph_time([lambda w=w, b=b: skinny_linear(x, w, bias, out_dtype, b, add) for w in ws])
     return times
 
 
@@ -183,7 +220,7 @@ def graph_time(calls: list, replays: int = 5) -> float:
     return start.elapsed_time(end) / (replays * len(calls))
 
 
-def refusal(x, weight, bias=None, out_dtype=None) -> str | None:
+def refusal(x, weight, bias=None, out_dtype=None, add=None) -> str | None:
     """Why the skinny kernel cannot take this call (shapes, layouts, autograd), or None."""
     why = triton_refusal(x)
     if why is not None:
@@ -192,23 +229,64 @@ def refusal(x, weight, bias=None, out_dtype=None) -> str | None:
         return "the kernel takes x [rows, K] and a weight [N, K]"
     if not 0 < x.shape[0] <= MAX_ROWS:
         return f"{x.shape[0]} rows: the kernel takes 1 to {MAX_ROWS}, cuBLAS's GEMM tiles the rest"
-    if x.stride(1) != 1 or weight.stride(1) != 1 or (bias is not None and bias.stride(0) != 1):
+    if add is not None and add.shape != (x.shape[0], weight.shape[0]):
+        return f"add must be [rows, N], got {tuple(add.shape)}"
+    if any(t is not None and t.stride(-1) != 1 for t in (x, weight, bias, add)):
         return "operands need contiguous rows"
-    if any(t is not None and t.dtype not in DTYPES for t in (x, weight, bias)) or (out_dtype or x.dtype) not in DTYPES:
+    if any(t is not None and t.dtype not in DTYPES for t in (x, weight, bias, add)) or (out_dtype or x.dtype) not in DTYPES:
         return "dtypes other than bf16, fp16 and fp32"
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias, add)):
         return "no backward: autograd calls take cuBLAS"
     return None
 
 
-def _verify(x, weight, bias=None, out_dtype=None) -> str | None:
-    why = refusal(x, weight, bias, out_dtype)
-    if why is None and measured_choice(x, weight, bias, out_dtype) is None:
+def _verify(x, weight, bias=None, out_dtype=None, add=None) -> str | None:
+    why = refusal(x, weight, bias, out_dtype, add)
+    if why is None and measured_choice(x, weight, bias, out_dtype, add) is None:
         return "cuBLAS is as fast or faster at this shape (measured), or its first call was inside a capture"
     return why
 
 
 @register("linear", "cuda", verifier=_verify, note="Triton for 1-8 rows where measured faster than cuBLAS")
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    return skinny_linear(x, weight, bias, out_dtype, _CHOICE[_key(x, weight, bias, out_dtype)])
+           out_dtype: torch.dtype | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
+    return skinny_linear(x, weight, bias, out_dtype, _CHOICE[_key(x, weight, bias, out_dtype, add)], add)
+
+
+def norm_skinny_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                       weight: torch.Tensor, bias: torch.Tensor | None = None,
+                       block: Block | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``rms_norm`` then ``linear`` as one launch of the skinny kernel: (the projection [M, N], the normalised
+    rows [M, K], the residual sum [M, K] (``x`` itself without a residual)). Each program sums the squares of
+    the rows it reads anyway; program 0 writes the normalised rows and the sum."""
+    (M, K), N = x.shape, weight.shape[0]
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    normed = torch.empty(M, K, dtype=x.dtype, device=x.device)
+    res_out = x if residual is None else torch.empty(M, K, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y, normed, res_out
+    bn, bk, warps = block or candidates(M, N, K)[0]
+    _skinny_kernel[(triton.cdiv(N, bn),)](
+        x, weight, weight if bias is None else bias, y, y, M, N, K, x.stride(0), weight.stride(0), 0, y.stride(0),
+        x if residual is None else residual, norm_weight, normed, res_out,
+        0 if residual is None else residual.stride(0), float(eps),
+        HAS_BIAS=bias is not None, HAS_ADD=False, NORM=True, HAS_RES=residual is not None, EVEN_K=K % bk == 0,
+        BLOCK_M=next_pow2(M), BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+    return y, normed, res_out
+
+
+def _verify_norm(x, residual, norm_weight, eps, weight, bias=None) -> str | None:
+    if norm_weight is None or norm_weight.shape != (x.shape[-1],):
+        return "the norm needs a weight of the rows' width"
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1):
+        return "the residual must be contiguous rows of x's shape and dtype"
+    if norm_weight.dtype not in DTYPES or norm_weight.stride(0) != 1:
+        return "the norm weight must be contiguous bf16, fp16 or fp32"
+    return _verify(x, weight, bias)
+
+
+@register("rms_norm_linear", "cuda", verifier=_verify_norm,
+          note="the RMSNorm inside the skinny linear kernel (1-8 rows, where it measured faster than cuBLAS)")
+def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                    weight: torch.Tensor, bias: torch.Tensor | None = None):
+    return norm_skinny_linear(x, residual, norm_weight, eps, weight, bias, _CHOICE[_key(x, weight, bias, None, None)])

@@ -1,18 +1,36 @@
-"""Reference linear: cuBLAS through ``F.linear`` (fp32 accumulation), in fp32 where the operands' dtypes differ."""
+"""Reference linear: cuBLAS through ``F.linear`` / ``addmm`` (fp32 accumulation), in fp32 where the operands'
+dtypes differ."""
 from __future__ import annotations
 
 import torch
 
-from dayzero.ops.registry import register
+from dayzero.ops.registry import call, register
 
 
 @register("linear")
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``x · weightᵀ + bias`` in ``out_dtype`` (default ``x.dtype``). Operands all of the output's dtype go to the
-    GEMM as they are; otherwise they are read in fp32 (the router's fp32 logits of bf16 tokens)."""
-    # x: [..., K]; weight: [N, K]; bias: [N] -> [..., N]
+           out_dtype: torch.dtype | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
+    """``x · weightᵀ + bias + add`` in ``out_dtype`` (default ``x.dtype``). Operands all of the output's dtype go to
+    the GEMM as they are (``add`` in its epilogue when x is 2-D and there is no bias: the shared expert added to the
+    LatentMoE up-projection); otherwise they are read in fp32 (the router's fp32 logits of bf16 tokens)."""
+    # x: [..., K]; weight: [N, K]; bias: [N]; add: [..., N] -> [..., N]
     out = out_dtype or x.dtype
-    if x.dtype == weight.dtype == out and (bias is None or bias.dtype == out):
-        return torch.nn.functional.linear(x, weight, bias)
-    return torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(out)
+    if x.dtype == weight.dtype == out and all(t is None or t.dtype == out for t in (bias, add)):
+        if add is None:
+            return torch.nn.functional.linear(x, weight, bias)
+        if bias is None and x.dim() == 2:
+            return torch.addmm(add, x, weight.t())
+        return torch.nn.functional.linear(x, weight, bias) + add
+    y = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return (y if add is None else y + add.float()).to(out)
+
+
+@register("rms_norm_linear")
+def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                    weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """``rms_norm`` (with the residual added first) then ``linear`` of the normalised rows: returns (the
+    projection, the normalised rows, the residual sum), the sum being ``x`` itself without a residual. Each step is
+    its own op here (and so its own kernels on a device); a decode layer's input norm and first projection."""
+    # x, residual: [..., K]; norm_weight: [K]; weight: [N, K] -> ([..., N], [..., K], [..., K])
+    normed, res = call("rms_norm", x, norm_weight, eps, residual)
+    return call("linear", normed, weight, bias), normed, res
