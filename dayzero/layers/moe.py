@@ -44,6 +44,7 @@ from dayzero.quant.fp8 import TileScaled
 
 class MoE(nn.Module):
     _replicated = ("e_score_correction_bias", "tid2eid")  # indexed by every expert id, whole on every rank
+    takes_projected = True  # forward may be given fused_in(x), computed with the input norm
 
     def __init__(self, hidden: int, spec: MoESpec, eps: float = 1e-6, vocab_size: int = 0,
                  parallel: ParallelState = SINGLE):
@@ -251,11 +252,14 @@ class MoE(nn.Module):
         y = torch.cat(ep_all_gather(y, p))[:T]
         return etp_all_reduce(y, p) if self.expert_tp else y  # 1 < ep < G: the width slices' partial sums
 
-    def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
-        # x: [T, D]; ``batch`` gives hash routing its token ids
+    def forward(self, x: torch.Tensor, batch=None, projected: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [T, D]; ``batch`` gives hash routing its token ids; ``projected``: ``fused_in(x)`` when the caller
+        # computed it (with the input norm, DecoderLayer._mix)
         s = self.spec
         fused = {}  # member name -> its output, when the input projections run as one GEMM
-        if "fused_in" in self._modules:
+        if projected is not None:
+            fused = dict(zip(self.in_proj_members, projected.split(self.fused_in.widths, dim=-1)))
+        elif "fused_in" in self._modules:
             fused = dict(zip(self.in_proj_members, project(self, "fused_in", self.in_proj_members, x)))
         h = x  # [T, L]
         if self.latent:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dayzero import ops
 from dayzero.config.spec import (CompressedAttnSpec, GDNSpec, GQASpec, KDASpec, LayerSpec, Mamba2Spec, MLASpec, MLPSpec,
                                  ModelSpec, MoESpec)
 from dayzero.distributed import SINGLE, ParallelState, pipeline_stages, pp_broadcast_last, pp_recv, pp_send
@@ -69,12 +70,21 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch):
         if self.spec.attn is not None:
-            x, residual = self._norm(self.input_layernorm, x, residual)
-            x = self.self_attn(x, batch)
+            x, residual = self._mix(self.input_layernorm, self.self_attn, x, residual, batch)
         if self.spec.mlp is not None:
-            x, residual = self._norm(self.post_attention_layernorm, x, residual)
-            x = self.mlp(x, batch)
+            x, residual = self._mix(self.post_attention_layernorm, self.mlp, x, residual, batch)
         return x, residual
+
+    def _mix(self, norm: nn.Module, mixer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, batch):
+        """``mixer(norm(x + residual))`` and the new residual. A mixer whose first step is its fused input
+        projection (``takes_projected``) gets it from here, computed with the norm (``rms_norm_linear``: on a
+        decode step's few rows one kernel where the norm and the GEMM were two)."""
+        fused = mixer._modules.get("fused_in") if getattr(mixer, "takes_projected", False) else None
+        if fused is None or type(norm) is not RMSNorm:
+            x, residual = self._norm(norm, x, residual)
+            return mixer(x, batch), residual
+        proj, x, residual = ops.call("rms_norm_linear", x, residual, norm.scale(), norm.eps, fused.weight, fused.bias)
+        return mixer(x, batch, projected=proj), residual
 
     @staticmethod
     def _norm(norm, x, residual):

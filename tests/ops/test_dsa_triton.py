@@ -222,6 +222,7 @@ def test_num_splits_depend_on_shapes_only():
     assert triton_mla.num_splits(1, 16, 128 * 1024) == triton_mla.MAX_SPLITS
     assert triton_mla.num_splits(64, 128, 2048) == 1  # 512 programs fill the device already
     assert triton_mla.num_splits(3, 3, 5) == 1
+    assert triton_mla.num_splits(1, 16, 560) == 18  # few heads: one 32-key tile a split
 
 
 # ---------------------------------------------------------------- prefill rows through the ops

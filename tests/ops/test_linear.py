@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dayzero import ops
-from dayzero.ops.linear import kernels as L
+from dayzero.ops.linear import kernels as L, norm as NL
 from dayzero.ops.linear.reference import linear as reference, rms_norm_linear as reference_norm
 from dayzero.ops import triton_support
 
@@ -192,7 +192,7 @@ def test_norm_in_the_kernel_matches_fp64_and_the_reference(M, N, K, residual, dt
     gw = (1 + 0.1 * torch.randn(K, generator=g, device=DEV)).float()  # an offset norm's fp32 (1 + w)
     want_y, want_n, want_s = norm_exact(x, r, gw, 1e-6, w, b)
     for block in L.candidates(M, N, K) + [(4, 16, 4)]:  # several K steps, a ragged last one
-        y, n, s = L.norm_skinny_linear(x, r, gw, 1e-6, w, b, block)
+        y, n, s = NL.norm_skinny_linear(x, r, gw, 1e-6, w, b, block)
         close(y, want_y, dtype)
         close(n, want_n, dtype)
         assert r is not None or s is x
@@ -206,10 +206,10 @@ def test_norm_in_the_kernel_matches_fp64_and_the_reference(M, N, K, residual, dt
 def test_norm_refusals_name_the_reason():
     x, w, _ = operands(2, 8, 16, torch.float32, torch.float32, False)
     g = torch.ones(16, device=DEV)
-    assert "weight of the rows' width" in L._verify_norm(x, None, g[:8], 1e-6, w)
-    assert "residual" in L._verify_norm(x, x[:1], g, 1e-6, w)
-    assert "residual" in L._verify_norm(x, x.double(), g, 1e-6, w)
-    assert "rows" in L._verify_norm(x.repeat(5, 1), None, g, 1e-6, w)
+    assert "weight of the rows' width" in NL._verify_norm(x, None, g[:8], 1e-6, w)
+    assert "residual" in NL._verify_norm(x, x[:1], g, 1e-6, w)
+    assert "residual" in NL._verify_norm(x, x.double(), g, 1e-6, w)
+    assert "rows" in NL._verify_norm(x.repeat(5, 1), None, g, 1e-6, w)
 
 
 @cuda
@@ -219,6 +219,9 @@ def test_norm_linear_op_at_the_kda_input_projection(M):
     r = torch.randn(M, 2048, device=DEV).to(torch.bfloat16)
     gw = torch.rand(2048, device=DEV).to(torch.bfloat16)
     want_y, want_n, want_s = norm_exact(x, r, gw, 1e-6, w, None)
+    L.measured_choice(x, w)
+    choice = NL.measured_choice(x, r, gw, 1e-6, w)  # fused, or None: the two apart measured faster
+    assert choice is None or choice in L.candidates(L.next_pow2(M), 6416, 2048)
     y, n, s = ops.call("rms_norm_linear", x, r, gw, 1e-6, w, None)
     close(y, want_y, torch.bfloat16)
     close(n, want_n, torch.bfloat16)

@@ -67,7 +67,7 @@ class Indexer(nn.Module):
         q = self.rotary(self.wq_b(c_q).view(T, self.H, self.Dh), cos, sin)  # [T, Hi, Di]
         k = self.wk(x) if k is None else k
         k = self.rotary(self.k_norm(k).view(T, 1, self.Dh), cos, sin)[:, 0]  # [T, Di]
-        w = torch.nn.functional.linear(x.float(), self.weights_proj.weight.float()) * self.weight_scale  # [T, Hi]
+        w = ops.call("linear", x, self.weights_proj.weight, out_dtype=torch.float32) * self.weight_scale  # [T, Hi]
         return q, k, w
 
     def select(self, q: torch.Tensor, w: torch.Tensor, k_cache, batch) -> torch.Tensor:
@@ -90,6 +90,8 @@ class Indexer(nn.Module):
 
 
 class MLAAttention(CachedLayer):
+    takes_projected = True  # forward may be given fused_in(x), computed with the input norm
+
     def __init__(self, hidden: int, spec: MLASpec, eps: float = 1e-6, parallel: ParallelState = SINGLE):
         super().__init__()
         self.spec = spec
@@ -148,9 +150,13 @@ class MLAAttention(CachedLayer):
             rows["index_k"] = ((self.indexer.Dh,), dtype)
         return PagedSpec(rows)
 
-    def forward(self, x: torch.Tensor, batch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch, projected: torch.Tensor | None = None) -> torch.Tensor:
+        """``projected``: ``fused_in(x)`` when the caller computed it (with the input norm, DecoderLayer._mix)."""
         T = x.shape[0]
-        proj = dict(zip(self.in_proj_members, project(self, "fused_in", self.in_proj_members, x)))
+        if projected is None:
+            proj = dict(zip(self.in_proj_members, project(self, "fused_in", self.in_proj_members, x)))
+        else:
+            proj = dict(zip(self.in_proj_members, projected.split(self.fused_in.widths, dim=-1)))
         if self.spec.q_lora_rank:
             c_q = self.q_a_layernorm(proj["q_a_proj"])
             q = self.q_b_proj(c_q)

@@ -47,6 +47,7 @@ class DeltaRuleLayer(CachedLayer):
 class KDAAttention(DeltaRuleLayer):
     # the projections of the layer's input, one GEMM once fused (dayzero.layers.fused)
     in_proj_members = ["q_proj", "k_proj", "v_proj", "f_a_proj", "g_a_proj", "b_proj"]
+    takes_projected = True  # forward may be given fused_in(x), computed with the input norm
 
     def __init__(self, hidden: int, spec: KDASpec, eps: float = 1e-6, parallel: ParallelState = SINGLE):
         super().__init__()
@@ -108,12 +109,14 @@ class KDAAttention(DeltaRuleLayer):
         fg = torch.bmm(both.view(-1, 2, self.K).transpose(0, 1), w.transpose(1, 2))  # [2, T, P]
         return fg[0], fg[1]
 
-    def forward(self, x: torch.Tensor, batch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch, projected: torch.Tensor | None = None) -> torch.Tensor:
+        """``projected``: ``fused_in(x)`` when the caller computed it (with the input norm, DecoderLayer._mix)."""
         T, H, K, P = x.shape[0], self.H, self.K, self.P
         fused = self._modules.get("fused_in")
         both = None
         if fused is not None:  # [q | k | v | f_a | g_a | b] columns of one GEMM: q, k, v side by side already
-            qkv, both, b = fused(x, split=False).split([3 * P, 2 * K, H], dim=-1)
+            proj = fused(x, split=False) if projected is None else projected
+            qkv, both, b = proj.split([3 * P, 2 * K, H], dim=-1)
             f_a, g_a = both.split([K, K], dim=-1)
         else:
             q, k, v, f_a, g_a, b = project(self, "fused_in", self.in_proj_members, x)

@@ -38,7 +38,7 @@ from dayzero.ops.triton_support import DOT_F32, HAS_TRITON, next_pow2, paged_poo
 BLOCK_H, BLOCK_N, NUM_WARPS = 16, 32, 8
 MERGE_BLOCK_R = 128  # latent columns per merge program
 TARGET_PROGRAMS = 264  # about two waves of an H200's 132 SMs
-MIN_SPLIT_KEYS = 128  # fewer keys per split would spend more on partials than on the keys
+MIN_SPLIT_KEYS = 128  # past this many heads' worth, fewer keys per split spend more on partials than on the keys
 MAX_SPLITS = 64
 MAX_RANK = 1024  # R + P up to this
 LOG2E = 1.4426950408889634
@@ -166,11 +166,15 @@ def rows_refusal(like: torch.Tensor, q_abs_shape, latent_pool, selection: torch.
 
 
 def num_splits(rows: int, heads: int, num_keys: int) -> int:
-    """Splits of each row's key list: enough programs to fill the device, each with MIN_SPLIT_KEYS keys or more.
-    Shapes only (a captured graph fixes them), never a device value."""
+    """Splits of each row's key list: enough programs to fill the device, each with at least ``2 * heads`` keys
+    (a split's fp32 partial of [heads, R] then weighs no more than its bf16 [keys, R + P] latent rows) and
+    BLOCK_N, capped at MIN_SPLIT_KEYS. At a few rows and heads a split is then one tile of keys: a decode step of
+    dayzero-small (16 heads, 512 tokens) walked 5 splits of 4 tiles each on 5 SMs, 17 us a layer. Shapes only
+    (a captured graph fixes them), never a device value."""
     programs = max(1, rows) * math.ceil(heads / BLOCK_H)
     want = math.ceil(TARGET_PROGRAMS / programs)
-    return max(1, min(want, math.ceil(num_keys / MIN_SPLIT_KEYS), MAX_SPLITS))
+    least = min(MIN_SPLIT_KEYS, max(BLOCK_N, 2 * heads))
+    return max(1, min(want, math.ceil(num_keys / least), MAX_SPLITS))
 
 
 def mla_decode(q_abs: torch.Tensor, latent_pool: torch.Tensor, block_tables: torch.Tensor, positions: torch.Tensor,

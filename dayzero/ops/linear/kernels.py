@@ -18,6 +18,7 @@ then read the weight once for every row; ``benchmarks/decode_linear.py``).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -145,21 +146,29 @@ def measured_choice(x, weight, bias=None, out_dtype=None, add=None) -> Block | N
         return _CHOICE[key]
     if x.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return None  # not recorded: a later eager call measures
-    debug = torch.cuda.get_sync_debug_mode()  # the engine's warm-up passes forbid host waits; these are its own
-    torch.cuda.set_sync_debug_mode(0)
-    try:
-        with torch.cuda.device(x.device):
-            xs = torch.randn(key[0], x.shape[1], device=x.device).to(x.dtype)  # the bucket's rows, random
-            adds = None if add is None else torch.randn(key[0], weight.shape[0], device=x.device).to(add.dtype)
-            times = timings(xs, weight, bias, out_dtype, adds)
-            torch.cuda.empty_cache()  # the weight copies' memory back, not left in the allocator's cache
-    finally:
-        torch.cuda.set_sync_debug_mode(debug)
+    with measuring(x.device):
+        xs = torch.randn(key[0], x.shape[1], device=x.device).to(x.dtype)  # the bucket's rows, random
+        adds = None if add is None else torch.randn(key[0], weight.shape[0], device=x.device).to(add.dtype)
+        times = timings(xs, weight, bias, out_dtype, adds)
     best, choice = fastest_triton(times), fastest(times)
     _CHOICE[key] = choice
     log.info("linear %d x [%d, %d] %s: cuBLAS %.1f us, Triton %s %.1f us -> %s", key[0], key[1], key[2],
              str(x.dtype).removeprefix("torch."), 1e3 * times[None], best, 1e3 * times[best], choice or "cuBLAS")
     return choice
+
+
+@contextlib.contextmanager
+def measuring(device: torch.device):
+    """A first call's timing on ``device``: host waits allowed (the engine's warm-up passes forbid them; these
+    are the timing's own), and the weight copies' memory given back to the device after, not left cached."""
+    debug = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(0)
+    try:
+        with torch.cuda.device(device):
+            yield
+            torch.cuda.empty_cache()
+    finally:
+        torch.cuda.set_sync_debug_mode(debug)
 
 
 def timings(x, weight, bias=None, out_dtype=None, add=None) -> dict[Block | None, float]:
@@ -252,41 +261,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            out_dtype: torch.dtype | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
     return skinny_linear(x, weight, bias, out_dtype, _CHOICE[_key(x, weight, bias, out_dtype, add)], add)
 
-
-def norm_skinny_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                       weight: torch.Tensor, bias: torch.Tensor | None = None,
-                       block: Block | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``rms_norm`` then ``linear`` as one launch of the skinny kernel: (the projection [M, N], the normalised
-    rows [M, K], the residual sum [M, K] (``x`` itself without a residual)). Each program sums the squares of
-    the rows it reads anyway; program 0 writes the normalised rows and the sum."""
-    (M, K), N = x.shape, weight.shape[0]
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    normed = torch.empty(M, K, dtype=x.dtype, device=x.device)
-    res_out = x if residual is None else torch.empty(M, K, dtype=x.dtype, device=x.device)
-    if M == 0:
-        return y, normed, res_out
-    bn, bk, warps = block or candidates(M, N, K)[0]
-    _skinny_kernel[(triton.cdiv(N, bn),)](
-        x, weight, weight if bias is None else bias, y, y, M, N, K, x.stride(0), weight.stride(0), 0, y.stride(0),
-        x if residual is None else residual, norm_weight, normed, res_out,
-        0 if residual is None else residual.stride(0), float(eps),
-        HAS_BIAS=bias is not None, HAS_ADD=False, NORM=True, HAS_RES=residual is not None, EVEN_K=K % bk == 0,
-        BLOCK_M=next_pow2(M), BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
-    return y, normed, res_out
-
-
-def _verify_norm(x, residual, norm_weight, eps, weight, bias=None) -> str | None:
-    if norm_weight is None or norm_weight.shape != (x.shape[-1],):
-        return "the norm needs a weight of the rows' width"
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1):
-        return "the residual must be contiguous rows of x's shape and dtype"
-    if norm_weight.dtype not in DTYPES or norm_weight.stride(0) != 1:
-        return "the norm weight must be contiguous bf16, fp16 or fp32"
-    return _verify(x, weight, bias)
-
-
-@register("rms_norm_linear", "cuda", verifier=_verify_norm,
-          note="the RMSNorm inside the skinny linear kernel (1-8 rows, where it measured faster than cuBLAS)")
-def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                    weight: torch.Tensor, bias: torch.Tensor | None = None):
-    return norm_skinny_linear(x, residual, norm_weight, eps, weight, bias, _CHOICE[_key(x, weight, bias, None, None)])
