@@ -12,21 +12,30 @@ from dayzero.ops.linear import kernels as linear_kernels, norm as linear_norm
 from tests.engine.families import prompts
 
 
-def test_device_implementations_give_the_reference_tokens(model_dir, monkeypatch):
-    kw = dict(device="cpu", dtype="float32", load_format="dummy", block_size=4, num_cache_blocks=256, max_num_seqs=8,
-              max_model_len=128)
-    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    ref_llm = LLM(model_dir, **kw)
-    ps = prompts(5, ref_llm.engine.model_config.vocab_size, 2)
+KW = dict(device="cpu", dtype="float32", load_format="dummy", block_size=4, num_cache_blocks=256, max_num_seqs=8,
+          max_model_len=128)
+
+
+def reference_and_device_tokens(model_dir, monkeypatch, n: int, max_tokens: int):
+    """Greedy tokens of ``n`` prompts from the reference engine and from one choosing the device implementations,
+    and the (op, implementation) pairs the device run called."""
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    ref_llm = LLM(model_dir, **KW)
+    ps = prompts(n, ref_llm.engine.model_config.vocab_size, 2)
     want = [o.outputs[0].token_ids for o in ref_llm.generate(ps, sp)]
     chosen = set()
     hook = lambda op, c, reason, fn, args, kwargs: chosen.add((op, c)) or fn(*args, **kwargs)  # noqa: E731
     monkeypatch.setattr(registry, "platform_of", lambda device: "cuda")
     prev = registry.set_hook(hook)
     try:
-        got = [o.outputs[0].token_ids for o in LLM(model_dir, **kw).generate(ps, sp)]
+        got = [o.outputs[0].token_ids for o in LLM(model_dir, **KW).generate(ps, sp)]
     finally:
         registry.set_hook(prev)
+    return want, got, chosen
+
+
+def test_device_implementations_give_the_reference_tokens(model_dir, monkeypatch):
+    want, got, chosen = reference_and_device_tokens(model_dir, monkeypatch, 5, 24)
     assert any(c == "cuda" for _, c in chosen), chosen  # the device decode paths did run
     assert got == want
 
@@ -46,13 +55,6 @@ def test_skinny_linears_and_the_norm_inside_them_give_the_reference_tokens(model
     """With the skinny kernel chosen for every linear of a few rows (as a GPU's timing may choose it), decode runs
     each layer's input norm inside its fused projection (rms_norm_linear) and the plain linears through the
     kernel: the same greedy tokens as the reference engine, in fp32."""
-    kw = dict(device="cpu", dtype="float32", load_format="dummy", block_size=4, num_cache_blocks=256, max_num_seqs=8,
-              max_model_len=128)
-    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    ref_llm = LLM(model_dir, **kw)
-    ps = prompts(3, ref_llm.engine.model_config.vocab_size, 2)
-    want = [o.outputs[0].token_ids for o in ref_llm.generate(ps, sp)]
-
     def first_block(x, weight, bias=None, out_dtype=None, add=None):
         key = linear_kernels._key(x, weight, bias, out_dtype, add)
         linear_kernels._CHOICE[key] = linear_kernels.candidates(key[0], weight.shape[0], x.shape[1])[0]
@@ -63,20 +65,12 @@ def test_skinny_linears_and_the_norm_inside_them_give_the_reference_tokens(model
         linear_norm._CHOICE[key] = linear_kernels.candidates(key[0], weight.shape[0], x.shape[1])[0]
         return linear_norm._CHOICE[key]
 
-    chosen = set()
-    hook = lambda op, c, reason, fn, args, kwargs: chosen.add((op, c)) or fn(*args, **kwargs)  # noqa: E731
-    monkeypatch.setattr(registry, "platform_of", lambda device: "cuda")
     monkeypatch.setattr(linear_kernels, "measured_choice", first_block)
     monkeypatch.setattr(linear_kernels, "_CHOICE", {})
     monkeypatch.setattr(linear_norm, "measured_choice", norm_first_block)
     monkeypatch.setattr(linear_norm, "_CHOICE", {})
-    prev = registry.set_hook(hook)
-    try:
-        got = [o.outputs[0].token_ids for o in LLM(model_dir, **kw).generate(ps, sp)]
-    finally:
-        registry.set_hook(prev)
+    want, got, chosen = reference_and_device_tokens(model_dir, monkeypatch, 3, 8)
     assert ("linear", "cuda") in chosen
-    fused_in = ref_llm.engine.model.model.layers[0].self_attn._modules.get("fused_in")
-    if fused_in is not None and getattr(ref_llm.engine.model.model.layers[0].self_attn, "takes_projected", False):
-        assert ("rms_norm_linear", "cuda") in chosen, chosen
+    if any(op == "rms_norm_linear" for op, _ in chosen):  # a family whose mixers take the fused projection
+        assert ("rms_norm_linear", "cuda") in chosen, chosen  # decode rows' norms ran inside the kernel
     assert got == want
