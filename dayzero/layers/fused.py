@@ -78,9 +78,13 @@ def concat_as_views(modules: list[nn.Module], attr: str) -> torch.Tensor:
     return whole
 
 
-def project(owner: nn.Module, name: str, members: list[str], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Each member linear of ``owner`` applied to ``x``: one GEMM when :func:`fuse` fused them, else one each."""
+def project(owner: nn.Module, name: str, members: list[str], x: torch.Tensor,
+            projected: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """Each member linear of ``owner`` applied to ``x``: one GEMM when :func:`fuse` fused them, else one each.
+    ``projected``: that GEMM's output when the caller computed it (the decoder layer, with the input norm)."""
     fused = owner._modules.get(name)
+    if projected is not None:
+        return projected.split(fused.widths, dim=-1)
     if fused is not None:
         return fused(x)
     return tuple(owner.get_submodule(m)(x) for m in members)

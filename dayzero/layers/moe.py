@@ -257,10 +257,8 @@ class MoE(nn.Module):
         # computed it (with the input norm, DecoderLayer._mix)
         s = self.spec
         fused = {}  # member name -> its output, when the input projections run as one GEMM
-        if projected is not None:
-            fused = dict(zip(self.in_proj_members, projected.split(self.fused_in.widths, dim=-1)))
-        elif "fused_in" in self._modules:
-            fused = dict(zip(self.in_proj_members, project(self, "fused_in", self.in_proj_members, x)))
+        if "fused_in" in self._modules:
+            fused = dict(zip(self.in_proj_members, project(self, "fused_in", self.in_proj_members, x, projected)))
         h = x  # [T, L]
         if self.latent:
             h = fused["fc1_latent_proj"] if fused else self.fc1_latent_proj(x)

@@ -153,10 +153,7 @@ class MLAAttention(CachedLayer):
     def forward(self, x: torch.Tensor, batch, projected: torch.Tensor | None = None) -> torch.Tensor:
         """``projected``: ``fused_in(x)`` when the caller computed it (with the input norm, DecoderLayer._mix)."""
         T = x.shape[0]
-        if projected is None:
-            proj = dict(zip(self.in_proj_members, project(self, "fused_in", self.in_proj_members, x)))
-        else:
-            proj = dict(zip(self.in_proj_members, projected.split(self.fused_in.widths, dim=-1)))
+        proj = dict(zip(self.in_proj_members, project(self, "fused_in", self.in_proj_members, x, projected)))
         if self.spec.q_lora_rank:
             c_q = self.q_a_layernorm(proj["q_a_proj"])
             q = self.q_b_proj(c_q)

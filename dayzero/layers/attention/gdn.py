@@ -62,6 +62,7 @@ def ungroup_ba(spec: GDNSpec):
 
 class GatedDeltaNet(DeltaRuleLayer):
     in_proj_members = ["in_proj_qkvz", "in_proj_ba"]  # one GEMM once fused (dayzero.layers.fused)
+    takes_projected = True  # forward may be given fused_in(x), computed with the input norm
 
     def __init__(self, hidden: int, spec: GDNSpec, eps: float = 1e-6, parallel: ParallelState = SINGLE):
         super().__init__()
@@ -100,9 +101,10 @@ class GatedDeltaNet(DeltaRuleLayer):
     def process_weights_after_loading(self) -> None:
         fuse(self, "fused_in", self.in_proj_members)
 
-    def forward(self, x: torch.Tensor, batch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch, projected: torch.Tensor | None = None) -> torch.Tensor:
+        """``projected``: ``fused_in(x)`` when the caller computed it (with the input norm, DecoderLayer._mix)."""
         T, Hk, Hv, K, V = x.shape[0], self.Hk, self.Hv, self.K, self.V
-        qkvz, ba = project(self, "fused_in", self.in_proj_members, x)
+        qkvz, ba = project(self, "fused_in", self.in_proj_members, x, projected)
         qkv, z = qkvz.split([self.conv_dim, Hv * V], dim=-1)
         q, k, v = self.conv("conv", qkv, self.conv1d.weight, batch).split([Hk * K, Hk * K, Hv * V], dim=-1)
         r = Hv // Hk

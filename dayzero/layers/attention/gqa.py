@@ -26,6 +26,7 @@ from dayzero.layers.rotary import RotaryEmbedding
 
 class GQAAttention(CachedLayer):
     in_proj_members = ["q_proj", "k_proj", "v_proj"]  # one GEMM once fused (dayzero.layers.fused)
+    takes_projected = True  # forward may be given fused_in(x), computed with the input norm
 
     def __init__(self, hidden: int, spec: GQASpec, eps: float = 1e-6, norm_offset: bool = False,
                  parallel: ParallelState = SINGLE):
@@ -64,9 +65,10 @@ class GQAAttention(CachedLayer):
     def process_weights_after_loading(self) -> None:
         fuse(self, "fused_in", self.in_proj_members)
 
-    def forward(self, x: torch.Tensor, batch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch, projected: torch.Tensor | None = None) -> torch.Tensor:
+        """``projected``: ``fused_in(x)`` when the caller computed it (with the input norm, DecoderLayer._mix)."""
         T, H, Dh = x.shape[0], self.H, self.Dh
-        q, k, v = project(self, "fused_in", self.in_proj_members, x)
+        q, k, v = project(self, "fused_in", self.in_proj_members, x, projected)
         gate = None
         if self.spec.output_gate == "q_interleaved":
             q, gate = q.view(T, H, 2 * Dh).chunk(2, dim=-1)  # per head: [q | gate]
