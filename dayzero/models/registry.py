@@ -89,7 +89,7 @@ def build_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device | str 
     with torch.device(device), default_dtype(dtype):
         model = CausalLM(spec, parallel).eval()
         if spec.linear_format == "fp8_block":
-            from dayzero.quant.fp8 import convert_linears_to_fp8
+            from dayzero.layers.fp8_linear import convert_linears_to_fp8
 
             convert_linears_to_fp8(model, spec.linear_exclude)
         return model

@@ -21,7 +21,8 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from dayzero.loader.safetensors_loader import checkpoint_files
-from dayzero.quant.fp8 import KEEP_HIGH, _in, quantize_fp8_blocks
+from dayzero.layers.fp8_linear import KEEP_HIGH, _in
+from dayzero.quant.fp8 import quantize_fp8_blocks
 from dayzero.quant.mxfp4 import BLOCK, quantize_mxfp4
 from dayzero.tools.safetensors_out import write_safetensors
 

@@ -29,7 +29,7 @@ from dayzero.layers.parallel import (ColumnParallelLinear, Linear, RowParallelLi
 from dayzero.loader.rules import Rule, identity_rules, rows
 from dayzero.loader.safetensors_loader import load_weights
 from dayzero.models.registry import build_model, load_config
-from dayzero.quant.fp8 import BlockFp8Linear
+from dayzero.layers.fp8_linear import BlockFp8Linear
 from tests.engine.test_incremental import run_chunks
 from tests.hf.harness import make_hf_checkpoint, prompt_batch
 from tests.hf import test_linear_families as linear

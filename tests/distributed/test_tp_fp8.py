@@ -9,7 +9,8 @@ import torch
 
 from dayzero.distributed import ParallelState
 from dayzero.models.registry import build_model, load_config
-from dayzero.quant.fp8 import FP8, BlockFp8Linear
+from dayzero.layers.fp8_linear import BlockFp8Linear
+from dayzero.quant.fp8 import FP8
 from dayzero.tools.quantize import quantize_checkpoint
 from tests.distributed.test_tensor_parallel import compare_paths
 from tests.hf.harness import make_hf_checkpoint

@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dayzero import LLM
-from dayzero.quant.fp8 import FP8, BlockFp8Linear, dequantize_fp8_blocks
+from dayzero.layers.fp8_linear import BlockFp8Linear
+from dayzero.quant.fp8 import FP8, dequantize_fp8_blocks
 from dayzero.tools.quantize import quantize_checkpoint
 from dayzero.layers.parallel import Linear
 from tests.hf.harness import block_kernels, check_parity, make_hf_checkpoint, prompt_batch

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dayzero import LLM
-from dayzero.quant.fp8 import BlockFp8Linear
+from dayzero.layers.fp8_linear import BlockFp8Linear
 from dayzero.layers.parallel import Linear
 from tests.hf.harness import block_kernels, check_parity, make_hf_checkpoint, prompt_batch
 from tests.hf.test_deepseek_v4 import CONFIG, _init

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from dayzero.layers.fused import FusedLinear, fuse, project
-from dayzero.quant.fp8 import BlockFp8Linear
+from dayzero.layers.fp8_linear import BlockFp8Linear
 
 
 class Owner(nn.Module):

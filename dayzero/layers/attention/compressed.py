@@ -40,7 +40,7 @@ from dayzero.layers.attention.base import CachedLayer
 from dayzero.layers.norm import RMSNorm
 from dayzero.layers.parallel import Linear, Shard, column_linear, row_linear
 from dayzero.layers.rotary import RotaryEmbedding
-from dayzero.quant.fp8 import dense_weight
+from dayzero.layers.fp8_linear import dense_weight
 
 
 class Compressor(nn.Module):

@@ -39,7 +39,7 @@ from dayzero.layers.norm import LayerNorm, RMSNorm
 from dayzero.layers.parallel import Linear, Shard, column_linear, row_linear
 from dayzero.layers.rotary import RotaryEmbedding
 from dayzero.ops.indexer.triton_indexer import chunk_rows
-from dayzero.quant.fp8 import dense_weight
+from dayzero.layers.fp8_linear import dense_weight
 
 
 class Indexer(nn.Module):
