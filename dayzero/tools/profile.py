@@ -31,8 +31,10 @@ from dayzero.ops import registry
 from dayzero.tools import fmt
 from dayzero.tools.progress import bar, note
 
+PROJECTIONS, OTHER = "projections", "other"
 # op name fragment -> the part of a layer it belongs to (first match wins; unknown ops keep their name)
 PARTS = (
+    ("linear", PROJECTIONS),  # the linear op outside a projection module; rms_norm_linear: a norm inside one
     ("indexer", "indexer score + top-k"),
     ("kda_gate", "gates"), ("kda_", "state update"), ("ssd_pooled", "state update"), ("ssd_chunk", "state update"),
     ("ssd_recurrent", "state update"), ("conv", "short conv"), ("gate", "gates"), ("ssd_dt", "gates"),
@@ -43,7 +45,6 @@ PARTS = (
     ("norm", "norms"), ("rotary", "rotary"), ("mlp", "dense MLP / shared experts"), ("silu", "activation"),
     ("relu", "activation"), ("swiglu", "activation"),
 )
-PROJECTIONS, OTHER = "projections", "other"
 MOE_PARTS = ("MoE routing", "MoE expert compute", "MoE weight conversion", "MoE dispatch")
 
 
@@ -222,9 +223,11 @@ class Profiler:
             handles += [layer.register_forward_pre_hook(pre(i)), layer.register_forward_hook(post(i))]
         if ops:
             def lin_pre(m, args):
+                self._depth += 1  # the linear op a projection module calls is part of the projection
                 self._lin0 = self.clock.mark()
 
             def lin_post(m, args, out):
+                self._depth -= 1
                 if self._depth == 0:
                     self.records.append((self._layer, PROJECTIONS, self._lin0, self.clock.mark()))
 

@@ -64,6 +64,8 @@ def test_profile_layers_account_for_the_step(tiny_ckpt, tmp_path, one_thread, ca
     assert kinds["dsa+moe"]["parts"]["attention"]["decode_s"] > 0
     assert set(MOE_PARTS) <= set(kinds["gqa+moe"]["parts"])
     assert kinds["gqa+moe"]["parts"]["MoE expert compute"]["decode_s"] > 0
+    # a projection is counted once, under projections, whether a module or the linear ops ran it
+    assert all("projections" in k["parts"] and not any("linear" in p for p in k["parts"]) for k in kinds.values())
     assert all(l["weights_bytes"] > 0 and l["cache_bytes"] > 0 for l in r["layers"])
     # every token the steps ran went through every MoE layer: top-k pairs each
     moe = {i for i, l in enumerate(r["layers"]) if l["kind"].endswith("+moe")}
