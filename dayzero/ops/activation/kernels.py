@@ -113,12 +113,10 @@ def dense_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: s
     if w1.shape[0] != rows * w2.shape[1] or w1.shape[1] != w2.shape[0]:
         raise ValueError(f"activation {activation!r} needs w1 [{rows}*I, D] and w2 [D, I]; "
                          f"got w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)}")
+    if kind == SWIGLU_OAI and limit is None:
+        limit = 7.0
     # the GEMMs through the linear op: a decode step's few rows may take the skinny kernel
-    if kind == SWIGLU_OAI:
-        h = act(call("linear", x, w1), kind, 7.0 if limit is None else limit)
-    else:
-        h = act(call("linear", x, w1), kind, limit)
-    return call("linear", h, w2)
+    return call("linear", act(call("linear", x, w1), kind, limit), w2)
 
 
 def _gate_refusal(x: torch.Tensor, gate: torch.Tensor) -> str | None:

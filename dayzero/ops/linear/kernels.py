@@ -18,7 +18,6 @@ then read the weight once for every row; ``benchmarks/decode_linear.py``).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import torch
@@ -126,7 +125,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     _skinny_kernel[(triton.cdiv(N, bn),)](
         x, weight, weight if bias is None else bias, y if add is None else add, y, M, N, K, x.stride(0),
         weight.stride(0), 0 if add is None else add.stride(0), y.stride(0), x, x, x, x, 0, 0.0,
-        HAS_BIAS=bias is not None, HAS_ADD=add is not None, NORM=False, HAS_RES=False, EVEN_K=K % bk == 0, BLOCK_M=next_pow2(M), BLOCK_N=bn, BLOCK_K=bk,
+        HAS_BIAS=bias is not None, HAS_ADD=add is not None, NORM=False, HAS_RES=False, EVEN_K=K % bk == 0,
+        BLOCK_M=next_pow2(M), BLOCK_N=bn, BLOCK_K=bk,
         num_warps=warps)
     return y
 
@@ -142,33 +142,37 @@ def _key(x, weight, bias, out_dtype, add) -> tuple:
 def measured_choice(x, weight, bias=None, out_dtype=None, add=None) -> Block | None:
     """The block shape that ran fastest at this call's key (measured at its first call), None for cuBLAS."""
     key = _key(x, weight, bias, out_dtype, add)
-    if key in _CHOICE:
-        return _CHOICE[key]
-    if x.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return None  # not recorded: a later eager call measures
-    with measuring(x.device):
+
+    def measure() -> Block | None:
         xs = torch.randn(key[0], x.shape[1], device=x.device).to(x.dtype)  # the bucket's rows, random
         adds = None if add is None else torch.randn(key[0], weight.shape[0], device=x.device).to(add.dtype)
         times = timings(xs, weight, bias, out_dtype, adds)
-    best, choice = fastest_triton(times), fastest(times)
-    _CHOICE[key] = choice
-    log.info("linear %d x [%d, %d] %s: cuBLAS %.1f us, Triton %s %.1f us -> %s", key[0], key[1], key[2],
-             str(x.dtype).removeprefix("torch."), 1e3 * times[None], best, 1e3 * times[best], choice or "cuBLAS")
-    return choice
+        best, choice = fastest_triton(times), fastest(times)
+        log.info("linear %d x [%d, %d] %s: cuBLAS %.1f us, Triton %s %.1f us -> %s", key[0], key[1], key[2],
+                 str(x.dtype).removeprefix("torch."), 1e3 * times[None], best, 1e3 * times[best], choice or "cuBLAS")
+        return choice
+
+    return measure_once(_CHOICE, key, x.device, measure)
 
 
-@contextlib.contextmanager
-def measuring(device: torch.device):
-    """A first call's timing on ``device``: host waits allowed (the engine's warm-up passes forbid them; these
-    are the timing's own), and the weight copies' memory given back to the device after, not left cached."""
+def measure_once(choices: dict, key: tuple, device: torch.device, measure) -> Block | None:
+    """``choices[key]``, from ``measure()`` at the key's first call that is eager on a CUDA device; a call inside a
+    capture, or on the CPU, gets None and records nothing (a later eager call measures). While ``measure`` runs,
+    host waits are allowed (the engine's warm-up passes forbid them; these are the timing's own), and the weight
+    copies' memory goes back to the device after, not left in the allocator's cache."""
+    if key in choices:
+        return choices[key]
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return None
     debug = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode(0)
     try:
         with torch.cuda.device(device):
-            yield
+            choices[key] = measure()
             torch.cuda.empty_cache()
     finally:
         torch.cuda.set_sync_debug_mode(debug)
+    return choices[key]
 
 
 def timings(x, weight, bias=None, out_dtype=None, add=None) -> dict[Block | None, float]:
@@ -242,7 +246,8 @@ def refusal(x, weight, bias=None, out_dtype=None, add=None) -> str | None:
         return f"add must be [rows, N], got {tuple(add.shape)}"
     if any(t is not None and t.stride(-1) != 1 for t in (x, weight, bias, add)):
         return "operands need contiguous rows"
-    if any(t is not None and t.dtype not in DTYPES for t in (x, weight, bias, add)) or (out_dtype or x.dtype) not in DTYPES:
+    if (any(t is not None and t.dtype not in DTYPES for t in (x, weight, bias, add))
+            or (out_dtype or x.dtype) not in DTYPES):
         return "dtypes other than bf16, fp16 and fp32"
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias, add)):
         return "no backward: autograd calls take cuBLAS"

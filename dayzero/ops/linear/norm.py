@@ -71,13 +71,10 @@ def measured_choice(x, residual, norm_weight, eps, weight, bias=None) -> K.Block
     """The block shape of the fused launch when it ran faster than the norm apart (measured at the key's first
     call, after the linear's own choice), else None."""
     key = _key(x, residual, norm_weight, weight, bias)
-    if key in _CHOICE:
-        return _CHOICE[key]
-    if x.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return None  # not recorded: a later eager call measures
-    from dayzero.ops.norm.kernels import rms_norm
 
-    with K.measuring(x.device):
+    def measure() -> K.Block | None:
+        from dayzero.ops.norm.kernels import rms_norm
+
         xs = torch.randn(key[0], x.shape[1], device=x.device).to(x.dtype)  # the bucket's rows, random
         rs = None if residual is None else torch.randn_like(xs)
         apart_block = K._CHOICE[K._key(xs, weight, bias, None, None)]  # the linear's own, measured before
@@ -91,13 +88,13 @@ def measured_choice(x, residual, norm_weight, eps, weight, bias=None) -> K.Block
         for b in K.candidates(xs.shape[0], weight.shape[0], xs.shape[1]):
             times[b] = K.graph_time([lambda w=w, b=b: norm_skinny_linear(xs, rs, norm_weight, eps, w, bias, b)
                                      for w in ws])
-        del ws
-    best = K.fastest_triton(times)
-    choice = best if times[best] < times[None] else None
-    _CHOICE[key] = choice
-    log.info("rms_norm_linear %d x [%d, %d]: apart %.1f us, fused %s %.1f us -> %s", key[0], key[1], key[2],
-             1e3 * times[None], best, 1e3 * times[best], choice or "apart")
-    return choice
+        best = K.fastest_triton(times)
+        choice = best if times[best] < times[None] else None
+        log.info("rms_norm_linear %d x [%d, %d]: apart %.1f us, fused %s %.1f us -> %s", key[0], key[1], key[2],
+                 1e3 * times[None], best, 1e3 * times[best], choice or "apart")
+        return choice
+
+    return K.measure_once(_CHOICE, key, x.device, measure)
 
 
 @register("rms_norm_linear", "cuda", verifier=_verify_norm,
