@@ -63,6 +63,10 @@ def _rank_main(rank: int, tp: int, ep: int, pp: int, world: int, port: int, fn, 
     state = init_parallel(tp=tp, ep=ep, pp=pp, backend="gloo", rank=rank, world_size=world, port=port)
     try:
         fn(state, *args)
+        # Every rank past its last collective before any leaves: a rank tearing Gloo down while a peer's last
+        # exchange is still draining has aborted the peer's process at exit ("terminate called without an
+        # active exception").
+        torch.distributed.barrier()
     finally:
         destroy_parallel()
 
