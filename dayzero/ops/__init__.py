@@ -28,6 +28,7 @@ from dayzero.ops.ssd import cuda as _ssd_cuda  # noqa: F401,E402
 from dayzero.ops.norm import kernels as _norm_kernels  # noqa: F401,E402
 from dayzero.ops.linear import kernels as _linear_kernels  # noqa: F401,E402
 from dayzero.ops.linear import norm as _linear_norm  # noqa: F401,E402
+from dayzero.ops.linear import act as _linear_act  # noqa: F401,E402
 from dayzero.ops.sampling import kernels as _sampling_kernels  # noqa: F401,E402
 from dayzero.ops.rotary import kernels as _rotary_kernels  # noqa: F401,E402
 from dayzero.ops.activation import kernels as _activation_kernels  # noqa: F401,E402

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from dayzero import ops
-from dayzero.ops.linear import kernels as L, norm as NL
-from dayzero.ops.linear.reference import linear as reference, rms_norm_linear as reference_norm
+from dayzero.ops.linear import act as AL, kernels as L, norm as NL
+from dayzero.ops.linear.reference import (act_linear as reference_act, linear as reference,
+                                          rms_norm_linear as reference_norm)
 from dayzero.ops import triton_support
 
 pytestmark = pytest.mark.skipif(not triton_support.HAS_TRITON, reason="needs triton")
@@ -226,3 +227,68 @@ def test_norm_linear_op_at_the_kda_input_projection(M):
     close(y, want_y, torch.bfloat16)
     close(n, want_n, torch.bfloat16)
     assert torch.equal(s, want_s)
+
+
+# --- act_linear: the MLP's activation inside the skinny kernel -------------------------------------------------
+ACTIVATIONS = [("silu", None), ("silu", 3.0), ("swiglu_oai", None), ("relu2", None)]
+
+
+def act_exact(x, activation, limit, w, b, add):
+    """fp64 product of the activation op's rows (rounded to x's dtype, as the op writes them)."""
+    y = exact(_act_reference(x, activation, limit), w, b)
+    return y if add is None else y + add.double()
+
+
+def _act_reference(x, activation, limit):
+    from dayzero.ops.activation import reference as A
+
+    if activation == "silu":
+        return A.silu_and_mul(x, limit)
+    if activation == "swiglu_oai":
+        return A.swiglu_oai(x, limit=7.0 if limit is None else limit)
+    return A.relu2(x)
+
+
+@pytest.mark.parametrize("M,N,I", [(1, 37, 100), (3, 64, 48), (5, 24, 33)], ids=str)
+@pytest.mark.parametrize("activation,limit", ACTIVATIONS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_activation_in_the_kernel_matches_fp64_and_the_reference(M, N, I, activation, limit, dtype):
+    parts = L.ACTS[activation][1]
+    g = torch.Generator(DEV).manual_seed(2)
+    x = (3 * torch.randn(M, parts * I, generator=g, device=DEV)).to(dtype)  # past the clamp now and then
+    _, w, b = operands(M, N, I, dtype, dtype, True)
+    add = torch.randn(M, N, generator=g, device=DEV).to(dtype)
+    clamp = 7.0 if activation == "swiglu_oai" and limit is None else limit
+    for bias, extra in ((None, None), (b, add)):
+        want = act_exact(x, activation, limit, w, bias, extra)
+        for block in L.candidates(M, N, I) + [(4, 16, 4)]:  # several K steps, a ragged last one
+            close(L.skinny_linear(x, w, bias, None, block, extra, activation, clamp), want, dtype)
+        close(reference_act(x, w, bias, activation, limit, extra), want, dtype)  # the two ops apart
+
+
+def test_activation_refusals_name_the_reason():
+    x, w, _ = operands(2, 8, 32, torch.float32, torch.float32, False)
+    assert "unknown activation" in AL._verify_act(x, w[:, :16], None, "gelu")
+    assert "rows of 2 x" in AL._verify_act(x, w, None, "silu")  # silu reads [gate | up]: 2 x 32 columns
+    assert "rows" in AL._verify_act(x.repeat(5, 1), w[:, :16], None, "silu")
+    with pytest.raises(ValueError, match="unknown activation"):
+        reference_act(x, w[:, :16], None, "gelu")
+
+
+def test_on_the_cpu_act_linear_keeps_the_two_ops():
+    x, w, b = torch.randn(2, 32), torch.randn(8, 32), torch.randn(8)
+    assert AL.measured_choice(x, w[:, :16], b, "silu") is None
+    want = torch.nn.functional.linear(torch.nn.functional.silu(x[:, :16]) * x[:, 16:], w[:, :16], b)
+    torch.testing.assert_close(ops.call("act_linear", x, w[:, :16].contiguous(), b, "silu"), want)
+
+
+@cuda
+@pytest.mark.parametrize("M,N,I", [(1, 2048, 512), (2, 2048, 5632)], ids=str)  # shared expert, dense MLP
+def test_act_linear_op_at_dayzero_small_shapes(M, N, I):
+    g = torch.Generator(DEV).manual_seed(3)
+    x = torch.randn(M, 2 * I, generator=g, device=DEV).to(torch.bfloat16)
+    _, w, _ = operands(M, N, I, torch.bfloat16, torch.bfloat16, False)
+    want = act_exact(x, "silu", None, w, None, None)
+    choice = AL.measured_choice(x, w, None, "silu")  # fused, or None: the two apart measured faster
+    assert choice is None or choice in L.candidates(L.next_pow2(M), N, I)
+    close(ops.call("act_linear", x, w, None, "silu"), want, torch.bfloat16)

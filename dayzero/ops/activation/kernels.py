@@ -90,7 +90,7 @@ def swiglu_oai(x: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> tor
     return act(x, SWIGLU_OAI, limit, alpha)
 
 
-_KINDS = {"silu": SILU, "relu2": RELU2, "swiglu_oai": SWIGLU_OAI}
+KINDS = {"silu": SILU, "relu2": RELU2, "swiglu_oai": SWIGLU_OAI}
 
 
 def _verify_mlp(x, w1, w2, activation="silu", limit=None) -> str | None:
@@ -99,7 +99,7 @@ def _verify_mlp(x, w1, w2, activation="silu", limit=None) -> str | None:
         return why
     if x.dtype not in (torch.bfloat16, torch.float16) or w1.dtype != x.dtype or w2.dtype != x.dtype:
         return "the device MLP takes bf16/fp16 activations and weights of the same dtype (fp32 runs the reference)"
-    if activation not in _KINDS:
+    if activation not in KINDS:
         return f"unknown activation {activation!r}"
     return None
 
@@ -108,15 +108,16 @@ def _verify_mlp(x, w1, w2, activation="silu", limit=None) -> str | None:
 def dense_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: str = "silu",
               limit: float | None = None) -> torch.Tensor:
     # x: [..., D]; w1: [r*I, D]; w2: [D, I] -> [..., D]
-    kind = _KINDS[activation]
+    kind = KINDS[activation]
     rows = 1 if kind == RELU2 else 2
     if w1.shape[0] != rows * w2.shape[1] or w1.shape[1] != w2.shape[0]:
         raise ValueError(f"activation {activation!r} needs w1 [{rows}*I, D] and w2 [D, I]; "
                          f"got w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)}")
     if kind == SWIGLU_OAI and limit is None:
         limit = 7.0
-    # the GEMMs through the linear op: a decode step's few rows may take the skinny kernel
-    return call("linear", act(call("linear", x, w1), kind, limit), w2)
+    # the GEMMs through the linear ops: a decode step's few rows may take the skinny kernel, the activation inside
+    # the second
+    return call("act_linear", call("linear", x, w1), w2, None, activation, limit)
 
 
 def _gate_refusal(x: torch.Tensor, gate: torch.Tensor) -> str | None:

@@ -33,17 +33,22 @@ log = logging.getLogger("dayzero.ops")
 
 MAX_ROWS = 8  # past a GEMV's few rows cuBLAS's GEMM tiles read the weight once for all of them
 MARGIN = 0.95  # a Triton shape runs when it takes at most this share of cuBLAS's time
+# activations the kernel applies to x as it reads it (``ACT``): name -> (code, input columns per output column)
+ACTS = {"silu": (1, 2), "relu2": (2, 1), "swiglu_oai": (3, 2)}
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 if HAS_TRITON:
     @triton.jit
     def _skinny_kernel(x_ptr, w_ptr, b_ptr, a_ptr, y_ptr, M, N, K, s_xm, s_wn, s_am, s_ym,
-                       r_ptr, g_ptr, xn_ptr, ro_ptr, s_rm, eps,
+                       r_ptr, g_ptr, xn_ptr, ro_ptr, s_rm, eps, limit, alpha,
                        HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+                       ACT: tl.constexpr, CLAMP: tl.constexpr,
                        EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # x: [M, K], w: [N, K], add: [M, N] (unit column strides); y: [M, N]; grid: cdiv(N, BLOCK_N).
         # NORM: x is first RMS-normalised with weight g [K] (after adding the residual r [M, K] when HAS_RES,
         # rounded to x's dtype); program 0 also writes the normalised rows xn and the sum ro, both [M, K].
+        # ACT (:data:`ACTS`): x holds the activation's input, [gate | up] rows [M, 2K] for the gated kinds, and the
+        # product reads act(x) rounded to x's dtype, as the activation op would have written it.
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
         n_ok, m_ok = n < N, m < M
@@ -60,6 +65,8 @@ if HAS_TRITON:
                 k_ok = k < K
                 w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            if ACT != 0:
+                x = _act_input(x, x_rows, k, m_ok, K, limit, alpha, ACT, CLAMP)
             if NORM:  # the norm's scale factors out of the product: sum (x * g) * w over K, times rstd after
                 x = _norm_input(x, r_ptr, m, k, s_rm, M, K, HAS_RES).to(tl.float32)
                 ss += tl.sum(x * x, axis=1)
@@ -89,6 +96,25 @@ if HAS_TRITON:
 
 
     @triton.jit
+    def _act_input(x, x_rows, k, m_ok, K, limit, alpha, ACT: tl.constexpr, CLAMP: tl.constexpr):
+        """act(x) for one K step, rounded to x's dtype: x is the gate part (read already); the up part sits K
+        columns on (SiLU-and-mul, gpt-oss SwiGLU), or there is none (squared ReLU)."""
+        a = x.to(tl.float32)
+        if ACT == 2:
+            a = tl.maximum(a, 0.0)
+            return (a * a).to(x.dtype)
+        up = tl.load(x_rows + K + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+        if CLAMP:
+            a = tl.minimum(a, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+        if ACT == 1:
+            y = a * tl.sigmoid(a) * up
+        else:
+            y = a * tl.sigmoid(alpha * a) * (up + 1.0)
+        return y.to(x.dtype)
+
+
+    @triton.jit
     def _norm_input(x, r_ptr, m, k, s_rm, M, K, HAS_RES: tl.constexpr):
         """The norm's input rows: x, or x + residual rounded to x's dtype (as the rms_norm op rounds it)."""
         if HAS_RES:
@@ -114,10 +140,12 @@ def candidates(rows: int, n: int, k: int) -> list[Block]:
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   out_dtype: torch.dtype | None = None, block: Block | None = None,
-                  add: torch.Tensor | None = None) -> torch.Tensor:
-    """``x · weightᵀ + bias + add`` by the Triton kernel (``block``: (BLOCK_N, BLOCK_K, warps), by default the
-    first of :func:`candidates`); x [M <= MAX_ROWS, K], weight [N, K] and add [M, N] with unit column strides."""
-    (M, K), N = x.shape, weight.shape[0]
+                  add: torch.Tensor | None = None, activation: str | None = None,
+                  limit: float | None = None, alpha: float = 1.702) -> torch.Tensor:
+    """``act(x) · weightᵀ + bias + add`` by the Triton kernel (``block``: (BLOCK_N, BLOCK_K, warps), by default
+    the first of :func:`candidates`); x [M <= MAX_ROWS, K] ([M, 2K] for a gated ``activation`` of :data:`ACTS`,
+    ``limit`` its clamp), weight [N, K] and add [M, N] with unit column strides."""
+    M, (N, K) = x.shape[0], weight.shape
     y = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
     if M == 0:
         return y
@@ -125,10 +153,22 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     _skinny_kernel[(triton.cdiv(N, bn),)](
         x, weight, weight if bias is None else bias, y if add is None else add, y, M, N, K, x.stride(0),
         weight.stride(0), 0 if add is None else add.stride(0), y.stride(0), x, x, x, x, 0, 0.0,
-        HAS_BIAS=bias is not None, HAS_ADD=add is not None, NORM=False, HAS_RES=False, EVEN_K=K % bk == 0,
+        float(limit if limit is not None else 0.0), float(alpha),
+        HAS_BIAS=bias is not None, HAS_ADD=add is not None, NORM=False, HAS_RES=False,
+        ACT=ACTS[activation][0] if activation else 0, CLAMP=limit is not None, EVEN_K=K % bk == 0,
         BLOCK_M=next_pow2(M), BLOCK_N=bn, BLOCK_K=bk,
         num_warps=warps)
     return y
+
+
+def chosen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None,
+                  add: torch.Tensor | None, block: Block | None) -> torch.Tensor:
+    """The linear as a measured choice runs it: the skinny kernel at ``block``, cuBLAS (the reference) for None."""
+    if block is None:
+        from dayzero.ops.linear.reference import linear
+
+        return linear(x, weight, bias, out_dtype, add)
+    return skinny_linear(x, weight, bias, out_dtype, block, add)
 
 
 _CHOICE: dict[tuple, Block | None] = {}  # key -> the measured block shape, None: cuBLAS

@@ -44,8 +44,9 @@ def norm_skinny_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
     K._skinny_kernel[(triton.cdiv(N, bn),)](
         x, weight, weight if bias is None else bias, y, y, M, N, Kd, x.stride(0), weight.stride(0), 0, y.stride(0),
         x if residual is None else residual, norm_weight, normed, res_out,
-        0 if residual is None else residual.stride(0), float(eps),
-        HAS_BIAS=bias is not None, HAS_ADD=False, NORM=True, HAS_RES=residual is not None, EVEN_K=Kd % bk == 0,
+        0 if residual is None else residual.stride(0), float(eps), 0.0, 0.0,
+        HAS_BIAS=bias is not None, HAS_ADD=False, NORM=True, HAS_RES=residual is not None, ACT=0, CLAMP=False,
+        EVEN_K=Kd % bk == 0,
         BLOCK_M=next_pow2(M), BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
     return y, normed, res_out
 
@@ -82,7 +83,7 @@ def measured_choice(x, residual, norm_weight, eps, weight, bias=None) -> K.Block
 
         def apart(w):
             normed, _ = rms_norm(xs, norm_weight, eps, rs)
-            return K.skinny_linear(normed, w, bias, None, apart_block)
+            return K.chosen_linear(normed, w, bias, None, None, apart_block)
 
         times = {None: K.graph_time([lambda w=w: apart(w) for w in ws])}
         for b in K.candidates(xs.shape[0], weight.shape[0], xs.shape[1]):

@@ -34,3 +34,21 @@ def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
     # x, residual: [..., K]; norm_weight: [K]; weight: [N, K] -> ([..., N], [..., K], [..., K])
     normed, res = call("rms_norm", x, norm_weight, eps, residual)
     return call("linear", normed, weight, bias), normed, res
+
+
+@register("act_linear")
+def act_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, activation: str = "silu",
+               limit: float | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
+    """An MLP's activation then its down projection, ``linear(act(x), weight, bias, add=add)``: ``activation`` is
+    ``silu`` (``silu_and_mul`` of [gate | up] rows, clamped at ``limit`` when given), ``swiglu_oai`` (gpt-oss, its
+    clamp ``limit`` 7 unless given) or ``relu2``. Each step is its own op here (and so its own kernels on a device)."""
+    # x: [..., 2I] ([..., I] for relu2); weight: [N, I]; bias: [N]; add: [..., N] -> [..., N]
+    if activation == "silu":
+        h = call("silu_and_mul", x, limit)
+    elif activation == "swiglu_oai":
+        h = call("swiglu_oai", x, limit=7.0 if limit is None else limit)
+    elif activation == "relu2":
+        h = call("relu2", x)
+    else:
+        raise ValueError(f"unknown activation {activation!r}: silu, swiglu_oai or relu2")
+    return call("linear", h, weight, bias, add=add)
