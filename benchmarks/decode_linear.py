@@ -9,6 +9,12 @@ cache (``dayzero.ops.linear.kernels.timings``, what the op measures), cuBLAS and
 among; the table gives microseconds and the weight bytes read per second as a share of the copy bandwidth measured
 in the run (bytes read and written per second by a large copy). The last lines sum a step's time over the
 shapes: cuBLAS only against the op's choice (Triton where it is at least 5% faster).
+
+A second table times the ops that run another kernel's work inside the skinny kernel, at the shapes a step runs
+them: ``rms_norm_linear`` (the input norm inside each mixer's fused projection), ``act_linear`` (the MLPs' and
+shared experts' activation inside their down projections) and ``rms_norm_gated_linear`` (KDA's gated output norm
+inside its output projection), each against its two kernels apart (the second as the linear op chooses), as the
+ops measure it at their first call.
 """
 from __future__ import annotations
 
@@ -40,6 +46,43 @@ def step_shapes(config: str, dtype: torch.dtype) -> dict[tuple, int]:
             w = mod.gate.weight
             shapes[(w.shape[0], w.shape[1], w.dtype, torch.float32)] += 1
     return dict(shapes)
+
+
+def fused_shapes(config: str, dtype: torch.dtype) -> dict[tuple, int]:
+    """(op, N, K, head) -> how many a decode step runs: the norm inside each fused input projection, the
+    activation inside each MLP's down projection, KDA's gated norm inside its output projection."""
+    from dayzero.layers.attention.kda import KDAAttention
+    from dayzero.layers.fused import fuse
+    from dayzero.layers.mlp import MLP
+    from dayzero.models.registry import build_model, load_config
+
+    model = build_model(load_config(config), dtype, "meta")
+    shapes = collections.Counter()
+    for mod in model.modules():
+        members = getattr(mod, "in_proj_members", None)
+        if members and getattr(mod, "takes_projected", False) and fuse(mod, "fused_in", members):
+            shapes[("rms_norm_linear", *mod.fused_in.weight.shape, 0)] += 1
+        if isinstance(mod, MLP):
+            shapes[("act_linear", *mod.down_proj.weight.shape, 0)] += 1
+        if isinstance(mod, KDAAttention):
+            shapes[("rms_norm_gated_linear", *mod.o_proj.weight.shape, mod.K)] += 1
+    return dict(shapes)
+
+
+def time_fused(op: str, rows: int, n: int, k: int, head: int, dev, dtype) -> dict:
+    """The op's own timings (apart under None, the fused launch per block shape), in microseconds."""
+    from dayzero.ops.linear import act as A, norm as N
+
+    w = (torch.randn(n, k, device=dev) / k ** 0.5).to(dtype)
+    if op == "rms_norm_linear":
+        x = torch.randn(rows, k, device=dev).to(dtype)
+        times = N.timings(x, x, torch.ones(k, device=dev, dtype=dtype), 1e-6, w)
+    elif op == "act_linear":
+        times = A.timings(torch.randn(rows, 2 * k, device=dev).to(dtype), w)
+    else:
+        x = torch.randn(rows, k // head, head, device=dev).to(dtype)
+        times = N.gated_timings(x, torch.ones(head, device=dev, dtype=dtype), x, 1e-6, w)
+    return {b: 1e3 * t for b, t in times.items()}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -76,6 +119,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for rows, (ref, chosen) in totals.items():
         print(f"rows {rows}: a step's projections through the op {ref:.1f} us with cuBLAS, {chosen:.1f} us as chosen "
               f"({ref / chosen:.2f}x)")
+    fused = fused_shapes(args.config, dtype)
+    print(f"\n{'rows':>4} {'op':>21} {'N x K':>12} {'/step':>5} {'apart us':>9} {'fused us':>9} {'block':>14} "
+          f"{'ratio':>6}")
+    saved = collections.Counter()
+    for rows in args.rows:
+        for (op, n, k, head), count in sorted(fused.items()):
+            us = time_fused(op, rows, n, k, head, dev, dtype)
+            best = min((b for b in us if b is not None), key=us.get)
+            saved[rows] += count * max(0.0, us[None] - us[best])
+            print(f"{rows:>4} {op:>21} {f'{n} x {k}':>12} {count:>5} {us[None]:>9.2f} {us[best]:>9.2f} {str(best):>14} "
+                  f"{us[None] / us[best]:>5.2f}x", flush=True)
+            rows_out.append({"rows": rows, "op": op, "n": n, "k": k, "per_step": count, "apart_us": us[None],
+                             "fused_us": us[best], "block": best})
+    for rows, us in saved.items():
+        print(f"rows {rows}: the fused launches save {us:.1f} us a step where they run")
     return rows_out
 
 

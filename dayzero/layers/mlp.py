@@ -12,7 +12,7 @@ from dayzero import ops
 from dayzero.config.spec import MLPSpec
 from dayzero.distributed import SINGLE, ParallelState, tp_all_reduce
 from dayzero.layers.fused import local_gemm
-from dayzero.layers.parallel import PLAIN_LINEARS, RowParallelLinear, column_linear, row_linear
+from dayzero.layers.parallel import PLAIN_LINEARS, RowParallelLinear, column_linear, fused_product, row_linear
 
 
 class MLP(nn.Module):
@@ -30,17 +30,13 @@ class MLP(nn.Module):
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The rest of the MLP after ``gate_up_proj`` (computed by the caller, e.g. in a fused GEMM): the activation
         and the down projection as one ``act_linear`` (one kernel on a decode step's rows where measured faster)."""
-        down = self.down_proj
-        if type(down) in PLAIN_LINEARS or type(down) is RowParallelLinear:
-            local_bias = down.bias if type(down) in PLAIN_LINEARS else None  # a row-parallel bias follows the sum
-            y = ops.call("act_linear", gate_up, down.weight, local_bias, self.activation, **self.clamp)
-            if type(down) is RowParallelLinear:
-                y = tp_all_reduce(y, self.parallel)
-                return y if down.bias is None else y + down.bias
+        y = fused_product(self.down_proj, lambda w, b: ops.call("act_linear", gate_up, w, b, self.activation,
+                                                                 **self.clamp))
+        if y is not None:
             return y
-        if self.activation == "silu":  # block-FP8 down projections dequantise their own weight
-            return down(ops.call("silu_and_mul", gate_up, **self.clamp))
-        return down(ops.call("relu2", gate_up))
+        if self.activation == "silu":
+            return self.down_proj(ops.call("silu_and_mul", gate_up, **self.clamp))
+        return self.down_proj(ops.call("relu2", gate_up))
 
     def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
         # ``batch`` is unused: every MLP kind takes the step's batch (hash-routed MoE reads its token ids)

@@ -22,7 +22,7 @@ rank's rows of each part and nothing else.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -169,6 +169,20 @@ class VocabParallelEmbedding(nn.Embedding):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rows from {self.start}, tp={self.parallel.tp_size}"
+
+
+def fused_product(proj: nn.Module, product: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+                  ) -> torch.Tensor | None:
+    """``proj(f(x))`` where ``product(weight, bias)`` computes f and the projection in one op (an activation or a
+    norm inside the GEMM): for a plain linear with its own weight and bias, for a row-parallel one with its rank's
+    weight, then the sum over ranks and the bias. None for other projections (block-FP8 ones dequantise their own
+    weight): the caller runs f and ``proj`` apart."""
+    if type(proj) in PLAIN_LINEARS:
+        return product(proj.weight, proj.bias)
+    if type(proj) is RowParallelLinear:
+        y = tp_all_reduce(product(proj.weight, None), proj.parallel)
+        return y if proj.bias is None else y + proj.bias
+    return None
 
 
 def parameter_shards(model: nn.Module) -> dict[str, Shard]:

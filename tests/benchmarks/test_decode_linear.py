@@ -1,10 +1,10 @@
 """benchmarks/decode_linear.py's shape list on the CPU: a decode step of dayzero-small runs one fused input projection
-per mixer and LatentMoE block and one router GEMV per MoE layer through the ``linear`` op."""
+per mixer and LatentMoE block and one router GEMV per MoE layer through the ``linear`` op; the fused ops' shapes."""
 from __future__ import annotations
 
 import torch
 
-from benchmarks.decode_linear import step_shapes
+from benchmarks.decode_linear import fused_shapes, step_shapes
 from dayzero.models.registry import load_config
 
 
@@ -18,3 +18,17 @@ def test_dayzero_small_shapes_and_counts():
     assert list(router.values()) == [moe]
     assert next(iter(router))[:3] == (spec.layers[-1].mlp.n_experts, spec.hidden_size, torch.float32)
     assert all(k == spec.hidden_size for _, k, _, _ in shapes)
+
+
+def test_dayzero_small_fused_op_shapes_and_counts():
+    """The norm inside every mixer's and MoE block's fused projection, the activation inside the dense MLP's and each
+    shared expert's down projection, KDA's gated norm inside its output projection."""
+    spec = load_config("configs/dayzero-small.json")
+    kda = sum(layer.attn_kind == "kda" for layer in spec.layers)
+    moe = sum(layer.mlp_kind == "moe" for layer in spec.layers)
+    shapes = fused_shapes("configs/dayzero-small.json", torch.bfloat16)
+    count = {op: sum(c for s, c in shapes.items() if s[0] == op) for op in {s[0] for s in shapes}}
+    assert count == {"rms_norm_linear": len(spec.layers) + moe, "act_linear": len(spec.layers),
+                     "rms_norm_gated_linear": kda}
+    assert shapes[("rms_norm_gated_linear", spec.hidden_size, 2048, 128)] == kda
+    assert shapes[("act_linear", spec.hidden_size, spec.layers[-1].mlp.shared_intermediate_size, 0)] == moe

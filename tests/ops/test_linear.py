@@ -12,7 +12,7 @@ import torch
 from dayzero import ops
 from dayzero.ops.linear import act as AL, kernels as L, norm as NL
 from dayzero.ops.linear.reference import (act_linear as reference_act, linear as reference,
-                                          rms_norm_linear as reference_norm)
+                                          rms_norm_gated_linear as reference_gated, rms_norm_linear as reference_norm)
 from dayzero.ops import triton_support
 
 pytestmark = pytest.mark.skipif(not triton_support.HAS_TRITON, reason="needs triton")
@@ -292,3 +292,78 @@ def test_act_linear_op_at_dayzero_small_shapes(M, N, I):
     choice = AL.measured_choice(x, w, None, "silu")  # fused, or None: the two apart measured faster
     assert choice is None or choice in L.candidates(L.next_pow2(M), N, I)
     close(ops.call("act_linear", x, w, None, "silu"), want, torch.bfloat16)
+
+
+# --- rms_norm_gated_linear: KDA's gated output norm inside the skinny kernel ----------------------------------
+def gated_exact(x, g, gw, eps, w, b):
+    """fp64 product of the gated norm's rows (rounded to x's dtype, as the rms_norm_gated op writes them)."""
+    from dayzero.ops.norm.reference import rms_norm_gated
+
+    return exact(rms_norm_gated(x, gw, g, eps).reshape(x.shape[0], -1), w, b)
+
+
+@pytest.mark.parametrize("M,N,H,V", [(1, 37, 3, 32), (3, 64, 4, 16), (5, 24, 2, 64)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gated_norm_in_the_kernel_matches_fp64_and_the_reference(M, N, H, V, dtype):
+    g = torch.Generator(DEV).manual_seed(4)
+    x = (2 * torch.randn(M, H, V, generator=g, device=DEV)).to(dtype)
+    both = torch.randn(M, 2 * H * V, generator=g, device=DEV).to(dtype)  # the gate is a column slice, as in KDA
+    gate = both[:, H * V:].view(M, H, V)
+    gw = (1 + 0.1 * torch.randn(V, generator=g, device=DEV)).to(dtype)
+    _, w, b = operands(M, N, H * V, dtype, dtype, True)
+    for bias in (None, b):
+        want = gated_exact(x, gate, gw, 1e-6, w, bias)
+        for block in NL.gated_candidates(M, N, H * V, V) + [(4, V, 4)]:  # one head a step: several steps
+            close(NL.gated_norm_skinny_linear(x, gw, gate, 1e-6, w, bias, block), want, dtype)
+        close(reference_gated(x, gw, gate, 1e-6, w, bias), want, dtype)  # the two ops apart
+
+
+def test_gated_norm_refusals_name_the_reason():
+    x, gate = torch.randn(2, 4, 32), torch.randn(2, 4, 32)
+    w, gw = torch.randn(8, 128), torch.ones(32)
+    assert "[rows, heads, head_dim]" in NL._verify_gated(x.view(2, -1), gw, gate.view(2, -1), 1e-6, w)
+    assert "power of two" in NL._verify_gated(x[..., :24], gw[:24], gate[..., :24], 1e-6, w[:, :96])
+    assert "side by side" in NL._verify_gated(x.transpose(0, 1).contiguous().transpose(0, 1), gw, gate, 1e-6, w)
+    assert "norm weight" in NL._verify_gated(x, gw[:16], gate, 1e-6, w)
+    assert "rows" in NL._verify_gated(x.repeat(5, 1, 1), gw, gate.repeat(5, 1, 1), 1e-6, w)
+
+
+@cuda
+@pytest.mark.parametrize("M", [1, 2])
+def test_gated_norm_linear_op_at_the_kda_output_projection(M):
+    g = torch.Generator(DEV).manual_seed(5)
+    x = torch.randn(M, 16, 128, generator=g, device=DEV).to(torch.bfloat16)  # dayzero-small's KDA heads
+    gate = torch.randn(M, 2, 2048, generator=g, device=DEV).to(torch.bfloat16)[:, 1].view(M, 16, 128)
+    gw = torch.rand(128, generator=g, device=DEV).to(torch.bfloat16)
+    _, w, _ = operands(M, 2048, 2048, torch.bfloat16, torch.bfloat16, False)
+    choice = NL.gated_choice(x, gw, gate, 1e-6, w)  # fused, or None: the two apart measured faster
+    assert choice is None or choice in NL.gated_candidates(L.next_pow2(M), 2048, 2048, 128)
+    close(ops.call("rms_norm_gated_linear", x, gw, gate, 1e-6, w), gated_exact(x, gate, gw, 1e-6, w, None),
+          torch.bfloat16)
+
+
+def test_the_fused_timings_run_every_launch_they_compare(monkeypatch):
+    """What the three fused ops time at a key's first eager call on a GPU, run here eagerly (the graph replay and
+    the L2-cold copies replaced): each apart and fused call runs and gives the same product."""
+    outputs = []
+
+    def eager(calls, replays=5):
+        y = [c() for c in calls][0]
+        outputs.append(y[0] if isinstance(y, tuple) else y)  # rms_norm_linear's launch gives (y, normed, sum)
+        return float(len(outputs))
+
+    monkeypatch.setattr(L, "graph_time", eager)
+    monkeypatch.setattr(L, "cold_copies", lambda w: [w])
+    for linear_choice in (None, (4, 16, 4)):  # the linear's own choice: cuBLAS, or a Triton block
+        monkeypatch.setattr(L, "measured_choice", lambda *a, **k: linear_choice)
+        g = torch.Generator().manual_seed(6)
+        x, w, b = torch.randn(2, 64, generator=g), torch.randn(24, 64, generator=g), torch.randn(24, generator=g)
+        runs = (lambda: NL.timings(x, x, torch.rand(64, generator=g), 1e-6, w, b),
+                lambda: AL.timings(torch.randn(2, 128, generator=g), w, b, "silu", None, torch.randn(2, 24)),
+                lambda: NL.gated_timings(x.view(2, 4, 16), torch.rand(16), x.view(2, 4, 16), 1e-6, w, b))
+        for run in runs:
+            outputs.clear()
+            times = run()
+            assert None in times and len(times) >= 2 and len(outputs) == len(times)
+            for y in outputs[1:]:  # the timings draw their own random rows: apart and fused see the same ones
+                close(y, outputs[0].double(), torch.float32)

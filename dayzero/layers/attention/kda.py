@@ -25,7 +25,7 @@ from dayzero.layers.attention.base import CachedLayer
 from dayzero.distributed import SINGLE, ParallelState, divide
 from dayzero.layers.fused import concat_as_views, fuse, local_gemm, project
 from dayzero.layers.norm import RMSNorm
-from dayzero.layers.parallel import Linear, Shard, column_linear, row_linear
+from dayzero.layers.parallel import Linear, Shard, column_linear, fused_product, row_linear
 
 
 class DeltaRuleLayer(CachedLayer):
@@ -128,5 +128,9 @@ class KDAAttention(DeltaRuleLayer):
                             gate=(self.A_log, self.dt_bias, self.lower_bound))
 
         gate = gate.view(T, H, K)
+        y = fused_product(self.o_proj, lambda w, bias: ops.call("rms_norm_gated_linear", o, self.o_norm.weight, gate,
+                                                                 self.eps, w, bias))
+        if y is not None:  # the gated norm inside the output projection
+            return y
         o = ops.call("rms_norm_gated", o, self.o_norm.weight, gate, self.eps)  # [T, H, V]
         return self.o_proj(o.reshape(T, H * K))

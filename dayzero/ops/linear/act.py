@@ -12,14 +12,10 @@ graph over L2-cold weight copies; the fused launch runs where it is faster.
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from dayzero.ops.linear import kernels as K
 from dayzero.ops.registry import register
-
-log = logging.getLogger("dayzero.ops")
 
 _CHOICE: dict[tuple, K.Block | None] = {}  # key -> the fused launch's block shape, None: the activation apart
 
@@ -48,34 +44,29 @@ def _verify_act(x, weight, bias=None, activation="silu", limit=None, add=None) -
     return why
 
 
+def timings(x, weight, bias=None, activation="silu", limit=None, add=None) -> dict[K.Block | None, float]:
+    """:func:`kernels.fused_timings` of the activation kernel then the linear's own choice (None) against the fused
+    launch, on random rows of x's shape (and an add)."""
+    from dayzero.ops.activation.kernels import KINDS, act
+
+    xs = torch.randn(x.shape, device=x.device).to(x.dtype)
+    adds = None if add is None else torch.randn(x.shape[0], weight.shape[0], device=x.device).to(add.dtype)
+    apart_block = K.measured_choice(_hidden(xs, activation), weight, bias, None, adds)
+    kind, clamp = KINDS[activation], _limit(activation, limit)
+    return K.fused_timings(
+        weight, lambda w: K.chosen_linear(act(xs, kind, clamp), w, bias, None, adds, apart_block),
+        lambda w, b: K.skinny_linear(xs, w, bias, None, b, adds, activation, clamp),
+        K.candidates(xs.shape[0], weight.shape[0], weight.shape[1]))
+
+
 def measured_choice(x, weight, bias=None, activation="silu", limit=None, add=None) -> K.Block | None:
     """The block shape of the fused launch when it ran faster than the activation apart (measured at the key's
-    first call, after the linear's own choice), else None."""
+    first call, on the key's bucket of rows), else None."""
     key = _key(x, weight, bias, activation, limit, add)
-
-    def measure() -> K.Block | None:
-        from dayzero.ops.activation.kernels import KINDS, act
-
-        xs = torch.randn(key[0], x.shape[1], device=x.device).to(x.dtype)  # the bucket's rows, random
-        adds = None if add is None else torch.randn(key[0], weight.shape[0], device=x.device).to(add.dtype)
-        apart_block = K.measured_choice(_hidden(xs, activation), weight, bias, None, adds)  # the linear's own
-        kind, clamp = KINDS[activation], _limit(activation, limit)
-        ws = K.cold_copies(weight)
-
-        def apart(w):
-            return K.chosen_linear(act(xs, kind, clamp), w, bias, None, adds, apart_block)
-
-        times = {None: K.graph_time([lambda w=w: apart(w) for w in ws])}
-        for b in K.candidates(xs.shape[0], weight.shape[0], weight.shape[1]):
-            times[b] = K.graph_time([lambda w=w, b=b: K.skinny_linear(xs, w, bias, None, b, adds, activation,
-                                                                       clamp) for w in ws])
-        best = K.fastest_triton(times)
-        choice = best if times[best] < times[None] else None
-        log.info("act_linear %s %d x [%d, %d]: apart %.1f us, fused %s %.1f us -> %s", activation, key[0],
-                 weight.shape[0], weight.shape[1], 1e3 * times[None], best, 1e3 * times[best], choice or "apart")
-        return choice
-
-    return K.measure_once(_CHOICE, key, x.device, measure)
+    xs = K.bucket_rows(x, key[0])  # the bucket's shape (timings draws its own rows)
+    return K.measure_once(_CHOICE, key, x.device, lambda: K.fused_choice(
+        f"act_linear {activation} {key[0]} x [{weight.shape[0]}, {weight.shape[1]}]",
+        timings(xs, weight, bias, activation, limit, add)))
 
 
 @register("act_linear", "cuda", verifier=_verify_act,

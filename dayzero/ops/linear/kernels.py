@@ -40,15 +40,17 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 if HAS_TRITON:
     @triton.jit
     def _skinny_kernel(x_ptr, w_ptr, b_ptr, a_ptr, y_ptr, M, N, K, s_xm, s_wn, s_am, s_ym,
-                       r_ptr, g_ptr, xn_ptr, ro_ptr, s_rm, eps, limit, alpha,
+                       r_ptr, g_ptr, xn_ptr, ro_ptr, s_rm, eps, limit, alpha, q_ptr, s_qm,
                        HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-                       ACT: tl.constexpr, CLAMP: tl.constexpr,
+                       ACT: tl.constexpr, CLAMP: tl.constexpr, HEAD: tl.constexpr,
                        EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # x: [M, K], w: [N, K], add: [M, N] (unit column strides); y: [M, N]; grid: cdiv(N, BLOCK_N).
         # NORM: x is first RMS-normalised with weight g [K] (after adding the residual r [M, K] when HAS_RES,
         # rounded to x's dtype); program 0 also writes the normalised rows xn and the sum ro, both [M, K].
         # ACT (:data:`ACTS`): x holds the activation's input, [gate | up] rows [M, 2K] for the gated kinds, and the
         # product reads act(x) rounded to x's dtype, as the activation op would have written it.
+        # HEAD > 0 (a power of two dividing BLOCK_K): x is [M, K / HEAD heads of HEAD], each head RMS-normalised
+        # with weight g [HEAD] and multiplied by sigmoid of its gate q [M, K] (row stride s_qm), rounded to x's dtype.
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
         n_ok, m_ok = n < N, m < M
@@ -67,6 +69,8 @@ if HAS_TRITON:
                 x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             if ACT != 0:
                 x = _act_input(x, x_rows, k, m_ok, K, limit, alpha, ACT, CLAMP)
+            if HEAD > 0:
+                x = _gated_norm_input(x, q_ptr, g_ptr, m, k, s_qm, M, K, eps, HEAD, BLOCK_M, BLOCK_K)
             if NORM:  # the norm's scale factors out of the product: sum (x * g) * w over K, times rstd after
                 x = _norm_input(x, r_ptr, m, k, s_rm, M, K, HAS_RES).to(tl.float32)
                 ss += tl.sum(x * x, axis=1)
@@ -115,6 +119,20 @@ if HAS_TRITON:
 
 
     @triton.jit
+    def _gated_norm_input(x, q_ptr, g_ptr, m, k, s_qm, M, K, eps, HEAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+        """One K step of ``rms_norm_gated``: each head of HEAD columns scaled by its rstd, the weight and
+        sigmoid(gate); the step holds whole heads (BLOCK_K a multiple of HEAD, steps starting at multiples)."""
+        h = tl.reshape(x.to(tl.float32), (BLOCK_M, BLOCK_K // HEAD, HEAD))
+        rstd = tl.rsqrt(tl.sum(h * h, axis=2) / HEAD + eps)
+        h = tl.reshape(h * rstd[:, :, None], (BLOCK_M, BLOCK_K))
+        w = tl.load(g_ptr + k % HEAD).to(tl.float32)
+        q = tl.load(q_ptr + m[:, None] * s_qm + k[None, :], mask=(m < M)[:, None] & (k < K)[None, :],
+                    other=0.0).to(tl.float32)
+        return (h * w[None, :] * tl.sigmoid(q)).to(x.dtype)
+
+
+    @triton.jit
     def _norm_input(x, r_ptr, m, k, s_rm, M, K, HAS_RES: tl.constexpr):
         """The norm's input rows: x, or x + residual rounded to x's dtype (as the rms_norm op rounds it)."""
         if HAS_RES:
@@ -153,9 +171,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     _skinny_kernel[(triton.cdiv(N, bn),)](
         x, weight, weight if bias is None else bias, y if add is None else add, y, M, N, K, x.stride(0),
         weight.stride(0), 0 if add is None else add.stride(0), y.stride(0), x, x, x, x, 0, 0.0,
-        float(limit if limit is not None else 0.0), float(alpha),
+        float(limit if limit is not None else 0.0), float(alpha), x, 0,
         HAS_BIAS=bias is not None, HAS_ADD=add is not None, NORM=False, HAS_RES=False,
-        ACT=ACTS[activation][0] if activation else 0, CLAMP=limit is not None, EVEN_K=K % bk == 0,
+        ACT=ACTS[activation][0] if activation else 0, CLAMP=limit is not None, HEAD=0, EVEN_K=K % bk == 0,
         BLOCK_M=next_pow2(M), BLOCK_N=bn, BLOCK_K=bk,
         num_warps=warps)
     return y
@@ -225,6 +243,33 @@ def timings(x, weight, bias=None, out_dtype=None, add=None) -> dict[Block | None
     for b in candidates(x.shape[0], weight.shape[0], x.shape[1]):
         times[b] = graph_time([lambda w=w, b=b: skinny_linear(x, w, bias, out_dtype, b, add) for w in ws])
     return times
+
+
+def bucket_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """A tensor of x's dtype and device shaped like x with ``rows`` rows, holding no memory (an expanded element):
+    what the timings, which draw their own random rows, need to know of a call."""
+    return x.new_empty((1,) * x.dim()).expand(rows, *x.shape[1:])
+
+
+def fused_timings(weight: torch.Tensor, apart, fused, blocks: list[Block]) -> dict[Block | None, float]:
+    """Device milliseconds per call of ``apart(w)`` (key None: an op's own kernel, then the linear) and of
+    ``fused(w, block)`` (the op inside the skinny kernel) at each of ``blocks``, each replayed from a CUDA graph
+    over L2-cold copies of ``weight``."""
+    ws = cold_copies(weight)
+    times = {None: graph_time([lambda w=w: apart(w) for w in ws])}
+    for b in blocks:
+        times[b] = graph_time([lambda w=w, b=b: fused(w, b) for w in ws])
+    return times
+
+
+def fused_choice(what: str, times: dict[Block | None, float]) -> Block | None:
+    """The fused launch's fastest block shape when it beat the ops apart in :func:`fused_timings`, else None;
+    logged with ``what``."""
+    best = fastest_triton(times)
+    choice = best if times[best] < times[None] else None
+    log.info("%s: apart %.1f us, fused %s %.1f us -> %s", what, 1e3 * times[None], best, 1e3 * times[best],
+             choice or "apart")
+    return choice
 
 
 def fastest_triton(times: dict[Block | None, float]) -> Block:

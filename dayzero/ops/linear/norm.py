@@ -12,18 +12,18 @@ block shape against the norm kernel followed by the linear's measured choice, ea
 over L2-cold weight copies. On the H200 the norm inside the 2048 -> 1536 LatentMoE projection took 4.5 us where
 the pair took 6.5, and inside KDA's 2048 -> 6416 projection 12-14 us where the pair took 12: the measurement
 keeps each where it is faster.
+
+``rms_norm_gated_linear`` does the same for KDA's gated output norm and its output projection (``HEAD``): the norm
+is per head, so each K step holds whole heads, sums each head's squares and scales it by its rstd, the norm
+weight and the sigmoid of its gate before the product; measured the same way.
 """
 from __future__ import annotations
-
-import logging
 
 import torch
 
 from dayzero.ops.linear import kernels as K
 from dayzero.ops.registry import register
 from dayzero.ops.triton_support import next_pow2, triton
-
-log = logging.getLogger("dayzero.ops")
 
 _CHOICE: dict[tuple, K.Block | None] = {}  # key -> the fused launch's block shape, None: the norm runs apart
 
@@ -44,8 +44,8 @@ def norm_skinny_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
     K._skinny_kernel[(triton.cdiv(N, bn),)](
         x, weight, weight if bias is None else bias, y, y, M, N, Kd, x.stride(0), weight.stride(0), 0, y.stride(0),
         x if residual is None else residual, norm_weight, normed, res_out,
-        0 if residual is None else residual.stride(0), float(eps), 0.0, 0.0,
-        HAS_BIAS=bias is not None, HAS_ADD=False, NORM=True, HAS_RES=residual is not None, ACT=0, CLAMP=False,
+        0 if residual is None else residual.stride(0), float(eps), 0.0, 0.0, x, 0,
+        HAS_BIAS=bias is not None, HAS_ADD=False, NORM=True, HAS_RES=residual is not None, ACT=0, CLAMP=False, HEAD=0,
         EVEN_K=Kd % bk == 0,
         BLOCK_M=next_pow2(M), BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
     return y, normed, res_out
@@ -68,34 +68,30 @@ def _key(x, residual, norm_weight, weight, bias) -> tuple:
     return K._key(x, weight, bias, None, None) + (residual is not None, norm_weight.dtype)
 
 
+def timings(x, residual, norm_weight, eps, weight, bias=None) -> dict[K.Block | None, float]:
+    """:func:`kernels.fused_timings` of the norm kernel then the linear's own choice (None) against the fused
+    launch, on random rows of x's shape (a residual too when one is given)."""
+    from dayzero.ops.norm.kernels import rms_norm
+
+    xs = torch.randn(x.shape, device=x.device).to(x.dtype)
+    rs = None if residual is None else torch.randn_like(xs)
+    apart_block = K.measured_choice(xs, weight, bias)
+
+    def apart(w):
+        normed, _ = rms_norm(xs, norm_weight, eps, rs)
+        return K.chosen_linear(normed, w, bias, None, None, apart_block)
+
+    return K.fused_timings(weight, apart, lambda w, b: norm_skinny_linear(xs, rs, norm_weight, eps, w, bias, b),
+                           K.candidates(xs.shape[0], weight.shape[0], xs.shape[1]))
+
+
 def measured_choice(x, residual, norm_weight, eps, weight, bias=None) -> K.Block | None:
     """The block shape of the fused launch when it ran faster than the norm apart (measured at the key's first
-    call, after the linear's own choice), else None."""
+    call, on the key's bucket of rows), else None."""
     key = _key(x, residual, norm_weight, weight, bias)
-
-    def measure() -> K.Block | None:
-        from dayzero.ops.norm.kernels import rms_norm
-
-        xs = torch.randn(key[0], x.shape[1], device=x.device).to(x.dtype)  # the bucket's rows, random
-        rs = None if residual is None else torch.randn_like(xs)
-        apart_block = K._CHOICE[K._key(xs, weight, bias, None, None)]  # the linear's own, measured before
-        ws = K.cold_copies(weight)
-
-        def apart(w):
-            normed, _ = rms_norm(xs, norm_weight, eps, rs)
-            return K.chosen_linear(normed, w, bias, None, None, apart_block)
-
-        times = {None: K.graph_time([lambda w=w: apart(w) for w in ws])}
-        for b in K.candidates(xs.shape[0], weight.shape[0], xs.shape[1]):
-            times[b] = K.graph_time([lambda w=w, b=b: norm_skinny_linear(xs, rs, norm_weight, eps, w, bias, b)
-                                     for w in ws])
-        best = K.fastest_triton(times)
-        choice = best if times[best] < times[None] else None
-        log.info("rms_norm_linear %d x [%d, %d]: apart %.1f us, fused %s %.1f us -> %s", key[0], key[1], key[2],
-                 1e3 * times[None], best, 1e3 * times[best], choice or "apart")
-        return choice
-
-    return K.measure_once(_CHOICE, key, x.device, measure)
+    xs = K.bucket_rows(x, key[0])  # the bucket's shape (timings draws its own rows)
+    return K.measure_once(_CHOICE, key, x.device, lambda: K.fused_choice(
+        f"rms_norm_linear {key[0]} x [{key[1]}, {key[2]}]", timings(xs, residual, norm_weight, eps, weight, bias)))
 
 
 @register("rms_norm_linear", "cuda", verifier=_verify_norm,
@@ -104,3 +100,97 @@ def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
                     weight: torch.Tensor, bias: torch.Tensor | None = None):
     return norm_skinny_linear(x, residual, norm_weight, eps, weight, bias,
                               _CHOICE[_key(x, residual, norm_weight, weight, bias)])
+
+
+# --- rms_norm_gated_linear: KDA's gated output norm inside its output projection --------------------------------
+_GATED: dict[tuple, K.Block | None] = {}  # key -> the fused launch's block shape, None: the norm runs apart
+
+
+def gated_candidates(rows: int, n: int, k: int, head: int) -> list[K.Block]:
+    """:func:`kernels.candidates` with each K step holding whole heads (at least one)."""
+    out = []
+    for bn, bk, warps in K.candidates(rows, n, k):
+        if (bn, max(bk, head), warps) not in out:
+            out.append((bn, max(bk, head), warps))
+    return out
+
+
+def gated_norm_skinny_linear(x: torch.Tensor, norm_weight: torch.Tensor, gate: torch.Tensor, eps: float,
+                             weight: torch.Tensor, bias: torch.Tensor | None = None,
+                             block: K.Block | None = None) -> torch.Tensor:
+    """``rms_norm_gated`` over each head of x [M, H, V] then ``linear`` of the [M, H*V] rows, one launch."""
+    M, H, V = x.shape
+    N, Kd = weight.shape[0], H * V
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y
+    bn, bk, warps = block or gated_candidates(M, N, Kd, V)[0]
+    K._skinny_kernel[(triton.cdiv(N, bn),)](
+        x, weight, weight if bias is None else bias, y, y, M, N, Kd, x.stride(0), weight.stride(0), 0, y.stride(0),
+        x, norm_weight, x, x, 0, float(eps), 0.0, 0.0, gate, gate.stride(0),
+        HAS_BIAS=bias is not None, HAS_ADD=False, NORM=False, HAS_RES=False, ACT=0, CLAMP=False, HEAD=V,
+        EVEN_K=Kd % bk == 0, BLOCK_M=next_pow2(M), BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+    return y
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor | None:
+    """[M, H, V] with heads side by side and unit column stride, as [M, H*V] rows (a view); else None."""
+    if t.dim() != 3 or t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+        return None
+    return t.view(t.shape[0], -1)
+
+
+def _verify_gated(x, norm_weight, gate, eps, weight, bias=None) -> str | None:
+    if x.dim() != 3 or gate.shape != x.shape:
+        return "x and its gate must be [rows, heads, head_dim]"
+    V = x.shape[2]
+    if V & (V - 1) or V < 16:
+        return f"head_dim {V}: the kernel takes a power of two from 16"
+    if _flat(x) is None or _flat(gate) is None:
+        return "x and the gate need heads side by side in each row, unit column stride"
+    if norm_weight.shape != (V,) or norm_weight.stride(0) != 1 or norm_weight.dtype not in K.DTYPES:
+        return "the norm weight must be contiguous [head_dim] in bf16, fp16 or fp32"
+    if gate.dtype not in K.DTYPES:
+        return "gate dtypes other than bf16, fp16 and fp32"
+    why = K._verify(_flat(x), weight, bias)
+    if why is None and gated_choice(x, norm_weight, gate, eps, weight, bias) is None:
+        return "the gated norm kernel and the linear apart are as fast or faster at this shape (measured)"
+    return why
+
+
+def _gated_key(x, norm_weight, gate, weight, bias) -> tuple:
+    return K._key(_flat(x), weight, bias, None, None) + (x.shape[2], norm_weight.dtype, gate.dtype)
+
+
+def gated_timings(x, norm_weight, gate, eps, weight, bias=None) -> dict[K.Block | None, float]:
+    """:func:`kernels.fused_timings` of the gated norm kernel then the linear's own choice (None) against the fused
+    launch, on random rows and gates of x's shape."""
+    from dayzero.ops.norm.kernels import rms_norm_gated
+
+    M, H, V = x.shape
+    xs = torch.randn(M, H, V, device=x.device).to(x.dtype)
+    gs = torch.randn(M, H, V, device=x.device).to(gate.dtype)
+    apart_block = K.measured_choice(xs.view(M, -1), weight, bias)
+    return K.fused_timings(
+        weight, lambda w: K.chosen_linear(rms_norm_gated(xs, norm_weight, gs, eps).view(M, -1), w, bias, None, None,
+                                          apart_block),
+        lambda w, b: gated_norm_skinny_linear(xs, norm_weight, gs, eps, w, bias, b),
+        gated_candidates(M, weight.shape[0], H * V, V))
+
+
+def gated_choice(x, norm_weight, gate, eps, weight, bias=None) -> K.Block | None:
+    """The fused launch's block shape when it ran faster than the gated norm apart (measured at the key's first
+    call, on the key's bucket of rows), else None."""
+    key = _gated_key(x, norm_weight, gate, weight, bias)
+    xs = K.bucket_rows(x, key[0])
+    return K.measure_once(_GATED, key, x.device, lambda: K.fused_choice(
+        f"rms_norm_gated_linear {key[0]} x [{key[1]}, {key[2]}]", gated_timings(xs, norm_weight, gate, eps, weight,
+                                                                             bias)))
+
+
+@register("rms_norm_gated_linear", "cuda", verifier=_verify_gated,
+          note="the gated head norm inside the skinny linear kernel (1-8 rows, where measured faster than apart)")
+def rms_norm_gated_linear(x: torch.Tensor, norm_weight: torch.Tensor, gate: torch.Tensor, eps: float,
+                          weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return gated_norm_skinny_linear(x, norm_weight, gate, eps, weight, bias,
+                                    _GATED[_gated_key(x, norm_weight, gate, weight, bias)])

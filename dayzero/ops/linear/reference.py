@@ -52,3 +52,13 @@ def act_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     else:
         raise ValueError(f"unknown activation {activation!r}: silu, swiglu_oai or relu2")
     return call("linear", h, weight, bias, add=add)
+
+
+@register("rms_norm_gated_linear")
+def rms_norm_gated_linear(x: torch.Tensor, norm_weight: torch.Tensor, gate: torch.Tensor, eps: float,
+                          weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``rms_norm_gated`` over each head, then ``linear`` of the heads side by side: KDA's gated output norm and its
+    output projection. Each step is its own op here (and so its own kernels on a device)."""
+    # x, gate: [T, H, V]; norm_weight: [V]; weight: [N, H*V] -> [T, N]
+    o = call("rms_norm_gated", x, norm_weight, gate, eps)
+    return call("linear", o.reshape(x.shape[0], -1), weight, bias)
