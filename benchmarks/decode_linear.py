@@ -11,10 +11,10 @@ in the run (bytes read and written per second by a large copy). The last lines s
 shapes: cuBLAS only against the op's choice (Triton where it is at least 5% faster).
 
 A second table times the ops that run another kernel's work inside the skinny kernel, at the shapes a step runs
-them: ``rms_norm_linear`` (the input norm inside each mixer's fused projection), ``act_linear`` (the MLPs' and
-shared experts' activation inside their down projections) and ``rms_norm_gated_linear`` (KDA's gated output norm
-inside its output projection), each against its two kernels apart (the second as the linear op chooses), as the
-ops measure it at their first call.
+them: ``rms_norm_linear`` (the input norm inside each mixer's fused projection), ``act_linear`` (the dense MLPs'
+activation inside their down projections), ``rms_norm_gated_linear`` (KDA's gated output norm inside its output
+projection) and ``dual_linear`` (a LatentMoE block's up-projection with its shared expert's activation and down
+projection), each against its kernels apart (each as its op chooses), as the ops measure it at their first call.
 """
 from __future__ import annotations
 
@@ -50,19 +50,26 @@ def step_shapes(config: str, dtype: torch.dtype) -> dict[tuple, int]:
 
 def fused_shapes(config: str, dtype: torch.dtype) -> dict[tuple, int]:
     """(op, N, K, head) -> how many a decode step runs: the norm inside each fused input projection, the
-    activation inside each MLP's down projection, KDA's gated norm inside its output projection."""
+    activation inside each MLP's down projection, KDA's gated norm inside its output projection (head: its head
+    size), a LatentMoE block's up-projection with its shared expert (K: the two in-features, head: the shared
+    expert's)."""
     from dayzero.layers.attention.kda import KDAAttention
     from dayzero.layers.fused import fuse
     from dayzero.layers.mlp import MLP
+    from dayzero.layers.moe import MoE
     from dayzero.models.registry import build_model, load_config
 
     model = build_model(load_config(config), dtype, "meta")
-    shapes = collections.Counter()
-    for mod in model.modules():
+    shapes, in_dual = collections.Counter(), set()
+    for mod in model.modules():  # a block before its children
         members = getattr(mod, "in_proj_members", None)
         if members and getattr(mod, "takes_projected", False) and fuse(mod, "fused_in", members):
             shapes[("rms_norm_linear", *mod.fused_in.weight.shape, 0)] += 1
-        if isinstance(mod, MLP):
+        if isinstance(mod, MoE) and mod._shared_in_up_projection({"shared_experts.gate_up_proj": None}):
+            w, w2 = mod.fc2_latent_proj.weight, mod.shared_experts.down_proj.weight
+            shapes[("dual_linear", w.shape[0], w.shape[1] + w2.shape[1], w2.shape[1])] += 1
+            in_dual.add(mod.shared_experts)
+        elif isinstance(mod, MLP) and mod not in in_dual:
             shapes[("act_linear", *mod.down_proj.weight.shape, 0)] += 1
         if isinstance(mod, KDAAttention):
             shapes[("rms_norm_gated_linear", *mod.o_proj.weight.shape, mod.K)] += 1
@@ -79,6 +86,10 @@ def time_fused(op: str, rows: int, n: int, k: int, head: int, dev, dtype) -> dic
         times = N.timings(x, x, torch.ones(k, device=dev, dtype=dtype), 1e-6, w)
     elif op == "act_linear":
         times = A.timings(torch.randn(rows, 2 * k, device=dev).to(dtype), w)
+    elif op == "dual_linear":  # k = K1 + K2, head = K2
+        w2 = (torch.randn(n, head, device=dev) / head ** 0.5).to(dtype)
+        x, x2 = torch.randn(rows, k - head, device=dev).to(dtype), torch.randn(rows, 2 * head, device=dev).to(dtype)
+        times = A.dual_timings(x, w[:, :k - head].contiguous(), x2, w2, "silu")
     else:
         x = torch.randn(rows, k // head, head, device=dev).to(dtype)
         times = N.gated_timings(x, torch.ones(head, device=dev, dtype=dtype), x, 1e-6, w)

@@ -252,6 +252,15 @@ class MoE(nn.Module):
         y = torch.cat(ep_all_gather(y, p))[:T]
         return etp_all_reduce(y, p) if self.expert_tp else y  # 1 < ep < G: the width slices' partial sums
 
+    def _shared_in_up_projection(self, fused: dict) -> bool:
+        """Whether the LatentMoE up-projection and the shared expert's activation and down projection can run as
+        one ``dual_linear``: both plain linears without biases (one rank), the shared expert's gate/up from the
+        fused input projection, no shared gate, no scale on the routed sum."""
+        s = self.spec
+        return (self.latent and self.shared_experts is not None and "shared_experts.gate_up_proj" in fused
+                and self.shared_expert_gate is None and (self._scale_in_weights or s.routed_scaling_factor == 1.0)
+                and _plain(self.fc2_latent_proj) and _plain(self.shared_experts.down_proj))
+
     def forward(self, x: torch.Tensor, batch=None, projected: torch.Tensor | None = None) -> torch.Tensor:
         # x: [T, D]; ``batch`` gives hash routing its token ids; ``projected``: ``fused_in(x)`` when the caller
         # computed it (with the input norm, DecoderLayer._mix)
@@ -275,6 +284,11 @@ class MoE(nn.Module):
         if self.packed:
             self.workspace.release(self)
         shared = None
+        if self._shared_in_up_projection(fused):  # the shared expert's activation and down projection with fc2
+            mlp = self.shared_experts
+            return ops.call("dual_linear", self.latent_norm(y) if self.latent_norm is not None else y,
+                            self.fc2_latent_proj.weight, fused["shared_experts.gate_up_proj"], mlp.down_proj.weight,
+                            mlp.activation, mlp.clamp.get("limit"))
         if self.shared_experts is not None:
             shared = self.shared_experts.down(fused["shared_experts.gate_up_proj"]) if fused else self.shared_experts(x)
             if self.shared_expert_gate is not None:
@@ -291,6 +305,10 @@ class MoE(nn.Module):
         if out_scale != 1.0:
             y = y * out_scale
         return y if shared is None else y + shared
+
+
+def _plain(proj: nn.Module) -> bool:
+    return type(proj) in PLAIN_LINEARS and proj.bias is None
 
 
 def expert_loads(layers: list[MoE]) -> list[torch.Tensor]:

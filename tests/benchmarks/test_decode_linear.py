@@ -21,14 +21,16 @@ def test_dayzero_small_shapes_and_counts():
 
 
 def test_dayzero_small_fused_op_shapes_and_counts():
-    """The norm inside every mixer's and MoE block's fused projection, the activation inside the dense MLP's and each
-    shared expert's down projection, KDA's gated norm inside its output projection."""
+    """The norm inside every mixer's and MoE block's fused projection, the activation inside the dense MLP's down
+    projection, KDA's gated norm inside its output projection, each LatentMoE up-projection with its shared expert."""
     spec = load_config("configs/dayzero-small.json")
     kda = sum(layer.attn_kind == "kda" for layer in spec.layers)
     moe = sum(layer.mlp_kind == "moe" for layer in spec.layers)
     shapes = fused_shapes("configs/dayzero-small.json", torch.bfloat16)
     count = {op: sum(c for s, c in shapes.items() if s[0] == op) for op in {s[0] for s in shapes}}
-    assert count == {"rms_norm_linear": len(spec.layers) + moe, "act_linear": len(spec.layers),
-                     "rms_norm_gated_linear": kda}
+    assert count == {"rms_norm_linear": len(spec.layers) + moe, "act_linear": len(spec.layers) - moe,
+                     "rms_norm_gated_linear": kda, "dual_linear": moe}
     assert shapes[("rms_norm_gated_linear", spec.hidden_size, 2048, 128)] == kda
-    assert shapes[("act_linear", spec.hidden_size, spec.layers[-1].mlp.shared_intermediate_size, 0)] == moe
+    mlp = spec.layers[-1].mlp
+    assert shapes[("dual_linear", spec.hidden_size, mlp.latent_size + mlp.shared_intermediate_size,
+                   mlp.shared_intermediate_size)] == moe

@@ -11,8 +11,9 @@ import torch
 
 from dayzero import ops
 from dayzero.ops.linear import act as AL, kernels as L, norm as NL
-from dayzero.ops.linear.reference import (act_linear as reference_act, linear as reference,
-                                          rms_norm_gated_linear as reference_gated, rms_norm_linear as reference_norm)
+from dayzero.ops.linear.reference import (act_linear as reference_act, dual_linear as reference_dual,
+                                          linear as reference, rms_norm_gated_linear as reference_gated,
+                                          rms_norm_linear as reference_norm)
 from dayzero.ops import triton_support
 
 pytestmark = pytest.mark.skipif(not triton_support.HAS_TRITON, reason="needs triton")
@@ -353,17 +354,57 @@ def test_the_fused_timings_run_every_launch_they_compare(monkeypatch):
         return float(len(outputs))
 
     monkeypatch.setattr(L, "graph_time", eager)
-    monkeypatch.setattr(L, "cold_copies", lambda w: [w])
+    monkeypatch.setattr(L, "cold_copies", lambda w: [w])  # (dual_linear's: both weights, one copy each)
     for linear_choice in (None, (4, 16, 4)):  # the linear's own choice: cuBLAS, or a Triton block
         monkeypatch.setattr(L, "measured_choice", lambda *a, **k: linear_choice)
         g = torch.Generator().manual_seed(6)
         x, w, b = torch.randn(2, 64, generator=g), torch.randn(24, 64, generator=g), torch.randn(24, generator=g)
         runs = (lambda: NL.timings(x, x, torch.rand(64, generator=g), 1e-6, w, b),
                 lambda: AL.timings(torch.randn(2, 128, generator=g), w, b, "silu", None, torch.randn(2, 24)),
-                lambda: NL.gated_timings(x.view(2, 4, 16), torch.rand(16), x.view(2, 4, 16), 1e-6, w, b))
+                lambda: NL.gated_timings(x.view(2, 4, 16), torch.rand(16), x.view(2, 4, 16), 1e-6, w, b),
+                lambda: AL.dual_timings(x, w, torch.randn(2, 96, generator=g), torch.randn(24, 48), "silu"))
         for run in runs:
             outputs.clear()
             times = run()
             assert None in times and len(times) >= 2 and len(outputs) == len(times)
             for y in outputs[1:]:  # the timings draw their own random rows: apart and fused see the same ones
                 close(y, outputs[0].double(), torch.float32)
+
+
+# --- dual_linear: a second product (the shared expert) summed in the same launch ---------------------------------
+@pytest.mark.parametrize("M,N,K1,K2", [(1, 37, 100, 48), (3, 64, 32, 96), (5, 24, 64, 64)], ids=str)
+@pytest.mark.parametrize("activation,limit", [(None, None), ("silu", None), ("silu", 3.0), ("relu2", None)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_two_products_in_one_launch_match_fp64_and_the_reference(M, N, K1, K2, activation, limit, dtype):
+    parts = 1 if activation is None else L.ACTS[activation][1]
+    g = torch.Generator(DEV).manual_seed(7)
+    x, w, _ = operands(M, N, K1, dtype, dtype, False)
+    x2 = (3 * torch.randn(M, parts * K2, generator=g, device=DEV)).to(dtype)
+    w2 = (torch.randn(N, K2, generator=g, device=DEV) / K2 ** 0.5).to(dtype)
+    h = x2 if activation is None else _act_reference(x2, activation, limit)
+    want = exact(x, w, None) + exact(h, w2, None)
+    for block in AL.dual_candidates(M, N, K1, K2) + [(4, 16, 4)]:  # several K steps in each, ragged last ones
+        close(AL.dual_skinny_linear(x, w, x2, w2, activation, limit, block), want, dtype)
+    close(reference_dual(x, w, x2, w2, activation, limit), want, dtype)  # act_linear, then linear with its sum
+
+
+def test_dual_refusals_name_the_reason():
+    x, w, x2, w2 = torch.randn(2, 32), torch.randn(8, 32), torch.randn(2, 48), torch.randn(8, 24)
+    assert "unknown activation" in AL._verify_dual(x, w, x2, w2, "gelu")
+    assert "x2 needs the rows of x with 1 x" in AL._verify_dual(x, w, x2, w2)
+    assert "x2 needs the rows of x" in AL._verify_dual(x, w, x2[:1], w2, "silu")
+    assert "same out-features" in AL._verify_dual(x, w, x2, w2[:4], "silu")
+    assert "rows" in AL._verify_dual(x.repeat(5, 1), w, x2.repeat(5, 1), w2, "silu")
+
+
+@cuda
+@pytest.mark.parametrize("M", [1, 2])
+def test_dual_linear_op_at_the_latent_up_projection(M):
+    g = torch.Generator(DEV).manual_seed(8)
+    y = torch.randn(M, 512, generator=g, device=DEV).to(torch.bfloat16)  # dayzero-small's latent rows
+    sh = torch.randn(M, 1024, generator=g, device=DEV).to(torch.bfloat16)  # its shared expert's [gate | up]
+    w, w2 = ((torch.randn(2048, 512, generator=g, device=DEV) / 512 ** 0.5).to(torch.bfloat16) for _ in range(2))
+    want = exact(y, w, None) + act_exact(sh, "silu", None, w2, None, None)
+    choice = AL.dual_choice(y, w, sh, w2, "silu")  # one launch, or None: the ops apart measured faster
+    assert choice is None or choice in AL.dual_candidates(L.next_pow2(M), 2048, 512, 512)
+    close(ops.call("dual_linear", y, w, sh, w2, "silu"), want, torch.bfloat16)

@@ -1,5 +1,7 @@
 """``act_linear`` on a GPU: an MLP's activation run inside its down projection's skinny kernel
-(``kernels._skinny_kernel`` with ``ACT``), one launch where a decode step ran two.
+(``kernels._skinny_kernel`` with ``ACT``), one launch where a decode step ran two; ``dual_linear``: a second
+product summed in the same launch (``TWO``), a LatentMoE block's up-projection and its shared expert's activation
+and down projection in one launch where a decode step ran three.
 
 The kernel reads the [gate | up] rows of the first projection where it would read its input, applies the
 activation to each K step (rounded to the rows' dtype, as the activation op writes it) and multiplies. The
@@ -8,7 +10,8 @@ dense MLP's decode rows take it.
 
 Whether it runs is measured, like the linear's own choice: at a key's first eager call, the fused launch at each
 block shape against the activation kernel followed by the linear's measured choice, each replayed from a CUDA
-graph over L2-cold weight copies; the fused launch runs where it is faster.
+graph over L2-cold weight copies; the fused launch runs where it is faster. ``dual_linear`` is measured the same
+way against ``act_linear`` and ``linear`` apart, each as its own measurement chose.
 """
 from __future__ import annotations
 
@@ -75,3 +78,78 @@ def act_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
                limit: float | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
     return K.skinny_linear(x, weight, bias, None, _CHOICE[_key(x, weight, bias, activation, limit, add)], add,
                            activation, _limit(activation, limit))
+
+
+# --- dual_linear: two products summed in one launch ------------------------------------------------------------
+_DUAL: dict[tuple, K.Block | None] = {}  # key -> the fused launch's block shape, None: the two ops apart
+
+
+def dual_skinny_linear(x: torch.Tensor, weight: torch.Tensor, x2: torch.Tensor, weight2: torch.Tensor,
+                       activation: str | None = None, limit: float | None = None,
+                       block: K.Block | None = None) -> torch.Tensor:
+    """``x · weightᵀ + act(x2) · weight2ᵀ`` as one launch of the skinny kernel."""
+    M, (N, Kd) = x.shape[0], weight.shape
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M:
+        K.launch(x, weight, y, Kd, block or dual_candidates(M, N, Kd, weight2.shape[1])[0], activation=activation,
+                 limit=_limit(activation, limit), second=(x2, weight2))
+    return y
+
+
+def dual_candidates(rows: int, n: int, k: int, k2: int) -> list[K.Block]:
+    """The block shapes of :func:`kernels.candidates` for the longer of the two products."""
+    return K.candidates(rows, n, max(k, k2))
+
+
+def _dual_key(x, weight, x2, weight2, activation, limit) -> tuple:
+    return K._key(x, weight, None, None, None) + (weight2.shape[1], weight2.dtype, x2.dtype, activation, limit)
+
+
+def _verify_dual(x, weight, x2, weight2, activation=None, limit=None) -> str | None:
+    parts = 1 if activation is None else K.ACTS.get(activation, (0, 0))[1]
+    if activation is not None and activation not in K.ACTS:
+        return f"unknown activation {activation!r}"
+    if x2.dim() != 2 or x2.shape[0] != x.shape[0] or x2.shape[-1] != parts * weight2.shape[-1]:
+        return f"x2 needs the rows of x with {parts} x the second weight's in-features"
+    if weight2.shape[0] != weight.shape[0]:
+        return "the two weights need the same out-features"
+    why = K.refusal(x, weight) or K.refusal(x2[:, :weight2.shape[1]], weight2)
+    if why is None and dual_choice(x, weight, x2, weight2, activation, limit) is None:
+        return "the two ops apart are as fast or faster at this shape (measured)"
+    return why
+
+
+def dual_timings(x, weight, x2, weight2, activation=None, limit=None) -> dict[K.Block | None, float]:
+    """:func:`kernels.fused_timings` of ``act_linear`` (or ``linear``) then ``linear`` with its sum, each as the op
+    chooses (None), against the one launch, on random rows of x's and x2's shapes."""
+    from dayzero.ops.registry import call
+
+    xs = torch.randn(x.shape, device=x.device).to(x.dtype)
+    x2s = torch.randn(x2.shape, device=x.device).to(x2.dtype)
+
+    def apart(w, w2):
+        other = call("linear", x2s, w2) if activation is None else call("act_linear", x2s, w2, None, activation, limit)
+        return call("linear", xs, w, add=other)
+
+    apart(weight, weight2)  # the two ops measure their own choices first, eagerly
+    return K.fused_timings((weight, weight2), lambda ws: apart(*ws),
+                           lambda ws, b: dual_skinny_linear(xs, ws[0], x2s, ws[1], activation, limit, b),
+                           dual_candidates(x.shape[0], weight.shape[0], weight.shape[1], weight2.shape[1]))
+
+
+def dual_choice(x, weight, x2, weight2, activation=None, limit=None) -> K.Block | None:
+    """The one launch's block shape when it ran faster than the two ops apart (measured at the key's first call,
+    on the key's bucket of rows), else None."""
+    key = _dual_key(x, weight, x2, weight2, activation, limit)
+    xs, x2s = K.bucket_rows(x, key[0]), K.bucket_rows(x2, key[0])
+    return K.measure_once(_DUAL, key, x.device, lambda: K.fused_choice(
+        f"dual_linear {key[0]} x [{weight.shape[0]}, {weight.shape[1]} + {weight2.shape[1]}]",
+        dual_timings(xs, weight, x2s, weight2, activation, limit)))
+
+
+@register("dual_linear", "cuda", verifier=_verify_dual,
+          note="both products in one skinny linear launch (1-8 rows, where measured faster than the ops apart)")
+def dual_linear(x: torch.Tensor, weight: torch.Tensor, x2: torch.Tensor, weight2: torch.Tensor,
+                activation: str | None = None, limit: float | None = None) -> torch.Tensor:
+    return dual_skinny_linear(x, weight, x2, weight2, activation, limit,
+                              _DUAL[_dual_key(x, weight, x2, weight2, activation, limit)])

@@ -41,8 +41,9 @@ if HAS_TRITON:
     @triton.jit
     def _skinny_kernel(x_ptr, w_ptr, b_ptr, a_ptr, y_ptr, M, N, K, s_xm, s_wn, s_am, s_ym,
                        r_ptr, g_ptr, xn_ptr, ro_ptr, s_rm, eps, limit, alpha, q_ptr, s_qm,
+                       x2_ptr, w2_ptr, K2, s_x2m, s_w2n,
                        HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-                       ACT: tl.constexpr, CLAMP: tl.constexpr, HEAD: tl.constexpr,
+                       ACT: tl.constexpr, CLAMP: tl.constexpr, HEAD: tl.constexpr, TWO: tl.constexpr,
                        EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # x: [M, K], w: [N, K], add: [M, N] (unit column strides); y: [M, N]; grid: cdiv(N, BLOCK_N).
         # NORM: x is first RMS-normalised with weight g [K] (after adding the residual r [M, K] when HAS_RES,
@@ -51,6 +52,7 @@ if HAS_TRITON:
         # product reads act(x) rounded to x's dtype, as the activation op would have written it.
         # HEAD > 0 (a power of two dividing BLOCK_K): x is [M, K / HEAD heads of HEAD], each head RMS-normalised
         # with weight g [HEAD] and multiplied by sigmoid of its gate q [M, K] (row stride s_qm), rounded to x's dtype.
+        # TWO: a second product is added, x2 [M, K2] (ACT applying to it, not to x) times w2 [N, K2].
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
         n_ok, m_ok = n < N, m < M
@@ -67,7 +69,7 @@ if HAS_TRITON:
                 k_ok = k < K
                 w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            if ACT != 0:
+            if ACT != 0 and not TWO:
                 x = _act_input(x, x_rows, k, m_ok, K, limit, alpha, ACT, CLAMP)
             if HEAD > 0:
                 x = _gated_norm_input(x, q_ptr, g_ptr, m, k, s_qm, M, K, eps, HEAD, BLOCK_M, BLOCK_K)
@@ -90,6 +92,17 @@ if HAS_TRITON:
                     g = tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32)
                     xn = x.to(tl.float32) * rstd[:, None] * g[None, :]
                     tl.store(xn_ptr + m[:, None] * K + k[None, :], xn.to(xn_ptr.dtype.element_ty), mask=ok)
+        if TWO:
+            x2_rows = x2_ptr + m[:, None] * s_x2m
+            w2_rows = w2_ptr + n.to(tl.int64)[:, None] * s_w2n
+            for k0 in range(0, K2, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = k < K2
+                w = tl.load(w2_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                x = tl.load(x2_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                if ACT != 0:
+                    x = _act_input(x, x2_rows, k, m_ok, K2, limit, alpha, ACT, CLAMP)
+                acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
         if HAS_BIAS:
             acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if HAS_ADD:
@@ -156,6 +169,31 @@ def candidates(rows: int, n: int, k: int) -> list[Block]:
     return out
 
 
+def launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, K: int, block: Block, *,
+           bias: torch.Tensor | None = None, add: torch.Tensor | None = None, activation: str | None = None,
+           limit: float | None = None, alpha: float = 1.702, eps: float = 0.0,
+           norm: tuple | None = None, gate: tuple | None = None, second: tuple | None = None) -> None:
+    """One launch of the skinny kernel writing ``y`` [M, N] from x's rows against weight [N, K] at ``block``.
+    ``norm`` = (norm weight, residual or None, normed out, sum out): the RMSNorm prologue; ``gate`` = (norm
+    weight [HEAD], gate rows [M, K]): the gated head norm; ``second`` = (x2, w2 [N, K2]): a second product, the
+    ``activation`` then applying to x2."""
+    M, N = y.shape
+    bn, bk, warps = block
+    nw, res, normed, res_out = norm or (x, None, x, x)
+    gw, grows = gate or (nw, x)
+    x2, w2 = second or (x, weight)
+    _skinny_kernel[(triton.cdiv(N, bn),)](
+        x, weight, weight if bias is None else bias, y if add is None else add, y, M, N, K, x.stride(0),
+        weight.stride(0), 0 if add is None else add.stride(0), y.stride(0),
+        x if res is None else res, gw, normed, res_out, 0 if res is None else res.stride(0), float(eps),
+        float(limit if limit is not None else 0.0), float(alpha), grows, grows.stride(0),
+        x2, w2, w2.shape[1] if second else 0, x2.stride(0), w2.stride(0),
+        HAS_BIAS=bias is not None, HAS_ADD=add is not None, NORM=norm is not None, HAS_RES=res is not None,
+        ACT=ACTS[activation][0] if activation else 0, CLAMP=limit is not None,
+        HEAD=gw.shape[0] if gate else 0, TWO=second is not None, EVEN_K=K % bk == 0,
+        BLOCK_M=next_pow2(M), BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   out_dtype: torch.dtype | None = None, block: Block | None = None,
                   add: torch.Tensor | None = None, activation: str | None = None,
@@ -165,17 +203,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     ``limit`` its clamp), weight [N, K] and add [M, N] with unit column strides."""
     M, (N, K) = x.shape[0], weight.shape
     y = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
-    if M == 0:
-        return y
-    bn, bk, warps = block or candidates(M, N, K)[0]
-    _skinny_kernel[(triton.cdiv(N, bn),)](
-        x, weight, weight if bias is None else bias, y if add is None else add, y, M, N, K, x.stride(0),
-        weight.stride(0), 0 if add is None else add.stride(0), y.stride(0), x, x, x, x, 0, 0.0,
-        float(limit if limit is not None else 0.0), float(alpha), x, 0,
-        HAS_BIAS=bias is not None, HAS_ADD=add is not None, NORM=False, HAS_RES=False,
-        ACT=ACTS[activation][0] if activation else 0, CLAMP=limit is not None, HEAD=0, EVEN_K=K % bk == 0,
-        BLOCK_M=next_pow2(M), BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=warps)
+    if M:
+        launch(x, weight, y, K, block or candidates(M, N, K)[0], bias=bias, add=add, activation=activation,
+               limit=limit, alpha=alpha)
     return y
 
 
@@ -251,11 +281,11 @@ def bucket_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return x.new_empty((1,) * x.dim()).expand(rows, *x.shape[1:])
 
 
-def fused_timings(weight: torch.Tensor, apart, fused, blocks: list[Block]) -> dict[Block | None, float]:
+def fused_timings(weight: torch.Tensor | tuple, apart, fused, blocks: list[Block]) -> dict[Block | None, float]:
     """Device milliseconds per call of ``apart(w)`` (key None: an op's own kernel, then the linear) and of
     ``fused(w, block)`` (the op inside the skinny kernel) at each of ``blocks``, each replayed from a CUDA graph
-    over L2-cold copies of ``weight``."""
-    ws = cold_copies(weight)
+    over L2-cold copies of ``weight`` (a tuple of weights: copies of each, passed together)."""
+    ws = cold_copies(weight) if isinstance(weight, torch.Tensor) else list(zip(*map(cold_copies, weight)))
     times = {None: graph_time([lambda w=w: apart(w) for w in ws])}
     for b in blocks:
         times[b] = graph_time([lambda w=w, b=b: fused(w, b) for w in ws])

@@ -23,7 +23,6 @@ import torch
 
 from dayzero.ops.linear import kernels as K
 from dayzero.ops.registry import register
-from dayzero.ops.triton_support import next_pow2, triton
 
 _CHOICE: dict[tuple, K.Block | None] = {}  # key -> the fused launch's block shape, None: the norm runs apart
 
@@ -40,14 +39,8 @@ def norm_skinny_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
     res_out = x if residual is None else torch.empty(M, Kd, dtype=x.dtype, device=x.device)
     if M == 0:
         return y, normed, res_out
-    bn, bk, warps = block or K.candidates(M, N, Kd)[0]
-    K._skinny_kernel[(triton.cdiv(N, bn),)](
-        x, weight, weight if bias is None else bias, y, y, M, N, Kd, x.stride(0), weight.stride(0), 0, y.stride(0),
-        x if residual is None else residual, norm_weight, normed, res_out,
-        0 if residual is None else residual.stride(0), float(eps), 0.0, 0.0, x, 0,
-        HAS_BIAS=bias is not None, HAS_ADD=False, NORM=True, HAS_RES=residual is not None, ACT=0, CLAMP=False, HEAD=0,
-        EVEN_K=Kd % bk == 0,
-        BLOCK_M=next_pow2(M), BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+    K.launch(x, weight, y, Kd, block or K.candidates(M, N, Kd)[0], bias=bias, eps=eps,
+             norm=(norm_weight, residual, normed, res_out))
     return y, normed, res_out
 
 
@@ -124,12 +117,8 @@ def gated_norm_skinny_linear(x: torch.Tensor, norm_weight: torch.Tensor, gate: t
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return y
-    bn, bk, warps = block or gated_candidates(M, N, Kd, V)[0]
-    K._skinny_kernel[(triton.cdiv(N, bn),)](
-        x, weight, weight if bias is None else bias, y, y, M, N, Kd, x.stride(0), weight.stride(0), 0, y.stride(0),
-        x, norm_weight, x, x, 0, float(eps), 0.0, 0.0, gate, gate.stride(0),
-        HAS_BIAS=bias is not None, HAS_ADD=False, NORM=False, HAS_RES=False, ACT=0, CLAMP=False, HEAD=V,
-        EVEN_K=Kd % bk == 0, BLOCK_M=next_pow2(M), BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+    K.launch(x, weight, y, Kd, block or gated_candidates(M, N, Kd, V)[0], bias=bias, eps=eps,
+             gate=(norm_weight, gate.view(M, Kd)))
     return y
 
 

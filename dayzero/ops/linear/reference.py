@@ -62,3 +62,15 @@ def rms_norm_gated_linear(x: torch.Tensor, norm_weight: torch.Tensor, gate: torc
     # x, gate: [T, H, V]; norm_weight: [V]; weight: [N, H*V] -> [T, N]
     o = call("rms_norm_gated", x, norm_weight, gate, eps)
     return call("linear", o.reshape(x.shape[0], -1), weight, bias)
+
+
+@register("dual_linear")
+def dual_linear(x: torch.Tensor, weight: torch.Tensor, x2: torch.Tensor, weight2: torch.Tensor,
+                activation: str | None = None, limit: float | None = None) -> torch.Tensor:
+    """``x · weightᵀ + act(x2) · weight2ᵀ``: two projections of different inputs summed, the second through
+    ``act_linear`` when an ``activation`` is given (a LatentMoE block's up-projection plus its shared expert's
+    activation and down projection). Here the second is the first's ``add`` (and so each its own kernels)."""
+    # x: [T, K]; weight: [N, K]; x2: [T, K2] ([T, 2 K2] for a gated activation); weight2: [N, K2] -> [T, N]
+    other = (call("linear", x2, weight2) if activation is None
+             else call("act_linear", x2, weight2, None, activation, limit))
+    return call("linear", x, weight, add=other)
