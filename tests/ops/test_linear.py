@@ -408,3 +408,22 @@ def test_dual_linear_op_at_the_latent_up_projection(M):
     choice = AL.dual_choice(y, w, sh, w2, "silu")  # one launch, or None: the ops apart measured faster
     assert choice is None or choice in AL.dual_candidates(L.next_pow2(M), 2048, 512, 512)
     close(ops.call("dual_linear", y, w, sh, w2, "silu"), want, torch.bfloat16)
+
+
+def test_a_fused_launch_that_fails_to_run_is_left_out_of_the_choice(monkeypatch, caplog):
+    def graph_time(calls, replays=5):
+        return [c() for c in calls][0]
+
+    monkeypatch.setattr(L, "graph_time", graph_time)
+    monkeypatch.setattr(L, "cold_copies", lambda w: [w])
+
+    def fused(w, b):
+        if b == (8, 64, 4):
+            raise RuntimeError("cannot build")
+        return 1.0
+
+    with caplog.at_level("WARNING", logger="dayzero.ops"):
+        times = L.fused_timings(torch.ones(1), lambda w: 2.0, fused, [(8, 64, 4), (4, 64, 4)])
+    assert times == {None: 2.0, (4, 64, 4): 1.0} and "cannot build" in caplog.text
+    assert L.fused_choice("x", times) == (4, 64, 4)
+    assert L.fused_choice("x", {None: 2.0}) is None  # no fused launch ran: apart

@@ -288,13 +288,20 @@ def fused_timings(weight: torch.Tensor | tuple, apart, fused, blocks: list[Block
     ws = cold_copies(weight) if isinstance(weight, torch.Tensor) else list(zip(*map(cold_copies, weight)))
     times = {None: graph_time([lambda w=w: apart(w) for w in ws])}
     for b in blocks:
-        times[b] = graph_time([lambda w=w, b=b: fused(w, b) for w in ws])
+        try:
+            times[b] = graph_time([lambda w=w, b=b: fused(w, b) for w in ws])
+        except Exception as e:  # noqa: BLE001 - a block shape this Triton cannot build: the others, or apart, run
+            log.warning("skinny kernel block %s failed to run, left out of the choice: %s: %s", b,
+                        type(e).__name__, e)
     return times
 
 
 def fused_choice(what: str, times: dict[Block | None, float]) -> Block | None:
     """The fused launch's fastest block shape when it beat the ops apart in :func:`fused_timings`, else None;
     logged with ``what``."""
+    if len(times) == 1:
+        log.info("%s: apart %.1f us, no fused launch ran -> apart", what, 1e3 * times[None])
+        return None
     best = fastest_triton(times)
     choice = best if times[best] < times[None] else None
     log.info("%s: apart %.1f us, fused %s %.1f us -> %s", what, 1e3 * times[None], best, 1e3 * times[best],
