@@ -188,13 +188,14 @@ class MoE(nn.Module):
     def _route(self, x: torch.Tensor, batch, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
         """Routing weights fp32 [t, k] and expert ids [t, k] of the tokens ``x`` (rows ``rows`` of the step)."""
         s = self.spec
-        logits = ops.call("linear", x, self.gate.weight, self.gate.bias, out_dtype=torch.float32)  # [t, E] fp32
-        fixed = None
-        if self.tid2eid is not None:
-            if batch is None:
-                raise ValueError("a hash-routed MoE layer needs the step's batch (its token ids)")
-            fixed = self.tid2eid[batch.input_ids[rows]]  # [t, k]
         scale = s.routed_scaling_factor if self._scale_in_weights else 1.0
+        if self.tid2eid is None:  # the router's fp32 logits and their routing (one launch on a decode step's rows)
+            return ops.call("moe_router", x, self.gate.weight, self.gate.bias, s.top_k, s.router,
+                            self.e_score_correction_bias, s.n_group, s.topk_group, s.norm_topk_prob, scale)
+        if batch is None:
+            raise ValueError("a hash-routed MoE layer needs the step's batch (its token ids)")
+        logits = ops.call("linear", x, self.gate.weight, self.gate.bias, out_dtype=torch.float32)  # [t, E] fp32
+        fixed = self.tid2eid[batch.input_ids[rows]]  # [t, k]
         return ops.call("moe_route", logits, s.top_k, s.router, self.e_score_correction_bias, s.n_group,
                         s.topk_group, s.norm_topk_prob, scale, fixed)
 

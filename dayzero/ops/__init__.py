@@ -33,6 +33,7 @@ from dayzero.ops.sampling import kernels as _sampling_kernels  # noqa: F401,E402
 from dayzero.ops.rotary import kernels as _rotary_kernels  # noqa: F401,E402
 from dayzero.ops.activation import kernels as _activation_kernels  # noqa: F401,E402
 from dayzero.ops.moe import route_kernels as _route_kernels  # noqa: F401,E402
+from dayzero.ops.moe import router_kernels as _router_kernels  # noqa: F401,E402
 from dayzero.ops.moe import unpermute_kernels as _unpermute_kernels  # noqa: F401,E402
 from dayzero.ops.moe import permute_kernels as _permute_kernels  # noqa: F401,E402
 from dayzero.ops.kda import gate_kernels as _gate_kernels  # noqa: F401,E402

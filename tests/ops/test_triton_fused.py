@@ -201,7 +201,7 @@ def test_routing_picks_the_references_experts(case, norm):
     logits = rand(33, c["E"], seed=25) * 3
     bias = rand(c["E"], seed=26) * 0.1 if c["bias"] else None
     args = (logits, c["k"], c.get("kind", "sigmoid"), bias, c["G"], c["TG"], norm, 2.5)
-    assert route_k._verify(*args) is None
+    assert route_k.route_refusal(*args) is None
     w, ids = route_k.route(*args)
     w_ref, ids_ref = moe_ref.route(*args)
     assert torch.equal(ids.sort(-1).values, ids_ref.sort(-1).values)
@@ -210,9 +210,9 @@ def test_routing_picks_the_references_experts(case, norm):
 
 def test_routing_refuses_what_the_kernel_does_not_take():
     logits = rand(4, 16, seed=27)
-    assert "softmax" in route_k._verify(logits, 2, "softmax")
-    assert "fixed" in route_k._verify(logits, 2, "sigmoid", fixed_ids=torch.zeros(4, 2, dtype=torch.long))
-    assert "power of two" in route_k._verify(logits, 3, "sigmoid")
+    assert "softmax" in route_k.route_refusal(logits, 2, "softmax")
+    assert "fixed" in route_k.route_refusal(logits, 2, "sigmoid", fixed_ids=torch.zeros(4, 2, dtype=torch.long))
+    assert "power of two" in route_k.route_refusal(logits, 3, "sigmoid")
 
 
 from dayzero.ops.moe import unpermute_kernels as unperm_k  # noqa: E402

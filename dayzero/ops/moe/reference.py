@@ -17,7 +17,7 @@ import functools
 import torch
 
 from dayzero.ops.activation.reference import relu2, silu_and_mul, swiglu_oai
-from dayzero.ops.registry import register
+from dayzero.ops.registry import call, register
 
 # activation name -> (function on the w1 output, rows of w1 per intermediate channel)
 _ACTIVATIONS = {
@@ -52,6 +52,18 @@ def _mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, act, b1=None, b2=N
         h = h + b1.float()
     y = act(h) @ w2.float().t()
     return y if b2 is None else y + b2.float()
+
+
+@register("moe_router")
+def moe_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, kind: str = "sigmoid",
+               correction_bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1,
+               norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's fp32 logits ``x · weightᵀ + bias`` (the ``linear`` op) routed by ``moe_route``: (weights fp32
+    [T, k], ids int64 [T, k]). Each its own op here (and so its own kernels on a device)."""
+    # x: [T, D]; weight: [E, D]; bias: [E] or None
+    logits = call("linear", x, weight, bias, out_dtype=torch.float32)
+    return call("moe_route", logits, top_k, kind, correction_bias, n_group, topk_group, norm_topk_prob,
+                routed_scaling_factor)
 
 
 @register("moe_route")

@@ -26,7 +26,14 @@ if HAS_TRITON:
     def _route_kernel(logits_ptr, bias_ptr, w_ptr, id_ptr, E, scale, GS: tl.constexpr,
                       SQRT_SOFTPLUS: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
                       G: tl.constexpr, TOPG: tl.constexpr, K: tl.constexpr, BE: tl.constexpr, BG: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
+        route_token(logits_ptr, bias_ptr, w_ptr, id_ptr, tl.program_id(0).to(tl.int64), E, scale, GS,
+                    SQRT_SOFTPLUS, HAS_BIAS, NORM, G, TOPG, K, BE, BG)
+
+    @triton.jit
+    def route_token(logits_ptr, bias_ptr, w_ptr, id_ptr, t, E, scale, GS: tl.constexpr,
+                    SQRT_SOFTPLUS: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+                    G: tl.constexpr, TOPG: tl.constexpr, K: tl.constexpr, BE: tl.constexpr, BG: tl.constexpr):
+        """Token t's routing: its E logits read from row t, its K weights and ids written to rows t."""
         e = tl.arange(0, BE)
         valid = e < E
         x = tl.load(logits_ptr + t * E + e, mask=valid, other=0.0).to(tl.float32)
@@ -71,7 +78,7 @@ if HAS_TRITON:
         tl.store(w_ptr + t * K + kk, ws * scale)
 
 
-def _verify(logits, top_k, kind="sigmoid", correction_bias=None, n_group=1, topk_group=1, norm_topk_prob=True,
+def route_refusal(logits, top_k, kind="sigmoid", correction_bias=None, n_group=1, topk_group=1, norm_topk_prob=True,
             routed_scaling_factor=1.0, fixed_ids=None) -> str | None:
     why = triton_refusal(logits)
     if why is not None:
@@ -90,7 +97,7 @@ def _verify(logits, top_k, kind="sigmoid", correction_bias=None, n_group=1, topk
     return None
 
 
-@register("moe_route", "cuda", verifier=_verify, note="Triton, one program per token (sigmoid / sqrt-softplus)")
+@register("moe_route", "cuda", verifier=route_refusal, note="Triton, one program per token (sigmoid / sqrt-softplus)")
 def route(logits: torch.Tensor, top_k: int, kind: str = "sigmoid", correction_bias: torch.Tensor | None = None,
           n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0,
           fixed_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,8 +108,14 @@ def route(logits: torch.Tensor, top_k: int, kind: str = "sigmoid", correction_bi
     if T:
         bias = correction_bias if correction_bias is not None else logits
         # one warp up to 256 experts: a token's ~50 arg-max / max reductions stay within warp shuffles
-        _route_kernel[(T,)](logits, bias, weights, ids, E, float(routed_scaling_factor), GS=E // n_group,
-                            SQRT_SOFTPLUS=kind == "sqrtsoftplus", HAS_BIAS=correction_bias is not None,
-                            NORM=norm_topk_prob, G=n_group, TOPG=topk_group, K=top_k, BE=next_pow2(E),
-                            BG=next_pow2(n_group), num_warps=1 if E <= 256 else 4)
+        _route_kernel[(T,)](logits, bias, weights, ids, E, float(routed_scaling_factor),
+                            **route_constants(E, top_k, kind, correction_bias, n_group, topk_group, norm_topk_prob),
+                            num_warps=1 if E <= 256 else 4)
     return weights, ids
+
+
+def route_constants(E: int, top_k: int, kind: str, correction_bias, n_group: int, topk_group: int,
+                    norm_topk_prob: bool) -> dict:
+    """:func:`route_token`'s compile-time arguments."""
+    return dict(GS=E // n_group, SQRT_SOFTPLUS=kind == "sqrtsoftplus", HAS_BIAS=correction_bias is not None,
+                NORM=norm_topk_prob, G=n_group, TOPG=topk_group, K=top_k, BE=next_pow2(E), BG=next_pow2(n_group))
