@@ -13,8 +13,9 @@ shapes: cuBLAS only against the op's choice (Triton where it is at least 5% fast
 A second table times the ops that run another kernel's work inside the skinny kernel, at the shapes a step runs
 them: ``rms_norm_linear`` (the input norm inside each mixer's fused projection), ``act_linear`` (the dense MLPs'
 activation inside their down projections), ``rms_norm_gated_linear`` (KDA's gated output norm inside its output
-projection) and ``dual_linear`` (a LatentMoE block's up-projection with its shared expert's activation and down
-projection), each against its kernels apart (each as its op chooses), as the ops measure it at their first call.
+projection), ``dual_linear`` (a LatentMoE block's up-projection with its shared expert's activation and down
+projection) and ``moe_router`` (the router GEMV with the routing), each against its kernels apart (each as its
+op chooses), as the ops measure it at their first call.
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def fused_shapes(config: str, dtype: torch.dtype) -> dict[tuple, int]:
     """(op, N, K, head) -> how many a decode step runs: the norm inside each fused input projection, the
     activation inside each MLP's down projection, KDA's gated norm inside its output projection (head: its head
     size), a LatentMoE block's up-projection with its shared expert (K: the two in-features, head: the shared
-    expert's)."""
+    expert's), each MoE router with its routing."""
     from dayzero.layers.attention.kda import KDAAttention
     from dayzero.layers.fused import fuse
     from dayzero.layers.mlp import MLP
@@ -71,6 +72,8 @@ def fused_shapes(config: str, dtype: torch.dtype) -> dict[tuple, int]:
             in_dual.add(mod.shared_experts)
         elif isinstance(mod, MLP) and mod not in in_dual:
             shapes[("act_linear", *mod.down_proj.weight.shape, 0)] += 1
+        if isinstance(mod, MoE) and mod.tid2eid is None:
+            shapes[("moe_router", *mod.gate.weight.shape, 0)] += 1
         if isinstance(mod, KDAAttention):
             shapes[("rms_norm_gated_linear", *mod.o_proj.weight.shape, mod.K)] += 1
     return dict(shapes)
@@ -86,6 +89,11 @@ def time_fused(op: str, rows: int, n: int, k: int, head: int, dev, dtype) -> dic
         times = N.timings(x, x, torch.ones(k, device=dev, dtype=dtype), 1e-6, w)
     elif op == "act_linear":
         times = A.timings(torch.randn(rows, 2 * k, device=dev).to(dtype), w)
+    elif op == "moe_router":  # dayzero-small's routing: sigmoid, 8 groups, 4 kept, top-8
+        from dayzero.ops.moe import router_kernels as R
+
+        times = R.timings(torch.randn(rows, k, device=dev).to(dtype), w.float(), None, 8, "sigmoid",
+                          torch.zeros(n, device=dev), 8, 4)
     elif op == "dual_linear":  # k = K1 + K2, head = K2
         w2 = (torch.randn(n, head, device=dev) / head ** 0.5).to(dtype)
         x, x2 = torch.randn(rows, k - head, device=dev).to(dtype), torch.randn(rows, 2 * head, device=dev).to(dtype)
