@@ -23,19 +23,25 @@ if HAS_TRITON:
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cols < n_cols
         a = tl.load(x_ptr + row * sx + cols, mask=m, other=0.0).to(tl.float32)
+        up = a
         if GATED:
             up = tl.load(x_ptr + row * sx + n_cols + cols, mask=m, other=0.0).to(tl.float32)
-            if CLAMP:
-                a = tl.minimum(a, limit)
-                up = tl.minimum(tl.maximum(up, -limit), limit)
-            if KIND == 0:
-                y = a * tl.sigmoid(a) * up
-            else:
-                y = a * tl.sigmoid(alpha * a) * (up + 1.0)
-        else:
+        tl.store(y_ptr + row * n_cols + cols, activate(a, up, limit, alpha, KIND, CLAMP).to(y_ptr.dtype.element_ty),
+                 mask=m)
+
+    @triton.jit
+    def activate(a, up, limit, alpha, KIND: tl.constexpr, CLAMP: tl.constexpr):
+        """The activation of fp32 ``a`` (the gate, or the input of squared ReLU) and ``up`` (unused by squared
+        ReLU), clamped at ``limit`` first when CLAMP; the kernels of the linear ops apply it too."""
+        if KIND == 1:  # RELU2
             y = tl.maximum(a, 0.0)
-            y = y * y
-        tl.store(y_ptr + row * n_cols + cols, y.to(y_ptr.dtype.element_ty), mask=m)
+            return y * y
+        if CLAMP:
+            a = tl.minimum(a, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+        if KIND == 0:  # SILU
+            return a * tl.sigmoid(a) * up
+        return a * tl.sigmoid(alpha * a) * (up + 1.0)  # SWIGLU_OAI
 
 
     @triton.jit

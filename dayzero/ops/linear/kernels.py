@@ -22,6 +22,7 @@ import logging
 
 import torch
 
+from dayzero.ops.activation.kernels import RELU2, SILU, SWIGLU_OAI
 from dayzero.ops.registry import register
 from dayzero.ops.triton_support import HAS_TRITON, next_pow2, triton_refusal
 
@@ -29,12 +30,15 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from dayzero.ops.activation.kernels import activate
+
 log = logging.getLogger("dayzero.ops")
 
 MAX_ROWS = 8  # past a GEMV's few rows cuBLAS's GEMM tiles read the weight once for all of them
 MARGIN = 0.95  # a Triton shape runs when it takes at most this share of cuBLAS's time
-# activations the kernel applies to x as it reads it (``ACT``): name -> (code, input columns per output column)
-ACTS = {"silu": (1, 2), "relu2": (2, 1), "swiglu_oai": (3, 2)}
+# activations the kernel applies to x as it reads it (``ACT``, the activation kernels' kind + 1): name -> (code,
+# input columns per output column)
+ACTS = {"silu": (SILU + 1, 2), "relu2": (RELU2 + 1, 1), "swiglu_oai": (SWIGLU_OAI + 1, 2)}
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 if HAS_TRITON:
@@ -117,18 +121,10 @@ if HAS_TRITON:
         """act(x) for one K step, rounded to x's dtype: x is the gate part (read already); the up part sits K
         columns on (SiLU-and-mul, gpt-oss SwiGLU), or there is none (squared ReLU)."""
         a = x.to(tl.float32)
-        if ACT == 2:
-            a = tl.maximum(a, 0.0)
-            return (a * a).to(x.dtype)
-        up = tl.load(x_rows + K + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
-        if CLAMP:
-            a = tl.minimum(a, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-        if ACT == 1:
-            y = a * tl.sigmoid(a) * up
-        else:
-            y = a * tl.sigmoid(alpha * a) * (up + 1.0)
-        return y.to(x.dtype)
+        up = a
+        if ACT != 2:  # squared ReLU (RELU2 + 1) has no up part
+            up = tl.load(x_rows + K + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+        return activate(a, up, limit, alpha, ACT - 1, CLAMP).to(x.dtype)
 
 
     @triton.jit
