@@ -132,6 +132,21 @@ def pairs_to_halves(heads: int, parts: int = 1, rotated: int | None = None) -> T
     return transform
 
 
+def per_group(groups: int, rows: int, transform_of: Callable[[int], Transform]) -> Transform:
+    """A transform of a stored tensor of ``groups`` consecutive blocks of ``rows`` rows (one per key head, say) into
+    parts that keep the blocks' order, ``transform_of(n)`` doing it for n blocks. It also says which stored rows
+    a tensor-parallel rank needs when it holds an equal share of every part (``rank_rows(rank, size)``: start,
+    length, and the transform of those rows alone), so that rank reads its run of blocks and nothing else."""
+    transform = transform_of(groups)
+
+    def rank_rows(rank: int, size: int) -> tuple[int, int, Transform]:
+        n = groups // size
+        return rank * n * rows, n * rows, transform_of(n)
+
+    transform.rank_rows = rank_rows
+    return transform
+
+
 def chain(*transforms: Transform) -> Transform:
     """Apply ``transforms`` left to right."""
 

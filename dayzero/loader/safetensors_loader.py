@@ -259,10 +259,16 @@ def load_weights(model: torch.nn.Module, path: str | Path, rules: list[Rule], ig
             param = params[target]
             view = _target(rule, m, param, shards.get(target))
             sliced = cut is not None and len(cut) == 1 and rule.transform is same
+            grouped = _rank_rows(rule, shards.get(target), cut, view, param)
             try:
                 if sliced:  # the rank's rows of each piece read alone, never the rest of the tensor
                     handle = handles[file].get_slice(name)
                     _copy_cut(view, lambda start, n: _read_rows(handle, cut[0].dim, start, n), cut[0])
+                    continue
+                if grouped is not None:  # the rank's run of row groups, transformed alone
+                    start, n, transform = grouped
+                    handle = handles[file].get_slice(name)
+                    view.copy_(transform(_read_rows(handle, -len(handle.get_shape()), start, n)).to(param.dtype))
                     continue
                 t = handles[file].get_tensor(name)
             except Exception as e:  # safetensors raises its own error types for damaged data
@@ -276,6 +282,18 @@ def load_weights(model: torch.nn.Module, path: str | Path, rules: list[Rule], ig
                 _copy_cut(outer, lambda start, n, t=t, d=c.dim: t.narrow(d, start, n), c)
                 t = outer
             _copy_cut(view, lambda start, n, t=t: t.narrow(cut[-1].dim, start, n), cut[-1])
+
+
+def _rank_rows(rule: Rule, shard: Shard | None, cut, view: torch.Tensor, param: torch.Tensor):
+    """(start, length, transform) of the stored rows a rank reads for a transform made of row groups
+    (:func:`~dayzero.loader.rules.per_group`) when its parameter holds an equal share of every part along dim 0;
+    else None (the tensor is read whole and cut after its transform)."""
+    rank_rows = getattr(rule.transform, "rank_rows", None)
+    if rank_rows is None or cut is None or len(cut) != 1 or shard is None or shard.experts or shard.inner:
+        return None
+    if shard.dim != 0 or view.shape != param.shape or any(length != held for _, length, held in cut[0].pieces):
+        return None
+    return rank_rows(shard.rank, shard.size)
 
 
 def _read_rows(handle, dim: int, start: int, length: int) -> torch.Tensor:

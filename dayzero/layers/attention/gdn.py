@@ -34,30 +34,36 @@ from dayzero.distributed import SINGLE, ParallelState, divide
 from dayzero.layers.attention.kda import DeltaRuleLayer
 from dayzero.layers.fused import fuse, project
 from dayzero.layers.norm import RMSNorm
+from dayzero.loader.rules import per_group
 from dayzero.layers.parallel import Linear, Shard, column_linear, cut_by_blocks, row_linear
 
 
 def ungroup_qkvz(spec: GDNSpec):
     """Checkpoint [Hk * (2K + 2rV), D], per key head [q(K) | k(K) | v(rV) | z(rV)] (r = Hv/Hk), to our
-    [q (Hk K) | k (Hk K) | v (Hv V) | z (Hv V)]."""
-    K, rV = spec.head_k_dim, spec.num_v_heads // spec.num_k_heads * spec.head_v_dim
-
-    def transform(t: torch.Tensor) -> torch.Tensor:
-        parts = t.reshape(spec.num_k_heads, 2 * K + 2 * rV, -1).split([K, K, rV, rV], dim=1)
-        return torch.cat([p.reshape(-1, t.shape[-1]) for p in parts])
-
-    return transform
+    [q (Hk K) | k (Hk K) | v (Hv V) | z (Hv V)]; a tensor-parallel rank reads only its key heads' groups."""
+    return _ungroup(spec, (spec.head_k_dim, spec.head_k_dim, _rV(spec), _rV(spec)))
 
 
 def ungroup_ba(spec: GDNSpec):
-    """Checkpoint [2 Hv, D], per key head [b(r) | a(r)], to our [b (Hv) | a (Hv)]."""
+    """Checkpoint [2 Hv, D], per key head [b(r) | a(r)], to our [b (Hv) | a (Hv)]; likewise per rank."""
     r = spec.num_v_heads // spec.num_k_heads
+    return _ungroup(spec, (r, r))
 
-    def transform(t: torch.Tensor) -> torch.Tensor:
-        b, a = t.reshape(spec.num_k_heads, 2 * r, -1).split([r, r], dim=1)
-        return torch.cat([b.reshape(-1, t.shape[-1]), a.reshape(-1, t.shape[-1])])
 
-    return transform
+def _rV(spec: GDNSpec) -> int:
+    return spec.num_v_heads // spec.num_k_heads * spec.head_v_dim
+
+
+def _ungroup(spec: GDNSpec, widths: tuple[int, ...]):
+    """Rows grouped per key head as ``widths`` parts to each part's rows of every head, part after part."""
+    def transform_of(heads: int):
+        def transform(t: torch.Tensor) -> torch.Tensor:
+            parts = t.reshape(heads, sum(widths), -1).split(list(widths), dim=1)
+            return torch.cat([p.reshape(-1, t.shape[-1]) for p in parts])
+
+        return transform
+
+    return per_group(spec.num_k_heads, sum(widths), transform_of)
 
 
 class GatedDeltaNet(DeltaRuleLayer):
