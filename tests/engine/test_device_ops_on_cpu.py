@@ -8,7 +8,8 @@ import pytest
 
 from dayzero import LLM, SamplingParams
 from dayzero.ops import registry, triton_support
-from dayzero.ops.linear import kernels as linear_kernels, norm as linear_norm
+from dayzero.ops.linear import act as linear_act, kernels as linear_kernels, norm as linear_norm
+from dayzero.ops.moe import router_kernels
 from tests.engine.families import prompts
 
 
@@ -50,27 +51,61 @@ def test_device_implementations_run_in_bf16(model_dir, monkeypatch):
     assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
 
 
-@pytest.mark.skipif(not triton_support.HAS_TRITON, reason="needs triton")
-def test_skinny_linears_and_the_norm_inside_them_give_the_reference_tokens(model_dir, monkeypatch):
-    """With the skinny kernel chosen for every linear of a few rows (as a GPU's timing may choose it), decode runs
-    each layer's input norm inside its fused projection (rms_norm_linear) and the plain linears through the
-    kernel: the same greedy tokens as the reference engine, in fp32."""
-    def first_block(x, weight, bias=None, out_dtype=None, add=None):
+def choose_first_blocks(monkeypatch) -> None:
+    """Every skinny-kernel choice made as a GPU's timing may make it: the first candidate block, for the linear and
+    each op run inside it."""
+    def first(choices, key, block):
+        choices[key] = block
+        return block
+
+    def linear(x, weight, bias=None, out_dtype=None, add=None):
         key = linear_kernels._key(x, weight, bias, out_dtype, add)
-        linear_kernels._CHOICE[key] = linear_kernels.candidates(key[0], weight.shape[0], x.shape[1])[0]
-        return linear_kernels._CHOICE[key]
+        return first(linear_kernels._CHOICE, key, linear_kernels.candidates(key[0], weight.shape[0], x.shape[1])[0])
 
-    def norm_first_block(x, residual, norm_weight, eps, weight, bias=None):
+    def norm(x, residual, norm_weight, eps, weight, bias=None):
         key = linear_norm._key(x, residual, norm_weight, weight, bias)
-        linear_norm._CHOICE[key] = linear_kernels.candidates(key[0], weight.shape[0], x.shape[1])[0]
-        return linear_norm._CHOICE[key]
+        return first(linear_norm._CHOICE, key, linear_kernels.candidates(key[0], weight.shape[0], x.shape[1])[0])
 
-    monkeypatch.setattr(linear_kernels, "measured_choice", first_block)
-    monkeypatch.setattr(linear_kernels, "_CHOICE", {})
-    monkeypatch.setattr(linear_norm, "measured_choice", norm_first_block)
-    monkeypatch.setattr(linear_norm, "_CHOICE", {})
+    def act(x, weight, bias=None, activation="silu", limit=None, add=None):
+        key = linear_act._key(x, weight, bias, activation, limit, add)
+        return first(linear_act._CHOICE, key, linear_kernels.candidates(key[0], *weight.shape)[0])
+
+    def gated(x, norm_weight, gate, eps, weight, bias=None):
+        key = linear_norm._gated_key(x, norm_weight, gate, weight, bias)
+        block = linear_norm.gated_candidates(key[0], weight.shape[0], weight.shape[1], x.shape[2])[0]
+        return first(linear_norm._GATED, key, block)
+
+    def dual(x, weight, x2, weight2, activation=None, limit=None):
+        key = linear_act._dual_key(x, weight, x2, weight2, activation, limit)
+        return first(linear_act._DUAL, key, linear_act.dual_candidates(key[0], *weight.shape, weight2.shape[1])[0])
+
+    def router(x, weight, bias, top_k, kind="sigmoid", correction_bias=None, n_group=1, topk_group=1,
+               norm_topk_prob=True, routed_scaling_factor=1.0):
+        key = router_kernels._key(x, weight, bias, top_k, kind, correction_bias, n_group, topk_group, norm_topk_prob)
+        return first(router_kernels._CHOICE, key, router_kernels.candidates(key[0], *weight.shape)[0])
+
+    for module, name, fn, choices in (
+            (linear_kernels, "measured_choice", linear, "_CHOICE"), (linear_norm, "measured_choice", norm, "_CHOICE"),
+            (linear_act, "measured_choice", act, "_CHOICE"), (linear_norm, "gated_choice", gated, "_GATED"),
+            (linear_act, "dual_choice", dual, "_DUAL"), (router_kernels, "measured_choice", router, "_CHOICE")):
+        monkeypatch.setattr(module, name, fn)
+        monkeypatch.setattr(module, choices, {})
+
+
+@pytest.mark.skipif(not triton_support.HAS_TRITON, reason="needs triton")
+def test_skinny_linears_and_the_ops_inside_them_give_the_reference_tokens(model_dir, monkeypatch):
+    """With the skinny kernel chosen for every linear of a few rows (as a GPU's timing may choose it), decode runs
+    each layer's input norm inside its fused projection (rms_norm_linear), the MLPs' activations inside their down
+    projections (act_linear), KDA's gated norm inside its output projection (rms_norm_gated_linear), a LatentMoE
+    up-projection with its shared expert (dual_linear), the router with its routing (moe_router) and the plain
+    linears through the kernel: the same greedy tokens as the reference engine, in fp32. (In fp32 the dense MLPs
+    run the reference ``mlp``: act_linear's kernel runs here inside dual_linear, and alone in tests/ops.)"""
+    choose_first_blocks(monkeypatch)
     want, got, chosen = reference_and_device_tokens(model_dir, monkeypatch, 3, 8)
     assert ("linear", "cuda") in chosen
-    if any(op == "rms_norm_linear" for op, _ in chosen):  # a family whose mixers take the fused projection
-        assert ("rms_norm_linear", "cuda") in chosen, chosen  # decode rows' norms ran inside the kernel
+    called = {name for name, _ in chosen}
+    kernel_routes = ("moe_route", "reference") not in chosen  # softmax routing: neither routing kernel takes it
+    for op in ("rms_norm_linear", "rms_norm_gated_linear", "dual_linear", "moe_router"):
+        if op in called and (op != "moe_router" or kernel_routes):  # on its decode rows the kernel ran
+            assert (op, "cuda") in chosen, (op, chosen)
     assert got == want

@@ -148,7 +148,7 @@ def _verify(x, weight, bias, top_k, kind="sigmoid", correction_bias=None, n_grou
                                        norm_topk_prob, routed_scaling_factor) is None:
         return "the router GEMV and the routing kernel apart are as fast or faster at this shape (measured)"
     if why is None and (weight.device, weight.data_ptr()) not in _COUNTERS:
-        if torch.cuda.is_current_stream_capturing():
+        if weight.is_cuda and torch.cuda.is_current_stream_capturing():
             return "this router's first call is inside a CUDA-graph capture (its launch counter is made eagerly)"
         _counter(weight)
     return why
