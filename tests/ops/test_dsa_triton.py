@@ -142,6 +142,25 @@ def test_indexer_varlen_equals_the_reference_in_bounded_chunks(bs, dtype):
     assert ((out >= 0).sum(-1) == (batch.positions + 1).clamp(max=topk)).all()
 
 
+@pytest.mark.parametrize("step", ["decode", "mixed"])
+@pytest.mark.parametrize("cuts", [(), (3, 11)], ids=["whole", "chunks"])
+def test_partial_scores_op_equals_the_reference(step, cuts):
+    """Tensor parallelism's scores on the device: a rank's heads scored over row chunks of the step (decode rows or
+    a mixed step), no host length read, as the per-sequence reference scores them."""
+    batch = on_device(decode_step("bs4-edges", seed=2), DEV) if step == "decode" else prefill_step(4)[0]
+    T, W = batch.num_tokens, batch.key_width
+    cuts = tuple(c for c in cuts if c < T)
+    k = poisoned_pool(batch, (16,), 11, torch.bfloat16)  # bf16: the pool the kernels take on a GPU
+    q, w = randn(T, 4, 16, seed=12, dtype=torch.bfloat16), randn(T, 4, seed=13)
+    assert idx_dev._verify_scores(q, w, k, batch, torch.empty(T, W, device=DEV)) is None
+    for t0, t1 in zip((0,) + cuts, cuts + (T,)):
+        got = idx_dev.paged_indexer_scores(q, w, k, batch, torch.full((t1 - t0, W), float("nan"), device=DEV), t0)
+        want = idx_ref.paged_indexer_scores(q, w, k, batch, torch.empty(t1 - t0, W, device=DEV), t0)
+        assert torch.equal(got.isinf(), want.isinf()) and not got.isnan().any()
+        close(got[want.isfinite()], want[want.isfinite()], TOL[torch.bfloat16])
+    assert "key width" in idx_dev._verify_scores(q, w, k, batch, torch.empty(T, W + 1, device=DEV))
+
+
 def test_scratch_bytes_stay_under_the_budget_at_long_context():
     keys, topk = 128 * 1024, 2048
     assert triton_indexer.scratch_bytes(keys, keys, topk) <= triton_indexer.SCRATCH_BUDGET

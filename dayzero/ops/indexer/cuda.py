@@ -4,7 +4,8 @@ selection buffer. The scores come from the Triton kernel of ``triton_indexer.py`
 ``refusal`` says why not: no Triton, a quantised key pool, ...), else from a PyTorch gather. No host length
 is read, so it runs inside captured CUDA graphs. Prefill rows take the kernel's varlen form, each row scored
 against its sequence's keys (``batch.seq_of_row``) in chunks whose scratch stays under the budget the cache
-plan counts; where it cannot run the per-sequence reference does."""
+plan counts; where it cannot run the per-sequence reference does. ``paged_indexer_scores`` (the partial scores of
+a tensor-parallel rank's heads, summed over the ranks before the top-k) runs the same kernels."""
 from __future__ import annotations
 
 import torch
@@ -38,6 +39,27 @@ def paged_indexer_topk_decode(q: torch.Tensor, weights: torch.Tensor, k_cache, b
     else:
         scores = decode_scores_torch(q, weights, k_cache, batch)
     return triton_indexer.topk_of_scores(scores, batch.positions, topk, out)
+
+
+def _verify_scores(q, weights, k_cache, batch, out, start=0) -> str | None:
+    why = triton_indexer.refusal(q, weights, k_cache)
+    if why is None and (out.dtype != torch.float32 or out.stride(-1) != 1 or out.shape[1] != batch.key_width):
+        return "the scores must be fp32 rows of the batch's key width"
+    return why
+
+
+@register("paged_indexer_scores", "cuda", verifier=_verify_scores,
+          note="Triton (decode rows and prefill rows alike, each against its sequence's block table), no host read")
+def paged_indexer_scores(q: torch.Tensor, weights: torch.Tensor, k_cache, batch, out: torch.Tensor,
+                         start: int = 0) -> torch.Tensor:
+    # q: [T, Hi, Di]; weights: [T, Hi]; out: [rows, key width] for the step's rows start .. start + rows. Under
+    # tensor parallelism a rank's heads give partial scores, summed over the ranks before the top-k.
+    rows = slice(start, start + out.shape[0])
+    if batch.is_decode and start == 0 and out.shape[0] == batch.num_seqs:
+        return triton_indexer.decode_scores(q, weights, k_cache, batch.block_tables, batch.positions,
+                                            batch.block_size, out)
+    return triton_indexer.varlen_scores(q[rows], weights[rows], k_cache, batch.block_tables, batch.seq_of_row[rows],
+                                        batch.positions[rows], batch.block_size, out)
 
 
 def paged_indexer_topk_decode_torch(q: torch.Tensor, weights: torch.Tensor, k_cache, batch, topk: int,
