@@ -27,8 +27,10 @@ except Exception:  # noqa: BLE001 - absent, or a triton it cannot use: the PyTor
 
 
 @register("causal_conv1d_pooled", "train", note="shifted taps over the packed rows, zero window, autograd-safe")
-def causal_conv1d_train(x, weight, window_pool, batch, activation: str | None = "silu", groups: int = 1):
-    # x: [T, C]; weight: [C, W] (or [C, 1, W]) -> y [T, C] in x.dtype (groups G: [G, T, C/G])
+def causal_conv1d_train(x, weight, window_pool, batch, activation: str | None = "silu", groups: int = 1,
+                        reset=None):
+    # x: [T, C]; weight: [C, W] (or [C, 1, W]) -> y [T, C] in x.dtype (groups G: [G, T, C/G]); training starts
+    # every sequence from zero state and keeps no pools, so ``reset`` has nothing to zero
     if activation not in ("silu", None):
         raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
     T, C = x.shape
@@ -93,7 +95,7 @@ def limit_fla_autotuning(keep: int = 2) -> int:
 
 @register("kda_pooled", "train", note="fla-core chunk_kda (CUDA) or the batched chunk form, zero initial state")
 def kda_train(q, k, v, g, beta, scale: float, state_pool, batch, use_qk_l2norm: bool = True,
-              gate: tuple | None = None):
+              gate: tuple | None = None, zeroed: bool = False):
     # q, k, g: [T, H, K]; v: [T, H, V]; beta: [T, H] -> o [T, H, V] in v.dtype; gate: as the reference's
     if gate is not None:
         g, beta = kda_gate(g, *gate), torch.sigmoid(beta.float())

@@ -108,6 +108,30 @@ def test_conv_in_groups_from_strided_rows(step):
     assert "groups" in conv_refusal(x, w, pool, groups=5)
 
 
+@pytest.mark.parametrize("step", ["decode", "decode_padded", "mixed"])
+def test_conv_zeroes_the_fresh_sequences_states_in_the_same_launch(step):
+    """With the layer's state pool to reset, the programs of each fresh sequence zero its slot there (a share
+    each; a slot larger than the programs' tiles); other slots keep their states; the conv itself is unchanged."""
+    starts, news = CONV_STEPS[step]
+    batch = on_device(make_batch(starts, news, 4, seed=17, pad_rows=2 if step == "decode_padded" else 0), DEV)
+    C, W = 40, 4
+    pool, states = rand(17, C, W - 1, seed=18), rand(17, 3, 20, 30, seed=19)  # 1,800 floats a slot: two tiles
+    x, w = rand(batch.num_tokens, C, seed=20), rand(C, 1, W, seed=21)
+    ours, theirs = states.clone(), states.clone()
+    y = causal_conv1d_pooled_triton(x, w, pool.clone(), batch, "silu", reset=ours)
+    close(y, causal_conv1d_pooled_triton(x, w, pool.clone(), batch, "silu"), 0.0)
+    kda_ref.causal_conv1d_pooled(x, w, pool.clone(), batch, "silu", reset=theirs)
+    fresh = {int(s) for s, f in zip(batch.state_slots.tolist(), batch.fresh.tolist()) if f}
+    assert torch.equal(ours[1:], theirs[1:])  # (the reference also zeroes the null slot 0)
+    if step == "decode_padded":  # its sequences continue; its padding rows start fresh in the null slot
+        assert fresh == {0} and (ours[0] == 0).all()
+    else:
+        assert fresh - {0}
+    for slot in range(1, 17):
+        assert (ours[slot] == 0).all() if slot in fresh else torch.equal(ours[slot], states[slot]), slot
+    assert "contiguous slots" in conv_refusal(x, w, pool, reset=states.transpose(2, 3))
+
+
 def test_conv_refuses_with_a_reason():
     x = torch.zeros(3, 8, device=DEV)
     assert conv_refusal(x, torch.zeros(8, 4), torch.zeros(4, 8, 3, device=DEV)) is None

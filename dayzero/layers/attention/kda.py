@@ -34,14 +34,18 @@ class DeltaRuleLayer(CachedLayer):
 
     def conv(self, name: str, u: torch.Tensor, weight: torch.Tensor, batch, groups: int = 1) -> torch.Tensor:
         """SiLU(causal depthwise conv) of ``u`` [T, C], continuing each sequence's window ``name`` (in place);
-        with ``groups`` G, [G, T, C/G] (each group of channels contiguous)."""
-        return ops.call("causal_conv1d_pooled", u, weight, self.cache[name], batch, "silu", groups)
+        with ``groups`` G, [G, T, C/G] (each group of channels contiguous). The same launch zeroes the fresh
+        sequences' recurrent states (the delta rule after it is told so)."""
+        return ops.call("causal_conv1d_pooled", u, weight, self.cache[name], batch, "silu", groups,
+                        reset=self.cache["state"])
 
     def delta_rule(self, q, k, v, g, beta, scale: float, batch, gate: tuple | None = None) -> torch.Tensor:
         """The gated delta rule from each sequence's state; q, k, g: [T, H, K], v: [T, H, V], beta: [T, H].
         Returns o [T, H, V]; the new states are written to the state pool in place. With ``gate`` (A_log,
-        dt_bias, lower bound), g and beta are the gate's input and beta's logits, activated by the op."""
-        return ops.call("kda_pooled", q, k, v, g, beta, scale, self.cache["state"], batch, True, gate=gate)
+        dt_bias, lower bound), g and beta are the gate's input and beta's logits, activated by the op. Called
+        after :meth:`conv`, which zeroed the fresh sequences' states."""
+        return ops.call("kda_pooled", q, k, v, g, beta, scale, self.cache["state"], batch, True, gate=gate,
+                        zeroed=True)
 
 
 class KDAAttention(DeltaRuleLayer):

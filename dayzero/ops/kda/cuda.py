@@ -75,7 +75,7 @@ def _zero_fresh(state_pool: torch.Tensor, batch) -> None:
 @register("kda_pooled", "cuda", verifier=_kda_verify,
           note="fla-core chunk kernel (prefill) and fused recurrent in place (decode); without fla, decode in PyTorch")
 def kda_pooled_cuda(q, k, v, g, beta, scale: float, state_pool: torch.Tensor, batch, use_qk_l2norm: bool = True,
-                    gate: tuple | None = None):
+                    gate: tuple | None = None, zeroed: bool = False):
     # q, k, g: [T, H, K]; v: [T, H, V]; beta: [T, H]; state_pool: [slots, H, K, V] fp32 -> o [T, H, V]
     # gate (A_log, dt_bias, lower_bound): g and beta are the gate's input and beta's logits (reference.kda_pooled)
     in_kernel = gate is not None and batch.is_decode and _uses_fla(q, state_pool)
@@ -95,7 +95,8 @@ def kda_pooled_cuda(q, k, v, g, beta, scale: float, state_pool: torch.Tensor, ba
         g, beta = g.float().contiguous(), beta.float().contiguous()
         activate = {}
     if batch.is_decode:  # one token per sequence: [B, 1, H, *], the state read and written in its slot
-        _zero_fresh(state_pool, batch)
+        if not zeroed:  # (zeroed: the layer's conv launch zeroed the fresh slots)
+            _zero_fresh(state_pool, batch)
         v1 = v[:, None]
         o, _ = fused_recurrent_kda_fwd(q[:, None], k[:, None], v1, g[:, None], beta[:, None],
                                        initial_state=state_pool, scale=scale, inplace_final_state=True,
@@ -129,8 +130,8 @@ def kda_pooled_decode(q, k, v, g, beta, scale: float, state_pool: torch.Tensor, 
     return torch.einsum("bhkv,bhk->bhv", S, q).to(out_dtype)
 
 
-def _conv_verify(x, weight, pool, batch, activation="silu", groups=1) -> str | None:
-    if conv_refusal(x, weight, pool, groups) is None:
+def _conv_verify(x, weight, pool, batch, activation="silu", groups=1, reset=None) -> str | None:
+    if conv_refusal(x, weight, pool, groups, reset) is None:
         return None
     return _decode_only(batch)
 
@@ -139,10 +140,12 @@ def _conv_verify(x, weight, pool, batch, activation="silu", groups=1) -> str | N
           note="Triton kernel for decode and prefill rows, window updated in the pool in place; without Triton, "
                "decode rows in PyTorch")
 def causal_conv1d_pooled_cuda(x, weight, window_pool: torch.Tensor, batch, activation: str | None = "silu",
-                              groups: int = 1):
+                              groups: int = 1, reset: torch.Tensor | None = None):
     # x: [T, C]; weight: [C, W] (or [C, 1, W]); window_pool: [slots, C, W-1] -> y [T, C] (groups G: [G, T, C/G])
-    if conv_refusal(x, weight, window_pool, groups) is None:
-        return causal_conv1d_pooled_triton(x, weight, window_pool, batch, activation, groups)
+    if conv_refusal(x, weight, window_pool, groups, reset) is None:
+        return causal_conv1d_pooled_triton(x, weight, window_pool, batch, activation, groups, reset)
+    if reset is not None:
+        _zero_fresh(reset, batch)
     return grouped(causal_conv1d_pooled_decode(x, weight, window_pool, batch, activation), groups)
 
 

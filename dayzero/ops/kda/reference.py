@@ -200,13 +200,14 @@ def pooled_state(pool: torch.Tensor, batch) -> torch.Tensor:
 
 @register("kda_pooled")
 def kda_pooled(q, k, v, g, beta, scale: float, state_pool: torch.Tensor, batch, use_qk_l2norm: bool = True,
-               gate: tuple | None = None):
+               gate: tuple | None = None, zeroed: bool = False):
     """KDA for the whole step over the state pool: each sequence starts from its slot's state (zero when
     ``batch.fresh``), runs the recurrent form when every sequence brings one token and the chunk form
     otherwise, and its final state is written back to its slot in place. Returns o [T, H, V] in v.dtype.
     state_pool: [num_slots + 1, H, K, V] fp32. With ``gate`` = (A_log, dt_bias, lower_bound), ``g`` is the
     gate's input f and ``beta`` its logits: the op applies :func:`kda_gate` and the sigmoid itself (the device
-    runs both inside its decode kernel)."""
+    runs both inside its decode kernel). ``zeroed``: the fresh sequences' slots were zeroed already (by the conv
+    op's ``reset``), which the device's decode path then need not do; this form reads them as zero either way."""
     if gate is not None:
         g, beta = kda_gate(g, *gate), torch.sigmoid(beta.float())
     form = kda_recurrent if batch.is_decode else kda_chunk
@@ -217,13 +218,17 @@ def kda_pooled(q, k, v, g, beta, scale: float, state_pool: torch.Tensor, batch, 
 
 @register("causal_conv1d_pooled")
 def causal_conv1d_pooled(x, weight, window_pool: torch.Tensor, batch, activation: str | None = "silu",
-                         groups: int = 1):
+                         groups: int = 1, reset: torch.Tensor | None = None):
     """:func:`causal_conv1d` for the whole step over the window pool [num_slots + 1, C, W-1]: each sequence
     continues its slot's window (zeros when ``batch.fresh``) and leaves its new window there. Returns y [T, C],
     or with ``groups`` G > 1 the channels cut into G equal groups, [G, T, C/G], each group contiguous (KDA's q, k
-    and v convolved in one call and handed on as three contiguous tensors)."""
+    and v convolved in one call and handed on as three contiguous tensors). ``reset``: the layer's recurrent state
+    pool [num_slots + 1, ...], whose fresh sequences' slots are zeroed too (the device does it in the conv's
+    launch, so the delta rule after it needs none)."""
     y, window = causal_conv1d(x, weight, pooled_state(window_pool, batch), batch.cu_seqlens, activation)
     window_pool[batch.state_slots] = window.to(window_pool.dtype)
+    if reset is not None:  # the null slot 0 stands in for the others: nothing reads it
+        reset.index_fill_(0, torch.where(batch.fresh, batch.state_slots, 0), 0.0)
     return grouped(y, groups)
 
 
