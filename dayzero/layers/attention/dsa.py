@@ -67,8 +67,17 @@ class Indexer(nn.Module):
         q = self.rotary(self.wq_b(c_q).view(T, self.H, self.Dh), cos, sin)  # [T, Hi, Di]
         k = self.wk(x) if k is None else k
         k = self.rotary(self.k_norm(k).view(T, 1, self.Dh), cos, sin)[:, 0]  # [T, Di]
-        w = ops.call("linear", x, self.weights_proj.weight, out_dtype=torch.float32) * self.weight_scale  # [T, Hi]
+        scaled = getattr(self, "_scaled_weights", None)
+        if scaled is not None:  # the scale folded into the weights: one GEMV
+            w = ops.call("linear", x, scaled, out_dtype=torch.float32)  # [T, Hi]
+        else:
+            w = ops.call("linear", x, self.weights_proj.weight, out_dtype=torch.float32) * self.weight_scale
         return q, k, w
+
+    def process_weights_after_loading(self) -> None:
+        """The head weights times their scale, once (fp32, beside the parameter, which keeps the checkpoint's
+        values): a decode step runs one GEMV where a GEMV and a multiply ran."""
+        self._scaled_weights = self.weights_proj.weight.detach() * self.weight_scale
 
     def select(self, q: torch.Tensor, w: torch.Tensor, k_cache, batch) -> torch.Tensor:
         """Every query row's top-k key positions [T, topk] (-1 padded) in the step's selection buffer."""
