@@ -14,8 +14,9 @@ A second table times the ops that run another kernel's work inside the skinny ke
 them: ``rms_norm_linear`` (the input norm inside each mixer's fused projection), ``act_linear`` (the dense MLPs'
 activation inside their down projections), ``rms_norm_gated_linear`` (KDA's gated output norm inside its output
 projection), ``dual_linear`` (a LatentMoE block's up-projection with its shared expert's activation and down
-projection) and ``moe_router`` (the router GEMV with the routing), each against its kernels apart (each as its
-op chooses), as the ops measure it at their first call.
+projection), ``moe_router`` (the router GEMV with the routing) and ``sigmoid_gate_linear`` (gated attention's output
+gate inside its output projection), each against its kernels apart (each as its op chooses), as the ops measure
+it at their first call.
 """
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def fused_shapes(config: str, dtype: torch.dtype) -> dict[tuple, int]:
     """(op, N, K, head) -> how many a decode step runs: the norm inside each fused input projection, the
     activation inside each MLP's down projection, KDA's gated norm inside its output projection (head: its head
     size), a LatentMoE block's up-projection with its shared expert (K: the two in-features, head: the shared
-    expert's), each MoE router with its routing."""
+    expert's), each MoE router with its routing, each gated attention's output projection (head: its head size)."""
     from dayzero.layers.attention.kda import KDAAttention
     from dayzero.layers.fused import fuse
     from dayzero.layers.mlp import MLP
@@ -74,6 +75,10 @@ def fused_shapes(config: str, dtype: torch.dtype) -> dict[tuple, int]:
             shapes[("act_linear", *mod.down_proj.weight.shape, 0)] += 1
         if isinstance(mod, MoE) and mod.tid2eid is None:
             shapes[("moe_router", *mod.gate.weight.shape, 0)] += 1
+        gated = getattr(mod, "g_proj", None) is not None or getattr(getattr(mod, "spec", None), "output_gate", None)
+        if gated and hasattr(mod, "o_proj"):
+            w = mod.o_proj.weight
+            shapes[("sigmoid_gate_linear", w.shape[0], w.shape[1], w.shape[1] // mod.H)] += 1
         if isinstance(mod, KDAAttention):
             shapes[("rms_norm_gated_linear", *mod.o_proj.weight.shape, mod.K)] += 1
     return dict(shapes)
@@ -89,6 +94,9 @@ def time_fused(op: str, rows: int, n: int, k: int, head: int, dev, dtype) -> dic
         times = N.timings(x, x, torch.ones(k, device=dev, dtype=dtype), 1e-6, w)
     elif op == "act_linear":
         times = A.timings(torch.randn(rows, 2 * k, device=dev).to(dtype), w)
+    elif op == "sigmoid_gate_linear":  # head: the head size; a gate per channel
+        x = torch.randn(rows, k // head, head, device=dev).to(dtype)
+        times = A.gate_timings(x, torch.randn_like(x), w)
     elif op == "moe_router":  # dayzero-small's routing: sigmoid, 8 groups, 4 kept, top-8
         from dayzero.ops.moe import router_kernels as R
 

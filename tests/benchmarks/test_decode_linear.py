@@ -29,7 +29,8 @@ def test_dayzero_small_fused_op_shapes_and_counts():
     shapes = fused_shapes("configs/dayzero-small.json", torch.bfloat16)
     count = {op: sum(c for s, c in shapes.items() if s[0] == op) for op in {s[0] for s in shapes}}
     assert count == {"rms_norm_linear": len(spec.layers) + moe, "act_linear": len(spec.layers) - moe,
-                     "rms_norm_gated_linear": kda, "dual_linear": moe, "moe_router": moe}
+                     "rms_norm_gated_linear": kda, "dual_linear": moe, "moe_router": moe,
+                     "sigmoid_gate_linear": len(spec.layers) - kda}  # the gated DSA layers
     assert shapes[("rms_norm_gated_linear", spec.hidden_size, 2048, 128)] == kda
     mlp = spec.layers[-1].mlp
     assert shapes[("dual_linear", spec.hidden_size, mlp.latent_size + mlp.shared_intermediate_size,

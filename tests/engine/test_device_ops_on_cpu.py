@@ -84,10 +84,15 @@ def choose_first_blocks(monkeypatch) -> None:
         key = router_kernels._key(x, weight, bias, top_k, kind, correction_bias, n_group, topk_group, norm_topk_prob)
         return first(router_kernels._CHOICE, key, router_kernels.candidates(key[0], *weight.shape)[0])
 
+    def gate(x, gate, weight, bias=None):
+        key = linear_act._gate_key(x, gate, weight, bias)
+        return first(linear_act._GATE, key, linear_kernels.candidates(key[0], *weight.shape)[0])
+
     for module, name, fn, choices in (
             (linear_kernels, "measured_choice", linear, "_CHOICE"), (linear_norm, "measured_choice", norm, "_CHOICE"),
             (linear_act, "measured_choice", act, "_CHOICE"), (linear_norm, "gated_choice", gated, "_GATED"),
-            (linear_act, "dual_choice", dual, "_DUAL"), (router_kernels, "measured_choice", router, "_CHOICE")):
+            (linear_act, "dual_choice", dual, "_DUAL"), (router_kernels, "measured_choice", router, "_CHOICE"),
+            (linear_act, "gate_choice", gate, "_GATE")):
         monkeypatch.setattr(module, name, fn)
         monkeypatch.setattr(module, choices, {})
 
@@ -97,15 +102,15 @@ def test_skinny_linears_and_the_ops_inside_them_give_the_reference_tokens(model_
     """With the skinny kernel chosen for every linear of a few rows (as a GPU's timing may choose it), decode runs
     each layer's input norm inside its fused projection (rms_norm_linear), the MLPs' activations inside their down
     projections (act_linear), KDA's gated norm inside its output projection (rms_norm_gated_linear), a LatentMoE
-    up-projection with its shared expert (dual_linear), the router with its routing (moe_router) and the plain
-    linears through the kernel: the same greedy tokens as the reference engine, in fp32. (In fp32 the dense MLPs
+    up-projection with its shared expert (dual_linear), the router with its routing (moe_router), gated attention's
+    output gate inside its output projection (sigmoid_gate_linear) and the plain linears through the kernel: the same greedy tokens as the reference engine, in fp32. (In fp32 the dense MLPs
     run the reference ``mlp``: act_linear's kernel runs here inside dual_linear, and alone in tests/ops.)"""
     choose_first_blocks(monkeypatch)
     want, got, chosen = reference_and_device_tokens(model_dir, monkeypatch, 3, 8)
     assert ("linear", "cuda") in chosen
     called = {name for name, _ in chosen}
     kernel_routes = ("moe_route", "reference") not in chosen  # softmax routing: neither routing kernel takes it
-    for op in ("rms_norm_linear", "rms_norm_gated_linear", "dual_linear", "moe_router"):
+    for op in ("rms_norm_linear", "rms_norm_gated_linear", "dual_linear", "moe_router", "sigmoid_gate_linear"):
         if op in called and (op != "moe_router" or kernel_routes):  # on its decode rows the kernel ran
             assert (op, "cuda") in chosen, (op, chosen)
     assert got == want

@@ -13,7 +13,7 @@ from dayzero import ops
 from dayzero.ops.linear import act as AL, kernels as L, norm as NL
 from dayzero.ops.linear.reference import (act_linear as reference_act, dual_linear as reference_dual,
                                           linear as reference, rms_norm_gated_linear as reference_gated,
-                                          rms_norm_linear as reference_norm)
+                                          rms_norm_linear as reference_norm, sigmoid_gate_linear as reference_gate)
 from dayzero.ops import triton_support
 
 pytestmark = pytest.mark.skipif(not triton_support.HAS_TRITON, reason="needs triton")
@@ -362,7 +362,8 @@ def test_the_fused_timings_run_every_launch_they_compare(monkeypatch):
         runs = (lambda: NL.timings(x, x, torch.rand(64, generator=g), 1e-6, w, b),
                 lambda: AL.timings(torch.randn(2, 128, generator=g), w, b, "silu", None, torch.randn(2, 24)),
                 lambda: NL.gated_timings(x.view(2, 4, 16), torch.rand(16), x.view(2, 4, 16), 1e-6, w, b),
-                lambda: AL.dual_timings(x, w, torch.randn(2, 96, generator=g), torch.randn(24, 48), "silu"))
+                lambda: AL.dual_timings(x, w, torch.randn(2, 96, generator=g), torch.randn(24, 48), "silu"),
+                lambda: AL.gate_timings(x.view(2, 4, 16), torch.randn(2, 4, 1, generator=g), w, b))
         for run in runs:
             outputs.clear()
             times = run()
@@ -427,3 +428,43 @@ def test_a_fused_launch_that_fails_to_run_is_left_out_of_the_choice(monkeypatch,
     assert times == {None: 2.0, (4, 64, 4): 1.0} and "cannot build" in caplog.text
     assert L.fused_choice("x", times) == (4, 64, 4)
     assert L.fused_choice("x", {None: 2.0}) is None  # no fused launch ran: apart
+
+
+# --- sigmoid_gate_linear: gated attention's output gate inside the skinny kernel ------------------------------
+@pytest.mark.parametrize("M,N,H,V", [(1, 37, 3, 32), (3, 64, 4, 24), (5, 24, 2, 64)], ids=str)
+@pytest.mark.parametrize("per_head", [False, True], ids=["per-channel", "per-head"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_output_gate_in_the_kernel_matches_fp64_and_the_reference(M, N, H, V, per_head, dtype):
+    from dayzero.ops.activation.reference import sigmoid_gate
+
+    g = torch.Generator(DEV).manual_seed(9)
+    x = torch.randn(H, M, V, generator=g, device=DEV).to(dtype).transpose(0, 1)  # heads apart, as MLA's output
+    wide = torch.randn(M, H, 2 * V, generator=g, device=DEV).to(dtype)  # the gate a strided view, as GQA's
+    gate = wide[..., :1] if per_head else wide[..., V:]
+    _, w, b = operands(M, N, H * V, dtype, dtype, True)
+    for bias in (None, b):
+        want = exact(sigmoid_gate(x, gate).reshape(M, -1), w, bias)
+        for block in L.candidates(M, N, H * V) + [(4, 16, 4)]:  # several K steps, a ragged last one
+            close(AL.gate_skinny_linear(x, gate, w, bias, block), want, dtype)
+        close(reference_gate(x, gate, w, bias), want, dtype)
+
+
+def test_output_gate_refusals_name_the_reason():
+    x, w = torch.randn(2, 4, 8), torch.randn(6, 32)
+    assert "[rows, heads, 1]" in AL._verify_gate(x, torch.randn(2, 4, 3), w)
+    assert "contiguous channels" in AL._verify_gate(x.transpose(1, 2).contiguous().transpose(1, 2),
+                                                    torch.randn(2, 4, 1), w)
+    assert "rows" in AL._verify_gate(x.repeat(5, 1, 1), torch.randn(10, 4, 8), w)
+
+
+@cuda
+@pytest.mark.parametrize("M", [1, 2])
+def test_output_gate_linear_op_at_the_dsa_output_projection(M):
+    g = torch.Generator(DEV).manual_seed(10)
+    x = torch.randn(M, 16, 128, generator=g, device=DEV).to(torch.bfloat16)  # dayzero-small's DSA heads
+    gate = torch.randn(M, 16, 128, generator=g, device=DEV).to(torch.bfloat16)
+    _, w, _ = operands(M, 2048, 2048, torch.bfloat16, torch.bfloat16, False)
+    choice = AL.gate_choice(x, gate, w)  # fused, or None: the two apart measured faster
+    assert choice is None or choice in L.candidates(L.next_pow2(M), 2048, 2048)
+    want = exact((x.double() * torch.sigmoid(gate.double())).to(torch.bfloat16).reshape(M, -1), w, None)
+    close(ops.call("sigmoid_gate_linear", x, gate, w), want, torch.bfloat16)

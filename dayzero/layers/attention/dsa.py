@@ -36,7 +36,7 @@ from dayzero.distributed import SINGLE, ParallelState, divide, tp_all_reduce
 from dayzero.layers.attention.base import CachedLayer
 from dayzero.layers.fused import fuse, project
 from dayzero.layers.norm import LayerNorm, RMSNorm
-from dayzero.layers.parallel import Linear, Shard, column_linear, row_linear
+from dayzero.layers.parallel import Linear, Shard, column_linear, fused_product, row_linear
 from dayzero.layers.rotary import RotaryEmbedding
 from dayzero.ops.indexer.triton_indexer import chunk_rows
 from dayzero.layers.fp8_linear import dense_weight
@@ -193,6 +193,9 @@ class MLAAttention(CachedLayer):
                        self.scale, self.sinks, selection)  # [T, H, V]
         if self.g_proj is not None:
             gate = proj["g_proj"] if "g_proj" in proj else self.g_proj(x)
-            # per channel, or per head (width 1)
-            out = ops.call("sigmoid_gate", out, gate.view(T, self.H, self.gate_width))
+            gate = gate.view(T, self.H, self.gate_width)  # per channel, or per head (width 1)
+            y = fused_product(self.o_proj, lambda w, b: ops.call("sigmoid_gate_linear", out, gate, w, b))
+            if y is not None:  # the gate inside the output projection
+                return y
+            out = ops.call("sigmoid_gate", out, gate)
         return self.o_proj(out.reshape(T, self.H * self.V))

@@ -20,7 +20,7 @@ from dayzero.distributed import SINGLE, ParallelState, divide
 from dayzero.layers.attention.base import CachedLayer
 from dayzero.layers.fused import fuse, project
 from dayzero.layers.norm import RMSNorm
-from dayzero.layers.parallel import Shard, column_linear, row_linear
+from dayzero.layers.parallel import Shard, column_linear, fused_product, row_linear
 from dayzero.layers.rotary import RotaryEmbedding
 
 
@@ -85,5 +85,8 @@ class GQAAttention(CachedLayer):
         out = ops.call("paged_attention", q, self.cache["k"], self.cache["v"], batch, self.scale, self.sinks,
                        self.spec.sliding_window)  # [T, H, Dh]
         if gate is not None:
+            y = fused_product(self.o_proj, lambda w, b: ops.call("sigmoid_gate_linear", out, gate, w, b))
+            if y is not None:  # the gate inside the output projection
+                return y
             out = ops.call("sigmoid_gate", out, gate)
         return self.o_proj(out.reshape(T, H * Dh))

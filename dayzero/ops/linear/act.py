@@ -1,7 +1,8 @@
 """``act_linear`` on a GPU: an MLP's activation run inside its down projection's skinny kernel
 (``kernels._skinny_kernel`` with ``ACT``), one launch where a decode step ran two; ``dual_linear``: a second
 product summed in the same launch (``TWO``), a LatentMoE block's up-projection and its shared expert's activation
-and down projection in one launch where a decode step ran three.
+and down projection in one launch where a decode step ran three; ``sigmoid_gate_linear``: gated attention's output
+gate inside its output projection.
 
 The kernel reads the [gate | up] rows of the first projection where it would read its input, applies the
 activation to each K step (rounded to the rows' dtype, as the activation op writes it) and multiplies. The
@@ -153,3 +154,67 @@ def dual_linear(x: torch.Tensor, weight: torch.Tensor, x2: torch.Tensor, weight2
                 activation: str | None = None, limit: float | None = None) -> torch.Tensor:
     return dual_skinny_linear(x, weight, x2, weight2, activation, limit,
                               _DUAL[_dual_key(x, weight, x2, weight2, activation, limit)])
+
+
+# --- sigmoid_gate_linear: gated attention's output gate inside its output projection --------------------------
+_GATE: dict[tuple, K.Block | None] = {}  # key -> the fused launch's block shape, None: the two ops apart
+
+
+def gate_skinny_linear(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                       block: K.Block | None = None) -> torch.Tensor:
+    """``(x * sigmoid(gate))`` [M, H, V] as [M, H*V] rows times weightᵀ, one launch."""
+    M, (N, Kd) = x.shape[0], weight.shape
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M:
+        K.launch(x, weight, y, Kd, block or K.candidates(M, N, Kd)[0], bias=bias, sigmoid_gate=gate)
+    return y
+
+
+def _gate_key(x, gate, weight, bias) -> tuple:
+    return K._key(_rows(x), weight, bias, None, None) + (x.shape[1], gate.shape[2], gate.dtype)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """A tensor shaped like x's heads side by side, [M, H*V], for the linear's key and refusals (shapes only)."""
+    return x.new_empty((1, x.shape[1] * x.shape[2])).expand(x.shape[0], -1)
+
+
+def _verify_gate(x, gate, weight, bias=None) -> str | None:
+    if x.dim() != 3 or gate.dim() != 3 or gate.shape[:2] != x.shape[:2] or gate.shape[2] not in (1, x.shape[2]):
+        return "x [rows, heads, V] with a gate [rows, heads, V] or [rows, heads, 1]"
+    if x.stride(2) != 1 or gate.dtype not in K.DTYPES:
+        return "x needs contiguous channels and the gate bf16, fp16 or fp32"
+    why = K._verify(_rows(x), weight, bias)
+    if why is None and gate_choice(x, gate, weight, bias) is None:
+        return "the gate kernel and the linear apart are as fast or faster at this shape (measured)"
+    return why
+
+
+def gate_timings(x, gate, weight, bias=None) -> dict[K.Block | None, float]:
+    """:func:`kernels.fused_timings` of the gate kernel then the linear's own choice (None) against the fused
+    launch, on random rows and gates of x's and the gate's shapes."""
+    from dayzero.ops.activation.kernels import sigmoid_gate
+
+    M = x.shape[0]
+    xs = torch.randn(x.shape, device=x.device).to(x.dtype)
+    gs = torch.randn(gate.shape, device=x.device).to(gate.dtype)
+    apart_block = K.measured_choice(xs.view(M, -1), weight, bias)
+    return K.fused_timings(
+        weight, lambda w: K.chosen_linear(sigmoid_gate(xs, gs).view(M, -1), w, bias, None, None, apart_block),
+        lambda w, b: gate_skinny_linear(xs, gs, w, bias, b), K.candidates(M, weight.shape[0], weight.shape[1]))
+
+
+def gate_choice(x, gate, weight, bias=None) -> K.Block | None:
+    """The fused launch's block shape when it ran faster than the gate apart (measured at the key's first call, on
+    the key's bucket of rows), else None."""
+    key = _gate_key(x, gate, weight, bias)
+    xs, gs = K.bucket_rows(x, key[0]), K.bucket_rows(gate, key[0])
+    return K.measure_once(_GATE, key, x.device, lambda: K.fused_choice(
+        f"sigmoid_gate_linear {key[0]} x [{key[1]}, {key[2]}]", gate_timings(xs, gs, weight, bias)))
+
+
+@register("sigmoid_gate_linear", "cuda", verifier=_verify_gate,
+          note="the output gate inside the skinny linear kernel (1-8 rows, where measured faster than apart)")
+def sigmoid_gate_linear(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+    return gate_skinny_linear(x, gate, weight, bias, _GATE[_gate_key(x, gate, weight, bias)])

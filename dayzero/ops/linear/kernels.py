@@ -45,9 +45,10 @@ if HAS_TRITON:
     @triton.jit
     def _skinny_kernel(x_ptr, w_ptr, b_ptr, a_ptr, y_ptr, M, N, K, s_xm, s_wn, s_am, s_ym,
                        r_ptr, g_ptr, xn_ptr, ro_ptr, s_rm, eps, limit, alpha, q_ptr, s_qm,
-                       x2_ptr, w2_ptr, K2, s_x2m, s_w2n,
+                       x2_ptr, w2_ptr, K2, s_x2m, s_w2n, s_qh, s_qc, GV, s_xh,
                        HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
                        ACT: tl.constexpr, CLAMP: tl.constexpr, HEAD: tl.constexpr, TWO: tl.constexpr,
+                       SGATE: tl.constexpr,
                        EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # x: [M, K], w: [N, K], add: [M, N] (unit column strides); y: [M, N]; grid: cdiv(N, BLOCK_N).
         # NORM: x is first RMS-normalised with weight g [K] (after adding the residual r [M, K] when HAS_RES,
@@ -57,6 +58,9 @@ if HAS_TRITON:
         # HEAD > 0 (a power of two dividing BLOCK_K): x is [M, K / HEAD heads of HEAD], each head RMS-normalised
         # with weight g [HEAD] and multiplied by sigmoid of its gate q [M, K] (row stride s_qm), rounded to x's dtype.
         # TWO: a second product is added, x2 [M, K2] (ACT applying to it, not to x) times w2 [N, K2].
+        # SGATE: x [M, K / GV heads of GV] (head h of row m at x + m * s_xm + h * s_xh, unit channel stride) times
+        # sigmoid of its gate, column c of head h read at q + m * s_qm + h * s_qh + c * s_qc (s_qc = 0: one gate
+        # per head), rounded to x's dtype.
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
         n_ok, m_ok = n < N, m < M
@@ -66,17 +70,24 @@ if HAS_TRITON:
         ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
+            xk = k
+            if SGATE:  # heads side by side at any head stride
+                xk = (k // GV) * s_xh + k % GV
             if EVEN_K:
                 w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
-                x = tl.load(x_rows + k[None, :], mask=m_ok[:, None], other=0.0)
+                x = tl.load(x_rows + xk[None, :], mask=m_ok[:, None], other=0.0)
             else:
                 k_ok = k < K
                 w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                x = tl.load(x_rows + xk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             if ACT != 0 and not TWO:
                 x = _act_input(x, x_rows, k, m_ok, K, limit, alpha, ACT, CLAMP)
             if HEAD > 0:
                 x = _gated_norm_input(x, q_ptr, g_ptr, m, k, s_qm, M, K, eps, HEAD, BLOCK_M, BLOCK_K)
+            if SGATE:
+                q = tl.load(q_ptr + m[:, None] * s_qm + (k // GV)[None, :] * s_qh + (k % GV)[None, :] * s_qc,
+                            mask=m_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+                x = (x.to(tl.float32) * tl.sigmoid(q)).to(x.dtype)
             if NORM:  # the norm's scale factors out of the product: sum (x * g) * w over K, times rstd after
                 x = _norm_input(x, r_ptr, m, k, s_rm, M, K, HAS_RES).to(tl.float32)
                 ss += tl.sum(x * x, axis=1)
@@ -168,25 +179,33 @@ def candidates(rows: int, n: int, k: int) -> list[Block]:
 def launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, K: int, block: Block, *,
            bias: torch.Tensor | None = None, add: torch.Tensor | None = None, activation: str | None = None,
            limit: float | None = None, alpha: float = 1.702, eps: float = 0.0,
-           norm: tuple | None = None, gate: tuple | None = None, second: tuple | None = None) -> None:
+           norm: tuple | None = None, gate: tuple | None = None, second: tuple | None = None,
+           sigmoid_gate: torch.Tensor | None = None) -> None:
     """One launch of the skinny kernel writing ``y`` [M, N] from x's rows against weight [N, K] at ``block``.
     ``norm`` = (norm weight, residual or None, normed out, sum out): the RMSNorm prologue; ``gate`` = (norm
     weight [HEAD], gate rows [M, K]): the gated head norm; ``second`` = (x2, w2 [N, K2]): a second product, the
-    ``activation`` then applying to x2."""
+    ``activation`` then applying to x2; ``sigmoid_gate`` [M, H, G] (G: K / H, or 1 for one gate per head, any
+    strides): x [M, H, K / H] (any row and head strides, unit channel stride) times its sigmoid."""
     M, N = y.shape
     bn, bk, warps = block
     nw, res, normed, res_out = norm or (x, None, x, x)
     gw, grows = gate or (nw, x)
     x2, w2 = second or (x, weight)
+    sg = sigmoid_gate
+    if sg is not None:
+        grows = sg
+    GV = K // sg.shape[1] if sg is not None else 1
     _skinny_kernel[(triton.cdiv(N, bn),)](
         x, weight, weight if bias is None else bias, y if add is None else add, y, M, N, K, x.stride(0),
         weight.stride(0), 0 if add is None else add.stride(0), y.stride(0),
         x if res is None else res, gw, normed, res_out, 0 if res is None else res.stride(0), float(eps),
         float(limit if limit is not None else 0.0), float(alpha), grows, grows.stride(0),
         x2, w2, w2.shape[1] if second else 0, x2.stride(0), w2.stride(0),
+        sg.stride(1) if sg is not None else 0, sg.stride(2) if sg is not None and sg.shape[2] > 1 else 0, GV,
+        x.stride(1) if sg is not None else 0,
         HAS_BIAS=bias is not None, HAS_ADD=add is not None, NORM=norm is not None, HAS_RES=res is not None,
         ACT=ACTS[activation][0] if activation else 0, CLAMP=limit is not None,
-        HEAD=gw.shape[0] if gate else 0, TWO=second is not None, EVEN_K=K % bk == 0,
+        HEAD=gw.shape[0] if gate else 0, TWO=second is not None, SGATE=sg is not None, EVEN_K=K % bk == 0,
         BLOCK_M=next_pow2(M), BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
 
 

@@ -74,3 +74,12 @@ def dual_linear(x: torch.Tensor, weight: torch.Tensor, x2: torch.Tensor, weight2
     other = (call("linear", x2, weight2) if activation is None
              else call("act_linear", x2, weight2, None, activation, limit))
     return call("linear", x, weight, add=other)
+
+
+@register("sigmoid_gate_linear")
+def sigmoid_gate_linear(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``sigmoid_gate`` then ``linear`` of the heads side by side: gated attention's output gate (per channel, or
+    one per head) and its output projection. Each its own op here (and so its own kernels on a device)."""
+    # x: [T, H, V]; gate: [T, H, V] or [T, H, 1] (any strides); weight: [N, H*V] -> [T, N]
+    return call("linear", call("sigmoid_gate", x, gate).reshape(x.shape[0], -1), weight, bias)
