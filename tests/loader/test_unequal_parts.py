@@ -25,9 +25,8 @@ def projection(rank: int) -> nn.Module:
     return m
 
 
-def test_each_rank_reads_its_rows_of_each_part(tmp_path, monkeypatch):
-    full = {"proj.weight": torch.arange(20 * 3, dtype=torch.float32).view(20, 3), "proj.bias": torch.arange(20.0)}
-    save_file(full, str(tmp_path / "model.safetensors"))
+def record_whole_reads(monkeypatch) -> list[str]:
+    """The names of the tensors the loader reads whole (``get_tensor``) from now on."""
     whole_reads = []
     real = L.safe_open
 
@@ -43,6 +42,13 @@ def test_each_rank_reads_its_rows_of_each_part(tmp_path, monkeypatch):
             return getattr(self.inner, name)
 
     monkeypatch.setattr(L, "safe_open", Recording)
+    return whole_reads
+
+
+def test_each_rank_reads_its_rows_of_each_part(tmp_path, monkeypatch):
+    full = {"proj.weight": torch.arange(20 * 3, dtype=torch.float32).view(20, 3), "proj.bias": torch.arange(20.0)}
+    save_file(full, str(tmp_path / "model.safetensors"))
+    whole_reads = record_whole_reads(monkeypatch)
     for rank, rows in ((0, [0, 1, 4, 5, 8, 9, 10, 14, 15, 16]), (1, [2, 3, 6, 7, 11, 12, 13, 17, 18, 19])):
         m = projection(rank)
         L.load_weights(m, str(tmp_path), identity_rules())
@@ -74,21 +80,7 @@ def test_a_rank_reads_only_its_key_heads_of_the_grouped_gated_deltanet_projectio
     one = build_model(spec, torch.float32, "cpu")
     L.load_weights(one, path, adapter.rules(spec), adapter.ignore)
     grouped = ("in_proj_qkvz", "in_proj_ba")
-    whole_reads = []
-    real = L.safe_open
-
-    class Recording:
-        def __init__(self, *a, **k):
-            self.inner = real(*a, **k)
-
-        def get_tensor(self, name):
-            whole_reads.append(name)
-            return self.inner.get_tensor(name)
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
-    monkeypatch.setattr(L, "safe_open", Recording)
+    whole_reads = record_whole_reads(monkeypatch)
     full = dict(one.named_parameters())
     for rank in (0, 1):
         model = build_model(spec, torch.float32, "cpu", ParallelState(rank, 2))
