@@ -22,10 +22,15 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dayzero.ops.registry import register
+from dayzero.train.batch import take
 
 _NEG = float("-inf")
+# cuDNN's attention builds a plan for every new shape (~25 ms of host time a call) and every step's buckets have
+# new widths: flash (causal) and memory-efficient (masked) kernels only
+_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def _sdpa(q, k, v, scale: float, mask=None) -> torch.Tensor:
@@ -34,10 +39,11 @@ def _sdpa(q, k, v, scale: float, mask=None) -> torch.Tensor:
     if k.shape[1] != q.shape[1]:  # GQA: each kv head serves H / Hkv query heads
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    if mask is None:
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    else:
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale)
+    with sdpa_kernel(_BACKENDS):
+        if mask is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale)
     return o.transpose(1, 2)
 
 
@@ -158,7 +164,8 @@ def indexer_kl(q, k, mask, scale: float, bucket, iq, iw, ik, topk: int, max_rows
         s = torch.einsum("bmhd,bshd->bhms", q[:, rows].float(), k.float()) * scale
         p = s.masked_fill_(~allowed[:, None], _NEG).softmax(-1).sum(1)  # [B, M, L]
         p = p / p.sum(-1, keepdim=True)
-    scores = indexer_scores(iq[index[:, rows]], iw[index[:, rows]], ik[index])  # [B, M, L]
+    at = index[:, rows]
+    scores = indexer_scores(take(iq, at), take(iw, at), take(ik, index))  # [B, M, L]
     logq = scores.masked_fill(~allowed, _NEG).log_softmax(-1)
     kl = torch.where(allowed, torch.xlogy(p, p) - p * logq.masked_fill(~allowed, 0.0), 0.0).sum(-1)  # [B, M]
     n = real.sum().clamp(min=1)

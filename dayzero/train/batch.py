@@ -23,6 +23,13 @@ from dayzero.cache.spec import PagedSpec, parts
 from dayzero.engine.batch import ForwardBatch
 
 
+
+def take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x[index]`` for an integer ``index`` of any shape, through ``index_select``: its gradient is an atomic
+    ``index_add_``, where ``x[index]``'s sorts the indices and runs serially over repeats (the padding cells and
+    the experts' spare cells repeat one row thousands of times: seconds a step)."""
+    return x.index_select(0, index.reshape(-1)).view(*index.shape, *x.shape[1:])
+
 class RowsPool:
     """A paged pool that holds one step's rows: ``write`` replaces them (slots are the rows 0..T-1 of a
     :class:`TrainBatch`), ``read`` gathers them by slot."""
@@ -35,7 +42,7 @@ class RowsPool:
         self.rows = rows
 
     def read(self, slots: torch.Tensor) -> torch.Tensor:
-        return self.rows[slots]
+        return take(self.rows, slots)
 
     @property
     def shape(self) -> tuple[int, ...]:  # [blocks, rows per block (1), *row], as a paged pool
@@ -65,11 +72,11 @@ class Bucket:
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """This bucket's flat rows [end - start, ...] (its piece of :meth:`TrainBatch.split`) -> [B, width, ...]."""
-        return x[self.index]
+        return take(x, self.index)
 
     def unpad(self, y: torch.Tensor) -> torch.Tensor:
         """[B, width, ...] -> this bucket's flat rows [end - start, ...]."""
-        return y.reshape(-1, *y.shape[2:])[self.cells]
+        return take(y.reshape(-1, *y.shape[2:]), self.cells)
 
 
 def make_buckets(lens: list[int], device, growth: float = 1.5) -> list[Bucket]:

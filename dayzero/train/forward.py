@@ -21,7 +21,7 @@ from dayzero.ops.registry import use_platform
 from dayzero.train import attention as _attention  # noqa: F401 - registers the train platform's ops
 from dayzero.train import linear_attention as _linear  # noqa: F401
 from dayzero.train import routing
-from dayzero.train.batch import TrainBatch, clear_caches, train_caches
+from dayzero.train.batch import TrainBatch, clear_caches, take, train_caches
 from dayzero.train.data import IGNORE
 
 TRAIN = "train"
@@ -56,7 +56,7 @@ def losses(model, batch: TrainBatch, targets: torch.Tensor) -> StepLosses:
     with routing.recording() as routes:
         hidden = model(batch)  # [T, D]
     rows = (targets != IGNORE).nonzero()[:, 0]
-    lm = F.cross_entropy(logits_of(model, hidden[rows]), targets[rows]) if rows.numel() else hidden.sum() * 0
+    lm = F.cross_entropy(logits_of(model, take(hidden, rows)), targets[rows]) if rows.numel() else hidden.sum() * 0
     balance = routing.balance_loss(routes, batch.seq_of_row, batch.num_seqs)
     kls = batch.losses.get("indexer_kl", [])
     kl = torch.stack(kls).sum() if kls else torch.zeros((), device=hidden.device)

@@ -24,6 +24,7 @@ import torch
 from dayzero.ops.moe.reference import _activation, route
 from dayzero.ops.registry import register
 from dayzero.quant.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from dayzero.train.batch import take
 
 
 @dataclass
@@ -93,14 +94,14 @@ def grouped_mlp_train(xs, offsets, w1, w2, activation="silu", b1=None, b2=None, 
     # [E, cap] token row of each cell; cells past an expert's count read row 0 and are never read back
     gather = torch.zeros(E * cap, dtype=torch.int64, device=xs.device).index_copy_(0, cells, src)
     dt = torch.get_autocast_dtype(xs.device.type) if torch.is_autocast_enabled(xs.device.type) else xs.dtype
-    x = xs[gather].to(dt).view(E, cap, -1)  # [E, cap, L]
+    x = take(xs, gather).to(dt).view(E, cap, -1)  # [E, cap, L]
     h = torch.bmm(x, w1.to(dt).transpose(1, 2))  # [E, cap, r*I]
     if b1 is not None:
         h = h + b1[:, None, :].to(h.dtype)
     y = torch.bmm(act(h).to(dt), w2.to(dt).transpose(1, 2))  # [E, cap, L]
     if b2 is not None:
         y = y + b2[:, None, :].to(y.dtype)
-    return y.reshape(E * cap, -1)[cells].to(xs.dtype)
+    return take(y.reshape(E * cap, -1), cells).to(xs.dtype)
 
 
 def _scores(r: Routed) -> torch.Tensor:
