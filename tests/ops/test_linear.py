@@ -320,8 +320,8 @@ def test_gated_norm_in_the_kernel_matches_fp64_and_the_reference(M, N, H, V, dty
 
 
 def test_gated_norm_refusals_name_the_reason():
-    x, gate = torch.randn(2, 4, 32), torch.randn(2, 4, 32)
-    w, gw = torch.randn(8, 128), torch.ones(32)
+    x, gate = torch.randn(2, 4, 32, device=DEV), torch.randn(2, 4, 32, device=DEV)
+    w, gw = torch.randn(8, 128, device=DEV), torch.ones(32, device=DEV)
     assert "[rows, heads, head_dim]" in NL._verify_gated(x.view(2, -1), gw, gate.view(2, -1), 1e-6, w)
     assert "power of two" in NL._verify_gated(x[..., :24], gw[:24], gate[..., :24], 1e-6, w[:, :96])
     assert "side by side" in NL._verify_gated(x.transpose(0, 1).contiguous().transpose(0, 1), gw, gate, 1e-6, w)
@@ -357,13 +357,15 @@ def test_the_fused_timings_run_every_launch_they_compare(monkeypatch):
     monkeypatch.setattr(L, "cold_copies", lambda w: [w])  # (dual_linear's: both weights, one copy each)
     for linear_choice in (None, (4, 16, 4)):  # the linear's own choice: cuBLAS, or a Triton block
         monkeypatch.setattr(L, "measured_choice", lambda *a, **k: linear_choice)
-        g = torch.Generator().manual_seed(6)
-        x, w, b = torch.randn(2, 64, generator=g), torch.randn(24, 64, generator=g), torch.randn(24, generator=g)
-        runs = (lambda: NL.timings(x, x, torch.rand(64, generator=g), 1e-6, w, b),
-                lambda: AL.timings(torch.randn(2, 128, generator=g), w, b, "silu", None, torch.randn(2, 24)),
-                lambda: NL.gated_timings(x.view(2, 4, 16), torch.rand(16), x.view(2, 4, 16), 1e-6, w, b),
-                lambda: AL.dual_timings(x, w, torch.randn(2, 96, generator=g), torch.randn(24, 48), "silu"),
-                lambda: AL.gate_timings(x.view(2, 4, 16), torch.randn(2, 4, 1, generator=g), w, b))
+        g = torch.Generator(DEV).manual_seed(6)
+        r = lambda *shape: torch.randn(*shape, generator=g, device=DEV)  # noqa: E731
+        u = lambda *shape: torch.rand(*shape, generator=g, device=DEV)  # noqa: E731
+        x, w, b = r(2, 64), r(24, 64), r(24)
+        runs = (lambda: NL.timings(x, x, u(64), 1e-6, w, b),
+                lambda: AL.timings(r(2, 128), w, b, "silu", None, r(2, 24)),
+                lambda: NL.gated_timings(x.view(2, 4, 16), u(16), x.view(2, 4, 16), 1e-6, w, b),
+                lambda: AL.dual_timings(x, w, r(2, 96), r(24, 48), "silu"),
+                lambda: AL.gate_timings(x.view(2, 4, 16), r(2, 4, 1), w, b))
         for run in runs:
             outputs.clear()
             times = run()
