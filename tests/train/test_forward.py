@@ -11,7 +11,7 @@ from dayzero.engine.sampling_params import SamplingParams
 from dayzero.engine.scheduler import ScheduledSeq
 from dayzero.ops.kda.reference import causal_conv1d, kda_chunk, kda_recurrent
 from dayzero.ops.moe.reference import grouped_mlp, permute
-from dayzero.train.batch import TrainBatch
+from dayzero.train.batch import TrainBatch, take
 from dayzero.train.checkpoint import load_model
 from dayzero.train.forward import indexer_parameters, logits_of, losses, training
 from dayzero.train.linear_attention import causal_conv1d_train, kda_chunk_batched
@@ -152,3 +152,19 @@ def test_use_platform_picks_its_implementations_and_falls_back_to_references():
         ops.call("_train_toy_ref_only", torch.zeros(1))
     ops.call("_train_toy", torch.zeros(1))
     assert calls == ["train", "ref only", "ref"] and registry.active_platform() is None
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 5)])
+def test_take_gathers_and_accumulates_repeated_rows_like_indexing(shape):
+    """The training's row gather (index_select, an index_add_ backward) against plain indexing, with rows repeated
+    as padding cells repeat them."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 4, 3, generator=g, dtype=torch.float64)
+    index = torch.randint(0, 6, shape, generator=g)
+    index.view(-1)[: index.numel() // 2] = 2  # half the cells read one row
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    up = torch.randn(*shape, 4, 3, generator=g, dtype=torch.float64)
+    (take(a, index) * up).sum().backward()
+    (b[index] * up).sum().backward()
+    assert torch.equal(take(x, index), x[index])
+    torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-12)
