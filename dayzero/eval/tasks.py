@@ -75,19 +75,23 @@ def sorting(r: random.Random, max_chars: int = 16, **_) -> tuple[str, str]:
     return f"sort {s} =", "".join(sorted(s))
 
 
-def copying(r: random.Random, words: int = 32, **_) -> tuple[str, str]:
-    passage = " ".join(r.choice(WORDS) for _ in range(words))
+def copying(r: random.Random, words: int = 32, min_words: int | None = None, **_) -> tuple[str, str]:
+    """A passage of ``words`` words (between ``min_words`` and ``words`` when given: training's short copies)."""
+    n = words if min_words is None else r.randint(min_words, words)
+    passage = " ".join(r.choice(WORDS) for _ in range(n))
     return f"copy: {passage}\n=", passage
 
 
 def recall(r: random.Random, context_len: int = 2048, count: Callable[[str], int] | None = None,
-           **_) -> tuple[str, str]:
-    """Key–value pairs (four-letter keys, four-digit values) scattered through filler sentences; the question asks
-    for one whose pair sits in the first half of the prompt. ``count`` gives a text's length in tokens (default:
+           pairs: int = 8, min_pairs: int | None = None, **_) -> tuple[str, str]:
+    """``pairs`` key–value pairs (four-letter keys, four-digit values; between ``min_pairs`` and ``pairs`` when
+    given) scattered through filler sentences; the question asks for one whose pair sits in the first half of
+    the prompt. ``count`` gives a text's length in tokens (default:
     words, about a token each)."""
     count = count or (lambda text: len(text.split()))
+    n_pairs = pairs if min_pairs is None else r.randint(min_pairs, pairs)
     pairs, seen = [], set()
-    while len(pairs) < 8:
+    while len(pairs) < n_pairs:
         k = _letters(r, 4)
         if k not in seen:
             seen.add(k)

@@ -9,7 +9,9 @@ Every instance is one fresh sequence, in one of two formats, the loss on the ans
 
 A step holds about ``tokens`` tokens: ``recall_share`` of them key-value recall prompts, the rest the short
 tasks drawn by ``weights``. The recall context lengths follow a curriculum: uniform between ``recall_min`` and
-a bound growing from ``recall_start`` to ``recall_max`` over the first ``recall_ramp`` of training.
+a bound growing from ``recall_start`` to ``recall_max`` over the first ``recall_ramp`` of training. Training's
+copies and recall prompts also come small (from ``copy_min_words`` words, from ``recall_min_pairs`` key-value
+pairs), where retrieval is easiest to learn; the eval split keeps the full sizes.
 """
 from __future__ import annotations
 
@@ -39,6 +41,10 @@ class DataConfig:
     max_chars: int = 24  # reversal
     sort_chars: int = 16
     copy_words: int = 32
+    # retrieval from short instances first: copies of copy_min_words..copy_words words, recall prompts holding
+    # recall_min_pairs..8 pairs (the eval split keeps 32 words and 8 pairs)
+    copy_min_words: int = 4
+    recall_min_pairs: int = 2
 
     def __post_init__(self):
         bad = sorted(set(self.weights) - set(TASKS))
@@ -50,6 +56,8 @@ class DataConfig:
             raise ValueError(f"tokens per step must be at least 64, got {self.tokens}")
         if not 0 <= self.recall_share < 1 or not 0 <= self.chat_share <= 1:
             raise ValueError("recall_share must be in [0, 1) and chat_share in [0, 1]")
+        if not 1 <= self.recall_min_pairs <= 8 or self.copy_min_words < 1:
+            raise ValueError("recall_min_pairs must be in [1, 8] and copy_min_words at least 1")
         if not 0 < self.recall_min <= self.recall_start <= self.recall_max:
             raise ValueError("recall lengths must satisfy 0 < recall_min <= recall_start <= recall_max")
 
@@ -60,7 +68,8 @@ class DataConfig:
     def options(self, task: str) -> dict:
         return {"addition": {"max_digits": self.max_digits}, "subtraction": {"max_digits": self.max_digits},
                 "reversal": {"max_chars": self.max_chars}, "sorting": {"max_chars": self.sort_chars},
-                "copy": {"words": self.copy_words}}.get(task, {})
+                "copy": {"words": self.copy_words, "min_words": min(self.copy_min_words, self.copy_words)},
+                "recall": {"min_pairs": self.recall_min_pairs}}.get(task, {})
 
 
 class Encoder:
@@ -145,7 +154,8 @@ class TaskStream:
             length = min(recall_tokens, r.randint(c.recall_min, max(c.recall_min, hi)))
             if length < c.recall_min:
                 break
-            inst = instances("recall", 1, "train", seed=seed * 64 + n, context_len=length, count=self.enc.count)
+            inst = instances("recall", 1, "train", seed=seed * 64 + n, context_len=length, count=self.enc.count,
+                             **c.options("recall"))
             seqs += self.enc.encode(inst, [r.random() < c.chat_share])
             recall_tokens -= len(seqs[-1][0])
             n += 1

@@ -1,0 +1,50 @@
+"""Training data: the train split's retrieval instances come in small sizes too (short copies, recall prompts
+with few pairs), while the eval split keeps the sizes ``dayzero eval`` scores; a step packs in length order with
+the loss on answer tokens only; bad data settings are refused."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from dayzero.engine.engine import DEFAULT_MODEL
+from dayzero.engine.tokenizer import load_tokenizer
+from dayzero.eval.tasks import instances
+from dayzero.train.data import IGNORE, DataConfig, TaskStream
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(DEFAULT_MODEL)
+
+
+def facts(prompt: str) -> int:
+    return len(re.findall(r"The value of [a-z]{4} is \d{4}\.", prompt))
+
+
+def test_train_split_has_short_copies_and_few_pair_recalls_the_eval_split_full_ones():
+    c = DataConfig()
+    train_copies = instances("copy", 200, "train", seed=1, **c.options("copy"))
+    sizes = {len(i.answer.split()) for i in train_copies}
+    assert min(sizes) == c.copy_min_words and max(sizes) == c.copy_words and len(sizes) > 10
+    assert {len(i.answer.split()) for i in instances("copy", 50, "eval", seed=1)} == {32}
+    train_recalls = instances("recall", 60, "train", seed=1, context_len=400, **c.options("recall"))
+    pairs = {facts(i.prompt) for i in train_recalls}
+    assert min(pairs) == c.recall_min_pairs and max(pairs) == 8
+    assert {facts(i.prompt) for i in instances("recall", 20, "eval", seed=1, context_len=400)} == {8}
+
+
+def test_a_step_packs_by_length_with_loss_on_answers_only(tokenizer):
+    stream = TaskStream(DataConfig(tokens=8192), tokenizer, seed=0)
+    step = stream.step(0, 0.0)
+    assert step.lens == sorted(step.lens) and sum(step.lens) == step.ids.numel() == step.targets.numel()
+    answer = step.targets != IGNORE
+    assert 0 < answer.sum() < step.ids.numel() // 2
+    assert set(step.tasks) == {"recall", "addition", "subtraction", "reversal", "sorting", "copy"}
+
+
+@pytest.mark.parametrize("bad", [dict(recall_min_pairs=0), dict(recall_min_pairs=9), dict(copy_min_words=0),
+                                 dict(weights={"recall": 1.0}), dict(tokens=8)])
+def test_bad_data_settings_are_refused(bad):
+    with pytest.raises(ValueError):
+        DataConfig(**bad)
