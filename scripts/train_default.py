@@ -7,7 +7,8 @@ of ``dayzero eval`` (their train split), write it as a checkpoint and score it o
 ``--minutes`` is the whole job's budget: training stops by the clock early enough to save the checkpoint and
 run the final evaluation (``--eval-seconds`` are kept for those). The checkpoint in ``--out`` has the files of
 ``dayzero/assets/default`` (routed experts in MXFP4 unless ``--expert-format bf16``) and loads with
-``dayzero.LLM(out)``; the final table is ``dayzero eval``'s (``--eval-n`` instances per task through the engine).
+``dayzero.LLM(out)``; the final table is ``dayzero eval``'s (``--eval-n`` instances per task through the engine),
+and ``README.md`` beside it is the model card (:mod:`dayzero.train.card`: size, tasks, command, time, accuracy).
 """
 from __future__ import annotations
 
@@ -86,6 +87,27 @@ def check(args) -> None:
         raise ValueError("--eval-n and --eval-every must be >= 0")
 
 
+def _portable(argv: list[str]) -> list[str]:
+    """The arguments with the paths they name cut to their last part (the card names no machine's folders)."""
+    out, path_next = [], False
+    for a in argv:
+        if path_next:
+            a, path_next = Path(a).name or a, False
+        elif a in ("--out", "--profile", "--config"):
+            path_next = True
+        elif a.startswith(("--out=", "--profile=", "--config=")):
+            flag, value = a.split("=", 1)
+            a = f"{flag}={Path(value).name}"
+        out.append(a)
+    return out
+
+
+def _device_name(device) -> str:
+    import torch
+
+    return f"one {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "a CPU"
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     check(args)
@@ -99,6 +121,7 @@ def main(argv=None) -> int:
     from dayzero.engine.engine import DEFAULT_MODEL
     from dayzero.engine.tokenizer import load_tokenizer
     from dayzero.eval.tasks import TASKS
+    from dayzero.train.card import write_model_card
     from dayzero.train.checkpoint import new_model, save_checkpoint
     from dayzero.train.data import DataConfig
     from dayzero.train.evaluate import evaluate, table
@@ -155,12 +178,19 @@ def main(argv=None) -> int:
     size = (out / "model.safetensors").stat().st_size
     print(f"trained {summary['steps']} steps, {summary['tokens'] / 1e6:.1f}M tokens in {summary['seconds']:.0f} s; "
           f"wrote {out} (model.safetensors {size / 2**20:.1f} MiB, experts {args.expert_format})", flush=True)
+    rows, setup = [], {}
     if args.eval_n:
         ctx = 2048 if not args.tiny else 128
         rows = evaluate(out, n=args.eval_n, tasks=tasks, context_len=ctx, max_digits=data.max_digits,
                         device=str(device), cache_memory_bytes=4 << 30 if cuda else 1 << 28)
+        setup = {"device": device.type, "dtype": "bfloat16" if cuda else "float32", "n": args.eval_n,
+                 "context_len": ctx, "max_digits": data.max_digits}
         print(f"{out}: exact match, greedy, held-out (eval split), recall at {ctx} tokens")
         print(table(rows))
+    command = " ".join(["python scripts/train_default.py", *_portable(argv if argv is not None else sys.argv[1:])])
+    write_model_card(out, config=config, n_params=n_params, size_bytes=size, expert_format=args.expert_format,
+                     tasks=tasks, command=command, device=_device_name(device), summary=summary, rows=rows,
+                     eval_setup=setup)
     print(f"total {time.monotonic() - t0:.0f} s")
     return 0
 

@@ -11,6 +11,7 @@ import torch
 
 from dayzero import LLM, SamplingParams
 from dayzero.config.model_config import HybridConfig
+from dayzero.train.card import card_results
 from dayzero.train.checkpoint import checkpoint_tensors, new_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,7 +34,12 @@ def test_tiny_run_writes_a_checkpoint_the_engine_loads(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "step      3" in printed and "addition" in printed  # progress lines, then the held-out table
     assert "step 3, by self_cpu_time_total" in profile.read_text() and "aten::" in profile.read_text()
-    assert ASSET_FILES <= {p.name for p in out.iterdir()}
+    assert ASSET_FILES | {"README.md"} <= {p.name for p in out.iterdir()}
+    card = (out / "README.md").read_text()
+    results = card_results(out)  # the card's accuracy, as the final table printed it
+    assert set(results["accuracy"]) == {"addition", "subtraction", "reversal", "sorting", "recall", "copy"}
+    assert results["n"] == 2 and results["device"] == "cpu" and "| addition | 2 |" in card
+    assert "python scripts/train_default.py --tiny" in card and "--out ckpt" in card and str(tmp_path) not in card
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "dayzero_hybrid" and config["quantization_config"]["quant_method"] == "mxfp4"
     llm = LLM(str(out), device="cpu")
