@@ -23,12 +23,12 @@ from dayzero.cache.spec import PagedSpec, parts
 from dayzero.engine.batch import ForwardBatch
 
 
-
 def take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``x[index]`` for an integer ``index`` of any shape, through ``index_select``: its gradient is an atomic
     ``index_add_``, where ``x[index]``'s sorts the indices and runs serially over repeats (the padding cells and
     the experts' spare cells repeat one row thousands of times: seconds a step)."""
     return x.index_select(0, index.reshape(-1)).view(*index.shape, *x.shape[1:])
+
 
 class RowsPool:
     """A paged pool that holds one step's rows: ``write`` replaces them (slots are the rows 0..T-1 of a
