@@ -86,31 +86,30 @@ def recall(r: random.Random, context_len: int = 2048, count: Callable[[str], int
            pairs: int = 8, min_pairs: int | None = None, **_) -> tuple[str, str]:
     """``pairs`` key–value pairs (four-letter keys, four-digit values; between ``min_pairs`` and ``pairs`` when
     given) scattered through filler sentences; the question asks for one whose pair sits in the first half of
-    the prompt. ``count`` gives a text's length in tokens (default:
-    words, about a token each)."""
+    the prompt. ``count`` gives a text's length in tokens (default: words, about a token each)."""
     count = count or (lambda text: len(text.split()))
     n_pairs = pairs if min_pairs is None else r.randint(min_pairs, pairs)
-    pairs, seen = [], set()
-    while len(pairs) < n_pairs:
+    entries, seen = [], set()  # (key, value)
+    while len(entries) < n_pairs:
         k = _letters(r, 4)
         if k not in seen:
             seen.add(k)
-            pairs.append((k, f"{r.randint(0, 9999):04d}"))
-    asked = r.randrange(len(pairs))
+            entries.append((k, f"{r.randint(0, 9999):04d}"))
+    asked = r.randrange(len(entries))
     sentence = lambda: " ".join(r.choice(WORDS) for _ in range(12)) + "."  # noqa: E731
-    question = f"\nWhat is the value of {pairs[asked][0]}? The value of {pairs[asked][0]} is "
-    facts = [f"The value of {k} is {v}." for k, v in pairs]
+    question = f"\nWhat is the value of {entries[asked][0]}? The value of {entries[asked][0]} is "
+    facts = [f"The value of {k} is {v}." for k, v in entries]
     per = count(" ".join(sentence() for _ in range(64))) / 64  # tokens per filler sentence, joined as below
     reserve = count(question) + count(" ".join(facts))
     n = max(2, int((context_len - reserve) / per))
     filler = [sentence() for _ in range(n)]
     # the asked pair in the first half, the others anywhere
     spots = {asked: r.randrange(0, max(1, n // 2))}
-    for i in range(len(pairs)):
+    for i in range(len(entries)):
         spots.setdefault(i, r.randrange(0, n))
     for i, at in sorted(spots.items(), key=lambda kv: -kv[1]):
         filler.insert(at, facts[i])
-    return " ".join(filler) + question, pairs[asked][1]
+    return " ".join(filler) + question, entries[asked][1]
 
 
 TASKS: dict[str, Callable[..., tuple[str, str]]] = {
