@@ -71,12 +71,28 @@ def test_add_in_the_epilogue_matches_fp64_and_the_reference(dtype):
     x, w, b = operands(3, 70, 96, dtype, dtype, True)
     add = torch.randn(3, 70, device=DEV).to(dtype)
     want = exact(x, w, b) + add.double()
-    for block in L.candidates(3, 70, 96) + [(4, 16, 4)]:
+    for block in L.candidates(3, 70, 96, L.tensor_cores(dtype, dtype)) + [(4, 16, 4)]:
         close(L.skinny_linear(x, w, b, block=block, add=add), want, dtype)
     close(reference(x, w, b, add=add), want, dtype)
     close(reference(x, w, None, add=add), exact(x, w, None) + add.double(), dtype)  # addmm: the add in cuBLAS
     close(reference(x[None], w, None, add=add[None])[0], exact(x, w, None) + add.double(), dtype)  # 3-D x
     assert "add must be" in L.refusal(x, w, b, add=add[:, :8])
+
+
+@pytest.mark.parametrize("M,N,K", [(2, 37, 100), (5, 130, 96), (8, 64, 512), (3, 16, 16)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_tensor_core_blocks_match_fp64_with_rows_padded_to_sixteen(M, N, K, dtype):
+    x, w, b = operands(M, N, K, dtype, dtype, True)
+    add = torch.randn(M, N, device=DEV).to(dtype)
+    blocks = [blk for blk in L.candidates(M, N, K, True) if len(blk) == 4] + [(16, 32, 4, 2)]  # several K steps
+    assert len(blocks) >= 2 and not any(len(blk) == 4 for blk in L.candidates(1, N, K, True))  # one row: CUDA cores
+    for block in blocks:
+        close(L.skinny_linear(x, w, b, block=block), exact(x, w, b), dtype)
+        close(L.skinny_linear(x, w, b, block=block, add=add), exact(x, w, b) + add.double(), dtype)
+    assert not L.tensor_cores(torch.float32, torch.float32) and not L.tensor_cores(torch.bfloat16, torch.float32)
+    x, w, b = operands(M, N, K, torch.float32, torch.float32, True)
+    with pytest.raises(ValueError, match="tensor-core block"):  # fp32 would run as TF32: refused, not rounded
+        L.skinny_linear(x, w, b, block=blocks[0])
 
 
 def test_strided_rows_and_no_rows():
@@ -133,10 +149,11 @@ def test_measured_choice_and_every_candidate_on_the_gpu(M, N, K, x_dtype, w_dtyp
     x, w, b = operands(M, N, K, x_dtype, w_dtype, False)
     want = exact(x, w, b)
     dtype = out or x_dtype
-    for block in L.candidates(M, N, K):
+    mma = L.tensor_cores(x_dtype, w_dtype)
+    for block in L.candidates(M, N, K, mma):
         close(L.skinny_linear(x, w, b, out, block), want, dtype)
     choice = L.measured_choice(x, w, b, out)
-    assert choice is None or choice in L.candidates(L.next_pow2(M), N, K)
+    assert choice is None or choice in L.candidates(L.next_pow2(M), N, K, mma)
     got = ops.call("linear", x, w, b, out_dtype=out)
     assert got.dtype == dtype
     close(got, want, dtype)
@@ -193,7 +210,7 @@ def test_norm_in_the_kernel_matches_fp64_and_the_reference(M, N, K, residual, dt
     r = (3 * torch.randn(M, K, generator=g, device=DEV)).to(dtype) if residual else None
     gw = (1 + 0.1 * torch.randn(K, generator=g, device=DEV)).float()  # an offset norm's fp32 (1 + w)
     want_y, want_n, want_s = norm_exact(x, r, gw, 1e-6, w, b)
-    for block in L.candidates(M, N, K) + [(4, 16, 4)]:  # several K steps, a ragged last one
+    for block in L.candidates(M, N, K, L.tensor_cores(dtype, dtype)) + [(4, 16, 4)]:  # several K steps, ragged last
         y, n, s = NL.norm_skinny_linear(x, r, gw, 1e-6, w, b, block)
         close(y, want_y, dtype)
         close(n, want_n, dtype)
@@ -223,7 +240,7 @@ def test_norm_linear_op_at_the_kda_input_projection(M):
     want_y, want_n, want_s = norm_exact(x, r, gw, 1e-6, w, None)
     L.measured_choice(x, w)
     choice = NL.measured_choice(x, r, gw, 1e-6, w)  # fused, or None: the two apart measured faster
-    assert choice is None or choice in L.candidates(L.next_pow2(M), 6416, 2048)
+    assert choice is None or choice in L.candidates(L.next_pow2(M), 6416, 2048, True)
     y, n, s = ops.call("rms_norm_linear", x, r, gw, 1e-6, w, None)
     close(y, want_y, torch.bfloat16)
     close(n, want_n, torch.bfloat16)
@@ -262,7 +279,7 @@ def test_activation_in_the_kernel_matches_fp64_and_the_reference(M, N, I, activa
     clamp = 7.0 if activation == "swiglu_oai" and limit is None else limit
     for bias, extra in ((None, None), (b, add)):
         want = act_exact(x, activation, limit, w, bias, extra)
-        for block in L.candidates(M, N, I) + [(4, 16, 4)]:  # several K steps, a ragged last one
+        for block in L.candidates(M, N, I, L.tensor_cores(dtype, dtype)) + [(4, 16, 4)]:  # several K steps
             close(L.skinny_linear(x, w, bias, None, block, extra, activation, clamp), want, dtype)
         close(reference_act(x, w, bias, activation, limit, extra), want, dtype)  # the two ops apart
 
@@ -291,7 +308,7 @@ def test_act_linear_op_at_dayzero_small_shapes(M, N, I):
     _, w, _ = operands(M, N, I, torch.bfloat16, torch.bfloat16, False)
     want = act_exact(x, "silu", None, w, None, None)
     choice = AL.measured_choice(x, w, None, "silu")  # fused, or None: the two apart measured faster
-    assert choice is None or choice in L.candidates(L.next_pow2(M), N, I)
+    assert choice is None or choice in L.candidates(L.next_pow2(M), N, I, True)
     close(ops.call("act_linear", x, w, None, "silu"), want, torch.bfloat16)
 
 
@@ -314,7 +331,7 @@ def test_gated_norm_in_the_kernel_matches_fp64_and_the_reference(M, N, H, V, dty
     _, w, b = operands(M, N, H * V, dtype, dtype, True)
     for bias in (None, b):
         want = gated_exact(x, gate, gw, 1e-6, w, bias)
-        for block in NL.gated_candidates(M, N, H * V, V) + [(4, V, 4)]:  # one head a step: several steps
+        for block in NL.gated_candidates(M, N, H * V, V, L.tensor_cores(dtype, dtype)) + [(4, V, 4)]:  # a head a step
             close(NL.gated_norm_skinny_linear(x, gw, gate, 1e-6, w, bias, block), want, dtype)
         close(reference_gated(x, gw, gate, 1e-6, w, bias), want, dtype)  # the two ops apart
 
@@ -338,7 +355,7 @@ def test_gated_norm_linear_op_at_the_kda_output_projection(M):
     gw = torch.rand(128, generator=g, device=DEV).to(torch.bfloat16)
     _, w, _ = operands(M, 2048, 2048, torch.bfloat16, torch.bfloat16, False)
     choice = NL.gated_choice(x, gw, gate, 1e-6, w)  # fused, or None: the two apart measured faster
-    assert choice is None or choice in NL.gated_candidates(L.next_pow2(M), 2048, 2048, 128)
+    assert choice is None or choice in NL.gated_candidates(L.next_pow2(M), 2048, 2048, 128, True)
     close(ops.call("rms_norm_gated_linear", x, gw, gate, 1e-6, w), gated_exact(x, gate, gw, 1e-6, w, None),
           torch.bfloat16)
 
@@ -386,7 +403,7 @@ def test_two_products_in_one_launch_match_fp64_and_the_reference(M, N, K1, K2, a
     w2 = (torch.randn(N, K2, generator=g, device=DEV) / K2 ** 0.5).to(dtype)
     h = x2 if activation is None else _act_reference(x2, activation, limit)
     want = exact(x, w, None) + exact(h, w2, None)
-    for block in AL.dual_candidates(M, N, K1, K2) + [(4, 16, 4)]:  # several K steps in each, ragged last ones
+    for block in AL.dual_candidates(M, N, K1, K2, L.tensor_cores(dtype, dtype)) + [(4, 16, 4)]:  # several K steps
         close(AL.dual_skinny_linear(x, w, x2, w2, activation, limit, block), want, dtype)
     close(reference_dual(x, w, x2, w2, activation, limit), want, dtype)  # act_linear, then linear with its sum
 
@@ -409,7 +426,7 @@ def test_dual_linear_op_at_the_latent_up_projection(M):
     w, w2 = ((torch.randn(2048, 512, generator=g, device=DEV) / 512 ** 0.5).to(torch.bfloat16) for _ in range(2))
     want = exact(y, w, None) + act_exact(sh, "silu", None, w2, None, None)
     choice = AL.dual_choice(y, w, sh, w2, "silu")  # one launch, or None: the ops apart measured faster
-    assert choice is None or choice in AL.dual_candidates(L.next_pow2(M), 2048, 512, 512)
+    assert choice is None or choice in AL.dual_candidates(L.next_pow2(M), 2048, 512, 512, True)
     close(ops.call("dual_linear", y, w, sh, w2, "silu"), want, torch.bfloat16)
 
 

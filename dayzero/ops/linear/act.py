@@ -60,7 +60,7 @@ def timings(x, weight, bias=None, activation="silu", limit=None, add=None) -> di
     return K.fused_timings(
         weight, lambda w: K.chosen_linear(act(xs, kind, clamp), w, bias, None, adds, apart_block),
         lambda w, b: K.skinny_linear(xs, w, bias, None, b, adds, activation, clamp),
-        K.candidates(xs.shape[0], weight.shape[0], weight.shape[1]))
+        K.candidates(xs.shape[0], weight.shape[0], weight.shape[1], K.tensor_cores(x.dtype, weight.dtype)))
 
 
 def measured_choice(x, weight, bias=None, activation="silu", limit=None, add=None) -> K.Block | None:
@@ -97,9 +97,9 @@ def dual_skinny_linear(x: torch.Tensor, weight: torch.Tensor, x2: torch.Tensor, 
     return y
 
 
-def dual_candidates(rows: int, n: int, k: int, k2: int) -> list[K.Block]:
+def dual_candidates(rows: int, n: int, k: int, k2: int, mma: bool = False) -> list[K.Block]:
     """The block shapes of :func:`kernels.candidates` for the longer of the two products."""
-    return K.candidates(rows, n, max(k, k2))
+    return K.candidates(rows, n, max(k, k2), mma)
 
 
 def _dual_key(x, weight, x2, weight2, activation, limit) -> tuple:
@@ -133,9 +133,10 @@ def dual_timings(x, weight, x2, weight2, activation=None, limit=None) -> dict[K.
         return call("linear", xs, w, add=other)
 
     apart(weight, weight2)  # the two ops measure their own choices first, eagerly
+    mma = K.tensor_cores(x.dtype, weight.dtype) and K.tensor_cores(x2.dtype, weight2.dtype)
     return K.fused_timings((weight, weight2), lambda ws: apart(*ws),
                            lambda ws, b: dual_skinny_linear(xs, ws[0], x2s, ws[1], activation, limit, b),
-                           dual_candidates(x.shape[0], weight.shape[0], weight.shape[1], weight2.shape[1]))
+                           dual_candidates(x.shape[0], weight.shape[0], weight.shape[1], weight2.shape[1], mma))
 
 
 def dual_choice(x, weight, x2, weight2, activation=None, limit=None) -> K.Block | None:
@@ -201,7 +202,8 @@ def gate_timings(x, gate, weight, bias=None) -> dict[K.Block | None, float]:
     apart_block = K.measured_choice(xs.view(M, -1), weight, bias)
     return K.fused_timings(
         weight, lambda w: K.chosen_linear(sigmoid_gate(xs, gs).view(M, -1), w, bias, None, None, apart_block),
-        lambda w, b: gate_skinny_linear(xs, gs, w, bias, b), K.candidates(M, weight.shape[0], weight.shape[1]))
+        lambda w, b: gate_skinny_linear(xs, gs, w, bias, b),
+        K.candidates(M, weight.shape[0], weight.shape[1], K.tensor_cores(x.dtype, weight.dtype)))
 
 
 def gate_choice(x, gate, weight, bias=None) -> K.Block | None:

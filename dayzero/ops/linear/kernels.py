@@ -24,7 +24,7 @@ import torch
 
 from dayzero.ops.activation.kernels import RELU2, SILU, SWIGLU_OAI
 from dayzero.ops.registry import register
-from dayzero.ops.triton_support import HAS_TRITON, next_pow2, triton_refusal
+from dayzero.ops.triton_support import DOT_F32, HAS_TRITON, next_pow2, triton_refusal
 
 if HAS_TRITON:
     import triton
@@ -48,7 +48,7 @@ if HAS_TRITON:
                        x2_ptr, w2_ptr, K2, s_x2m, s_w2n, s_qh, s_qc, GV, s_xh,
                        HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
                        ACT: tl.constexpr, CLAMP: tl.constexpr, HEAD: tl.constexpr, TWO: tl.constexpr,
-                       SGATE: tl.constexpr,
+                       SGATE: tl.constexpr, DOT: tl.constexpr, DOT_F32: tl.constexpr,
                        EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # x: [M, K], w: [N, K], add: [M, N] (unit column strides); y: [M, N]; grid: cdiv(N, BLOCK_N).
         # NORM: x is first RMS-normalised with weight g [K] (after adding the residual r [M, K] when HAS_RES,
@@ -61,6 +61,8 @@ if HAS_TRITON:
         # SGATE: x [M, K / GV heads of GV] (head h of row m at x + m * s_xm + h * s_xh, unit channel stride) times
         # sigmoid of its gate, column c of head h read at q + m * s_qm + h * s_qh + c * s_qc (s_qc = 0: one gate
         # per head), rounded to x's dtype.
+        # DOT: each K step's product on the tensor cores (tl.dot, x's rows padded to BLOCK_M >= 16 and rounded to
+        # the weight's dtype), its loads pipelined by the compiler; else on the CUDA cores in fp32.
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
         n_ok, m_ok = n < N, m < M
@@ -92,7 +94,7 @@ if HAS_TRITON:
                 x = _norm_input(x, r_ptr, m, k, s_rm, M, K, HAS_RES).to(tl.float32)
                 ss += tl.sum(x * x, axis=1)
                 x = x * tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
-            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+            acc = _product(acc, x, w, DOT, DOT_F32)
         if NORM:
             rstd = tl.rsqrt(ss / K + eps)
             acc *= rstd[:, None]
@@ -117,7 +119,7 @@ if HAS_TRITON:
                 x = tl.load(x2_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
                 if ACT != 0:
                     x = _act_input(x, x2_rows, k, m_ok, K2, limit, alpha, ACT, CLAMP)
-                acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+                acc = _product(acc, x, w, DOT, DOT_F32)
         if HAS_BIAS:
             acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if HAS_ADD:
@@ -125,6 +127,17 @@ if HAS_TRITON:
                            other=0.0).to(tl.float32)
         tl.store(y_ptr + m[:, None] * s_ym + n[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
+
+
+    @triton.jit
+    def _product(acc, x, w, DOT: tl.constexpr, DOT_F32: tl.constexpr):
+        """acc [BLOCK_M, BLOCK_N] plus one K step's x [BLOCK_M, BLOCK_K] times w [BLOCK_N, BLOCK_K] transposed."""
+        if DOT and DOT_F32:  # the interpreter's bf16 dot is wrong: the same half-precision operands, in fp32
+            x = x.to(w.dtype).to(tl.float32)
+            return tl.dot(x, tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        if DOT:
+            return tl.dot(x.to(w.dtype), tl.trans(w), acc)
+        return acc + tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
 
 
     @triton.jit
@@ -161,18 +174,33 @@ if HAS_TRITON:
         return x
 
 
-Block = tuple[int, int, int]  # (BLOCK_N, BLOCK_K, warps)
+Block = tuple[int, ...]  # (BLOCK_N, BLOCK_K, warps): CUDA cores; (BLOCK_N, BLOCK_K, warps, stages): tensor cores
+MMA_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def candidates(rows: int, n: int, k: int) -> list[Block]:
+def tensor_cores(x_dtype: torch.dtype, w_dtype: torch.dtype) -> bool:
+    """Whether the tensor-core blocks may run a product of these dtypes (both bf16 or both fp16: the rows are
+    not rounded beyond what the reference reads)."""
+    return x_dtype == w_dtype and w_dtype in MMA_DTYPES
+
+
+def candidates(rows: int, n: int, k: int, mma: bool = False) -> list[Block]:
     """Block shapes worth timing for ``rows`` x [n, k]: 4, 8 or 16 weight rows a program, K steps as long as
-    keep the fp32 products at 64 (4 warps) or 128 (8 warps) registers a thread."""
+    keep the fp32 products at 64 (4 warps) or 128 (8 warps) registers a thread; with ``mma`` (bf16 or fp16
+    operands, see :func:`tensor_cores`) and two rows or more, also tensor-core blocks of 16 to 64 weight rows
+    and 3 or 4 K steps in flight: the CUDA-core product's registers grow with the rows, which shortens its K
+    steps and so the bytes each program has in flight, where the tensor cores' do not."""
     bm, out = next_pow2(rows), []
     for bn, elems, warps in ((8, 8192, 4), (4, 8192, 4), (16, 16384, 8)):
         bn = min(bn, next_pow2(n))
         bk = max(16, min(elems // (bm * bn), next_pow2(k), 2048))
         if (bn, bk, warps) not in out:
             out.append((bn, bk, warps))
+    if mma and rows >= 2:
+        for bn, bk, stages in ((16, 256, 4), (32, 128, 4), (64, 128, 3)):
+            block = (min(bn, max(16, next_pow2(n))), min(bk, max(16, next_pow2(k))), 4, stages)
+            if block not in out:
+                out.append(block)
     return out
 
 
@@ -187,10 +215,13 @@ def launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, K: int, block
     ``activation`` then applying to x2; ``sigmoid_gate`` [M, H, G] (G: K / H, or 1 for one gate per head, any
     strides): x [M, H, K / H] (any row and head strides, unit channel stride) times its sigmoid."""
     M, N = y.shape
-    bn, bk, warps = block
+    bn, bk, warps = block[:3]
+    stages = block[3] if len(block) > 3 else None
     nw, res, normed, res_out = norm or (x, None, x, x)
     gw, grows = gate or (nw, x)
     x2, w2 = second or (x, weight)
+    if stages is not None and not (tensor_cores(weight.dtype, weight.dtype) and tensor_cores(w2.dtype, w2.dtype)):
+        raise ValueError(f"tensor-core block {block} takes bf16 or fp16 weights, got {weight.dtype}, {w2.dtype}")
     sg = sigmoid_gate
     if sg is not None:
         grows = sg
@@ -205,8 +236,9 @@ def launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, K: int, block
         x.stride(1) if sg is not None else 0,
         HAS_BIAS=bias is not None, HAS_ADD=add is not None, NORM=norm is not None, HAS_RES=res is not None,
         ACT=ACTS[activation][0] if activation else 0, CLAMP=limit is not None,
-        HEAD=gw.shape[0] if gate else 0, TWO=second is not None, SGATE=sg is not None, EVEN_K=K % bk == 0,
-        BLOCK_M=next_pow2(M), BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+        HEAD=gw.shape[0] if gate else 0, TWO=second is not None, SGATE=sg is not None, DOT=stages is not None,
+        DOT_F32=DOT_F32, EVEN_K=K % bk == 0, BLOCK_M=max(16, next_pow2(M)) if stages else next_pow2(M), BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=warps, **({"num_stages": stages} if stages else {}))
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -285,7 +317,7 @@ def timings(x, weight, bias=None, out_dtype=None, add=None) -> dict[Block | None
 
     ws = cold_copies(weight)
     times = {None: graph_time([lambda w=w: linear(x, w, bias, out_dtype, add) for w in ws])}
-    for b in candidates(x.shape[0], weight.shape[0], x.shape[1]):
+    for b in candidates(x.shape[0], weight.shape[0], x.shape[1], tensor_cores(x.dtype, weight.dtype)):
         times[b] = graph_time([lambda w=w, b=b: skinny_linear(x, w, bias, out_dtype, b, add) for w in ws])
     return times
 

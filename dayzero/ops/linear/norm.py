@@ -74,8 +74,9 @@ def timings(x, residual, norm_weight, eps, weight, bias=None) -> dict[K.Block | 
         normed, _ = rms_norm(xs, norm_weight, eps, rs)
         return K.chosen_linear(normed, w, bias, None, None, apart_block)
 
+    mma = K.tensor_cores(x.dtype, weight.dtype)
     return K.fused_timings(weight, apart, lambda w, b: norm_skinny_linear(xs, rs, norm_weight, eps, w, bias, b),
-                           K.candidates(xs.shape[0], weight.shape[0], xs.shape[1]))
+                           K.candidates(xs.shape[0], weight.shape[0], xs.shape[1], mma))
 
 
 def measured_choice(x, residual, norm_weight, eps, weight, bias=None) -> K.Block | None:
@@ -99,12 +100,13 @@ def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
 _GATED: dict[tuple, K.Block | None] = {}  # key -> the fused launch's block shape, None: the norm runs apart
 
 
-def gated_candidates(rows: int, n: int, k: int, head: int) -> list[K.Block]:
+def gated_candidates(rows: int, n: int, k: int, head: int, mma: bool = False) -> list[K.Block]:
     """:func:`kernels.candidates` with each K step holding whole heads (at least one)."""
     out = []
-    for bn, bk, warps in K.candidates(rows, n, k):
-        if (bn, max(bk, head), warps) not in out:
-            out.append((bn, max(bk, head), warps))
+    for bn, bk, *rest in K.candidates(rows, n, k, mma):
+        block = (bn, max(bk, head), *rest)
+        if block not in out:
+            out.append(block)
     return out
 
 
@@ -164,7 +166,7 @@ def gated_timings(x, norm_weight, gate, eps, weight, bias=None) -> dict[K.Block 
         weight, lambda w: K.chosen_linear(rms_norm_gated(xs, norm_weight, gs, eps).view(M, -1), w, bias, None, None,
                                           apart_block),
         lambda w, b: gated_norm_skinny_linear(xs, norm_weight, gs, eps, w, bias, b),
-        gated_candidates(M, weight.shape[0], H * V, V))
+        gated_candidates(M, weight.shape[0], H * V, V, K.tensor_cores(x.dtype, weight.dtype)))
 
 
 def gated_choice(x, norm_weight, gate, eps, weight, bias=None) -> K.Block | None:
