@@ -52,7 +52,8 @@ if HAS_TRITON:
                        EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # x: [M, K], w: [N, K], add: [M, N] (unit column strides); y: [M, N]; grid: cdiv(N, BLOCK_N).
         # NORM: x is first RMS-normalised with weight g [K] (after adding the residual r [M, K] when HAS_RES,
-        # rounded to x's dtype); program 0 also writes the normalised rows xn and the sum ro, both [M, K].
+        # rounded to x's dtype); the programs also write the normalised rows xn and the sum ro, both [M, K], a K
+        # step each in turn.
         # ACT (:data:`ACTS`): x holds the activation's input, [gate | up] rows [M, 2K] for the gated kinds, and the
         # product reads act(x) rounded to x's dtype, as the activation op would have written it.
         # HEAD > 0 (a power of two dividing BLOCK_K): x is [M, K / HEAD heads of HEAD], each head RMS-normalised
@@ -98,17 +99,18 @@ if HAS_TRITON:
         if NORM:
             rstd = tl.rsqrt(ss / K + eps)
             acc *= rstd[:, None]
-            if tl.program_id(0) == 0:  # the normalised rows and the residual sum, for the layer's other readers
-                for k0 in range(0, K, BLOCK_K):
-                    k = k0 + tl.arange(0, BLOCK_K)
-                    ok = m_ok[:, None] & (k < K)[None, :]
-                    x = _norm_input(tl.load(x_rows + k[None, :], mask=ok, other=0.0), r_ptr, m, k, s_rm, M, K,
-                                    HAS_RES)
-                    if HAS_RES:
-                        tl.store(ro_ptr + m[:, None] * K + k[None, :], x, mask=ok)
-                    g = tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-                    xn = x.to(tl.float32) * rstd[:, None] * g[None, :]
-                    tl.store(xn_ptr + m[:, None] * K + k[None, :], xn.to(xn_ptr.dtype.element_ty), mask=ok)
+            # the normalised rows and the residual sum, for the layer's other readers: K steps dealt out to the
+            # programs in turn (one program writing them all was a serial tail after the others had finished)
+            for k0 in range(tl.program_id(0) * BLOCK_K, K, tl.num_programs(0) * BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                ok = m_ok[:, None] & (k < K)[None, :]
+                x = _norm_input(tl.load(x_rows + k[None, :], mask=ok, other=0.0), r_ptr, m, k, s_rm, M, K,
+                                HAS_RES)
+                if HAS_RES:
+                    tl.store(ro_ptr + m[:, None] * K + k[None, :], x, mask=ok)
+                g = tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+                xn = x.to(tl.float32) * rstd[:, None] * g[None, :]
+                tl.store(xn_ptr + m[:, None] * K + k[None, :], xn.to(xn_ptr.dtype.element_ty), mask=ok)
         if TWO:
             x2_rows = x2_ptr + m[:, None] * s_x2m
             w2_rows = w2_ptr + n.to(tl.int64)[:, None] * s_w2n
