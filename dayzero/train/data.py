@@ -45,6 +45,11 @@ class DataConfig:
     # recall_min_pairs..8 pairs (the eval split keeps 32 words and 8 pairs)
     copy_min_words: int = 4
     recall_min_pairs: int = 2
+    # copying first: over the first ``copy_warmup`` of training, ``copy_warmup_share`` of the non-recall tokens are
+    # copies (the other tasks keep their proportions in the rest), so that a copying (induction) mechanism forms
+    # before the other tasks' gradients dominate; a run that mixed the tasks from the start formed none
+    copy_warmup: float = 0.25
+    copy_warmup_share: float = 0.8
 
     def __post_init__(self):
         bad = sorted(set(self.weights) - set(TASKS))
@@ -60,10 +65,22 @@ class DataConfig:
             raise ValueError("recall_min_pairs must be in [1, 8] and copy_min_words at least 1")
         if not 0 < self.recall_min <= self.recall_start <= self.recall_max:
             raise ValueError("recall lengths must satisfy 0 < recall_min <= recall_start <= recall_max")
+        if not 0 <= self.copy_warmup <= 1 or not 0 <= self.copy_warmup_share < 1:
+            raise ValueError("copy_warmup must be in [0, 1] and copy_warmup_share in [0, 1)")
 
     def recall_bound(self, progress: float) -> int:
         ramp = min(1.0, progress / self.recall_ramp) if self.recall_ramp > 0 else 1.0
         return int(self.recall_start + ramp * (self.recall_max - self.recall_start))
+
+    def weights_at(self, progress: float) -> dict[str, float]:
+        """The non-recall tasks' token shares at this fraction of training (summing to 1)."""
+        total = sum(self.weights.values())
+        shares = {t: w / total for t, w in self.weights.items()}
+        if progress >= self.copy_warmup or "copy" not in shares or len(shares) == 1:
+            return shares
+        others = 1 - shares["copy"]
+        keep = (1 - self.copy_warmup_share) / others if others > 0 else 0.0
+        return {t: self.copy_warmup_share if t == "copy" else w * keep for t, w in shares.items()}
 
     def options(self, task: str) -> dict:
         return {"addition": {"max_digits": self.max_digits}, "subtraction": {"max_digits": self.max_digits},
@@ -161,9 +178,8 @@ class TaskStream:
             n += 1
         tasks["recall"] = n
         rest = c.tokens - sum(len(s) for s, _ in seqs)
-        total = sum(c.weights.values())
-        for task, w in c.weights.items():
-            k = max(1, int(rest * w / total / self._avg[task]))
+        for task, w in c.weights_at(progress).items():
+            k = max(1, int(rest * w / self._avg[task]))
             insts = instances(task, k, "train", seed=seed, **c.options(task))
             seqs += self.enc.encode(insts, [r.random() < c.chat_share for _ in insts])
             tasks[task] = k

@@ -43,8 +43,26 @@ def test_a_step_packs_by_length_with_loss_on_answers_only(tokenizer):
     assert set(step.tasks) == {"recall", "addition", "subtraction", "reversal", "sorting", "copy"}
 
 
+def test_copies_dominate_the_first_part_of_training_then_the_configured_shares(tokenizer):
+    c = DataConfig(tokens=16384)
+    total = sum(c.weights.values())
+    late = c.weights_at(c.copy_warmup)
+    assert late == pytest.approx({t: w / total for t, w in c.weights.items()})
+    early = c.weights_at(0.0)
+    assert sum(early.values()) == pytest.approx(1.0) and early["copy"] == pytest.approx(c.copy_warmup_share)
+    others = [t for t in c.weights if t != "copy"]  # the other tasks keep their proportions to each other
+    assert [early[t] / early["addition"] for t in others] == pytest.approx([late[t] / late["addition"] for t in others])
+    assert DataConfig(copy_warmup=0.0).weights_at(0.0) == pytest.approx(late)
+    assert DataConfig(weights={"copy": 1.0}).weights_at(0.0) == {"copy": 1.0}
+    assert DataConfig(weights={"addition": 1.0}).weights_at(0.0) == {"addition": 1.0}
+    stream = TaskStream(c, tokenizer, seed=0)
+    copied = [stream.step(0, p).tasks["copy"] for p in (0.0, 0.5)]  # copies in a step
+    assert copied[0] > 3 * copied[1]
+
+
 @pytest.mark.parametrize("bad", [dict(recall_min_pairs=0), dict(recall_min_pairs=9), dict(copy_min_words=0),
-                                 dict(weights={"recall": 1.0}), dict(tokens=8)])
+                                 dict(weights={"recall": 1.0}), dict(tokens=8), dict(copy_warmup=1.5),
+                                 dict(copy_warmup_share=1.0)])
 def test_bad_data_settings_are_refused(bad):
     with pytest.raises(ValueError):
         DataConfig(**bad)
