@@ -42,6 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tasks", default=None, help="comma-separated training tasks (default: all of dayzero eval's)")
     ap.add_argument("--tokens", type=int, default=None, help="tokens per step (default 98304; --tiny 2048)")
     ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default 2e-3)")
+    ap.add_argument("--copy-warmup", type=float, default=None, metavar="F",
+                    help="fraction of training in which copies take most of the non-recall tokens (default 0.25)")
     ap.add_argument("--expert-format", default="mxfp4", choices=["mxfp4", "bf16"], help="routed experts on disk")
     ap.add_argument("--workers", type=int, default=None, help="data worker processes (default 6 on CUDA, 0 on CPU)")
     ap.add_argument("--eval-n", type=int, default=100, help="held-out instances per task in the final table (0: none)")
@@ -65,6 +67,8 @@ def check(args) -> None:
         raise ValueError(f"--minutes must be positive, got {args.minutes}")
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"--steps must be at least 1, got {args.steps}")
+    if args.copy_warmup is not None and not 0 <= args.copy_warmup <= 1:
+        raise ValueError(f"--copy-warmup must be in [0, 1], got {args.copy_warmup}")
     if args.tasks is not None:
         names = [t.strip() for t in args.tasks.split(",") if t.strip()]
         bad = [t for t in names if t not in TASKS]
@@ -141,7 +145,8 @@ def main(argv=None) -> int:
     if not weights:  # recall alone
         recall_share = 0.95
     data = replace(data, weights=weights or {"copy": 1.0}, recall_share=recall_share,
-                   tokens=args.tokens or (2048 if args.tiny else 98304))
+                   tokens=args.tokens or (2048 if args.tiny else 98304),
+                   copy_warmup=data.copy_warmup if args.copy_warmup is None else args.copy_warmup)
     if args.tiny:
         data = replace(data, recall_min=64, recall_start=96, recall_max=160, max_digits=3, max_chars=8, sort_chars=6,
                        copy_words=6)

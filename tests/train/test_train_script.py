@@ -63,7 +63,8 @@ def test_bf16_experts_checkpoint_loads(tmp_path):
     (["--minutes", "-1"], "--minutes must be positive"),
     (["--steps", "0"], "--steps must be at least 1"),
     (["--tokens", "0"], "--tokens must be positive"),
-], ids=["task", "minutes-zero", "minutes-negative", "steps", "tokens"])
+    (["--copy-warmup", "1.5"], "--copy-warmup must be in"),
+], ids=["task", "minutes-zero", "minutes-negative", "steps", "tokens", "copy-warmup"])
 def test_bad_options_name_the_option(tmp_path, argv, match):
     with pytest.raises(ValueError, match=match):
         _script().main(["--tiny", "--device", "cpu", "--out", str(tmp_path / "x"), *argv])
