@@ -12,9 +12,14 @@ Which runs is measured, not guessed: the first call of a (rows bucket, N, K, dty
 CUDA-graph capture times cuBLAS and a few block shapes, each replayed in a CUDA graph (device time, not launch
 time) over copies of the weight that together overflow the L2 cache, as a decode step reads them, and keeps the
 fastest; a Triton shape must beat cuBLAS by :data:`MARGIN`. A key first met inside a capture, or on the CPU,
-keeps cuBLAS (the reference). ``DAYZERO_OPS=linear=reference`` keeps cuBLAS everywhere. On the H200 the kernel
-wins at one and two rows (1.9x on that projection, 3x on the router) and loses past four (cuBLAS's GEMM tiles
-then read the weight once for every row; ``benchmarks/decode_linear.py``).
+keeps cuBLAS (the reference). ``DAYZERO_OPS=linear=reference`` keeps cuBLAS everywhere.
+
+The CUDA-core product holds an fp32 tile [rows, BLOCK_N, BLOCK_K] in registers, so its K steps, and the bytes a
+program has in flight, shrink as rows grow: on the H200 it wins at one and two rows (1.8x on that projection, 2.8x
+on the router) and read at 19-27% of the copy rate at four. For bf16 / fp16 operands and two rows or more the
+choice also times tensor-core blocks (rows padded to 16, ``tl.dot`` per K step, several steps in flight), which
+read at cuBLAS's rate or better at 2-8 rows (a decode step's projections 1.3x cuBLAS at four rows;
+``benchmarks/decode_linear.py``, ``docs/performance.md``).
 """
 from __future__ import annotations
 
