@@ -43,7 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tokens", type=int, default=None, help="tokens per step (default 98304; --tiny 2048)")
     ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default 2e-3)")
     ap.add_argument("--copy-warmup", type=float, default=None, metavar="F",
-                    help="fraction of training in which copies take most of the non-recall tokens (default 0.25)")
+                    help="fraction of training in which copies take most of the non-recall tokens (default 0.5)")
     ap.add_argument("--expert-format", default="mxfp4", choices=["mxfp4", "bf16"], help="routed experts on disk")
     ap.add_argument("--workers", type=int, default=None, help="data worker processes (default 6 on CUDA, 0 on CPU)")
     ap.add_argument("--eval-n", type=int, default=100, help="held-out instances per task in the final table (0: none)")

@@ -48,7 +48,7 @@ class DataConfig:
     # copying first: over the first ``copy_warmup`` of training, ``copy_warmup_share`` of the non-recall tokens are
     # copies (the other tasks keep their proportions in the rest), so that a copying (induction) mechanism forms
     # before the other tasks' gradients dominate; a run that mixed the tasks from the start formed none
-    copy_warmup: float = 0.25
+    copy_warmup: float = 0.5
     copy_warmup_share: float = 0.8
 
     def __post_init__(self):
