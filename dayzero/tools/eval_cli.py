@@ -7,6 +7,11 @@ them); with it they go to a running server's ``/v1/completions``, ``--concurrenc
 stopping at the newline that ends an answer; the answer counts when the completion, stripped, equals it. The
 table goes to stdout (or one JSON object with ``--json``, with every instance's answer and output), the progress
 bar and the model line to stderr.
+
+With ``--modes`` the same instances run through one engine per mode (:mod:`dayzero.eval.modes`: fp32, bf16, the
+MXFP4 experts' workspaces, FP8 / INT8 caches, chunked prefill, forced preemption, batch 1 or 64, the prefix cache
+on a second pass, eager steps), and the table gives each task's accuracy per mode and the share of answers equal
+to the first mode's.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import math
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+from dayzero.eval.modes import MODES, mode_names, run_mode
 from dayzero.eval.tasks import TASKS, Instance, instances
 from dayzero.tools.cli_options import Help, add_engine_options, engine_kwargs
 from dayzero.tools.progress import bar, note
@@ -44,6 +50,9 @@ def add_parser(sub) -> None:
     e.add_argument("--concurrency", type=int, default=16, help="requests in flight with --url")
     e.add_argument("--timeout", type=float, default=600.0, metavar="S", help="seconds per HTTP request")
     e.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    e.add_argument("--modes", default=None, metavar="M,M,...",
+                   help="run the instances once per engine mode and compare (the first is the reference): "
+                        + ", ".join(MODES))
     add_engine_options(e)
     e.set_defaults(func=run, runs_model=True, needs_weights=True)
 
@@ -77,6 +86,10 @@ def check_options(args) -> None:
         raise ValueError(f"--max-digits must be at least 1, got {args.max_digits}")
     if args.url is not None and not args.url.startswith(("http://", "https://")):
         raise ValueError(f"--url must be an http:// or https:// address, got {args.url!r}")
+    if getattr(args, "modes", None) is not None:
+        mode_names(args.modes)
+        if args.url is not None:
+            raise ValueError("--modes builds an engine per mode in this process; it cannot run against --url")
 
 
 def build(args, tokenizer) -> list[Instance]:
@@ -88,7 +101,7 @@ def build(args, tokenizer) -> list[Instance]:
     return out
 
 
-def _max_tokens(inst: Instance) -> int:
+def max_answer_tokens(inst: Instance) -> int:
     return len(inst.answer) + 8  # a token is at least one character; room for the newline that stops it
 
 
@@ -97,7 +110,7 @@ def answers(llm, insts: list[Instance], progress: bool = False) -> list[str]:
     ends an answer, all in one ``generate`` (continuous batching)."""
     from dayzero import SamplingParams
 
-    params = [SamplingParams(max_tokens=_max_tokens(i), temperature=0.0, stop=["\n"]) for i in insts]
+    params = [SamplingParams(max_tokens=max_answer_tokens(i), temperature=0.0, stop=["\n"]) for i in insts]
     outs = llm.generate([i.prompt for i in insts], params, use_tqdm=progress)
     return [o.outputs[0].text for o in outs]
 
@@ -129,7 +142,7 @@ def _over_http(args) -> tuple[list[Instance], list[str], str]:
     progress = bar(len(insts), "eval", unit="req")
 
     def one(inst: Instance) -> str:
-        body = {"model": model, "prompt": inst.prompt, "max_tokens": _max_tokens(inst), "temperature": 0.0,
+        body = {"model": model, "prompt": inst.prompt, "max_tokens": max_answer_tokens(inst), "temperature": 0.0,
                 "stop": ["\n"]}
         try:
             r = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=args.timeout)
@@ -161,8 +174,41 @@ def score(insts: list[Instance], texts: list[str]) -> list[dict]:
     return rows
 
 
+def _modes(args) -> int:
+    from dayzero.engine.engine import DEFAULT_MODEL
+    from dayzero.engine.tokenizer import load_tokenizer
+
+    base = engine_kwargs(args)
+    insts = build(args, load_tokenizer(base.get("model") or DEFAULT_MODEL))
+    runs = []
+    for name in mode_names(args.modes):
+        note(f"mode {name}: {MODES[name].what}")
+        runs.append(run_mode(MODES[name], base, insts, lambda llm, xs: answers(llm, xs, sys.stderr.isatty()),
+                             max_answer_tokens))
+    first = runs[0].texts
+    table = [{"mode": r.mode.name, "what": r.mode.what, "engine": r.engine, "tasks": score(insts, r.texts),
+              "same_as_first": sum(a == b for a, b in zip(r.texts, first)) / len(first),
+              "preemptions": r.preemptions, "prefix_hit": r.prefix_hit} for r in runs]
+    target = base.get("model") or str(DEFAULT_MODEL)
+    if args.json:
+        print(json.dumps({"target": target, "task_seed": args.task_seed, "context_len": args.context_len,
+                          "n": args.n, "modes": table}))
+        return 0
+    tasks = [row["task"] for row in table[0]["tasks"]]
+    print(f"{target}: exact match, greedy, task seed {args.task_seed}, {args.n} instances a task")
+    width = max(12, *map(len, tasks))
+    print(f"{'mode':<14}" + "".join(f"{t:>{width}}" for t in tasks) + f"  {'same as ' + runs[0].mode.name:>16}  notes")
+    for row, r in zip(table, runs):
+        same = "—" if r is runs[0] else f"{row['same_as_first']:.1%}"
+        print(f"{row['mode']:<14}" + "".join(f"{t['accuracy']:>{width}.1%}" for t in row["tasks"])
+              + f"  {same:>16}  {r.note()}")
+    return 0
+
+
 def run(args) -> int:
     check_options(args)
+    if getattr(args, "modes", None) is not None:
+        return _modes(args)
     insts, texts, target = (_in_process if args.url is None else _over_http)(args)
     rows = score(insts, texts)
     if args.json:

@@ -15,7 +15,7 @@ def evaluate(path, n: int = 100, tasks=tuple(TASKS), context_len: int = 2048, ma
              task_seed: int = 0, device: str = "auto", **engine) -> list[dict]:
     """Rows of ``eval_cli.score`` (task, n, correct, accuracy, 95% interval) for the checkpoint at ``path``;
     ``engine`` goes to ``LLM`` (e.g. ``enforce_eager``, ``cache_memory_bytes``)."""
-    from dayzero import LLM, SamplingParams
+    from dayzero import LLM
 
     args = SimpleNamespace(tasks=",".join(tasks), n=n, task_seed=task_seed, max_digits=max_digits,
                            context_len=context_len, url=None)
@@ -23,9 +23,7 @@ def evaluate(path, n: int = 100, tasks=tuple(TASKS), context_len: int = 2048, ma
     llm = LLM(str(path), device=device, **engine)
     try:
         insts = eval_cli.build(args, llm.tokenizer)
-        params = [SamplingParams(max_tokens=eval_cli._max_tokens(i), temperature=0.0, stop=["\n"]) for i in insts]
-        outs = llm.generate([i.prompt for i in insts], params)
-        return eval_cli.score(insts, [o.outputs[0].text for o in outs])
+        return eval_cli.score(insts, eval_cli.answers(llm, insts))
     finally:
         del llm
         gc.collect()

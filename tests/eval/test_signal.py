@@ -12,9 +12,10 @@ import sys
 import pytest
 
 from dayzero import LLM
+from dayzero.eval.modes import MODES, run_mode
 from dayzero.eval.tasks import instances
 from dayzero.ops import triton_support
-from dayzero.tools.eval_cli import answers, score
+from dayzero.tools.eval_cli import answers, max_answer_tokens, score
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -42,31 +43,19 @@ def plain(insts):
     return answers(llm, insts)
 
 
-VARIANTS = {
-    "chunked prefill of 16": dict(max_num_batched_tokens=16),
-    "forced preemption": dict(num_cache_blocks=64, block_size=8),  # a recall prompt (~400 tokens) takes ~51
-    "one sequence at a time": dict(max_num_seqs=1),
-    "overlapped steps": dict(async_scheduling=True),
-}
+PLAIN = dict(dtype="float32", enable_prefix_caching=False)
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
-def test_scheduling_variants_answer_as_the_plain_engine(name, insts, plain):
-    llm = LLM(dtype="float32", enable_prefix_caching=False, **VARIANTS[name])
-    got = answers(llm, insts)
-    assert got == plain
-    if name == "forced preemption":
-        assert llm.engine.scheduler.num_preemptions > 0
-    assert score(insts, got) == score(insts, plain)
-
-
-def test_a_second_pass_from_the_prefix_cache_answers_as_the_first(insts, plain):
-    llm = LLM(dtype="float32")  # prefix caching on (the default)
-    first = answers(llm, insts)
-    hits = llm.engine.cache.usage()["prefix_hit_tokens"]
-    second = answers(llm, insts)
-    assert llm.engine.cache.usage()["prefix_hit_tokens"] > hits  # the second pass reused cached prefixes
-    assert first == plain and second == plain
+@pytest.mark.parametrize("name", ["chunk16", "preempt", "batch1", "async", "prefix"])
+def test_scheduling_modes_answer_as_the_plain_engine(name, insts, plain):
+    """``dayzero eval --modes``'s rescheduling modes over the plain fp32 engine: the same completions."""
+    run = run_mode(MODES[name], PLAIN, insts, answers, max_answer_tokens)
+    assert run.texts == plain
+    assert score(insts, run.texts) == score(insts, plain)
+    if name == "preempt":  # the cache held a few sequences: the scheduler had to preempt
+        assert run.preemptions > 0
+    if name == "prefix":  # the scored second pass reused the first's cached prefixes
+        assert run.prefix_hit > 0.2
 
 
 def test_mxfp4_experts_answer_alike_through_each_workspace(insts, tmp_path):
@@ -76,6 +65,7 @@ def test_mxfp4_experts_answer_alike_through_each_workspace(insts, tmp_path):
     done = subprocess.run([sys.executable, "-m", "dayzero", "quantize", str(DEFAULT_MODEL), str(mx), "--format",
                            "mxfp4"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
-    some = insts[:12]
-    got = {mode: answers(LLM(str(mx), dtype="float32", expert_compute=mode), some) for mode in ("bf16", "fp8", "fused")}
-    assert got["fp8"] == got["bf16"] and got["fused"] == got["bf16"]
+    some, base = insts[:12], dict(model=str(mx), dtype="float32")
+    got = {m: run_mode(MODES[m], base, some, answers, max_answer_tokens).texts for m in ("default", "fp8-workspace",
+                                                                                 "fused-mxfp4")}
+    assert got["fp8-workspace"] == got["default"] and got["fused-mxfp4"] == got["default"]

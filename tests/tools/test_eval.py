@@ -81,6 +81,45 @@ def test_scores_count_exact_answers_through_the_engine(tiny_ckpt, monkeypatch, c
         assert r["low"] < 0.5 < r["high"]
 
 
+def test_modes_run_an_engine_each_and_compare_it_with_the_first(tiny_ckpt, monkeypatch, capsys):
+    """``--modes``: every mode builds its own engine from the command's options and the mode's settings; the table
+    gives each task's accuracy per mode and the share of answers equal to the first mode's. Outputs planted after
+    each real run: all right in the fp32 engine, every third wrong in the chunked-prefill one."""
+    real, engines = LLM.generate, []
+
+    def planted(self, prompts, params, use_tqdm=False):
+        outs = real(self, prompts, params)
+        c = self.engine.config
+        engines.append((c.dtype, c.max_num_batched_tokens, c.num_cache_blocks, c.max_num_seqs))
+        by_prompt = {i.prompt: i.answer for i in eval_cli.build(args, self.tokenizer)}
+        for k, (p, o) in enumerate(zip(prompts, outs)):
+            o.outputs[0].text = by_prompt[p] + ("0" if c.max_num_batched_tokens == 16 and k % 3 == 0 else "")
+        return outs
+
+    monkeypatch.setattr(LLM, "generate", planted)
+    argv = ["eval", str(tiny_ckpt), "--device", "cpu", "--dtype", "bfloat16", "--n", "6", "--tasks",
+            "addition,reversal", "--modes", "fp32,chunk16,preempt", "--json"]
+    from dayzero.cli import build_parser
+
+    args = build_parser().parse_args(argv)
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [m["mode"] for m in report["modes"]] == ["fp32", "chunk16", "preempt"]
+    (dtype, _, _, _), (_, chunk, _, seqs), (_, _, blocks, _) = engines
+    assert dtype == "float32" and (chunk, seqs) == (16, 16) and 0 < blocks < 100  # the modes' own settings
+    acc = [[t["accuracy"] for t in m["tasks"]] for m in report["modes"]]
+    assert acc == [[1.0, 1.0], [4 / 6, 4 / 6], [1.0, 1.0]]
+    assert [m["same_as_first"] for m in report["modes"]] == [1.0, 8 / 12, 1.0]
+    assert report["modes"][2]["preemptions"] > 0  # a cache about the longest sequence's size: preemptions
+
+    monkeypatch.setattr(LLM, "generate", real)
+    assert main(["eval", str(tiny_ckpt), "--device", "cpu", "--n", "2", "--tasks", "addition", "--modes",
+                 "batch1,prefix"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "same as batch1" in out[1] and out[2].startswith("batch1") and out[3].startswith("prefix")
+    assert "of prompt tokens from the prefix cache" in out[3]
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     srv = ServerProcess(tmp_path_factory.mktemp("eval-serve"), "--num-cache-blocks", "512", api_key=API_KEY)
@@ -108,6 +147,9 @@ def test_against_a_server_as_in_process(server, capsys):
     (["--context-len", "8"], "--context-len"),
     (["--max-digits", "0"], "--max-digits"),
     (["--url", "127.0.0.1:8000"], "--url"),
+    (["--modes", "fp32,fp64"], "--modes: unknown mode fp64"),
+    (["--modes", "fp32,fp32"], "--modes: a mode named twice"),
+    (["--modes", "fp32", "--url", "http://127.0.0.1:8000"], "--modes"),
 ])
 def test_bad_options_are_refused_with_the_option_named(argv, what, capsys):
     assert main(["eval", "--device", "cpu", *argv]) == 2

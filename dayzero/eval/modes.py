@@ -1,0 +1,123 @@
+"""Engine modes for ``dayzero eval --modes``: the same held-out instances through differently configured engines.
+
+A precision mode, a cache option or a scheduling path that breaks the model shows as a drop in a task's accuracy,
+and, more finely, as answers that differ from the first mode's: modes that only reschedule the same arithmetic
+(chunked prefill, preemption, batch size, the prefix cache) in fp32 must give the first mode's answers exactly.
+Each mode is a few ``LLM`` keyword arguments over the command's own; three also change how the instances run:
+``prefix`` runs them twice and scores the second pass (served from the prefix cache), and ``preempt`` gives the
+engine a cache a little larger than the longest sequence, so that the scheduler must preempt and recompute (its
+note gives how often it did).
+"""
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass, field
+
+import torch
+
+from dayzero.eval.tasks import Instance
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    what: str
+    overrides: dict = field(default_factory=dict)
+    twice: bool = False  # run every instance twice and score the second pass (the prefix cache's)
+    tiny_cache: bool = False  # a cache a little larger than the longest sequence: the scheduler must preempt
+
+    def kwargs(self, base: dict, insts: list[Instance], count, max_tokens) -> dict:
+        """``base`` with this mode's settings; ``count(text)`` gives a prompt's tokens, ``max_tokens(inst)`` the
+        tokens an answer may take (both sizing the tiny cache)."""
+        out = {**base, **self.overrides}
+        if self.tiny_cache:
+            block = out.get("block_size") or 16
+            longest = max(count(i.prompt) + max_tokens(i) for i in insts)
+            out.update(block_size=block, num_cache_blocks=int(PREEMPT_ROOM * (-(-longest // block) + 1)) + 1)
+        return out
+
+
+PREEMPT_ROOM = 1.25  # the ``preempt`` mode's cache: this many times the blocks of the longest sequence
+
+MODES: dict[str, Mode] = {m.name: m for m in (
+    Mode("default", "the engine as the other options configure it"),
+    Mode("fp32", "float32 weights and activations", {"dtype": "float32"}),
+    Mode("bf16", "bfloat16 weights and activations", {"dtype": "bfloat16"}),
+    Mode("fp8-workspace", "packed MXFP4 experts converted into an FP8 workspace", {"expert_compute": "fp8"}),
+    Mode("fused-mxfp4", "packed MXFP4 experts read by the expert kernels themselves", {"expert_compute": "fused"}),
+    Mode("kv-fp8", "the paged cache in FP8 (e4m3, scaled)", {"kv_cache_dtype": "fp8"}),
+    Mode("kv-int8", "the paged cache in INT8 (scaled)", {"kv_cache_dtype": "int8"}),
+    Mode("chunk16", "chunked prefill: 16 tokens a step", {"max_num_batched_tokens": 16, "max_num_seqs": 16}),
+    Mode("preempt", f"a cache of {PREEMPT_ROOM}x the longest sequence's blocks: sequences preempted and "
+                    "recomputed", tiny_cache=True),
+    Mode("batch1", "one sequence at a time", {"max_num_seqs": 1}),
+    Mode("batch64", "up to 64 sequences a step", {"max_num_seqs": 64}),
+    Mode("prefix", "every instance twice, the second pass scored (from the prefix cache)",
+         {"enable_prefix_caching": True}, twice=True),
+    Mode("no-prefix", "the prefix cache off", {"enable_prefix_caching": False}),
+    Mode("async", "each step queued before the host reads the last one's samples", {"async_scheduling": True}),
+    Mode("eager", "no CUDA graphs: every step eager", {"enforce_eager": True}),
+)}
+
+
+def mode_names(spec: str) -> list[str]:
+    """The modes of a comma-separated list, checked; ValueError naming an unknown one."""
+    names = [m.strip() for m in spec.split(",") if m.strip()]
+    bad = [m for m in names if m not in MODES]
+    if bad or not names:
+        raise ValueError(f"--modes: unknown mode {', '.join(bad) or '(none given)'}; the modes are "
+                         f"{', '.join(MODES)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--modes: a mode named twice in {spec!r}")
+    return names
+
+
+@dataclass
+class ModeRun:
+    mode: Mode
+    texts: list[str]
+    engine: str  # device and dtype the engine ran in
+    preemptions: int = 0
+    prefix_hit: float = 0.0  # share of the scored pass's prompt tokens served from the prefix cache
+
+    def note(self) -> str:
+        parts = [self.engine]
+        if self.mode.tiny_cache:
+            parts.append(f"{self.preemptions} preemptions")
+        if self.mode.twice:
+            parts.append(f"{self.prefix_hit:.0%} of prompt tokens from the prefix cache")
+        return ", ".join(parts)
+
+
+def run_mode(mode: Mode, base: dict, insts: list[Instance], answers, max_tokens) -> ModeRun:
+    """The instances' completions through an engine built for ``mode`` (``answers(llm, insts)`` runs them), the
+    engine closed after."""
+    from dayzero import LLM
+
+    probe_count = None
+    if mode.tiny_cache:  # the tokenizer sizes the cache: one from the model the mode would load
+        from dayzero.engine.engine import DEFAULT_MODEL
+        from dayzero.engine.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(base.get("model") or DEFAULT_MODEL)
+        probe_count = lambda text: len(tok.encode(text, add_special_tokens=False))  # noqa: E731
+    llm = LLM(**mode.kwargs(base, insts, probe_count, max_tokens))
+    try:
+        eng = llm.engine
+        engine = f"{eng.device} {str(eng.dtype).removeprefix('torch.')}"
+        texts = answers(llm, insts)
+        run = ModeRun(mode, texts, engine)
+        if mode.twice:
+            before = eng.stats()
+            run.texts = answers(llm, insts)
+            after = eng.stats()
+            queried = after["prefix_queried_tokens"] - before["prefix_queried_tokens"]
+            run.prefix_hit = (after["prefix_hit_tokens"] - before["prefix_hit_tokens"]) / max(1, queried)
+        run.preemptions = eng.stats()["preemptions"]
+        return run
+    finally:
+        llm.close()
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
