@@ -1,6 +1,6 @@
 """The end-to-end signal of ``dayzero eval``: the same held-out instances, answered through engines that differ
 only in how they schedule and cache (chunked prefill of 16 tokens, forced preemption, one sequence at a time,
-overlapped steps, the second pass served from the prefix cache), give exactly the completions of the plain
+overlapped steps, the second pass served from the prefix cache, two tensor-parallel ranks), give exactly the completions of the plain
 fp32 engine. A scheduler that feeds a chunk twice or a prefix cache that restores the wrong state changes them.
 Likewise MXFP4 experts give the same completions through the bf16 workspace, the FP8 workspace and read packed
 (each holds the MXFP4 values exactly). On the bundled model (fp32, CPU)."""
@@ -46,7 +46,7 @@ def plain(insts):
 PLAIN = dict(dtype="float32", enable_prefix_caching=False)
 
 
-@pytest.mark.parametrize("name", ["chunk16", "preempt", "batch1", "async", "prefix"])
+@pytest.mark.parametrize("name", ["chunk16", "preempt", "batch1", "async", "prefix", "tp2"])
 def test_scheduling_modes_answer_as_the_plain_engine(name, insts, plain):
     """``dayzero eval --modes``'s rescheduling modes over the plain fp32 engine: the same completions."""
     run = run_mode(MODES[name], PLAIN, insts, answers, max_answer_tokens)
