@@ -1,9 +1,9 @@
 """The end-to-end signal of ``dayzero eval``: the same held-out instances, answered through engines that differ
 only in how they schedule and cache (chunked prefill of 16 tokens, forced preemption, one sequence at a time,
-overlapped steps, the second pass served from the prefix cache, two tensor-parallel ranks), give exactly the completions of the plain
-fp32 engine. A scheduler that feeds a chunk twice or a prefix cache that restores the wrong state changes them.
-Likewise MXFP4 experts give the same completions through the bf16 workspace, the FP8 workspace and read packed
-(each holds the MXFP4 values exactly). On the bundled model (fp32, CPU)."""
+overlapped steps, the second pass served from the prefix cache, two tensor-parallel ranks), give exactly the
+completions of the plain fp32 engine. A scheduler that feeds a chunk twice or a prefix cache that restores the
+wrong state changes them. Likewise MXFP4 experts give the same completions through the bf16 workspace, the FP8
+workspace and read packed (each holds the MXFP4 values exactly). On the bundled model (fp32, CPU)."""
 from __future__ import annotations
 
 import subprocess
