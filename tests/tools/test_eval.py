@@ -55,26 +55,34 @@ def test_wilson_interval_matches_published_values():
     assert eval_cli.wilson(81, 263) == pytest.approx((0.2553, 0.3662), abs=1e-4)
 
 
-def test_scores_count_exact_answers_through_the_engine(tiny_ckpt, monkeypatch, capsys):
-    """The engine's outputs replaced by the right answer for every other instance (and a near miss for the
-    rest): accuracy is exactly half per task, a trailing space or newline still counts."""
-    real = LLM.generate
+def run_planted(monkeypatch, capsys, argv, text) -> tuple[dict, list]:
+    """``dayzero eval`` with ``argv`` (``--json``), each engine's real outputs replaced after it ran by
+    ``text(config, k, answer)`` for the k-th prompt of a ``generate`` call: (the report, each call's engine config)."""
+    from dayzero.cli import build_parser
+
+    real, configs = LLM.generate, []
+    args = build_parser().parse_args(argv)
 
     def planted(self, prompts, params, use_tqdm=False):
         outs = real(self, prompts, params)
+        configs.append(self.engine.config)
         by_prompt = {i.prompt: i.answer for i in eval_cli.build(args, self.tokenizer)}
         for k, (p, o) in enumerate(zip(prompts, outs)):
-            o.outputs[0].text = by_prompt[p] + " " if k % 2 == 0 else by_prompt[p] + "0"
+            o.outputs[0].text = text(self.engine.config, k, by_prompt[p])
         return outs
 
     monkeypatch.setattr(LLM, "generate", planted)
+    assert main(argv) == 0
+    monkeypatch.setattr(LLM, "generate", real)
+    return json.loads(capsys.readouterr().out), configs
+
+
+def test_scores_count_exact_answers_through_the_engine(tiny_ckpt, monkeypatch, capsys):
+    """The engine's outputs replaced by the right answer for every other instance (and a near miss for the
+    rest): accuracy is exactly half per task, a trailing space or newline still counts."""
     argv = ["eval", str(tiny_ckpt), "--device", "cpu", "--dtype", "float32", "--n", "6", "--tasks",
             "addition,reversal,recall", "--context-len", "128", "--json"]
-    from dayzero.cli import build_parser
-
-    args = build_parser().parse_args(argv)
-    assert main(argv) == 0
-    report = json.loads(capsys.readouterr().out)
+    report, _ = run_planted(monkeypatch, capsys, argv, lambda c, k, answer: answer + (" " if k % 2 == 0 else "0"))
     assert [r["task"] for r in report["tasks"]] == ["addition", "reversal", "recall"]
     for r in report["tasks"]:
         assert (r["n"], r["correct"], r["accuracy"]) == (6, 3, 0.5)
@@ -85,34 +93,19 @@ def test_modes_run_an_engine_each_and_compare_it_with_the_first(tiny_ckpt, monke
     """``--modes``: every mode builds its own engine from the command's options and the mode's settings; the table
     gives each task's accuracy per mode and the share of answers equal to the first mode's. Outputs planted after
     each real run: all right in the fp32 engine, every third wrong in the chunked-prefill one."""
-    real, engines = LLM.generate, []
-
-    def planted(self, prompts, params, use_tqdm=False):
-        outs = real(self, prompts, params)
-        c = self.engine.config
-        engines.append((c.dtype, c.max_num_batched_tokens, c.num_cache_blocks, c.max_num_seqs))
-        by_prompt = {i.prompt: i.answer for i in eval_cli.build(args, self.tokenizer)}
-        for k, (p, o) in enumerate(zip(prompts, outs)):
-            o.outputs[0].text = by_prompt[p] + ("0" if c.max_num_batched_tokens == 16 and k % 3 == 0 else "")
-        return outs
-
-    monkeypatch.setattr(LLM, "generate", planted)
     argv = ["eval", str(tiny_ckpt), "--device", "cpu", "--dtype", "bfloat16", "--n", "6", "--tasks",
             "addition,reversal", "--modes", "fp32,chunk16,preempt", "--json"]
-    from dayzero.cli import build_parser
-
-    args = build_parser().parse_args(argv)
-    assert main(argv) == 0
-    report = json.loads(capsys.readouterr().out)
+    report, (fp32, chunk16, preempt) = run_planted(
+        monkeypatch, capsys, argv,
+        lambda c, k, answer: answer + ("0" if c.max_num_batched_tokens == 16 and k % 3 == 0 else ""))
     assert [m["mode"] for m in report["modes"]] == ["fp32", "chunk16", "preempt"]
-    (dtype, _, _, _), (_, chunk, _, seqs), (_, _, blocks, _) = engines
-    assert dtype == "float32" and (chunk, seqs) == (16, 16) and 0 < blocks < 100  # the modes' own settings
+    assert fp32.dtype == "float32" and (chunk16.max_num_batched_tokens, chunk16.max_num_seqs) == (16, 16)
+    assert 0 < preempt.num_cache_blocks < 100  # the modes' own settings
     acc = [[t["accuracy"] for t in m["tasks"]] for m in report["modes"]]
     assert acc == [[1.0, 1.0], [4 / 6, 4 / 6], [1.0, 1.0]]
     assert [m["same_as_first"] for m in report["modes"]] == [1.0, 8 / 12, 1.0]
     assert report["modes"][2]["preemptions"] > 0  # a cache about the longest sequence's size: preemptions
 
-    monkeypatch.setattr(LLM, "generate", real)
     assert main(["eval", str(tiny_ckpt), "--device", "cpu", "--n", "2", "--tasks", "addition", "--modes",
                  "batch1,prefix"]) == 0
     out = capsys.readouterr().out.splitlines()
