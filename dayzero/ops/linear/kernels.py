@@ -227,7 +227,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, K: int, block
     nw, res, normed, res_out = norm or (x, None, x, x)
     gw, grows = gate or (nw, x)
     x2, w2 = second or (x, weight)
-    if stages is not None and not (tensor_cores(weight.dtype, weight.dtype) and tensor_cores(w2.dtype, w2.dtype)):
+    if stages is not None and not (weight.dtype in MMA_DTYPES and w2.dtype in MMA_DTYPES):
         raise ValueError(f"tensor-core block {block} takes bf16 or fp16 weights, got {weight.dtype}, {w2.dtype}")
     sg = sigmoid_gate
     if sg is not None:
@@ -244,8 +244,8 @@ def launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, K: int, block
         HAS_BIAS=bias is not None, HAS_ADD=add is not None, NORM=norm is not None, HAS_RES=res is not None,
         ACT=ACTS[activation][0] if activation else 0, CLAMP=limit is not None,
         HEAD=gw.shape[0] if gate else 0, TWO=second is not None, SGATE=sg is not None, DOT=stages is not None,
-        DOT_F32=DOT_F32, EVEN_K=K % bk == 0, BLOCK_M=max(16, next_pow2(M)) if stages else next_pow2(M), BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=warps, **({"num_stages": stages} if stages else {}))
+        DOT_F32=DOT_F32, EVEN_K=K % bk == 0, BLOCK_M=max(16, next_pow2(M)) if stages else next_pow2(M),
+        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **({"num_stages": stages} if stages else {}))
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
