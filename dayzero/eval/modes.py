@@ -10,6 +10,7 @@ note gives how often it did).
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 from dataclasses import dataclass, field
 
@@ -91,24 +92,29 @@ class ModeRun:
         return ", ".join(parts)
 
 
-def run_mode(mode: Mode, base: dict, insts: list[Instance], answers, max_tokens) -> ModeRun:
-    """The instances' completions through an engine built for ``mode`` (``answers(llm, insts)`` runs them), the
-    engine closed after."""
+@contextlib.contextmanager
+def engine_session(**kwargs):
+    """An ``LLM`` built from ``kwargs`` for the block, closed after and its memory given back (the next engine of a
+    run of several loads into it)."""
     from dayzero import LLM
 
-    probe_count = None
-    if mode.tiny_cache:  # the tokenizer sizes the cache: one from the model the mode would load
-        from dayzero.engine.engine import DEFAULT_MODEL
-        from dayzero.engine.tokenizer import load_tokenizer
-
-        tok = load_tokenizer(base.get("model") or DEFAULT_MODEL)
-        probe_count = lambda text: len(tok.encode(text, add_special_tokens=False))  # noqa: E731
-    llm = LLM(**mode.kwargs(base, insts, probe_count, max_tokens))
+    llm = LLM(**kwargs)
     try:
+        yield llm
+    finally:
+        llm.close()
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def run_mode(mode: Mode, base: dict, insts: list[Instance], answers, max_tokens, count) -> ModeRun:
+    """The instances' completions through an engine built for ``mode`` (``answers(llm, insts)`` runs them;
+    ``count(text)``, a prompt's tokens, and ``max_tokens(inst)`` size the ``preempt`` mode's cache)."""
+    with engine_session(**mode.kwargs(base, insts, count, max_tokens)) as llm:
         eng = llm.engine
-        engine = f"{eng.device} {str(eng.dtype).removeprefix('torch.')}"
-        texts = answers(llm, insts)
-        run = ModeRun(mode, texts, engine)
+        run = ModeRun(mode, answers(llm, insts), f"{eng.device} {str(eng.dtype).removeprefix('torch.')}")
         if mode.twice:
             before = eng.stats()
             run.texts = answers(llm, insts)
@@ -117,9 +123,3 @@ def run_mode(mode: Mode, base: dict, insts: list[Instance], answers, max_tokens)
             run.prefix_hit = (after["prefix_hit_tokens"] - before["prefix_hit_tokens"]) / max(1, queried)
         run.preemptions = eng.stats()["preemptions"]
         return run
-    finally:
-        llm.close()
-        del llm
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()

@@ -179,12 +179,14 @@ def _modes(args) -> int:
     from dayzero.engine.tokenizer import load_tokenizer
 
     base = engine_kwargs(args)
-    insts = build(args, load_tokenizer(base.get("model") or DEFAULT_MODEL))
+    tokenizer = load_tokenizer(base.get("model") or DEFAULT_MODEL)
+    insts = build(args, tokenizer)
+    count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
     runs = []
     for name in mode_names(args.modes):
         note(f"mode {name}: {MODES[name].what}")
         runs.append(run_mode(MODES[name], base, insts, lambda llm, xs: answers(llm, xs, sys.stderr.isatty()),
-                             max_answer_tokens))
+                             max_answer_tokens, count))
     first = runs[0].texts
     table = [{"mode": r.mode.name, "what": r.mode.what, "engine": r.engine, "tasks": score(insts, r.texts),
               "same_as_first": sum(a == b for a, b in zip(r.texts, first)) / len(first),

@@ -2,11 +2,9 @@
 scores it: the eval split's instances, greedy decoding stopped at the newline, exact match."""
 from __future__ import annotations
 
-import gc
 from types import SimpleNamespace
 
-import torch
-
+from dayzero.eval.modes import engine_session
 from dayzero.eval.tasks import TASKS
 from dayzero.tools import eval_cli
 
@@ -15,20 +13,12 @@ def evaluate(path, n: int = 100, tasks=tuple(TASKS), context_len: int = 2048, ma
              task_seed: int = 0, device: str = "auto", **engine) -> list[dict]:
     """Rows of ``eval_cli.score`` (task, n, correct, accuracy, 95% interval) for the checkpoint at ``path``;
     ``engine`` goes to ``LLM`` (e.g. ``enforce_eager``, ``cache_memory_bytes``)."""
-    from dayzero import LLM
-
     args = SimpleNamespace(tasks=",".join(tasks), n=n, task_seed=task_seed, max_digits=max_digits,
                            context_len=context_len, url=None)
     eval_cli.check_options(args)
-    llm = LLM(str(path), device=device, **engine)
-    try:
+    with engine_session(model=str(path), device=device, **engine) as llm:
         insts = eval_cli.build(args, llm.tokenizer)
         return eval_cli.score(insts, eval_cli.answers(llm, insts))
-    finally:
-        del llm
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
 
 
 def table(rows: list[dict]) -> str:

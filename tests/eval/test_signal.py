@@ -12,6 +12,8 @@ import sys
 import pytest
 
 from dayzero import LLM
+from dayzero.engine.engine import DEFAULT_MODEL
+from dayzero.engine.tokenizer import load_tokenizer
 from dayzero.eval.modes import MODES, run_mode
 from dayzero.eval.tasks import instances
 from dayzero.ops import triton_support
@@ -28,28 +30,32 @@ def users_cpu_path():
 
 
 @pytest.fixture(scope="module")
-def insts():
-    llm = LLM(dtype="float32")
-    count = lambda text: len(llm.tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+def count():
+    """A text's tokens under the bundled model's tokenizer."""
+    tokenizer = load_tokenizer(DEFAULT_MODEL)
+    return lambda text: len(tokenizer.encode(text, add_special_tokens=False))
+
+
+@pytest.fixture(scope="module")
+def insts(count):
     out = []
     for task, n in (("addition", 8), ("subtraction", 4), ("reversal", 6), ("sorting", 4), ("recall", 2)):
         out += instances(task, n, "eval", seed=3, max_digits=5, context_len=160, count=count)
     return out
 
 
-@pytest.fixture(scope="module")
-def plain(insts):
-    llm = LLM(dtype="float32", enable_prefix_caching=False)
-    return answers(llm, insts)
-
-
 PLAIN = dict(dtype="float32", enable_prefix_caching=False)
 
 
+@pytest.fixture(scope="module")
+def plain(insts):
+    return answers(LLM(**PLAIN), insts)
+
+
 @pytest.mark.parametrize("name", ["chunk16", "preempt", "batch1", "async", "prefix", "tp2"])
-def test_scheduling_modes_answer_as_the_plain_engine(name, insts, plain):
+def test_scheduling_modes_answer_as_the_plain_engine(name, insts, plain, count):
     """``dayzero eval --modes``'s rescheduling modes over the plain fp32 engine: the same completions."""
-    run = run_mode(MODES[name], PLAIN, insts, answers, max_answer_tokens)
+    run = run_mode(MODES[name], PLAIN, insts, answers, max_answer_tokens, count)
     assert run.texts == plain
     assert score(insts, run.texts) == score(insts, plain)
     if name == "preempt":  # the cache held a few sequences: the scheduler had to preempt
@@ -58,14 +64,12 @@ def test_scheduling_modes_answer_as_the_plain_engine(name, insts, plain):
         assert run.prefix_hit > 0.2
 
 
-def test_mxfp4_experts_answer_alike_through_each_workspace(insts, tmp_path):
-    from dayzero.engine.engine import DEFAULT_MODEL
-
+def test_mxfp4_experts_answer_alike_through_each_workspace(insts, count, tmp_path):
     mx = tmp_path / "mxfp4"
     done = subprocess.run([sys.executable, "-m", "dayzero", "quantize", str(DEFAULT_MODEL), str(mx), "--format",
                            "mxfp4"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     some, base = insts[:12], dict(model=str(mx), dtype="float32")
-    got = {m: run_mode(MODES[m], base, some, answers, max_answer_tokens).texts for m in ("default", "fp8-workspace",
-                                                                                 "fused-mxfp4")}
+    got = {m: run_mode(MODES[m], base, some, answers, max_answer_tokens, count).texts
+           for m in ("default", "fp8-workspace", "fused-mxfp4")}
     assert got["fp8-workspace"] == got["default"] and got["fused-mxfp4"] == got["default"]
