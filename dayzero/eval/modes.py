@@ -3,7 +3,7 @@
 A precision mode, a cache option or a scheduling path that breaks the model shows as a drop in a task's accuracy,
 and, more finely, as answers that differ from the first mode's: modes that only reschedule the same arithmetic
 (chunked prefill, preemption, batch size, the prefix cache) in fp32 must give the first mode's answers exactly.
-Each mode is a few ``LLM`` keyword arguments over the command's own; three also change how the instances run:
+Each mode is a few ``LLM`` keyword arguments over the command's own; two also change how the instances run:
 ``prefix`` runs them twice and scores the second pass (served from the prefix cache), and ``preempt`` gives the
 engine a cache a little larger than the longest sequence, so that the scheduler must preempt and recompute (its
 note gives how often it did).
