@@ -14,6 +14,9 @@ Prefill is timed over the steps that bring every prompt into the cache, decode o
 ``git archive REV dayzero | tar -x -C DIR``) in a subprocess with the same arguments, then on this version,
 and prints both side by side with the ratio: only numbers measured in one run are compared.
 ``--compare-async`` does the same with this version twice: steps not overlapped, then ``--async-scheduling``.
+``--baseline-env K=V[,K=V...]`` runs the baseline (this version, or DIR's) with those environment settings, e.g.
+``DAYZERO_PDL=0`` for this version without programmatic dependent launch; given more than once, each is a
+baseline of its own, every one run before this version and compared with it.
 ``--busy B`` profiles a few decode steps at batch B with the torch profiler
 and reports the fraction of each step the GPU spends in kernels.
 """
@@ -175,7 +178,9 @@ def prefill_profile(llm, prompt_len: int, vocab: int, table_file: str) -> dict:
     return {"prompt_len": prompt_len, "wall_ms": 1e3 * wall, "busy_fraction": busy * 1e-6 / wall, "kernels": kernels}
 
 
-def run_baseline(args) -> dict | None:
+def run_baseline(args, settings: str | None = None) -> dict | None:
+    """This script's numbers for the baseline: ``--baseline``'s package (else this one) with the environment
+    ``settings`` (``K=V,K=V``) applied, or this version without overlapped steps (``--compare-async``)."""
     script = os.path.abspath(__file__)  # this script, run on the earlier package
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
@@ -191,10 +196,16 @@ def run_baseline(args) -> dict | None:
     if args.expert_compute:
         cmd += ["--expert-compute", args.expert_compute]
     env = dict(os.environ)
-    if not args.compare_async:  # the earlier package first on the path, the rest kept (kernel packages: fla)
+    if args.baseline:  # the earlier package first on the path, the rest kept (kernel packages: fla)
         path = (os.path.abspath(args.baseline), os.environ.get("PYTHONPATH", ""))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, path))
-    print(f"baseline ({'this version, steps not overlapped' if args.compare_async else args.baseline}):", flush=True)
+    for item in filter(None, (settings or "").split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--baseline-env takes K=V settings, got {item!r}")
+        env[key.strip()] = value.strip()
+    what = "this version, steps not overlapped" if args.compare_async else (args.baseline or "this version")
+    print(f"baseline ({what}{', ' + settings if settings else ''}):", flush=True)
     if subprocess.run(cmd, env=env).returncode != 0:
         print("baseline run failed", flush=True)
         return None
@@ -223,10 +234,17 @@ def main() -> None:
                     help="packed MXFP4 experts: the workspace format they are converted into, or read packed")
     ap.add_argument("--compare-async", action="store_true",
                     help="the baseline is this version without overlapped steps; this run overlaps them")
+    ap.add_argument("--baseline-env", action="append", default=[], metavar="K=V[,K=V]",
+                    help="run the baseline with these environment settings (again for another baseline)")
     args = ap.parse_args()
     if args.compare_async:
         args.async_scheduling = True
-    base = run_baseline(args) if args.baseline or args.compare_async else None
+    if args.baseline_env:
+        bases = [(f"{args.baseline or 'this version'}, {e}", run_baseline(args, e)) for e in args.baseline_env]
+    elif args.baseline or args.compare_async:
+        bases = [(args.baseline or "this version, steps not overlapped", run_baseline(args))]
+    else:
+        bases = []
 
     t0 = time.perf_counter()
     extra = {"enforce_eager": True} if args.enforce_eager else {}
@@ -279,8 +297,10 @@ def main() -> None:
         prefill = prefill_profile(llm, args.prompt_len, spec.vocab_size, args.prefill_profile)
         print(f"prefill of {prefill['prompt_len']} tokens at batch 1: {prefill['wall_ms']:.1f} ms, GPU busy "
               f"{prefill['busy_fraction']:.1%} of it, {prefill['kernels']} kernels (tables: {args.prefill_profile})")
-    if base is not None:
-        print("\nside by side (same run): baseline -> this version")
+    for label, base in bases:
+        if base is None:
+            continue
+        print(f"\nside by side (same run): baseline ({label}) -> this version")
         print(f"{'batch':>5} {'prefill tok/s':>22} {'ratio':>6} {'decode tok/s':>20} {'ratio':>6} {'of roofline':>16}")
         for r, b in zip(rows, base["rows"]):
             print(f"{r['batch']:>5} {b['prefill_tok_s']:>10.0f} -> {r['prefill_tok_s']:>8.0f} "
@@ -291,7 +311,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"config": args.config, "device": str(dev), "bandwidth": bw, "flops": flops, "rows": rows,
                        "decode_mode": getattr(eng, "decode_mode", "eager"), "busy": busy, "prefill": prefill,
-                       "baseline": base}, f, indent=2)
+                       "baselines": [{"label": label, **(base or {})} for label, base in bases]}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,13 @@ imported; the test suite does that on machines without a GPU, so every kernel is
 The interpreter multiplies bf16 and fp16 operands of ``tl.dot`` wrongly (it hands their raw bits to numpy),
 so kernels take a ``DOT_F32`` constexpr (:data:`DOT_F32`) and upcast the operands of their dots when it is set:
 on a GPU it is False and the dots run on the tensor cores in the operands' own dtype.
+
+On Hopper and later GPUs the kernels are launched with programmatic dependent launch (:func:`pdl`): a kernel may
+be scheduled while the one before it in the stream is still running, and its first statement,
+:func:`grid_dependency`, waits for that one to finish and its writes to be visible, then lets the next kernel be
+scheduled in turn. A decode step of ~300 kernels of a few microseconds each hides most of the launch and ramp-up
+between them that way (inside CUDA graphs too: capture keeps the programmatic edges). ``DAYZERO_PDL=0`` turns it
+off.
 """
 from __future__ import annotations
 
@@ -22,6 +29,11 @@ except ImportError:  # the optional kernels are simply not offered
     triton = tl = None
 
 HAS_TRITON = triton is not None
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    HAS_GDC = True
+except ImportError:  # a Triton without grid dependency control: every launch keeps full stream order
+    HAS_GDC = False
 
 if HAS_TRITON:
     @triton.jit
@@ -47,6 +59,33 @@ if HAS_TRITON:
         return acc * (wgt / tl.maximum(denom, 1.1754943508222875e-38))[:, None]
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DOT_F32 = INTERPRET
+
+if HAS_TRITON:
+    @triton.jit
+    def grid_dependency(PDL: tl.constexpr):
+        """The first statement of every kernel launched with :func:`pdl`'s options, in every program and before
+        any load or store: wait until the kernel before this one has finished and its writes are visible (so
+        no program may return before it, or a kernel with nothing to do could finish ahead of its predecessor
+        and release the next one early), then let the next kernel be scheduled."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+
+
+_PDL_DEVICES: dict[int, bool] = {}
+
+
+def pdl(t: torch.Tensor) -> dict:
+    """Launch options of a kernel whose tensors live on ``t``'s device: ``PDL`` (the constexpr its
+    :func:`grid_dependency` takes) and Triton's ``launch_pdl``, on for CUDA devices of compute capability 9.0 or
+    more, off elsewhere (the interpreter, older GPUs, a Triton without it) or when ``DAYZERO_PDL=0``."""
+    if t.device.type != "cuda" or INTERPRET or not HAS_GDC or os.environ.get("DAYZERO_PDL", "1") == "0":
+        return {"PDL": False}
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    on = _PDL_DEVICES.get(index)
+    if on is None:
+        on = _PDL_DEVICES[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
 _JUDGED_AS: str | None = None  # while set, CPU tensors are judged as if on this device type (see judged_as)

@@ -14,18 +14,20 @@ from __future__ import annotations
 
 import torch
 
-from dayzero.ops.triton_support import HAS_TRITON, tl, triton, triton_refusal
+from dayzero.ops.triton_support import HAS_TRITON, pdl, tl, triton, triton_refusal
 from dayzero.quant.mxfp4 import e4m3_pair_table, fp4_lut
 
 GROUPS_PER_PROGRAM = 256  # 32-value blocks: 4 KiB of packed codes in, 8,192 values out
 
 if HAS_TRITON:
+    from dayzero.ops.triton_support import grid_dependency
     @triton.jit
-    def _bf16_kernel(blocks_ptr, scales_ptr, out_ptr, n_groups, lut_ptr, GROUPS: tl.constexpr):
+    def _bf16_kernel(blocks_ptr, scales_ptr, out_ptr, n_groups, lut_ptr, GROUPS: tl.constexpr, PDL: tl.constexpr):
         """bf16 workspace: GROUPS 32-value blocks per program, each read as four int32 words of eight codes
         (value 8w + 2b + h of a block is nibble h of byte b of word w, little-endian, so the [GROUPS, 32] values
         come out in order and every store is contiguous); each code's value from the 16-entry table ``lut_ptr``
         (an L1 gather, cheaper than decoding its bits), times the block's scale."""
+        grid_dependency(PDL)
         g = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
         ok = g < n_groups
         o = tl.arange(0, 32)
@@ -39,9 +41,11 @@ if HAS_TRITON:
                  mask=ok[:, None])
 
     @triton.jit
-    def _fp8_pairs_kernel(blocks_ptr, scales_ptr, out_ptr, scale_out_ptr, n_groups, table_ptr, GROUPS: tl.constexpr):
+    def _fp8_pairs_kernel(blocks_ptr, scales_ptr, out_ptr, scale_out_ptr, n_groups, table_ptr, GROUPS: tl.constexpr,
+                          PDL: tl.constexpr):
         """FP8 workspace: each packed byte -> its two E4M3 codes, one int16 from ``table_ptr`` [256]; the block's
         scale written beside as fp32."""
+        grid_dependency(PDL)
         g = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
         ok = g < n_groups
         j = tl.arange(0, 16)
@@ -72,7 +76,8 @@ def convert_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
     n = scales.numel()  # 32-value blocks
     if n and scale_out is not None:
         _fp8_pairs_kernel[(triton.cdiv(n, GROUPS_PER_PROGRAM),)](
-            blocks, scales, out, scale_out, n, e4m3_pair_table(blocks.device), GROUPS=GROUPS_PER_PROGRAM, num_warps=4)
+            blocks, scales, out, scale_out, n, e4m3_pair_table(blocks.device), GROUPS=GROUPS_PER_PROGRAM, num_warps=4,
+            **pdl(blocks))
     elif n:
         _bf16_kernel[(triton.cdiv(n, GROUPS_PER_PROGRAM),)](blocks, scales, out, n, fp4_lut(blocks.device),
-                                                            GROUPS=GROUPS_PER_PROGRAM, num_warps=4)
+                                                            GROUPS=GROUPS_PER_PROGRAM, num_warps=4, **pdl(blocks))

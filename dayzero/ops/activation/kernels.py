@@ -11,14 +11,17 @@ from __future__ import annotations
 import torch
 
 from dayzero.ops.registry import call, register
-from dayzero.ops.triton_support import HAS_TRITON, next_pow2, rows_view, tl, triton, triton_refusal
+from dayzero.ops.triton_support import HAS_TRITON, next_pow2, pdl, rows_view, tl, triton, triton_refusal
 
 SILU, RELU2, SWIGLU_OAI = 0, 1, 2
 
 if HAS_TRITON:
+    from dayzero.ops.triton_support import grid_dependency
     @triton.jit
     def _act_kernel(x_ptr, y_ptr, n_cols, sx, limit, alpha,
-                    KIND: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
+                    KIND: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr):
+        grid_dependency(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cols < n_cols
@@ -45,9 +48,10 @@ if HAS_TRITON:
 
 
     @triton.jit
-    def _sigmoid_gate_kernel(x_ptr, g_ptr, y_ptr, HV, V, s_gt, s_gh, s_gc, BLOCK: tl.constexpr):
+    def _sigmoid_gate_kernel(x_ptr, g_ptr, y_ptr, HV, V, s_gt, s_gh, s_gc, BLOCK: tl.constexpr, PDL: tl.constexpr):
         """Row t of x [T, H*V] times sigmoid of its gate: head h = c // V reads gate column (c % V) * s_gc
         (s_gc = 0 for one gate per head)."""
+        grid_dependency(PDL)
         t = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = c < HV
@@ -77,7 +81,7 @@ def act(x: torch.Tensor, kind: int, limit: float | None = None, alpha: float = 1
         block = min(1024, next_pow2(C))
         _act_kernel[(x2.shape[0], triton.cdiv(C, block))](
             x2, y, C, x2.stride(0), float(limit if limit is not None else 0.0), float(alpha), KIND=kind,
-            GATED=gated, CLAMP=limit is not None, BLOCK=block, num_warps=4)
+            GATED=gated, CLAMP=limit is not None, BLOCK=block, num_warps=4, **pdl(x2))
     return y
 
 
@@ -146,5 +150,5 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         block = min(1024, next_pow2(H * V))
         _sigmoid_gate_kernel[(T, triton.cdiv(H * V, block))](
             x, gate, y, H * V, V, gate.stride(0), gate.stride(1), gate.stride(2) if per_channel else 0,
-            BLOCK=block, num_warps=4)
+            BLOCK=block, num_warps=4, **pdl(x))
     return y

@@ -31,7 +31,8 @@ import math
 
 import torch
 
-from dayzero.ops.triton_support import DOT_F32, HAS_TRITON, next_pow2, paged_pool_refusal, tl, triton, triton_refusal
+from dayzero.ops.triton_support import (DOT_F32, HAS_TRITON, next_pow2, paged_pool_refusal, pdl, tl, triton,
+                                        triton_refusal)
 
 # Heads x keys per tile, and warps: at R=512 this compiles for sm_90 to 252 registers a thread and no spills
 # (M=16 runs on mma.sync; 64 heads would reach wgmma but spill). Not tuned on a GPU yet.
@@ -44,7 +45,7 @@ MAX_RANK = 1024  # R + P up to this
 LOG2E = 1.4426950408889634
 
 if HAS_TRITON:
-    from dayzero.ops.triton_support import softmax_out
+    from dayzero.ops.triton_support import grid_dependency, softmax_out
 
     @triton.jit
     def _split_kernel(q_ptr, lat_ptr, table_ptr, seq_ptr, pos_ptr, sel_ptr, o_ptr, ml_ptr, sink_ptr, H, num_keys,
@@ -52,7 +53,8 @@ if HAS_TRITON:
                       R: tl.constexpr, P: tl.constexpr, PAGE: tl.constexpr, SPARSE: tl.constexpr, HAS_SEQ: tl.constexpr,
                       FINAL: tl.constexpr, HAS_SINK: tl.constexpr,
                       BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                      DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+                      DOT_F32: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+        grid_dependency(PDL)
         b = tl.program_id(0).to(tl.int64)  # partial offsets b * H * S * R may pass 2^31
         split = tl.program_id(1)
         offs_h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -120,7 +122,8 @@ if HAS_TRITON:
     @triton.jit
     def _merge_kernel(o_ptr, ml_ptr, sink_ptr, out_ptr, H, s_ob, s_oh, s_os, s_xb, s_xh,
                       SPLITS: tl.constexpr, HAS_SINK: tl.constexpr, R: tl.constexpr, BLOCK_S: tl.constexpr,
-                      BLOCK_R: tl.constexpr):
+                      BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+        grid_dependency(PDL)
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         offs_s = tl.arange(0, BLOCK_S)
@@ -213,13 +216,13 @@ def mla_decode(q_abs: torch.Tensor, latent_pool: torch.Tensor, block_tables: tor
         block_tables.stride(0), sel.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
         R=R, P=P, PAGE=block_size, SPARSE=selection is not None, HAS_SEQ=seq_of_row is not None, FINAL=final,
         HAS_SINK=sinks is not None, BLOCK_H=BLOCK_H, BLOCK_R=BR, BLOCK_P=BP,
-        BLOCK_N=BLOCK_N, DOT_F32=DOT_F32, PRECISION=precision, num_warps=NUM_WARPS, num_stages=2)
+        BLOCK_N=BLOCK_N, DOT_F32=DOT_F32, PRECISION=precision, num_warps=NUM_WARPS, num_stages=2, **pdl(q_abs))
     if final:
         return out
     BRM = min(BR, MERGE_BLOCK_R)
     _merge_kernel[(B, H, triton.cdiv(R, BRM))](
         part_o, part_ml, sinks if sinks is not None else part_ml, out, H, part_o.stride(0), part_o.stride(1),
         part_o.stride(2), out.stride(0), out.stride(1), SPLITS=S, HAS_SINK=sinks is not None, R=R,
-        BLOCK_S=next_pow2(S), BLOCK_R=BRM, num_warps=4)
+        BLOCK_S=next_pow2(S), BLOCK_R=BRM, num_warps=4, **pdl(part_o))
     return out
 

@@ -45,7 +45,8 @@ import math
 
 import torch
 
-from dayzero.ops.triton_support import DOT_F32, HAS_TRITON, next_pow2, paged_pool_refusal, tl, triton, triton_refusal
+from dayzero.ops.triton_support import (DOT_F32, HAS_TRITON, next_pow2, paged_pool_refusal, pdl, tl, triton,
+                                        triton_refusal)
 
 MAX_HEAD_DIM = 256  # Dqk and Dv up to this
 LOG2E = 1.4426950408889634
@@ -56,7 +57,7 @@ MIN_M, MAX_M, MAX_M_WIDE = 16, 128, 64
 BLOCK_N, BLOCK_N_WIDE = 64, 32
 
 if HAS_TRITON:
-    from dayzero.ops.triton_support import softmax_out
+    from dayzero.ops.triton_support import grid_dependency, softmax_out
 
     @triton.jit
     def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, cu_ptr, pos_ptr, sink_ptr,
@@ -66,7 +67,8 @@ if HAS_TRITON:
                                 HAS_WINDOW: tl.constexpr, HAS_SINK: tl.constexpr,
                                 BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                                DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+                                DOT_F32: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+        grid_dependency(PDL)
         pid = tl.program_id(0)
         kvh = tl.program_id(1)
         gblk = tl.program_id(2)
@@ -245,5 +247,5 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), out.stride(0), out.stride(1), block_tables.stride(0),
         DQK=Dqk, DV=Dv, PAGE=block_size, HAS_WINDOW=window is not None, HAS_SINK=sinks is not None,
         BLOCK_M=bm, BLOCK_G=bg, BLOCK_N=bn, BLOCK_D=bd, BLOCK_DV=bdv,
-        DOT_F32=DOT_F32, PRECISION=precision, num_warps=warps, num_stages=2)
+        DOT_F32=DOT_F32, PRECISION=precision, num_warps=warps, num_stages=2, **pdl(q))
     return out

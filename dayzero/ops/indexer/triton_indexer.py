@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from dayzero.ops.triton_support import DOT_F32, HAS_TRITON, next_pow2, paged_pool_refusal, tl, triton, triton_refusal
+from dayzero.ops.triton_support import (DOT_F32, HAS_TRITON, next_pow2, paged_pool_refusal, pdl, tl, triton,
+                                        triton_refusal)
 
 # Keys per decode program: 128 halves the query re-reads (q is [Hi, Di], as large as 64 keys) once that still
 # makes about two waves of an H200's 132 SMs; 64 otherwise. A shape choice, fixed for a captured graph.
@@ -39,12 +40,14 @@ _TOPK_BYTES = 4 + 8  # top-k's fp32 values and int64 indices, per selected key
 TOPK_SEGMENT, TOPK_MIN_SEGMENTS = 16384, 4
 
 if HAS_TRITON:
+    from dayzero.ops.triton_support import grid_dependency
     @triton.jit
     def _decode_scores_kernel(q_ptr, w_ptr, k_ptr, table_ptr, pos_ptr, out_ptr, key_width,
                               s_qb, s_qh, s_wb, s_kb, s_kr, s_tb, s_ob,
                               HI: tl.constexpr, DI: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr,
                               BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
-                              PRECISION: tl.constexpr):
+                              PRECISION: tl.constexpr, PDL: tl.constexpr):
+        grid_dependency(PDL)
         b = tl.program_id(0).to(tl.int64)
         n0 = tl.program_id(1) * BLOCK_N
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -75,7 +78,8 @@ if HAS_TRITON:
                               s_qt, s_qh, s_wt, s_kb, s_kr, s_tb, s_ot,
                               HI: tl.constexpr, DI: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
                               BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
-                              PRECISION: tl.constexpr):
+                              PRECISION: tl.constexpr, PDL: tl.constexpr):
+        grid_dependency(PDL)
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         n0 = tl.program_id(1) * BLOCK_N
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -151,7 +155,7 @@ def decode_scores(q: torch.Tensor, weights: torch.Tensor, k_pool: torch.Tensor, 
         q, weights, k_pool, block_tables, positions, scores, key_width,
         q.stride(0), q.stride(1), weights.stride(0), k_pool.stride(0), k_pool.stride(1), block_tables.stride(0),
         scores.stride(0), HI=Hi, DI=Di, PAGE=block_size, BLOCK_H=BH, BLOCK_D=max(16, next_pow2(Di)),
-        BLOCK_N=block_n, DOT_F32=DOT_F32, PRECISION=_precision(k_pool), num_warps=8 if block_n > 64 else 4)
+        BLOCK_N=block_n, DOT_F32=DOT_F32, PRECISION=_precision(k_pool), num_warps=8 if block_n > 64 else 4, **pdl(q))
     return scores
 
 
@@ -228,7 +232,7 @@ def varlen_scores(q: torch.Tensor, weights: torch.Tensor, k_pool: torch.Tensor, 
         q, weights, k_pool, block_tables, seq_of_row, positions, scores, T, key_width,
         q.stride(0), q.stride(1), weights.stride(0), k_pool.stride(0), k_pool.stride(1), block_tables.stride(0),
         scores.stride(0), HI=Hi, DI=Di, PAGE=block_size, BLOCK_M=block_m, BLOCK_D=max(16, next_pow2(Di)),
-        BLOCK_N=block_n, DOT_F32=DOT_F32, PRECISION=_precision(k_pool), num_warps=8)
+        BLOCK_N=block_n, DOT_F32=DOT_F32, PRECISION=_precision(k_pool), num_warps=8, **pdl(q))
     return scores
 
 

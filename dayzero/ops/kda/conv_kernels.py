@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import torch
 
-from dayzero.ops.triton_support import HAS_TRITON, next_pow2, tl, triton, triton_refusal
+from dayzero.ops.triton_support import HAS_TRITON, next_pow2, pdl, tl, triton, triton_refusal
 
 if HAS_TRITON:
+    from dayzero.ops.triton_support import grid_dependency
     @triton.jit
     def _conv_kernel(x_ptr, w_ptr, pool_ptr, y_ptr, cu_ptr, slot_ptr, fresh_ptr, C, CG, sx, s_yg, s_slot, s_chan,
                      reset_ptr, reset_n, s_reset,
                      W: tl.constexpr, BW: tl.constexpr, SILU: tl.constexpr, DECODE: tl.constexpr,
-                     BT: tl.constexpr, BC: tl.constexpr, RESET: tl.constexpr, RB: tl.constexpr):
+                     BT: tl.constexpr, BC: tl.constexpr, RESET: tl.constexpr, RB: tl.constexpr, PDL: tl.constexpr):
+        grid_dependency(PDL)
         b = tl.program_id(0)
         if RESET:  # a fresh sequence's slot of the layer's other state pool: this program's share of it zeroed
             if tl.load(fresh_ptr + b) != 0:
@@ -127,5 +129,5 @@ def causal_conv1d_pooled_triton(x: torch.Tensor, weight: torch.Tensor, window_po
             window_pool.stride(0), window_pool.stride(1), window_pool if reset is None else reset,
             0 if reset is None else reset[0].numel(), 0 if reset is None else reset.stride(0), W=W,
             BW=next_pow2(W - 1), SILU=activation == "silu", DECODE=batch.is_decode, BT=BT, BC=BC,
-            RESET=reset is not None, RB=1024, num_warps=4)
+            RESET=reset is not None, RB=1024, num_warps=4, **pdl(x))
     return y

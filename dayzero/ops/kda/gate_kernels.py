@@ -6,15 +6,16 @@ from __future__ import annotations
 import torch
 
 from dayzero.ops.registry import register
-from dayzero.ops.triton_support import HAS_TRITON, tl, triton, triton_refusal
+from dayzero.ops.triton_support import HAS_TRITON, pdl, tl, triton, triton_refusal
 
 if HAS_TRITON:
-    from dayzero.ops.triton_support import softplus
+    from dayzero.ops.triton_support import grid_dependency, softplus
 
 if HAS_TRITON:
     @triton.jit
     def _gate_kernel(f_ptr, a_ptr, b_ptr, g_ptr, n, H, K, sft, lower,
-                     LOWER: tl.constexpr, BLOCK: tl.constexpr):
+                     LOWER: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        grid_dependency(PDL)
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = i < n
         hk = i % (H * K)
@@ -51,5 +52,5 @@ def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_
         block = 1024
         _gate_kernel[(triton.cdiv(n, block),)](f, A_log, dt_bias, g, n, H, K, f.stride(0),
                                                float(lower_bound or 0.0), LOWER=lower_bound is not None,
-                                               BLOCK=block, num_warps=4)
+                                               BLOCK=block, num_warps=4, **pdl(f))
     return g

@@ -10,18 +10,21 @@ from __future__ import annotations
 
 import torch
 
-from dayzero.ops.triton_support import HAS_TRITON, triton_refusal
+from dayzero.ops.triton_support import HAS_TRITON, pdl, triton_refusal
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from dayzero.ops.triton_support import grid_dependency
+
 BLOCK = 4096  # state elements a program zeroes
 
 if HAS_TRITON:
     @triton.jit
-    def _zero_fresh_kernel(pool_ptr, slot_ptr, fresh_ptr, N, s_slot, BLOCK: tl.constexpr):
+    def _zero_fresh_kernel(pool_ptr, slot_ptr, fresh_ptr, N, s_slot, BLOCK: tl.constexpr, PDL: tl.constexpr):
         # pool: [slots, N] (rows s_slot apart, unit column stride); slot, fresh: [B]; grid: B x cdiv(N, BLOCK)
+        grid_dependency(PDL)
         b = tl.program_id(0)
         if tl.load(fresh_ptr + b) != 0:
             slot = tl.load(slot_ptr + b).to(tl.int64)
@@ -45,4 +48,4 @@ def zero_fresh_slots(pool: torch.Tensor, slots: torch.Tensor, fresh: torch.Tenso
     B, N = slots.shape[0], pool[0].numel()
     if B and N:
         _zero_fresh_kernel[(B, triton.cdiv(N, BLOCK))](pool, slots, fresh, N, pool.stride(0), BLOCK=BLOCK,
-                                                       num_warps=4)
+                                                       num_warps=4, **pdl(pool))

@@ -26,11 +26,12 @@ import functools
 import torch
 
 from dayzero.ops.moe import triton_moe
-from dayzero.ops.triton_support import HAS_TRITON, next_pow2, tl, triton
+from dayzero.ops.triton_support import HAS_TRITON, next_pow2, pdl, tl, triton
 from dayzero.quant.fp8 import TILE
 
 if HAS_TRITON:
     from dayzero.ops.moe import triton_moe_kernels as K
+    from dayzero.ops.triton_support import grid_dependency
 
 # Formats whose K step may span the whole 4096-element budget; the quantised ones read at most one 128-column tile
 # a K step (the tile-scaled FP8 kernel applies one scale per step; MXFP4 steps of eight 32-blocks gave wrong rows on
@@ -56,8 +57,9 @@ if HAS_TRITON:
                           L: tl.constexpr, I: tl.constexpr, s_xm, s_we, s_wn, s_wk, s_se, s_sn, s_sk, s_be, s_bn,
                           FMT: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
                           HAS_LIMIT: tl.constexpr, HAS_LOAD: tl.constexpr, TOP_K: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, E_POW2: tl.constexpr):
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, E_POW2: tl.constexpr, PDL: tl.constexpr):
         # x: [T, L] (unit column stride); ids: [T*k]; w1: [E, r*I, L]; h: [T*k, I]; grid: T*k x cdiv(I, BLOCK_N)
+        grid_dependency(PDL)
         p = tl.program_id(0).to(tl.int64)
         pid_n = tl.program_id(1)
         e = tl.load(ids_ptr + p).to(tl.int64)
@@ -89,10 +91,11 @@ if HAS_TRITON:
     def _direct_down_kernel(h_ptr, ids_ptr, wt_ptr, w_ptr, ws_ptr, b_ptr, y_ptr,
                             L: tl.constexpr, I: tl.constexpr, s_we, s_wn, s_wk, s_se, s_sn, s_sk, s_be, s_bn, s_ym,
                             FMT: tl.constexpr, HAS_BIAS: tl.constexpr, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         # h: [T*k, I]; ids, wt: [T*k]; w2: [E, L, I]; y: [T, L]; grid: T x cdiv(L, BLOCK_N)
         # The program's rows are (slot j, column n) for all k slots at once, so the k experts' weights are read
         # in one go rather than one expert after another: R = K_POW2 * BLOCK_N rows, r = j * BLOCK_N + c.
+        grid_dependency(PDL)
         R: tl.constexpr = K_POW2 * BLOCK_N
         t = tl.program_id(0).to(tl.int64)
         r = tl.arange(0, R)
@@ -212,12 +215,12 @@ def moe_experts_direct(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
         0.0 if limit is None else float(limit), E, L, I, x.stride(0), *st, *ss,
         *((0, 0) if b1 is None else b1.stride()),
         FMT=f, ACT=act, GATED=gated, HAS_BIAS=b1 is not None, HAS_LIMIT=limit is not None, HAS_LOAD=load is not None,
-        TOP_K=k, BLOCK_N=bn1, BLOCK_K=bk1, E_POW2=next_pow2(E), num_warps=4)
+        TOP_K=k, BLOCK_N=bn1, BLOCK_K=bk1, E_POW2=next_pow2(E), num_warps=4, **pdl(x))
 
     f, data, scale, st, ss = triton_moe.weight_operand(w2)
     wt = weights.reshape(-1).float().contiguous()
     _direct_down_kernel[(T, triton.cdiv(L, bn2))](
         h, flat_ids, wt, data, scale, h if b2 is None else b2, y, L, I, *st, *ss,
         *((0, 0) if b2 is None else b2.stride()), y.stride(0),
-        FMT=f, HAS_BIAS=b2 is not None, TOP_K=k, K_POW2=next_pow2(k), BLOCK_N=bn2, BLOCK_K=bk2, num_warps=8)
+        FMT=f, HAS_BIAS=b2 is not None, TOP_K=k, K_POW2=next_pow2(k), BLOCK_N=bn2, BLOCK_K=bk2, num_warps=8, **pdl(h))
     return y

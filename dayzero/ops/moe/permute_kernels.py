@@ -18,15 +18,17 @@ from __future__ import annotations
 import torch
 
 from dayzero.ops.registry import register
-from dayzero.ops.triton_support import HAS_TRITON, tl, triton, triton_refusal
+from dayzero.ops.triton_support import HAS_TRITON, pdl, tl, triton, triton_refusal
 
 MAX_PAIRS = 16384
 BLOCK_R, BLOCK_J, BLOCK_E = 64, 128, 64  # pairs ranked, pairs compared per step, experts counted per program
 
 if HAS_TRITON:
+    from dayzero.ops.triton_support import grid_dependency
     @triton.jit
     def _permute_kernel(ids_ptr, order_ptr, offs_ptr, load_ptr, n, E, rank_programs, HAS_LOAD: tl.constexpr,
-                        BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr):
+                        BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+        grid_dependency(PDL)
         pid = tl.program_id(0)
         if pid < rank_programs:  # rank BLOCK_R pairs
             r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -91,5 +93,5 @@ def permute(ids: torch.Tensor, num_experts: int, load: torch.Tensor | None = Non
     if grid[0]:
         _permute_kernel[grid](flat, order, offsets, offsets if load is None else load, n, num_experts, rank_programs,
                               HAS_LOAD=load is not None, BLOCK_R=BLOCK_R, BLOCK_J=BLOCK_J, BLOCK_E=BLOCK_E,
-                              num_warps=4)
+                              num_warps=4, **pdl(flat))
     return order, offsets

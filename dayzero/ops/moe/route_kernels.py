@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 
 from dayzero.ops.registry import register
-from dayzero.ops.triton_support import HAS_TRITON, next_pow2, tl, triton, triton_refusal
+from dayzero.ops.triton_support import HAS_TRITON, next_pow2, pdl, tl, triton, triton_refusal
 
 if HAS_TRITON:
-    from dayzero.ops.triton_support import softplus
+    from dayzero.ops.triton_support import grid_dependency, softplus
 
 MAX_K = 32
 MAX_GROUPS = 32
@@ -25,7 +25,9 @@ if HAS_TRITON:
     @triton.jit
     def _route_kernel(logits_ptr, bias_ptr, w_ptr, id_ptr, E, scale, GS: tl.constexpr,
                       SQRT_SOFTPLUS: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-                      G: tl.constexpr, TOPG: tl.constexpr, K: tl.constexpr, BE: tl.constexpr, BG: tl.constexpr):
+                      G: tl.constexpr, TOPG: tl.constexpr, K: tl.constexpr, BE: tl.constexpr, BG: tl.constexpr,
+                      PDL: tl.constexpr):
+        grid_dependency(PDL)
         route_token(logits_ptr, bias_ptr, w_ptr, id_ptr, tl.program_id(0).to(tl.int64), E, scale, GS,
                     SQRT_SOFTPLUS, HAS_BIAS, NORM, G, TOPG, K, BE, BG)
 
@@ -110,7 +112,7 @@ def route(logits: torch.Tensor, top_k: int, kind: str = "sigmoid", correction_bi
         # one warp up to 256 experts: a token's ~50 arg-max / max reductions stay within warp shuffles
         _route_kernel[(T,)](logits, bias, weights, ids, E, float(routed_scaling_factor),
                             **route_constants(E, top_k, kind, correction_bias, n_group, topk_group, norm_topk_prob),
-                            num_warps=1 if E <= 256 else 4)
+                            num_warps=1 if E <= 256 else 4, **pdl(logits))
     return weights, ids
 
 

@@ -19,18 +19,20 @@ import torch
 from dayzero.ops.linear import kernels as K
 from dayzero.ops.moe.route_kernels import route_constants, route_refusal
 from dayzero.ops.registry import register
-from dayzero.ops.triton_support import HAS_TRITON, next_pow2, tl, triton
+from dayzero.ops.triton_support import HAS_TRITON, next_pow2, pdl, tl, triton
 
 if HAS_TRITON:
     from dayzero.ops.moe.route_kernels import route_token
+    from dayzero.ops.triton_support import grid_dependency
 
     @triton.jit
     def _router_kernel(x_ptr, w_ptr, b_ptr, logits_ptr, count_ptr, bias_ptr, wout_ptr, id_ptr, M, E, D, s_xm, s_wn,
                        scale, HAS_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, GS: tl.constexpr, SQRT_SOFTPLUS: tl.constexpr,
                        HAS_BIAS: tl.constexpr, NORM: tl.constexpr, G: tl.constexpr, TOPG: tl.constexpr,
-                       K: tl.constexpr, BE: tl.constexpr, BG: tl.constexpr):
+                       K: tl.constexpr, BE: tl.constexpr, BG: tl.constexpr, PDL: tl.constexpr):
         # x: [M, D]; w: [E, D]; logits: [M, E] fp32 scratch; count: one int32, zero between launches
+        grid_dependency(PDL)
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
         n_ok, m_ok = n < E, m < M
@@ -85,7 +87,8 @@ def router_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         x, weight, weight if bias is None else bias, logits, _counter(weight),
         logits if correction_bias is None else correction_bias, weights, ids, M, E, D, x.stride(0), weight.stride(0),
         float(routed_scaling_factor), HAS_B=bias is not None, BLOCK_M=next_pow2(M), BLOCK_N=bn, BLOCK_K=bk,
-        **route_constants(E, top_k, kind, correction_bias, n_group, topk_group, norm_topk_prob), num_warps=warps)
+        **route_constants(E, top_k, kind, correction_bias, n_group, topk_group, norm_topk_prob), num_warps=warps,
+        **pdl(x))
     return weights, ids
 
 

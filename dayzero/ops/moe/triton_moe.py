@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from dayzero.ops.triton_support import DOT_F32, HAS_TRITON, next_pow2, triton_refusal
+from dayzero.ops.triton_support import DOT_F32, HAS_TRITON, next_pow2, pdl, triton_refusal
 from dayzero.quant.fp8 import TILE, TileScaled
 from dayzero.quant.mxfp4 import BLOCK
 from dayzero.quant.workspace import BlockScaled, PackedMXFP4
@@ -277,7 +277,7 @@ def moe_experts_grouped(xs: torch.Tensor, offsets: torch.Tensor, w1, w2, activat
         FMT=fmt, ACT=act, GATED=gated, HAS_BIAS=b1 is not None, HAS_LIMIT=limit is not None,
         GATHER=order is not None, TOP_K=top_k,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, num_warps=c.num_warps,
-        num_stages=c.num_stages, **common)
+        num_stages=c.num_stages, **common, **pdl(xs))
 
     fmt, data, scale, st, ss = weight_operand(w2)
     c = _fit(cfg.down, fmt)
@@ -286,5 +286,5 @@ def moe_experts_grouped(xs: torch.Tensor, offsets: torch.Tensor, w1, w2, activat
         h, offsets, data, scale, h if b2 is None else b2, y, N, m_tiles, L, I, E,
         h.stride(0), *st, *ss, *((0, 0) if b2 is None else b2.stride()), y.stride(0),
         FMT=fmt, HAS_BIAS=b2 is not None, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-        GROUP_M=c.group_m, num_warps=c.num_warps, num_stages=c.num_stages, **common)
+        GROUP_M=c.group_m, num_warps=c.num_warps, num_stages=c.num_stages, **common, **pdl(h))
     return y

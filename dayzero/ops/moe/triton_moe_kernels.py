@@ -22,6 +22,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from dayzero.ops.triton_support import grid_dependency
+
 # weight formats (FMT) and activations (ACT): constexpr globals, the only kind a kernel may read
 PLAIN, TILE, BLOCK, MXFP4 = map(tl.constexpr, range(4))
 SILU, RELU2, SWIGLU_OAI = map(tl.constexpr, range(3))
@@ -154,13 +156,14 @@ def moe_up_kernel(x_ptr, ord_ptr, offs_ptr, w_ptr, ws_ptr, b_ptr, h_ptr, limit, 
                   FMT: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
                   HAS_LIMIT: tl.constexpr, GATHER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, E_POW2: tl.constexpr,
-                  DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+                  DOT_F32: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     """h[rows, cols] = act(x[rows] @ w1[e]^T + b1[e]) for one row tile of expert e and BLOCK_N columns of I.
 
     Gated activations keep two accumulators, gate rows ``cols`` and up rows ``I + cols`` of w1, so h is
     written [N, I] and never [N, 2I]. h is stored in the dtype of its pointer (the activations' dtype). With
     GATHER, x holds the tokens and sorted row r is token ord[r] // TOP_K."""
     # x: [N, L] (GATHER: [T, L]); w1: [E, r*I, L]; b1: [E, r*I]; h: [N, I]; grid: m_tiles x cdiv(I, BLOCK_N)
+    grid_dependency(PDL)
     pid_m, pid_n = _swizzle(tl.program_id(0), m_tiles, tl.cdiv(I, BLOCK_N), GROUP_M)
     e, row0, row_end, n_tiles, _ = _tile(offs_ptr, E, N, pid_m, BLOCK_M, E_POW2)
     if pid_m < n_tiles:
@@ -198,11 +201,12 @@ def moe_down_kernel(h_ptr, offs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, m_tiles, L:
                     s_hm, s_we, s_wn, s_wk, s_se, s_sn, s_sk, s_be, s_bn, s_ym,
                     FMT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, E_POW2: tl.constexpr, DOT_F32: tl.constexpr,
-                    PRECISION: tl.constexpr):
+                    PRECISION: tl.constexpr, PDL: tl.constexpr):
     """y[rows, cols] = h[rows] @ w2[e]^T + b2[e] for one row tile of expert e and BLOCK_N columns of L.
 
     The programs past the real tiles share the zeroing of the padding rows offsets[-1]:N between them."""
     # h: [N, I]; w2: [E, L, I]; b2: [E, L]; y: [N, L]; grid: m_tiles (a bound) x cdiv(L, BLOCK_N) programs
+    grid_dependency(PDL)
     pid_m, pid_n = _swizzle(tl.program_id(0), m_tiles, tl.cdiv(L, BLOCK_N), GROUP_M)
     e, row0, row_end, n_tiles, rows_total = _tile(offs_ptr, E, N, pid_m, BLOCK_M, E_POW2)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -7,11 +7,13 @@ from __future__ import annotations
 import torch
 
 from dayzero.ops.registry import register
-from dayzero.ops.triton_support import HAS_TRITON, next_pow2, tl, triton, triton_refusal
+from dayzero.ops.triton_support import HAS_TRITON, next_pow2, pdl, tl, triton, triton_refusal
 
 if HAS_TRITON:
+    from dayzero.ops.triton_support import grid_dependency
     @triton.jit
-    def _unpermute_kernel(ys_ptr, inv_ptr, w_ptr, out_ptr, L, sy, K: tl.constexpr, BL: tl.constexpr):
+    def _unpermute_kernel(ys_ptr, inv_ptr, w_ptr, out_ptr, L, sy, K: tl.constexpr, BL: tl.constexpr, PDL: tl.constexpr):
+        grid_dependency(PDL)
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BL + tl.arange(0, BL)
         m = cols < L
@@ -48,5 +50,5 @@ def unpermute(ys: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, num_
     if num_tokens and L:
         BL = min(1024, next_pow2(L))
         _unpermute_kernel[(num_tokens, triton.cdiv(L, BL))](ys, inv, w, out, L, ys.stride(0), K=k, BL=BL,
-                                                           num_warps=4)
+                                                           num_warps=4, **pdl(ys))
     return out

@@ -10,14 +10,17 @@ from __future__ import annotations
 import torch
 
 from dayzero.ops.registry import register
-from dayzero.ops.triton_support import HAS_TRITON, next_pow2, rows_view as _rows, tl, triton, triton_refusal
+from dayzero.ops.triton_support import HAS_TRITON, next_pow2, pdl, rows_view as _rows, tl, triton, triton_refusal
 
 MAX_WIDTH = 16384
 
 if HAS_TRITON:
+    from dayzero.ops.triton_support import grid_dependency
     @triton.jit
     def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, ro_ptr, n_rows, D, sx, sr, eps,
-                         HAS_RES: tl.constexpr, HAS_W: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_RES: tl.constexpr, HAS_W: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+        grid_dependency(PDL)
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK)
         mask = (rows[:, None] < n_rows) & (cols[None, :] < D)
@@ -36,7 +39,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _rms_norm_gated_kernel(x_ptr, g_ptr, w_ptr, y_ptr, n_rows, D, sx, sg, eps,
-                               ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                               ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        grid_dependency(PDL)
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK)
         mask = (rows[:, None] < n_rows) & (cols[None, :] < D)
@@ -49,7 +53,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _layer_norm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, n_rows, D, sx, eps,
-                           HAS_W: tl.constexpr, HAS_B: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                           HAS_W: tl.constexpr, HAS_B: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                           PDL: tl.constexpr):
+        grid_dependency(PDL)
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK)
         mask = (rows[:, None] < n_rows) & (cols[None, :] < D)
@@ -102,7 +108,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
         grid, rows, block, warps = _launch_shape(n, D)
         _rms_norm_kernel[(grid,)](x2, r2, weight if weight is not None else x2, y, res_out, n, D,
                                   x2.stride(0), r2.stride(0), float(eps), HAS_RES=residual is not None,
-                                  HAS_W=weight is not None, ROWS=rows, BLOCK=block, num_warps=warps)
+                                  HAS_W=weight is not None, ROWS=rows, BLOCK=block, num_warps=warps, **pdl(x2))
     return y, res_out
 
 
@@ -116,7 +122,7 @@ def rms_norm_gated(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, ep
     if n:
         grid, rows, block, warps = _launch_shape(n, D)
         _rms_norm_gated_kernel[(grid,)](x2, g2, weight, y, n, D, x2.stride(0), g2.stride(0), float(eps),
-                                        ROWS=rows, BLOCK=block, num_warps=warps)
+                                        ROWS=rows, BLOCK=block, num_warps=warps, **pdl(x2))
     return y
 
 
@@ -131,5 +137,5 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
         grid, rows, block, warps = _launch_shape(n, D)
         _layer_norm_kernel[(grid,)](x2, weight if weight is not None else x2, bias if bias is not None else x2, y,
                                     n, D, x2.stride(0), float(eps), HAS_W=weight is not None,
-                                    HAS_B=bias is not None, ROWS=rows, BLOCK=block, num_warps=warps)
+                                    HAS_B=bias is not None, ROWS=rows, BLOCK=block, num_warps=warps, **pdl(x2))
     return y

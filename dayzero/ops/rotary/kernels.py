@@ -9,14 +9,17 @@ from __future__ import annotations
 import torch
 
 from dayzero.ops.registry import register
-from dayzero.ops.triton_support import HAS_TRITON, next_pow2, tl, triton, triton_refusal
+from dayzero.ops.triton_support import HAS_TRITON, next_pow2, pdl, tl, triton, triton_refusal
 
 if HAS_TRITON:
+    from dayzero.ops.triton_support import grid_dependency
     @triton.jit
     def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, H, half, sxt, sxh, sct, D_out, start,
-                       INTERLEAVED: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, BP: tl.constexpr):
+                       INTERLEAVED: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, BP: tl.constexpr,
+                       PDL: tl.constexpr):
         """Rotates channels start .. start + 2·half of each head; with BP > 0 the head's other D_out - 2·half
         channels are copied through (a partial rotary in one pass, no split and concatenation)."""
+        grid_dependency(PDL)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1) * BH + tl.arange(0, BH)
         i = tl.arange(0, BD)
@@ -67,5 +70,5 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
         BH = max(1, min(next_pow2(H), 2048 // max(BD, BP)))
         _rotary_kernel[(T, triton.cdiv(H, BH))](x, cos, sin, y, H, half, x.stride(0), x.stride(1), cos.stride(0),
                                                 D, start or 0, INTERLEAVED=interleaved, BH=BH, BD=BD, BP=BP,
-                                                num_warps=4)
+                                                num_warps=4, **pdl(x))
     return y

@@ -10,18 +10,21 @@ from __future__ import annotations
 import torch
 
 from dayzero.ops.registry import register
-from dayzero.ops.triton_support import HAS_TRITON, triton_refusal
+from dayzero.ops.triton_support import HAS_TRITON, pdl, triton_refusal
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from dayzero.ops.triton_support import grid_dependency
+
 BLOCK = 1024  # logits a program holds per step of its row
 
 if HAS_TRITON:
     @triton.jit
-    def _greedy_kernel(x_ptr, ids_ptr, lp_ptr, V, s_x, BLOCK: tl.constexpr):
+    def _greedy_kernel(x_ptr, ids_ptr, lp_ptr, V, s_x, BLOCK: tl.constexpr, PDL: tl.constexpr):
         # x: [B, V] (unit column stride); ids: [B] int64; lp: [B] fp32; grid: B
+        grid_dependency(PDL)
         row = tl.program_id(0).to(tl.int64)
         lanes = tl.arange(0, BLOCK)
         m = tl.full((BLOCK,), float("-inf"), tl.float32)  # each lane's running max, its first index, sum below it
@@ -51,7 +54,7 @@ def greedy_sample_triton(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     ids = torch.empty(B, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(B, dtype=torch.float32, device=logits.device)
     if B:
-        _greedy_kernel[(B,)](logits, ids, logprobs, V, logits.stride(0), BLOCK=BLOCK, num_warps=4)
+        _greedy_kernel[(B,)](logits, ids, logprobs, V, logits.stride(0), BLOCK=BLOCK, num_warps=4, **pdl(logits))
     return ids, logprobs
 
 

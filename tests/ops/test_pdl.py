@@ -1,0 +1,103 @@
+"""Programmatic dependent launch: every kernel launched with ``pdl``'s options waits for the kernel before it first
+(checked in the source, here and in CI), and on a Hopper GPU a chain of dependent kernels gives exactly the
+values it gives without it, eager and replayed from a CUDA graph."""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+import torch
+
+import dayzero
+from dayzero.ops import triton_support
+
+pytest.importorskip("triton")
+
+PACKAGE = pathlib.Path(dayzero.__file__).parent
+READS = ("tl.load", "tl.store", "tl.atomic", "return")
+
+
+def _jit_kernels(tree: ast.Module):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in node.decorator_list):
+            yield node
+
+
+def test_every_launched_kernel_waits_for_the_one_before_first():
+    launched = 0
+    for path in PACKAGE.rglob("*.py"):
+        src = path.read_text()
+        tree = ast.parse(src)
+        names = {ast.unparse(c.func.value).split(".")[-1] for c in ast.walk(tree)
+                 if isinstance(c, ast.Call) and isinstance(c.func, ast.Subscript)
+                 and any(isinstance(k.value, ast.Call) and ast.unparse(k.value.func) == "pdl" for k in c.keywords
+                         if k.arg is None)}
+        kernels = {k.name: k for k in _jit_kernels(tree)}
+        if path.name == "triton_moe.py":  # its kernels live in triton_moe_kernels.py
+            kernels = {k.name: k for k in _jit_kernels(ast.parse((path.parent / "triton_moe_kernels.py").read_text()))}
+        for name in names:
+            launched += 1
+            fn = kernels[name]
+            assert "PDL" in [a.arg for a in fn.args.args], f"{path.name}: {name} takes no PDL constexpr"
+            body = [ast.unparse(s) for s in fn.body]
+            waits = [i for i, s in enumerate(body) if s == "grid_dependency(PDL)"]
+            assert waits, f"{path.name}: {name} never calls grid_dependency(PDL)"
+            before = "\n".join(body[:waits[0]])
+            assert not any(r in before for r in READS), \
+                f"{path.name}: {name} reads, writes or returns before grid_dependency(PDL)"
+            # a wait under a condition could be skipped by some programs
+            assert all(isinstance(s, (ast.Expr, ast.Assign, ast.If)) for s in fn.body[:waits[0]])
+    assert launched >= 20  # every kernel of the package, not a few found by accident
+
+
+def test_no_pdl_off_the_gpu(monkeypatch):
+    assert triton_support.pdl(torch.zeros(1)) == {"PDL": False}
+    monkeypatch.setenv("DAYZERO_PDL", "0")
+    assert triton_support.pdl(torch.zeros(1)) == {"PDL": False}
+
+
+hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                            reason="needs a CUDA device of compute capability 9.0 or more")
+
+
+def _chain(x, w1, w2, g):
+    """A slow producer (a 128 MB weight read) whose output the next kernels read at once, four kernels deep."""
+    from dayzero.ops.linear.kernels import skinny_linear
+    from dayzero.ops.norm.kernels import rms_norm
+    from dayzero.ops.sampling.kernels import greedy_sample_triton
+
+    h = skinny_linear(x, w1, block=(4, 512, 4))
+    y, r = rms_norm(h, g, 1e-6, residual=h)
+    z = skinny_linear(y, w2, block=(8, 1024, 4), add=r[:, :w2.shape[0]])
+    ids, _ = greedy_sample_triton(z)
+    return h, y, r, z, ids
+
+
+@hopper
+def test_a_dependent_chain_is_unchanged_by_pdl_eager_and_in_a_graph(monkeypatch):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w1 = torch.randn(16384, 4096, device="cuda", generator=gen).bfloat16()
+    w2 = torch.randn(4096, 16384, device="cuda", generator=gen).bfloat16() / 64
+    g = torch.rand(16384, device="cuda", generator=gen).bfloat16()
+    xs = [torch.randn(3, 4096, device="cuda", generator=gen).bfloat16() for _ in range(6)]
+    monkeypatch.setenv("DAYZERO_PDL", "0")
+    assert triton_support.pdl(w1) == {"PDL": False}
+    want = [_chain(x, w1, w2, g) for x in xs]
+    monkeypatch.setenv("DAYZERO_PDL", "1")
+    assert triton_support.pdl(w1)["PDL"]
+    for x, ref in zip(xs, want):
+        for a, b in zip(_chain(x, w1, w2, g), ref):
+            assert torch.equal(a, b)
+    x_in = xs[0].clone()
+    _chain(x_in, w1, w2, g)  # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _chain(x_in, w1, w2, g)
+    for _ in range(3):
+        for x, ref in zip(xs, want):
+            x_in.copy_(x)
+            graph.replay()
+            torch.cuda.synchronize()
+            for a, b in zip(out, ref):
+                assert torch.equal(a, b)
