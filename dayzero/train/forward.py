@@ -4,7 +4,8 @@
 :func:`training` is the mode (``use_platform("train")`` + :func:`~dayzero.train.batch.train_caches`);
 :func:`losses` runs one forward in it and returns the step's losses:
 
-- ``lm``: next-token cross-entropy over the answer rows (targets other than ``IGNORE``), mean per token;
+- ``lm``: next-token cross-entropy over the answer rows (targets other than ``IGNORE``), mean per token, or
+  weighted by ``loss_weights`` [T] (summing to 1 over the answer rows: the data's per-task balance);
 - ``balance``: the MoE routers' sequence-wise balance loss (:func:`~dayzero.train.routing.balance_loss`);
 - ``indexer_kl``: the DSA indexers' KL to the main attention (:mod:`dayzero.train.attention`), summed over the
   DSA layers; zero when no sequence is longer than the indexers' top-k.
@@ -51,12 +52,19 @@ class StepLosses:
     answer_tokens: int
 
 
-def losses(model, batch: TrainBatch, targets: torch.Tensor) -> StepLosses:
+def losses(model, batch: TrainBatch, targets: torch.Tensor, loss_weights: torch.Tensor | None = None
+           ) -> StepLosses:
     """One forward of ``model`` (already in :func:`training` mode) over ``batch``; ``targets`` [T]."""
     with routing.recording() as routes:
         hidden = model(batch)  # [T, D]
     rows = (targets != IGNORE).nonzero()[:, 0]
-    lm = F.cross_entropy(logits_of(model, take(hidden, rows)), targets[rows]) if rows.numel() else hidden.sum() * 0
+    if not rows.numel():
+        lm = hidden.sum() * 0
+    elif loss_weights is None:
+        lm = F.cross_entropy(logits_of(model, take(hidden, rows)), targets[rows])
+    else:
+        ce = F.cross_entropy(logits_of(model, take(hidden, rows)), targets[rows], reduction="none")
+        lm = (ce * loss_weights[rows]).sum()
     balance = routing.balance_loss(routes, batch.seq_of_row, batch.num_seqs)
     kls = batch.losses.get("indexer_kl", [])
     kl = torch.stack(kls).sum() if kls else torch.zeros((), device=hidden.device)

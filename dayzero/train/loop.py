@@ -185,12 +185,13 @@ class Trainer:
             batch = TrainBatch(step.ids.to(dev, non_blocking=True), step.lens, sparse=p >= c.sparse_from,
                                kl_rows=c.kl_rows)
             targets = step.targets.to(dev, non_blocking=True)
+            loss_weights = step.loss_weights.to(dev, non_blocking=True)
             routing.set_fake_mxfp4(c.fake_mxfp4 and p >= c.qat_from)
             lr = self.lr_at(p)
             for g in self.opt.param_groups:
                 g["lr"] = lr
             with autocast, training(model):
-                out = losses(model, batch, targets)
+                out = losses(model, batch, targets, loss_weights)
                 main = out.lm + c.balance_alpha * out.balance
             clock.mark("fwd")
             if out.indexer_kl.requires_grad and self.indexer_params:

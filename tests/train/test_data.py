@@ -6,11 +6,12 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from dayzero.engine.engine import DEFAULT_MODEL
 from dayzero.engine.tokenizer import load_tokenizer
 from dayzero.eval.tasks import instances
-from dayzero.train.data import IGNORE, DataConfig, TaskStream
+from dayzero.train.data import IGNORE, DataConfig, TaskStream, pack
 
 
 @pytest.fixture(scope="module")
@@ -66,3 +67,30 @@ def test_copies_dominate_the_first_part_of_training_then_the_configured_shares(t
 def test_bad_data_settings_are_refused(bad):
     with pytest.raises(ValueError):
         DataConfig(**bad)
+
+
+def test_each_task_gets_an_equal_part_of_the_loss(tokenizer):
+    step = TaskStream(DataConfig(tokens=8192), tokenizer, seed=0).step(0, 0.0)
+    w, answer = step.loss_weights, step.targets != IGNORE
+    assert w.shape == step.targets.shape and w.sum().item() == pytest.approx(1.0, rel=1e-5)
+    assert (w[~answer] == 0).all() and (w[answer] > 0).all()
+    # each task's answer tokens share one weight, and together weigh 1/6: recall's few tokens weigh the most
+    parts = sorted((v.item() * (w == v).sum().item()) for v in w[answer].unique())
+    assert len(parts) == len(step.tasks) == 6 and parts == pytest.approx([1 / 6] * 6, rel=1e-4)
+    assert w[answer].max() / w[answer].min() > 10
+    token = TaskStream(DataConfig(tokens=8192, loss_balance="token"), tokenizer, seed=0).step(0, 0.0)
+    n = answer.sum().item()
+    assert torch.equal(token.targets, step.targets)
+    assert torch.allclose(token.loss_weights[answer], torch.full((n,), 1 / n))
+
+
+def test_pack_weights_groups_equally():
+    seqs = [([1, 2, 3, 4], 2), ([5, 6, 7], 1), ([8, 9, 10, 11, 12], 4)]  # 2, 2 and 1 answer tokens
+    ids, targets, lens, w = pack(seqs, ["a", "a", "b"])
+    assert lens == [3, 4, 5] and ids.tolist() == [5, 6, 7, 1, 2, 3, 4, 8, 9, 10, 11, 12]
+    # group a: 4 answer tokens sharing 1/2; group b: 1 answer token with 1/2
+    assert w.tolist() == pytest.approx([.125, .125, 0, 0, .125, .125, 0, 0, 0, 0, .5, 0])
+    assert (targets != IGNORE).tolist() == (w > 0).tolist()
+    assert pack(seqs)[3].tolist() == pytest.approx([.2, .2, 0, 0, .2, .2, 0, 0, 0, 0, .2, 0])
+    with pytest.raises(ValueError, match="loss_balance"):
+        DataConfig(loss_balance="sequence")
