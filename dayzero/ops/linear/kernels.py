@@ -24,7 +24,6 @@ read at cuBLAS's rate or better at 2-8 rows (a decode step's projections 1.3x cu
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -47,9 +46,6 @@ MARGIN = 0.95  # a Triton shape runs when it takes at most this share of cuBLAS'
 # input columns per output column)
 ACTS = {"silu": (SILU + 1, 2), "relu2": (RELU2 + 1, 1), "swiglu_oai": (SWIGLU_OAI + 1, 2)}
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# under programmatic dependent launch, prefetch each program's weight rows into L2 before waiting for the kernel
-# before (``DAYZERO_WEIGHT_PREFETCH=0``: wait first)
-PREFETCH = os.environ.get("DAYZERO_WEIGHT_PREFETCH", "1") != "0"
 
 if HAS_TRITON:
     @triton.jit
@@ -60,7 +56,7 @@ if HAS_TRITON:
                        ACT: tl.constexpr, CLAMP: tl.constexpr, HEAD: tl.constexpr, TWO: tl.constexpr,
                        SGATE: tl.constexpr, DOT: tl.constexpr, DOT_F32: tl.constexpr,
                        EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       LINE: tl.constexpr, LINES: tl.constexpr, PDL: tl.constexpr):
+                       PDL: tl.constexpr):
         # x: [M, K], w: [N, K], add: [M, N] (unit column strides); y: [M, N]; grid: cdiv(N, BLOCK_N).
         # NORM: x is first RMS-normalised with weight g [K] (after adding the residual r [M, K] when HAS_RES,
         # rounded to x's dtype); the programs also write the normalised rows xn and the sum ro, both [M, K], a K
@@ -75,13 +71,8 @@ if HAS_TRITON:
         # per head), rounded to x's dtype.
         # DOT: each K step's product on the tensor cores (tl.dot, x's rows padded to BLOCK_M >= 16 and rounded to
         # the weight's dtype), its loads pipelined by the compiler; else on the CUDA cores in fp32.
-        # LINES > 0 (under programmatic dependent launch): the program's weight rows are prefetched into L2, one
-        # LINE of elements (128 bytes) at a time, before waiting for the kernel before it: no kernel of a step
-        # writes weights, so their read can overlap that kernel.
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        if LINES > 0:
-            _prefetch_rows(w_ptr, n, N, s_wn, K, LINE, LINES)
         grid_dependency(PDL)
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
         n_ok, m_ok = n < N, m < M
         w_rows = w_ptr + n.to(tl.int64)[:, None] * s_wn
@@ -147,16 +138,6 @@ if HAS_TRITON:
         tl.store(y_ptr + m[:, None] * s_ym + n[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
 
-
-    @triton.jit
-    def _prefetch_rows(w_ptr, n, N, s_wn, K, LINE: tl.constexpr, LINES: tl.constexpr):
-        """Ask L2 for rows ``n`` of w [N, K] (unit column stride), one address per LINE elements; rows past N
-        and lines past K repeat the last (prefetches never fault, but stay inside the tensor all the same)."""
-        rows = tl.minimum(n, N - 1).to(tl.int64)
-        cols = tl.minimum(tl.arange(0, LINES) * LINE, K - 1)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
-                                  [w_ptr + rows[:, None] * s_wn + cols[None, :]], dtype=tl.int32, is_pure=False,
-                                  pack=1)
 
     @triton.jit
     def _product(acc, x, w, DOT: tl.constexpr, DOT_F32: tl.constexpr):
@@ -255,10 +236,6 @@ def launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, K: int, block
     if sg is not None:
         grows = sg
     GV = K // sg.shape[1] if sg is not None else 1
-    options = pdl(x)
-    line = 128 // weight.element_size()
-    # at most 64 prefetches a thread: past that, the first K steps' lines, which the program reads first
-    lines = min(next_pow2(triton.cdiv(K, line)), 2048 * warps // bn) if options["PDL"] and PREFETCH else 0
     _skinny_kernel[(triton.cdiv(N, bn),)](
         x, weight, weight if bias is None else bias, y if add is None else add, y, M, N, K, x.stride(0),
         weight.stride(0), 0 if add is None else add.stride(0), y.stride(0),
@@ -271,8 +248,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, K: int, block
         ACT=ACTS[activation][0] if activation else 0, CLAMP=limit is not None,
         HEAD=gw.shape[0] if gate else 0, TWO=second is not None, SGATE=sg is not None, DOT=stages is not None,
         DOT_F32=DOT_F32, EVEN_K=K % bk == 0, BLOCK_M=max(16, next_pow2(M)) if stages else next_pow2(M),
-        BLOCK_N=bn, BLOCK_K=bk, LINE=line, LINES=lines, num_warps=warps, **({"num_stages": stages} if stages else {}),
-        **options)
+        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **({"num_stages": stages} if stages else {}), **pdl(x))
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
