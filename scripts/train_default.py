@@ -44,6 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default 2e-3)")
     ap.add_argument("--copy-warmup", type=float, default=None, metavar="F",
                     help="fraction of training in which copies take most of the non-recall tokens (default 0.5)")
+    ap.add_argument("--recall-min-pairs", type=int, default=None, metavar="N",
+                    help="fewest key-value pairs in a training recall prompt (default 2; the eval split has 8)")
     ap.add_argument("--loss-balance", default="task", choices=["task", "token"],
                     help="the LM loss per task, each task of a step an equal part (default), or per answer token")
     ap.add_argument("--expert-format", default="mxfp4", choices=["mxfp4", "bf16"], help="routed experts on disk")
@@ -149,7 +151,8 @@ def main(argv=None) -> int:
     data = replace(data, weights=weights or {"copy": 1.0}, recall_share=recall_share,
                    tokens=args.tokens or (2048 if args.tiny else 98304),
                    copy_warmup=data.copy_warmup if args.copy_warmup is None else args.copy_warmup,
-                   loss_balance=args.loss_balance)
+                   loss_balance=args.loss_balance,
+                   recall_min_pairs=data.recall_min_pairs if args.recall_min_pairs is None else args.recall_min_pairs)
     if args.tiny:
         data = replace(data, recall_min=64, recall_start=96, recall_max=160, max_digits=3, max_chars=8, sort_chars=6,
                        copy_words=6)
