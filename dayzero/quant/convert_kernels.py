@@ -21,6 +21,7 @@ GROUPS_PER_PROGRAM = 256  # 32-value blocks: 4 KiB of packed codes in, 8,192 val
 
 if HAS_TRITON:
     from dayzero.ops.triton_support import grid_dependency
+
     @triton.jit
     def _bf16_kernel(blocks_ptr, scales_ptr, out_ptr, n_groups, lut_ptr, GROUPS: tl.constexpr, PDL: tl.constexpr):
         """bf16 workspace: GROUPS 32-value blocks per program, each read as four int32 words of eight codes

@@ -17,6 +17,7 @@ SILU, RELU2, SWIGLU_OAI = 0, 1, 2
 
 if HAS_TRITON:
     from dayzero.ops.triton_support import grid_dependency
+
     @triton.jit
     def _act_kernel(x_ptr, y_ptr, n_cols, sx, limit, alpha,
                     KIND: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr, BLOCK: tl.constexpr,

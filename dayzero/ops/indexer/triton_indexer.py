@@ -41,6 +41,7 @@ TOPK_SEGMENT, TOPK_MIN_SEGMENTS = 16384, 4
 
 if HAS_TRITON:
     from dayzero.ops.triton_support import grid_dependency
+
     @triton.jit
     def _decode_scores_kernel(q_ptr, w_ptr, k_ptr, table_ptr, pos_ptr, out_ptr, key_width,
                               s_qb, s_qh, s_wb, s_kb, s_kr, s_tb, s_ob,

@@ -20,6 +20,7 @@ from dayzero.ops.triton_support import HAS_TRITON, next_pow2, pdl, tl, triton, t
 
 if HAS_TRITON:
     from dayzero.ops.triton_support import grid_dependency
+
     @triton.jit
     def _conv_kernel(x_ptr, w_ptr, pool_ptr, y_ptr, cu_ptr, slot_ptr, fresh_ptr, C, CG, sx, s_yg, s_slot, s_chan,
                      reset_ptr, reset_n, s_reset,

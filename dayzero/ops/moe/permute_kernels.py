@@ -25,6 +25,7 @@ BLOCK_R, BLOCK_J, BLOCK_E = 64, 128, 64  # pairs ranked, pairs compared per step
 
 if HAS_TRITON:
     from dayzero.ops.triton_support import grid_dependency
+
     @triton.jit
     def _permute_kernel(ids_ptr, order_ptr, offs_ptr, load_ptr, n, E, rank_programs, HAS_LOAD: tl.constexpr,
                         BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):

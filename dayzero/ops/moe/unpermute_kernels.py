@@ -11,6 +11,7 @@ from dayzero.ops.triton_support import HAS_TRITON, next_pow2, pdl, tl, triton, t
 
 if HAS_TRITON:
     from dayzero.ops.triton_support import grid_dependency
+
     @triton.jit
     def _unpermute_kernel(ys_ptr, inv_ptr, w_ptr, out_ptr, L, sy, K: tl.constexpr, BL: tl.constexpr, PDL: tl.constexpr):
         grid_dependency(PDL)

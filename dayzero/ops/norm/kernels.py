@@ -16,6 +16,7 @@ MAX_WIDTH = 16384
 
 if HAS_TRITON:
     from dayzero.ops.triton_support import grid_dependency
+
     @triton.jit
     def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, ro_ptr, n_rows, D, sx, sr, eps,
                          HAS_RES: tl.constexpr, HAS_W: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,

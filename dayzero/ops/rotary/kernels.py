@@ -13,6 +13,7 @@ from dayzero.ops.triton_support import HAS_TRITON, next_pow2, pdl, tl, triton, t
 
 if HAS_TRITON:
     from dayzero.ops.triton_support import grid_dependency
+
     @triton.jit
     def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, H, half, sxt, sxh, sct, D_out, start,
                        INTERLEAVED: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, BP: tl.constexpr,
