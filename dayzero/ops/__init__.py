@@ -4,6 +4,7 @@ from dayzero.ops.registry import call, register, registered, table  # noqa: F401
 # Importing the reference modules registers them.
 from dayzero.ops.activation import reference as _activation  # noqa: F401,E402
 from dayzero.ops.attention import reference as _attention  # noqa: F401,E402
+from dayzero.ops.attention import latent as _latent  # noqa: F401,E402
 from dayzero.ops.hyper import reference as _hyper  # noqa: F401,E402
 from dayzero.ops.indexer import reference as _indexer  # noqa: F401,E402
 from dayzero.ops.kda import reference as _kda  # noqa: F401,E402
@@ -31,6 +32,7 @@ from dayzero.ops.linear import norm as _linear_norm  # noqa: F401,E402
 from dayzero.ops.linear import act as _linear_act  # noqa: F401,E402
 from dayzero.ops.sampling import kernels as _sampling_kernels  # noqa: F401,E402
 from dayzero.ops.rotary import kernels as _rotary_kernels  # noqa: F401,E402
+from dayzero.ops.attention import latent_kernels as _latent_kernels  # noqa: F401,E402
 from dayzero.ops.activation import kernels as _activation_kernels  # noqa: F401,E402
 from dayzero.ops.moe import route_kernels as _route_kernels  # noqa: F401,E402
 from dayzero.ops.moe import router_kernels as _router_kernels  # noqa: F401,E402

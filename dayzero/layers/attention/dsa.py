@@ -159,6 +159,17 @@ class MLAAttention(CachedLayer):
             rows["index_k"] = ((self.indexer.Dh,), dtype)
         return PagedSpec(rows)
 
+    def _write_latent(self, c_kv: torch.Tensor, k_pe: torch.Tensor, cos, sin, batch) -> None:
+        """The step's latent cache rows ``[norm(c_kv) | rope(k_pe)]`` ([T, R] and [T, P]): one op where the
+        rotary turns the whole rope key (one launch on a GPU), else the norm, rotary and write apart."""
+        rot = self.rotary
+        if rot is None or rot.dim == self.P:
+            ops.call("mla_latent_write", c_kv, self.kv_a_layernorm.scale(), self.kv_a_layernorm.eps, k_pe, cos, sin,
+                     rot is not None and rot.interleaved, self.cache["latent"], batch.slot_mapping)
+            return
+        k_pe = rot(k_pe.reshape(-1, 1, self.P), cos, sin)[:, 0]
+        self.write_rows("latent", batch.slot_mapping, torch.cat((self.kv_a_layernorm(c_kv), k_pe), dim=-1))
+
     def forward(self, x: torch.Tensor, batch, projected: torch.Tensor | None = None) -> torch.Tensor:
         """``projected``: ``fused_in(x)`` when the caller computed it (with the input norm, DecoderLayer._mix)."""
         T = x.shape[0]
@@ -170,11 +181,11 @@ class MLAAttention(CachedLayer):
             c_q, q = x, proj["q_proj"]
         q_nope, q_pe = q.view(T, self.H, self.N + self.P).split([self.N, self.P], dim=-1)
         c_kv, k_pe = proj["kv_a_proj_with_mqa"].split([self.R, self.P], dim=-1)
-        k_pe = k_pe.reshape(T, 1, self.P)
+        cos = sin = None
         if self.rotary is not None:
             cos, sin = self.rotary.step_cos_sin(batch)
-            q_pe, k_pe = self.rotary(q_pe, cos, sin), self.rotary(k_pe, cos, sin)
-        self.write_rows("latent", batch.slot_mapping, torch.cat((self.kv_a_layernorm(c_kv), k_pe[:, 0]), dim=-1))
+            q_pe = self.rotary(q_pe, cos, sin)
+        self._write_latent(c_kv, k_pe, cos, sin, batch)
         if self.indexer is not None:
             iq, ik, iw = self.indexer.project(x, c_q, batch, proj.get("indexer.wk"))
             self.write_rows("index_k", batch.slot_mapping, ik)

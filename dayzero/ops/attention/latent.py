@@ -1,0 +1,24 @@
+"""An MLA layer's cache row of a step's tokens, normalised, rotated and written in one op.
+
+The compressed KV ``c_kv`` [T, R] goes through the latent RMSNorm, the shared rope key ``k_pe`` [T, P] through
+the rotary, and ``[norm(c_kv) | rope(k_pe)]`` is written at each token's slot of the latent pool: four kernels
+by the ops apart (norm, rotary, concatenation, scatter), one in :mod:`dayzero.ops.attention.latent_kernels`.
+Same rounding as apart: each part in the input's dtype, then the pool's.
+"""
+from __future__ import annotations
+
+import torch
+
+from dayzero.cache.rows import write_rows
+from dayzero.ops.norm.reference import rms_norm
+from dayzero.ops.registry import register
+from dayzero.ops.rotary.reference import apply_rotary
+
+
+@register("mla_latent_write")
+def mla_latent_write(c_kv: torch.Tensor, weight: torch.Tensor, eps: float, k_pe: torch.Tensor,
+                     cos: torch.Tensor | None, sin: torch.Tensor | None, interleaved: bool, pool,
+                     slots: torch.Tensor) -> None:
+    # c_kv: [T, R]; weight: [R]; k_pe: [T, P]; cos, sin: [T, P/2] (None: no rotary); slots: [T] -> pool rows
+    k = k_pe if cos is None else apply_rotary(k_pe[:, None], cos, sin, interleaved)[:, 0]
+    write_rows(pool, slots, torch.cat((rms_norm(c_kv, weight, eps)[0], k), dim=-1))

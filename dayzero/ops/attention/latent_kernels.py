@@ -1,0 +1,73 @@
+"""``mla_latent_write`` as one Triton kernel: one program per token normalises its compressed KV, rotates its
+rope key and writes both into its slot's row of the latent pool (see :mod:`dayzero.ops.attention.latent`)."""
+from __future__ import annotations
+
+import torch
+
+from dayzero.ops.registry import register
+from dayzero.ops.triton_support import HAS_TRITON, next_pow2, pdl, tl, triton, triton_refusal
+
+MAX_WIDTH = 16384  # the compressed KV a program holds
+
+if HAS_TRITON:
+    from dayzero.ops.triton_support import grid_dependency
+
+    @triton.jit
+    def _latent_write_kernel(c_ptr, w_ptr, k_ptr, cos_ptr, sin_ptr, pool_ptr, slot_ptr, R, half, s_c, s_k, s_cos,
+                             W, eps, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, BR: tl.constexpr,
+                             BH: tl.constexpr, PDL: tl.constexpr):
+        # c: [T, R], k: [T, 2·half] (unit channel strides); pool rows of W = R + 2·half at slot[t]; grid: T
+        grid_dependency(PDL)
+        t = tl.program_id(0).to(tl.int64)
+        row = pool_ptr + tl.load(slot_ptr + t).to(tl.int64) * W
+        r = tl.arange(0, BR)
+        x = tl.load(c_ptr + t * s_c + r, mask=r < R, other=0.0)
+        h = x.to(tl.float32)
+        y = h * tl.rsqrt(tl.sum(h * h, axis=0) / R + eps) * tl.load(w_ptr + r, mask=r < R, other=0.0).to(tl.float32)
+        tl.store(row + r, y.to(x.dtype).to(pool_ptr.dtype.element_ty), mask=r < R)
+        i = tl.arange(0, BH)
+        ok = i < half
+        if INTERLEAVED:
+            a, b = 2 * i, 2 * i + 1
+        else:
+            a, b = i, i + half
+        x1 = tl.load(k_ptr + t * s_k + a, mask=ok, other=0.0)
+        x2 = tl.load(k_ptr + t * s_k + b, mask=ok, other=0.0)
+        if ROPE:
+            c = tl.load(cos_ptr + t * s_cos + i, mask=ok, other=0.0).to(tl.float32)
+            s = tl.load(sin_ptr + t * s_cos + i, mask=ok, other=0.0).to(tl.float32)
+            f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+            x1, x2 = (f1 * c - f2 * s).to(x1.dtype), (f2 * c + f1 * s).to(x1.dtype)
+        tl.store(row + R + a, x1.to(pool_ptr.dtype.element_ty), mask=ok)
+        tl.store(row + R + b, x2.to(pool_ptr.dtype.element_ty), mask=ok)
+
+
+def _refusal(c_kv, weight, eps, k_pe, cos, sin, interleaved, pool, slots) -> str | None:
+    why = triton_refusal(c_kv)
+    if why is not None:
+        return why
+    if not isinstance(pool, torch.Tensor):
+        return "quantised (or functional) latent pools are written by the reference"
+    R, P = c_kv.shape[-1], k_pe.shape[-1]
+    if pool.dim() != 3 or not pool.is_contiguous() or pool.shape[-1] != R + P:
+        return "the latent pool must be a contiguous [blocks, block_size, R + P]"
+    if R > MAX_WIDTH or P % 2 or c_kv.dim() != 2 or k_pe.dim() != 2 or c_kv.stride(-1) != 1 or k_pe.stride(-1) != 1:
+        return "c_kv [T, R <= 16384] and k_pe [T, P even] need contiguous channels"
+    if cos is not None and (2 * cos.shape[-1] != P or cos.stride(-1) != 1 or sin.stride() != cos.stride()):
+        return "cos and sin must be [T, P/2] tables with contiguous columns"
+    if c_kv.dtype != k_pe.dtype:
+        return "c_kv and k_pe must share a dtype"
+    return None
+
+
+@register("mla_latent_write", "cuda", verifier=_refusal, note="Triton, one launch for norm, rope and the write")
+def mla_latent_write(c_kv: torch.Tensor, weight: torch.Tensor, eps: float, k_pe: torch.Tensor,
+                     cos: torch.Tensor | None, sin: torch.Tensor | None, interleaved: bool, pool: torch.Tensor,
+                     slots: torch.Tensor) -> None:
+    T, (R, P) = c_kv.shape[0], (c_kv.shape[-1], k_pe.shape[-1])
+    if T:
+        rope = cos is not None
+        _latent_write_kernel[(T,)](c_kv, weight, k_pe, cos if rope else c_kv, sin if rope else c_kv, pool, slots,
+                                   R, P // 2, c_kv.stride(0), k_pe.stride(0), cos.stride(0) if rope else 0, R + P,
+                                   float(eps), ROPE=rope, INTERLEAVED=interleaved, BR=next_pow2(R),
+                                   BH=next_pow2(max(1, P // 2)), num_warps=4 if R <= 2048 else 8, **pdl(c_kv))
