@@ -3,16 +3,15 @@
 The compressed KV ``c_kv`` [T, R] goes through the latent RMSNorm, the shared rope key ``k_pe`` [T, P] through
 the rotary, and ``[norm(c_kv) | rope(k_pe)]`` is written at each token's slot of the latent pool: four kernels
 by the ops apart (norm, rotary, concatenation, scatter), one in :mod:`dayzero.ops.attention.latent_kernels`.
-Same rounding as apart: each part in the input's dtype, then the pool's.
+Same rounding as apart: each part in the input's dtype, then the pool's. The composition calls the norm and
+rotary ops, so where the one kernel refuses (a quantised pool) each part still runs its best implementation.
 """
 from __future__ import annotations
 
 import torch
 
 from dayzero.cache.rows import write_rows
-from dayzero.ops.norm.reference import rms_norm
-from dayzero.ops.registry import register
-from dayzero.ops.rotary.reference import apply_rotary
+from dayzero.ops.registry import call, register
 
 
 @register("mla_latent_write")
@@ -20,5 +19,5 @@ def mla_latent_write(c_kv: torch.Tensor, weight: torch.Tensor, eps: float, k_pe:
                      cos: torch.Tensor | None, sin: torch.Tensor | None, interleaved: bool, pool,
                      slots: torch.Tensor) -> None:
     # c_kv: [T, R]; weight: [R]; k_pe: [T, P]; cos, sin: [T, P/2] (None: no rotary); slots: [T] -> pool rows
-    k = k_pe if cos is None else apply_rotary(k_pe[:, None], cos, sin, interleaved)[:, 0]
-    write_rows(pool, slots, torch.cat((rms_norm(c_kv, weight, eps)[0], k), dim=-1))
+    k = k_pe if cos is None else call("rotary", k_pe[:, None], cos, sin, interleaved)[:, 0]
+    write_rows(pool, slots, torch.cat((call("rms_norm", c_kv, weight, eps)[0], k), dim=-1))
