@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dayzero import LLM, SamplingParams, ops
+from dayzero.cache.rows import read_rows
 from tests.engine.test_incremental import run_chunks
 from tests.hf.harness import check_parity, make_hf_checkpoint, prompt_batch
 
@@ -39,10 +40,11 @@ def topk_cut_gap(llm: LLM, sequences) -> float:
     captured = []
 
     def spy(project):
-        def wrapped(x, c_q, batch, k=None):
-            q, k, w = project(x, c_q, batch, k)
+        def wrapped(x, c_q, batch, pool, k=None):
+            q, w = project(x, c_q, batch, pool, k)
+            k = read_rows(pool, batch.slot_mapping)  # the step's keys, as written
             captured.append(ops.call("indexer_scores", q, w, k, batch.positions))  # [T, T] after one full prefill
-            return q, k, w
+            return q, w
         return wrapped
 
     for _, mod in llm.engine.model.cached_layers():

@@ -59,20 +59,23 @@ class Indexer(nn.Module):
         self.weight_scale = spec.n_heads**-0.5 * self.Dh**-0.5  # of all heads, whatever the rank holds
         self.rotary = RotaryEmbedding(spec.rope)  # rotates the first rope.dim dims, or the last with rope.last
 
-    def project(self, x, c_q, batch, k=None):
-        """(q, k, weights) of the indexer at the step's positions; ``k``: ``wk(x)`` when the caller computed it
-        (in a fused GEMM)."""
+    def project(self, x, c_q, batch, pool, k=None):
+        """(q, weights) of the indexer at the step's positions, its key normed, rotated and written to ``pool`` at
+        the step's slots (one op); ``k``: ``wk(x)`` when the caller computed it (in a fused GEMM)."""
         T = x.shape[0]
         cos, sin = self.rotary.step_cos_sin(batch)
         q = self.rotary(self.wq_b(c_q).view(T, self.H, self.Dh), cos, sin)  # [T, Hi, Di]
-        k = self.wk(x) if k is None else k
-        k = self.rotary(self.k_norm(k).view(T, 1, self.Dh), cos, sin)[:, 0]  # [T, Di]
+        k = self.wk(x) if k is None else k  # [T, Di]
+        rot = self.rotary
+        start = None if rot.dim == self.Dh else (self.Dh - rot.dim if rot.last else 0)
+        ops.call("indexer_key_write", k, self.k_norm.weight, self.k_norm.bias, self.k_norm.eps, cos, sin,
+                 rot.interleaved, start, pool, batch.slot_mapping)
         scaled = getattr(self, "_scaled_weights", None)
         if scaled is not None:  # the scale folded into the weights: one GEMV
             w = ops.call("linear", x, scaled, out_dtype=torch.float32)  # [T, Hi]
         else:
             w = ops.call("linear", x, self.weights_proj.weight, out_dtype=torch.float32) * self.weight_scale
-        return q, k, w
+        return q, w
 
     def process_weights_after_loading(self) -> None:
         """The head weights times their scale, once (fp32, beside the parameter, which keeps the checkpoint's
@@ -187,8 +190,7 @@ class MLAAttention(CachedLayer):
             q_pe = self.rotary(q_pe, cos, sin)
         self._write_latent(c_kv, k_pe, cos, sin, batch)
         if self.indexer is not None:
-            iq, ik, iw = self.indexer.project(x, c_q, batch, proj.get("indexer.wk"))
-            self.write_rows("index_k", batch.slot_mapping, ik)
+            iq, iw = self.indexer.project(x, c_q, batch, self.cache["index_k"], proj.get("indexer.wk"))
 
         if self.indexer is not None:
             selection = None

@@ -1,5 +1,6 @@
-"""``mla_latent_write`` as one Triton kernel: one program per token normalises its compressed KV, rotates its
-rope key and writes both into its slot's row of the latent pool (see :mod:`dayzero.ops.attention.latent`)."""
+"""``mla_latent_write`` and ``indexer_key_write`` as one Triton kernel each (see
+:mod:`dayzero.ops.attention.latent`): one program per token normalises its row, rotates its rope channels and
+writes the result into its slot's row of the pool."""
 from __future__ import annotations
 
 import torch
@@ -41,16 +42,63 @@ if HAS_TRITON:
         tl.store(row + R + a, x1.to(pool_ptr.dtype.element_ty), mask=ok)
         tl.store(row + R + b, x2.to(pool_ptr.dtype.element_ty), mask=ok)
 
+    @triton.jit
+    def _index_key_kernel(k_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pool_ptr, slot_ptr, D, start, half, s_k, s_cos,
+                          eps, INTERLEAVED: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr):
+        # k: [T, D] (unit channel stride) -> LayerNorm, channels start .. start + 2·half rotated, pool row slot[t]
+        grid_dependency(PDL)
+        t = tl.program_id(0).to(tl.int64)
+        row = pool_ptr + tl.load(slot_ptr + t).to(tl.int64) * D
+        src = k_ptr + t * s_k
+        d = tl.arange(0, BD)
+        x = tl.load(src + d, mask=d < D, other=0.0)
+        h = x.to(tl.float32)
+        mean = tl.sum(h, axis=0) / D
+        diff = tl.where(d < D, h - mean, 0.0)
+        rstd = tl.rsqrt(tl.sum(diff * diff, axis=0) / D + eps)
+        y = diff * rstd * tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32) \
+            + tl.load(b_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+        rotated = (d >= start) & (d < start + 2 * half)
+        tl.store(row + d, y.to(x.dtype).to(pool_ptr.dtype.element_ty), mask=(d < D) & ~rotated)
+        # the rotated pairs: their normed values again (the same arithmetic), then the rotation
+        i = tl.arange(0, BH)
+        ok = i < half
+        if INTERLEAVED:
+            a, b = start + 2 * i, start + 2 * i + 1
+        else:
+            a, b = start + i, start + i + half
+        ya = _normed(src, w_ptr, b_ptr, a, ok, mean, rstd).to(x.dtype).to(tl.float32)
+        yb = _normed(src, w_ptr, b_ptr, b, ok, mean, rstd).to(x.dtype).to(tl.float32)
+        c = tl.load(cos_ptr + t * s_cos + i, mask=ok, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + t * s_cos + i, mask=ok, other=0.0).to(tl.float32)
+        tl.store(row + a, (ya * c - yb * s).to(x.dtype).to(pool_ptr.dtype.element_ty), mask=ok)
+        tl.store(row + b, (yb * c + ya * s).to(x.dtype).to(pool_ptr.dtype.element_ty), mask=ok)
 
-def _refusal(c_kv, weight, eps, k_pe, cos, sin, interleaved, pool, slots) -> str | None:
-    why = triton_refusal(c_kv)
+    @triton.jit
+    def _normed(src, w_ptr, b_ptr, j, ok, mean, rstd):
+        """LayerNorm of channels j of a row whose mean and rstd are known, in fp32."""
+        h = tl.load(src + j, mask=ok, other=0.0).to(tl.float32)
+        return (h - mean) * rstd * tl.load(w_ptr + j, mask=ok, other=0.0).to(tl.float32) \
+            + tl.load(b_ptr + j, mask=ok, other=0.0).to(tl.float32)
+
+
+def _pool_refusal(x: torch.Tensor, pool, width: int, what: str) -> str | None:
+    """Why the kernel cannot write rows of ``width`` from ``x``'s device into ``pool``, or None."""
+    why = triton_refusal(x)
     if why is not None:
         return why
     if not isinstance(pool, torch.Tensor):
-        return "quantised (or functional) latent pools are written by the reference"
+        return f"quantised (or functional) {what} pools are written by the reference"
+    if pool.dim() != 3 or not pool.is_contiguous() or pool.shape[-1] != width:
+        return f"the {what} pool must be a contiguous [blocks, block_size, {width}]"
+    return None
+
+
+def _refusal(c_kv, weight, eps, k_pe, cos, sin, interleaved, pool, slots) -> str | None:
     R, P = c_kv.shape[-1], k_pe.shape[-1]
-    if pool.dim() != 3 or not pool.is_contiguous() or pool.shape[-1] != R + P:
-        return "the latent pool must be a contiguous [blocks, block_size, R + P]"
+    why = _pool_refusal(c_kv, pool, R + P, "latent")
+    if why is not None:
+        return why
     if R > MAX_WIDTH or P % 2 or c_kv.dim() != 2 or k_pe.dim() != 2 or c_kv.stride(-1) != 1 or k_pe.stride(-1) != 1:
         return "c_kv [T, R <= 16384] and k_pe [T, P even] need contiguous channels"
     if cos is not None and (2 * cos.shape[-1] != P or cos.stride(-1) != 1 or sin.stride() != cos.stride()):
@@ -71,3 +119,28 @@ def mla_latent_write(c_kv: torch.Tensor, weight: torch.Tensor, eps: float, k_pe:
                                    R, P // 2, c_kv.stride(0), k_pe.stride(0), cos.stride(0) if rope else 0, R + P,
                                    float(eps), ROPE=rope, INTERLEAVED=interleaved, BR=next_pow2(R),
                                    BH=next_pow2(max(1, P // 2)), num_warps=4 if R <= 2048 else 8, **pdl(c_kv))
+
+
+def _index_refusal(k, weight, bias, eps, cos, sin, interleaved, start, pool, slots) -> str | None:
+    D, half = k.shape[-1], cos.shape[-1]
+    why = _pool_refusal(k, pool, D, "indexer-key")
+    if why is not None:
+        return why
+    first = 0 if start is None else start
+    if k.dim() != 2 or k.stride(-1) != 1 or D > MAX_WIDTH or first + 2 * half > D or (start is None and 2 * half != D):
+        return "k must be [T, D <= 16384] with contiguous channels, the rotated channels inside it"
+    if weight is None or bias is None or cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        return "a LayerNorm with weight and bias, and [T, half] cos / sin tables with contiguous columns"
+    return None
+
+
+@register("indexer_key_write", "cuda", verifier=_index_refusal, note="Triton, one launch for norm, rope and the write")
+def indexer_key_write(k: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, cos: torch.Tensor,
+                      sin: torch.Tensor, interleaved: bool, start: int | None, pool: torch.Tensor,
+                      slots: torch.Tensor) -> None:
+    T, D = k.shape
+    if T:
+        half = cos.shape[-1]
+        _index_key_kernel[(T,)](k, weight, bias, cos, sin, pool, slots, D, start or 0, half, k.stride(0),
+                                cos.stride(0), float(eps), INTERLEAVED=interleaved, BD=next_pow2(D),
+                                BH=next_pow2(half), num_warps=4, **pdl(k))
