@@ -60,7 +60,11 @@ if HAS_TRITON:
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DOT_F32 = INTERPRET
 
-if HAS_TRITON:
+if HAS_TRITON and INTERPRET:
+    def grid_dependency(PDL):
+        """Nothing to wait for: the interpreter runs each launch to its end before the next (a plain function,
+        since calling a jit function costs the interpreter as much as a small kernel's whole program)."""
+elif HAS_TRITON:
     @triton.jit
     def grid_dependency(PDL: tl.constexpr):
         """The first statement of every kernel launched with :func:`pdl`'s options, in every program and before
