@@ -97,11 +97,17 @@ class RotaryEmbedding(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotates the first (or, with ``spec.last``, the last) ``dim`` channels of each head of x: [T, H, D];
         the rest pass through. ``-sin`` rotates back (DeepSeek-V4 un-rotates its attention output)."""
-        if x.shape[-1] == self.dim:
+        start = self.start(x.shape[-1])
+        if start is None:
             return ops.call("rotary", x, cos, sin, self.interleaved)
-        # a partial rotary: the other channels pass through in the same call
-        start = x.shape[-1] - self.dim if self.last else 0
         return ops.call("rotary", x, cos, sin, self.interleaved, start=start)
+
+    def start(self, width: int) -> int | None:
+        """The first rotated channel of a head of ``width`` channels (the rotary op's ``start``), None when the
+        whole head turns; a partial rotary's other channels pass through in the same call."""
+        if width == self.dim:
+            return None
+        return width - self.dim if self.last else 0
 
 
 def mrope_axes(section: tuple[int, ...], half: int) -> torch.Tensor:

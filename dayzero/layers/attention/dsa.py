@@ -66,10 +66,8 @@ class Indexer(nn.Module):
         cos, sin = self.rotary.step_cos_sin(batch)
         q = self.rotary(self.wq_b(c_q).view(T, self.H, self.Dh), cos, sin)  # [T, Hi, Di]
         k = self.wk(x) if k is None else k  # [T, Di]
-        rot = self.rotary
-        start = None if rot.dim == self.Dh else (self.Dh - rot.dim if rot.last else 0)
         ops.call("indexer_key_write", k, self.k_norm.weight, self.k_norm.bias, self.k_norm.eps, cos, sin,
-                 rot.interleaved, start, pool, batch.slot_mapping)
+                 self.rotary.interleaved, self.rotary.start(self.Dh), pool, batch.slot_mapping)
         scaled = getattr(self, "_scaled_weights", None)
         if scaled is not None:  # the scale folded into the weights: one GEMV
             w = ops.call("linear", x, scaled, out_dtype=torch.float32)  # [T, Hi]

@@ -5,8 +5,8 @@ the rotary, and ``[norm(c_kv) | rope(k_pe)]`` is written at each token's slot of
 by the ops apart (norm, rotary, concatenation, scatter), one in :mod:`dayzero.ops.attention.latent_kernels`.
 Likewise the indexer's key (``indexer_key_write``): LayerNorm, the rotary of its rope channels, the scatter into
 the indexer-key pool (three kernels apart). Same rounding as apart: each part in the input's dtype, then the
-pool's. The composition calls the norm and
-rotary ops, so where the one kernel refuses (a quantised pool) each part still runs its best implementation.
+pool's. The composition calls the norm and rotary ops, so where the one kernel refuses (a quantised pool) each
+part still runs its best implementation.
 """
 from __future__ import annotations
 
@@ -30,7 +30,5 @@ def indexer_key_write(k: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                       sin: torch.Tensor, interleaved: bool, start: int | None, pool, slots: torch.Tensor) -> None:
     # k: [T, D]; weight, bias: [D]; cos, sin: [T, half]; rotates channels start .. start + 2·half of the normed key
     # (all of them when start is None); slots: [T] -> pool rows
-    y = call("layer_norm", k, weight, bias, eps)[:, None]
-    y = call("rotary", y, cos, sin, interleaved) if start is None else call("rotary", y, cos, sin, interleaved,
-                                                                             start=start)
+    y = call("rotary", call("layer_norm", k, weight, bias, eps)[:, None], cos, sin, interleaved, start=start)
     write_rows(pool, slots, y[:, 0])
