@@ -8,6 +8,7 @@ from dayzero.ops.attention import latent as _latent  # noqa: F401,E402
 from dayzero.ops.hyper import reference as _hyper  # noqa: F401,E402
 from dayzero.ops.indexer import reference as _indexer  # noqa: F401,E402
 from dayzero.ops.kda import reference as _kda  # noqa: F401,E402
+from dayzero.ops.kda import step as _kda_step  # noqa: F401,E402
 from dayzero.ops.linear import reference as _linear  # noqa: F401,E402
 from dayzero.ops.moe import reference as _moe  # noqa: F401,E402
 from dayzero.ops.moe import cuda as _moe_cuda  # noqa: F401,E402
@@ -39,3 +40,4 @@ from dayzero.ops.moe import router_kernels as _router_kernels  # noqa: F401,E402
 from dayzero.ops.moe import unpermute_kernels as _unpermute_kernels  # noqa: F401,E402
 from dayzero.ops.moe import permute_kernels as _permute_kernels  # noqa: F401,E402
 from dayzero.ops.kda import gate_kernels as _gate_kernels  # noqa: F401,E402
+from dayzero.ops.kda import decode_kernels as _kda_decode_kernels  # noqa: F401,E402

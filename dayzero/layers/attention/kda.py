@@ -118,8 +118,13 @@ class KDAAttention(DeltaRuleLayer):
         T, H, K, P = x.shape[0], self.H, self.K, self.P
         fused = self._modules.get("fused_in")
         both = None
+        gate_up = getattr(self, "_gate_up_weight", None)
         if fused is not None:  # [q | k | v | f_a | g_a | b] columns of one GEMM: q, k, v side by side already
             proj = fused(x, split=False) if projected is None else projected
+            if batch.is_decode and gate_up is not None:  # conv, gates and delta rule as one op
+                o, gate = ops.call("kda_decode", proj, self.conv_weight(), self.cache["conv"], gate_up, self.A_log,
+                                   self.dt_bias, self.lower_bound, K**-0.5, self.cache["state"], batch)
+                return self._output(o, gate)
             qkv, both, b = proj.split([3 * P, 2 * K, H], dim=-1)
             f_a, g_a = both.split([K, K], dim=-1)
         else:
@@ -130,7 +135,11 @@ class KDAAttention(DeltaRuleLayer):
         # the forget gate's input [T, H, K] and beta's logits [T, H]: the op applies kda_gate and the sigmoid
         o = self.delta_rule(q, k, v, f.view(T, H, K), b, K**-0.5, batch,
                             gate=(self.A_log, self.dt_bias, self.lower_bound))
+        return self._output(o, gate)
 
+    def _output(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """The gated output norm and the output projection of o [T, H, V] with the output gate [T, P]."""
+        T, H, K = o.shape
         gate = gate.view(T, H, K)
         y = fused_product(self.o_proj, lambda w, bias: ops.call("rms_norm_gated_linear", o, self.o_norm.weight, gate,
                                                                  self.eps, w, bias))

@@ -1,0 +1,206 @@
+"""``kda_decode`` in one Triton launch: one program per (sequence, head, block of value columns) of a decode step.
+
+A program reads its head's q, k and v channels and the gate inputs from the sequence's projection row, runs the
+short conv over its slot's windows (zero for a fresh sequence), multiplies the forget gate's low-rank input by its
+head's rows of the up-projection (and the output gate's by its value columns' rows: the output gate is written
+for the gated norm), activates the gate and beta, L2-normalises q and k and runs the delta rule on its
+[K, V / NV] columns of the head's state, held in registers: read once (as zero for a fresh sequence, so no
+launch zeroes the slot first), decayed, updated and written back in place. Columns of the state are
+independent, so a head's NV programs split it without exchanging anything; NV grows as the step's
+sequences x heads fall below the GPU's width (at batch 1 a head's 64 KB state read by one program would take
+longer than the four kernels it replaces).
+
+The windows: a program owns its value columns' v windows; q's and k's are read whole by all NV programs of the
+head, so the last of them to arrive (a counter per (sequence, head), bumped once by each at its end, with
+acquire-release semantics, and put back to zero by the last) writes them. Every load that does not wait on another
+is issued first (the state's columns, the gates' weights, the windows), so the program is about one memory round
+trip, the product and the stores. The counters are one int32 per
+(sequence, head) per layer, made at the layer's first eager call (a layer first met inside a CUDA-graph capture
+runs the composition). Padding rows of a captured step all use the null slot 0, which nothing reads. The
+composition's rounding is kept: the conv's output and the forget gate's up-projection are rounded to the
+activations' dtype as the ops apart store them.
+
+Above :data:`UP_MAX_ROWS` sequences the up-projections run as one batched GEMM first (each program would
+otherwise read its head's K x K weights again for every sequence) and the kernel reads the forget gate's
+product. Same math as :mod:`dayzero.ops.kda.step`'s composition.
+"""
+from __future__ import annotations
+
+import torch
+
+from dayzero.ops.attention.cuda import NOT_DECODE
+from dayzero.ops.kda.step import split_projection
+from dayzero.ops.registry import register
+from dayzero.ops.triton_support import HAS_TRITON, next_pow2, pdl, tl, triton, triton_refusal
+
+UP_MAX_ROWS = 4  # up to this many sequences the programs run the gates' up-projections themselves
+TARGET_PROGRAMS = 256  # split heads' value columns until a step has about this many programs
+MAX_COUNTERS = 256  # (sequence, head) counters per layer: the splits stop at TARGET_PROGRAMS, so few are used
+MAX_TAPS = 8
+
+if HAS_TRITON:
+    from dayzero.ops.triton_support import grid_dependency, softplus
+
+    @triton.jit
+    def _conv_step(row, cw_ptr, win, s_chan, ch, fresh, W: tl.constexpr, BW: tl.constexpr):
+        """SiLU of the causal conv of one token over channels ``ch`` [K] (fp32, unrounded) and the channels' new
+        windows [K, BW] (the old one's columns 1 .. W-2, then the token's input), not yet stored."""
+        col = tl.arange(0, BW)
+        old = col < W - 1
+        x = tl.load(row + ch).to(tl.float32)
+        u = tl.load(win + ch[:, None] * s_chan + col[None, :], mask=old[None, :], other=0.0).to(tl.float32)
+        u = tl.where(fresh, 0.0, u)
+        taps = tl.load(cw_ptr + ch[:, None] * W + col[None, :], mask=old[None, :], other=0.0).to(tl.float32)
+        y = tl.sum(u * taps, 1) + x * tl.load(cw_ptr + ch * W + (W - 1)).to(tl.float32)
+        later = tl.load(win + ch[:, None] * s_chan + col[None, :] + 1, mask=(col < W - 2)[None, :],
+                        other=0.0).to(tl.float32)
+        new = tl.where((col == W - 2)[None, :], x[:, None], tl.where(fresh, 0.0, later))
+        return y * tl.sigmoid(y), new
+
+    @triton.jit
+    def _kda_decode_kernel(proj_ptr, s_proj, cw_ptr, win_ptr, s_wslot, s_wchan, up_ptr, f_ptr, s_f, og_ptr,
+                           a_ptr, dtb_ptr, state_ptr, s_state, o_ptr, slot_ptr, fresh_ptr, count_ptr, P, scale,
+                           lower, K: tl.constexpr, NV: tl.constexpr, BV: tl.constexpr, W: tl.constexpr,
+                           BW: tl.constexpr, UP: tl.constexpr, LOWER: tl.constexpr, PDL: tl.constexpr):
+        grid_dependency(PDL)
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        H = tl.num_programs(1)
+        dt = proj_ptr.dtype.element_ty
+        wdt = win_ptr.dtype.element_ty
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        fresh = tl.load(fresh_ptr + b) != 0
+        i = tl.arange(0, K)
+        jv = tl.program_id(2) * BV + tl.arange(0, BV)  # this program's value columns
+        row = proj_ptr + b * s_proj
+        gates = row + 3 * P  # [f_a | g_a | b]
+        win = win_ptr + slot * s_wslot
+        hk, hv = h * K + i, h * K + jv  # the head's channels within a group of P
+        # every load that does not depend on another first, so their latencies overlap: the state's columns, the
+        # gates' weights and inputs, then the conv's windows
+        sp = state_ptr + slot * s_state + h * K * K + i[:, None] * K + jv[None, :]  # [K, BV] of the [K, V] state
+        S = tl.load(sp)
+        if UP:  # the head's rows of the forget gate's up-projection, this program's rows of the output gate's
+            wf = tl.load(up_ptr + hk[:, None] * K + i[None, :])
+            wg = tl.load(up_ptr + P * K + hv[:, None] * K + i[None, :])
+            fa = tl.load(gates + i).to(tl.float32)
+            ga = tl.load(gates + K + i).to(tl.float32)
+        else:
+            f = tl.load(f_ptr + b * s_f + hk).to(tl.float32)
+        dtb = tl.load(dtb_ptr + hk).to(tl.float32)
+        a = tl.exp(tl.load(a_ptr + h).to(tl.float32))
+        beta = tl.sigmoid(tl.load(gates + 2 * K + h).to(tl.float32))
+        q, wq = _conv_step(row, cw_ptr, win, s_wchan, hk, fresh, W, BW)
+        k, wk = _conv_step(row, cw_ptr, win, s_wchan, P + hk, fresh, W, BW)
+        v, wv = _conv_step(row, cw_ptr, win, s_wchan, 2 * P + hv, fresh, W, BW)
+        q, k, v = q.to(dt).to(tl.float32), k.to(dt).to(tl.float32), v.to(dt).to(tl.float32)
+
+        if UP:
+            f = tl.sum(wf.to(tl.float32) * fa[None, :], 1).to(dt).to(tl.float32)
+            og = tl.sum(wg.to(tl.float32) * ga[None, :], 1)
+            tl.store(og_ptr + b * P + hv, og.to(og_ptr.dtype.element_ty))
+        x = f + dtb
+        if LOWER:
+            g = lower * tl.sigmoid(a * x)
+        else:
+            g = -a * softplus(x)
+        q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale
+        k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
+        S = tl.where(fresh, 0.0, S) * tl.exp(g)[:, None]
+        err = v - tl.sum(S * k[:, None], 0)  # v - S^T k
+        S += (beta * k)[:, None] * err[None, :]
+        tl.store(sp, S)
+        tl.store(o_ptr + (b * H + h) * K + jv, tl.sum(S * q[:, None], 0).to(o_ptr.dtype.element_ty))
+
+        # the new windows, last: this program's v columns are its own; q's and k's are read by every program of
+        # the head, so the last of them to arrive writes those
+        col = tl.arange(0, BW)
+        keep = (col < W - 1)[None, :]
+        tl.debug_barrier()  # every thread has read the old windows before any is written
+        tl.store(win + (2 * P + hv)[:, None] * s_wchan + col[None, :], wv.to(wdt), mask=keep)
+        if NV > 1:
+            done = tl.atomic_add(count_ptr + b * H + h, 1, sem="acq_rel")  # after this program's reads
+            if done == NV - 1:
+                tl.atomic_xchg(count_ptr + b * H + h, 0)
+            keep_qk = keep & (done == NV - 1)
+        else:
+            keep_qk = keep
+        tl.store(win + hk[:, None] * s_wchan + col[None, :], wq.to(wdt), mask=keep_qk)
+        tl.store(win + (P + hk)[:, None] * s_wchan + col[None, :], wk.to(wdt), mask=keep_qk)
+
+
+def _splits(B: int, H: int, K: int) -> int:
+    """Programs per head: enough (sequence, head, columns) programs to spread over the GPU, columns of 32 or more."""
+    nv = 1
+    while nv * 2 * 32 <= K and B * H * nv < TARGET_PROGRAMS:
+        nv *= 2
+    return nv
+
+
+_COUNTERS: dict[tuple, torch.Tensor] = {}  # (device, the layer's state pool's address) -> its counters
+
+
+def _counters(state_pool: torch.Tensor) -> torch.Tensor:
+    key = (state_pool.device, state_pool.data_ptr())
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=state_pool.device)
+    return _COUNTERS[key]
+
+
+def refusal(proj, conv_weight, conv_pool, gate_up, A_log, dt_bias, lower_bound, scale, state_pool, batch):
+    """Why the one-launch kernel cannot run this call, or None."""
+    why = triton_refusal(proj)
+    if why is not None:
+        return why
+    if not batch.is_decode:
+        return NOT_DECODE
+    if state_pool.dtype != torch.float32 or state_pool.dim() != 4 or not state_pool[0].is_contiguous():
+        return "the state pool must be fp32 [slots, H, K, V] with contiguous slots"
+    H, K, V = state_pool.shape[1:]
+    if K != V or K != next_pow2(K) or not 16 <= K <= 128:
+        return f"the kernel holds a head's [K, V] state whole: K = V, a power of two in [16, 128], got {K} x {V}"
+    try:
+        P = split_projection(proj, state_pool)[2]
+    except ValueError as e:
+        return str(e)
+    if proj.stride(-1) != 1:
+        return "the projection's columns must be contiguous"
+    W = conv_pool.shape[-1] + 1
+    if conv_pool.dim() != 3 or conv_pool.shape[1] != 3 * P or conv_pool.stride(-1) != 1 or W > MAX_TAPS:
+        return f"the conv windows must be [slots, 3P, W-1] with contiguous columns and at most {MAX_TAPS} taps"
+    if conv_weight.numel() != 3 * P * W or not conv_weight.is_contiguous():
+        return "the conv weight must be a contiguous [3P, W]"
+    if gate_up.shape != (2, P, K) or not gate_up.is_contiguous() or gate_up.dtype != proj.dtype:
+        return "the gates' up-projections must be one contiguous [2, P, K] in the projection's dtype"
+    if A_log.numel() != H or dt_bias.numel() != P or not (A_log.is_contiguous() and dt_bias.is_contiguous()):
+        return "A_log must be H contiguous values and dt_bias P"
+    if _splits(proj.shape[0], H, K) > 1 and (state_pool.device, state_pool.data_ptr()) not in _COUNTERS:
+        if proj.shape[0] * H > MAX_COUNTERS:
+            return f"{proj.shape[0]} sequences x {H} heads exceed the layer's {MAX_COUNTERS} counters"
+        if state_pool.is_cuda and torch.cuda.is_current_stream_capturing():
+            return "this layer's first call is inside a CUDA-graph capture (its counters are made eagerly)"
+        _counters(state_pool)
+    return None
+
+
+@register("kda_decode", "cuda", verifier=refusal, note="Triton, one launch per decode step")
+def kda_decode(proj, conv_weight, conv_pool, gate_up, A_log, dt_bias, lower_bound, scale, state_pool, batch):
+    H, K, P = split_projection(proj, state_pool)
+    B, W = proj.shape[0], conv_pool.shape[-1] + 1
+    o = torch.empty(B, H, K, dtype=proj.dtype, device=proj.device)
+    up = B <= UP_MAX_ROWS
+    if up:
+        og = torch.empty(B, P, dtype=proj.dtype, device=proj.device)
+        f = og  # not read
+    else:
+        fg = torch.bmm(proj[:, 3 * P:3 * P + 2 * K].reshape(B, 2, K).transpose(0, 1), gate_up.transpose(1, 2))
+        f, og = fg[0], fg[1]
+    nv = _splits(B, H, K)
+    if B:
+        _kda_decode_kernel[(B, H, nv)](
+            proj, proj.stride(0), conv_weight, conv_pool, conv_pool.stride(0), conv_pool.stride(1), gate_up, f,
+            f.stride(0), og, A_log, dt_bias, state_pool, state_pool.stride(0), o, batch.state_slots, batch.fresh,
+            _counters(state_pool) if nv > 1 else batch.fresh, P, float(scale), float(lower_bound or 0.0), K=K,
+            NV=nv, BV=K // nv, W=W, BW=next_pow2(W - 1), UP=up, LOWER=lower_bound is not None,
+            num_warps=8 if K >= 64 else 4, **pdl(proj))
+    return o, og

@@ -1,0 +1,101 @@
+"""``kda_decode``: the one-launch Triton kernel (Triton's interpreter on the CPU) gives the composition of the ops
+apart (conv, the gates' up-projections, the delta rule) its output, its output gate, and the same windows and
+states in the pools: continuing and fresh sequences, padding rows of a captured step, the safe gate's lower bound
+and the plain one, the up-projections in the kernel and as a GEMM first, a head's state whole in one program and
+split over 2 and 4 by value columns (q's and k's windows then written by the last program of the head); slots the
+step does not own keep their bytes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dayzero.ops import triton_support
+from dayzero.ops.kda import decode_kernels as D, step
+from tests.ops.paged_batch import make_batch, on_device
+
+pytestmark = pytest.mark.skipif(not triton_support.HAS_TRITON, reason="needs triton")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+SLOTS = 16
+
+
+def _case(H, K, W, dtype, starts, pad_rows=0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    P = H * K
+    batch = on_device(make_batch(starts, [1] * len(starts), 4, seed=seed, num_slots=SLOTS - 1, pad_rows=pad_rows),
+                      DEV)
+    B = len(starts) + pad_rows
+    proj = torch.randn(B, 3 * P + 2 * K + H + 5, generator=g)[:, 2:-3].to(dtype).to(DEV)  # a view of a wider GEMM
+    conv_weight = (0.5 * torch.randn(3 * P, 1, W, generator=g)).to(dtype).to(DEV)
+    conv_pool = torch.randn(SLOTS, 3 * P, W - 1, generator=g).to(dtype).to(DEV)
+    gate_up = (torch.randn(2, P, K, generator=g) / K**0.5).to(dtype).to(DEV)
+    A_log = torch.randn(H, generator=g).to(DEV)
+    dt_bias = torch.randn(P, generator=g).to(DEV)
+    state = torch.randn(SLOTS, H, K, K, generator=g).to(DEV)
+    state[0] = float("nan")  # the null slot: nothing may read it
+    return proj, conv_weight, conv_pool, gate_up, A_log, dt_bias, state, batch
+
+
+def _run(fn, case, lower):
+    proj, conv_weight, conv_pool, gate_up, A_log, dt_bias, state, batch = case
+    pool, st = conv_pool.clone(), state.clone()
+    o, og = fn(proj, conv_weight, pool, gate_up, A_log, dt_bias, lower, proj.shape[1] ** -0.5, st, batch)
+    return o, og, pool, st
+
+
+@pytest.mark.parametrize("H,K,W", [(2, 16, 4), (3, 32, 2), (1, 64, 5), (2, 128, 3)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("lower", [None, -5.0])
+@pytest.mark.parametrize("up", [True, False], ids=["up_in_kernel", "up_as_gemm"])
+def test_the_kernel_gives_the_composition(H, K, W, dtype, lower, up, monkeypatch):
+    if not up:
+        monkeypatch.setattr(D, "UP_MAX_ROWS", 0)
+    case = _case(H, K, W, dtype, starts=[5, 0, 9, 2], pad_rows=1 if up else 0)
+    assert D.refusal(*case[:6], lower, 1.0, *case[6:]) is None
+    want = _run(step.kda_decode, case, lower)
+    got = _run(D.kda_decode, case, lower)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: a rounded input an ulp apart, then through the state
+    batch = case[-1]
+    real = batch.state_slots[batch.state_slots != 0]
+    for name, w, o in zip(("output", "output gate"), want[:2], got[:2]):
+        torch.testing.assert_close(o.float()[:len(real)], w.float()[:len(real)], rtol=tol, atol=tol, msg=name)
+    torch.testing.assert_close(got[2][real].float(), want[2][real].float(), rtol=tol, atol=tol, msg="windows")
+    torch.testing.assert_close(got[3][real], want[3][real], rtol=tol, atol=tol, msg="states")
+    others = torch.ones(SLOTS, dtype=torch.bool, device=DEV)
+    others[batch.state_slots] = False  # neither the sequences' slots nor the null slot
+    for before, after in ((case[2], got[2]), (case[6], got[3])):
+        torch.testing.assert_close(after[others], before[others], rtol=0, atol=0, equal_nan=True)
+    assert not torch.equal(got[3][real], case[6][real])
+    assert D._splits(len(batch.state_slots), H, K) == {16: 1, 32: 1, 64: 2, 128: 4}[K]  # heads split by columns
+    assert all(int(c.abs().sum()) == 0 for c in D._COUNTERS.values())  # put back for the next launch / replay
+
+
+def test_a_fresh_sequence_reads_neither_its_window_nor_its_state():
+    """A fresh sequence's slot may hold anything (NaN here): the kernel reads it as zero, like the composition."""
+    case = _case(2, 16, 4, torch.float32, starts=[0, 3])
+    proj, conv_weight, conv_pool, gate_up, A_log, dt_bias, state, batch = case
+    fresh_slot = int(batch.state_slots[0])
+    state[fresh_slot] = float("nan")
+    conv_pool[fresh_slot] = float("nan")
+    o, og, pool, st = _run(D.kda_decode, case, -5.0)
+    assert torch.isfinite(o).all() and torch.isfinite(st[fresh_slot]).all() and torch.isfinite(pool[fresh_slot]).all()
+    conv_pool[fresh_slot], state[fresh_slot] = 0.0, 0.0
+    want = _run(step.kda_decode, case, -5.0)
+    torch.testing.assert_close(o, want[0], rtol=1e-5, atol=1e-5)
+
+
+def test_refusals_leave_the_composition_to_run():
+    case = _case(2, 16, 4, torch.float32, starts=[3, 4])
+    proj, conv_weight, conv_pool, gate_up, A_log, dt_bias, state, batch = case
+    args = lambda **kw: {**dict(proj=proj, conv_weight=conv_weight, conv_pool=conv_pool, gate_up=gate_up,  # noqa: E731
+                                A_log=A_log, dt_bias=dt_bias, lower_bound=None, scale=1.0, state_pool=state,
+                                batch=batch), **kw}
+    prefill = on_device(make_batch([0, 2], [3, 1], 4), DEV)
+    assert "prefill" in D.refusal(**args(batch=prefill))
+    assert "fp32" in D.refusal(**args(state_pool=state.bfloat16()))
+    assert "power of two" in D.refusal(**args(state_pool=torch.zeros(SLOTS, 2, 24, 24, device=DEV),
+                                              proj=proj.new_zeros(2, 3 * 48 + 48 + 2)))
+    assert "3P + 2K + H" in D.refusal(**args(proj=proj[:, :-1]))
+    assert "[2, P, K]" in D.refusal(**args(gate_up=gate_up.transpose(1, 2)))
+    assert "taps" in D.refusal(**args(conv_pool=torch.zeros(SLOTS, 96, 9, device=DEV)))
+    with pytest.raises(ValueError, match="3P \\+ 2K \\+ H"):
+        step.kda_decode(**args(proj=proj[:, :-1]))
