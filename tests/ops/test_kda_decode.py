@@ -11,7 +11,7 @@ import torch
 
 from dayzero.ops import triton_support
 from dayzero.ops.kda import decode_kernels as D, step
-from tests.ops.paged_batch import make_batch, on_device
+from tests.ops.paged_batch import capture, make_batch, on_device
 
 pytestmark = pytest.mark.skipif(not triton_support.HAS_TRITON, reason="needs triton")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -99,3 +99,29 @@ def test_refusals_leave_the_composition_to_run():
     assert "taps" in D.refusal(**args(conv_pool=torch.zeros(SLOTS, 96, 9, device=DEV)))
     with pytest.raises(ValueError, match="3P \\+ 2K \\+ H"):
         step.kda_decode(**args(proj=proj[:, :-1]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_replays_of_a_captured_step_equal_eager_steps():
+    """Three replays of one captured launch (heads split over 4 programs: the counters must be back at zero after
+    each) leave the windows and states that three eager launches leave."""
+    case = _case(2, 128, 4, torch.bfloat16, starts=[5, 7, 9])
+    proj, conv_weight, conv_pool, gate_up, A_log, dt_bias, state, batch = case
+    assert D._splits(3, 2, 128) == 4
+    args = lambda pool, st: (proj, conv_weight, pool, gate_up, A_log, dt_bias, -5.0, 0.1, st, batch)  # noqa: E731
+    eager_pool, eager_state = conv_pool.clone(), state.clone()
+    for _ in range(3):
+        want = D.kda_decode(*args(eager_pool, eager_state))
+    pool, st = conv_pool.clone(), state.clone()
+    assert D.refusal(*args(pool, st)) is None  # the layer's counters made eagerly, before the capture
+    saved = pool.clone(), st.clone()
+    graph, out = capture(lambda: D.kda_decode(*args(pool, st)))
+    pool.copy_(saved[0])
+    st.copy_(saved[1])
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    for w, o in zip(want, out):
+        torch.testing.assert_close(o, w, rtol=0, atol=0)
+    torch.testing.assert_close(pool, eager_pool, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(st, eager_state, rtol=0, atol=0, equal_nan=True)
