@@ -12,13 +12,12 @@ longer than the four kernels it replaces).
 
 The windows: a program owns its value columns' v windows; q's and k's are read whole by all NV programs of the
 head, so the last of them to arrive (a counter per (sequence, head), bumped once by each at its end, with
-acquire-release semantics, and put back to zero by the last) writes them. Every load that does not wait on another
-is issued first (the state's columns, the gates' weights, the windows), so the program is about one memory round
-trip, the product and the stores. The counters are one int32 per
+acquire-release semantics, and put back to zero by the last) writes them. The counters are one int32 per
 (sequence, head) per layer, made at the layer's first eager call (a layer first met inside a CUDA-graph capture
-runs the composition). Padding rows of a captured step all use the null slot 0, which nothing reads. The
-composition's rounding is kept: the conv's output and the forget gate's up-projection are rounded to the
-activations' dtype as the ops apart store them.
+runs the composition). Every load that does not wait on another is issued first (the state's columns, the gates'
+weights, the windows), so a program is about one memory round trip, its products and its stores. Padding rows
+of a captured step all use the null slot 0, which nothing reads. The composition's rounding is kept: the conv's
+output and the forget gate's up-projection are rounded to the activations' dtype as the ops apart store them.
 
 Above :data:`UP_MAX_ROWS` sequences the up-projections run as one batched GEMM first (each program would
 otherwise read its head's K x K weights again for every sequence) and the kernel reads the forget gate's
