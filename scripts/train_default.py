@@ -46,6 +46,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="fraction of training in which copies take most of the non-recall tokens (default 0.5)")
     ap.add_argument("--recall-min-pairs", type=int, default=None, metavar="N",
                     help="fewest key-value pairs in a training recall prompt (default 2; the eval split has 8)")
+    ap.add_argument("--recall-style", default="assign", choices=["assign", "sentence"],
+                    help="recall pairs as `abcd=1234.` asked with `abcd=` (default), or as sentences (the first runs)")
+    ap.add_argument("--recall-questions", type=int, default=None, metavar="N",
+                    help="questions per plain-format training recall prompt, each answered (default 4; eval asks 1)")
+    ap.add_argument("--recall-lengths", default=None, metavar="MIN,START,MAX",
+                    help="recall prompts' token counts: uniform from MIN to a bound growing from START to MAX over "
+                         "the first half of training (default 128,384,2560; --tiny 64,96,160)")
     ap.add_argument("--loss-balance", default="task", choices=["task", "token"],
                     help="the LM loss per task, each task of a step an equal part (default), or per answer token")
     ap.add_argument("--expert-format", default="mxfp4", choices=["mxfp4", "bf16"], help="routed experts on disk")
@@ -152,10 +159,15 @@ def main(argv=None) -> int:
                    tokens=args.tokens or (2048 if args.tiny else 98304),
                    copy_warmup=data.copy_warmup if args.copy_warmup is None else args.copy_warmup,
                    loss_balance=args.loss_balance,
-                   recall_min_pairs=data.recall_min_pairs if args.recall_min_pairs is None else args.recall_min_pairs)
+                   recall_min_pairs=data.recall_min_pairs if args.recall_min_pairs is None else args.recall_min_pairs,
+                   recall_style=args.recall_style,
+                   recall_questions=data.recall_questions if args.recall_questions is None else args.recall_questions)
     if args.tiny:
         data = replace(data, recall_min=64, recall_start=96, recall_max=160, max_digits=3, max_chars=8, sort_chars=6,
                        copy_words=6)
+    if args.recall_lengths:
+        lo, start, hi = (int(v) for v in args.recall_lengths.split(","))
+        data = replace(data, recall_min=lo, recall_start=start, recall_max=hi)
     reserve = args.eval_seconds if args.eval_seconds is not None else (75.0 if cuda else 30.0)
     seconds = None
     if args.minutes is not None:
@@ -179,7 +191,7 @@ def main(argv=None) -> int:
 
     def quick_eval(step: int) -> None:
         save_checkpoint(model, config, out, DEFAULT_MODEL, args.expert_format)
-        rows = evaluate(out, n=16, tasks=tasks, device=str(device), enforce_eager=True,
+        rows = evaluate(out, n=16, tasks=tasks, device=str(device), enforce_eager=True, recall_style=data.recall_style,
                         cache_memory_bytes=2 << 30, max_model_len=4096)
         print(f"eval at step {step}: " + "  ".join(f"{r['task']} {r['accuracy']:.0%}" for r in rows), flush=True)
 
@@ -193,9 +205,10 @@ def main(argv=None) -> int:
     if args.eval_n:
         ctx = 2048 if not args.tiny else 128
         rows = evaluate(out, n=args.eval_n, tasks=tasks, context_len=ctx, max_digits=data.max_digits,
-                        device=str(device), cache_memory_bytes=4 << 30 if cuda else 1 << 28)
+                        device=str(device), cache_memory_bytes=4 << 30 if cuda else 1 << 28,
+                        recall_style=data.recall_style)
         setup = {"device": device.type, "dtype": "bfloat16" if cuda else "float32", "n": args.eval_n,
-                 "context_len": ctx, "max_digits": data.max_digits}
+                 "context_len": ctx, "max_digits": data.max_digits, "recall_style": data.recall_style}
         print(f"{out}: exact match, greedy, held-out (eval split), recall at {ctx} tokens")
         print(table(rows))
     command = " ".join(["python scripts/train_default.py", *_portable(argv if argv is not None else sys.argv[1:])])

@@ -82,11 +82,26 @@ def copying(r: random.Random, words: int = 32, min_words: int | None = None, **_
     return f"copy: {passage}\n=", passage
 
 
+RECALL_STYLES = ("assign", "sentence")
+
+
 def recall(r: random.Random, context_len: int = 2048, count: Callable[[str], int] | None = None,
-           pairs: int = 8, min_pairs: int | None = None, **_) -> tuple[str, str]:
+           pairs: int = 8, min_pairs: int | None = None, style: str = "assign", questions: int = 1,
+           **_) -> tuple[str, str]:
     """``pairs`` key–value pairs (four-letter keys, four-digit values; between ``min_pairs`` and ``pairs`` when
     given) scattered through filler sentences; the question asks for one whose pair sits in the first half of
-    the prompt. ``count`` gives a text's length in tokens (default: words, about a token each)."""
+    the prompt. ``count`` gives a text's length in tokens (default: words, about a token each).
+
+    ``style`` "assign" writes a pair ``abcd=1234.`` and ends the prompt with ``abcd=``, so the key's last letters
+    sit right before the value in both places (within a short conv's window at byte-level tokens); "sentence"
+    writes ``The value of abcd is 1234.`` and ends with ``The value of abcd is `` (the key five tokens and more
+    before the answer: the first checkpoints were trained on it).
+
+    ``questions`` > 1 (training's drills): the answer goes on with more questions about other pairs, each with
+    its value, ``1234\nWhat is efgh? efgh=5678``, up to one per pair: several retrievals from one prompt. The
+    instance's first question and everything before it are drawn as with one question."""
+    if style not in RECALL_STYLES:
+        raise ValueError(f"recall style must be one of {RECALL_STYLES}, got {style!r}")
     count = count or (lambda text: len(text.split()))
     n_pairs = pairs if min_pairs is None else r.randint(min_pairs, pairs)
     entries, seen = [], set()  # (key, value)
@@ -97,19 +112,30 @@ def recall(r: random.Random, context_len: int = 2048, count: Callable[[str], int
             entries.append((k, f"{r.randint(0, 9999):04d}"))
     asked = r.randrange(len(entries))
     sentence = lambda: " ".join(r.choice(WORDS) for _ in range(12)) + "."  # noqa: E731
-    question = f"\nWhat is the value of {entries[asked][0]}? The value of {entries[asked][0]} is "
-    facts = [f"The value of {k} is {v}." for k, v in entries]
+    key = entries[asked][0]
+    if style == "assign":
+        question = f"\nWhat is {key}? {key}="
+        facts = [f"{k}={v}." for k, v in entries]
+    else:
+        question = f"\nWhat is the value of {key}? The value of {key} is "
+        facts = [f"The value of {k} is {v}." for k, v in entries]
     per = count(" ".join(sentence() for _ in range(64))) / 64  # tokens per filler sentence, joined as below
     reserve = count(question) + count(" ".join(facts))
-    n = max(2, int((context_len - reserve) / per))
+    n = max(0, int((context_len - reserve) / per))  # no filler at all in the shortest (training) prompts
     filler = [sentence() for _ in range(n)]
     # the asked pair in the first half, the others anywhere
     spots = {asked: r.randrange(0, max(1, n // 2))}
     for i in range(len(entries)):
-        spots.setdefault(i, r.randrange(0, n))
+        spots.setdefault(i, r.randrange(0, n) if n else 0)
     for i, at in sorted(spots.items(), key=lambda kv: -kv[1]):
         filler.insert(at, facts[i])
-    return " ".join(filler) + question, entries[asked][1]
+    answer = entries[asked][1]
+    others = [i for i in range(len(entries)) if i != asked]
+    for i in r.sample(others, min(questions - 1, len(others))):
+        k, v = entries[i]
+        answer += (f"\nWhat is {k}? {k}=" if style == "assign" else
+                   f"\nWhat is the value of {k}? The value of {k} is ") + v
+    return " ".join(filler) + question, answer
 
 
 TASKS: dict[str, Callable[..., tuple[str, str]]] = {

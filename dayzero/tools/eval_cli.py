@@ -21,7 +21,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from dayzero.eval.modes import MODES, mode_names, run_mode
-from dayzero.eval.tasks import TASKS, Instance, instances
+from dayzero.eval.tasks import RECALL_STYLES, TASKS, Instance, instances
 from dayzero.tools.cli_options import Help, add_engine_options, engine_kwargs
 from dayzero.tools.progress import bar, note
 
@@ -41,6 +41,9 @@ def add_parser(sub) -> None:
     e.add_argument("--n", type=int, default=100, help="instances per task")
     e.add_argument("--context-len", type=int, default=2048, metavar="L", help="tokens of a recall prompt")
     e.add_argument("--max-digits", type=int, default=5, help="operand digits of addition and subtraction")
+    e.add_argument("--recall-style", default="assign", choices=RECALL_STYLES,
+                   help="recall pairs written `abcd=1234.` and asked with `abcd=` (default), or as sentences, `The "
+                        "value of abcd is 1234.` (the format of the first training runs)")
     e.add_argument("--task-seed", type=int, default=0, help="which held-out instances (the eval stream's seed)")
     e.add_argument("--url", default=None, help="a running server, e.g. http://127.0.0.1:8000 (default: the engine "
                                                "in this process)")
@@ -97,7 +100,7 @@ def build(args, tokenizer) -> list[Instance]:
     out = []
     for task in _task_names(args.tasks):
         out += instances(task, args.n, "eval", args.task_seed, max_digits=args.max_digits, context_len=args.context_len,
-                         count=count)
+                         count=count, style=getattr(args, "recall_style", "assign"))
     return out
 
 

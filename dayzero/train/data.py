@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dayzero.eval.tasks import TASKS, Instance, instances
+from dayzero.eval.tasks import RECALL_STYLES, TASKS, Instance, instances
 from dayzero.engine.tokenizer import chat_end_of_turn_ids
 
 IGNORE = -100  # target of a row whose next token is not an answer token
@@ -45,6 +45,12 @@ class DataConfig:
     # recall_min_pairs..8 pairs (the eval split keeps 32 words and 8 pairs)
     copy_min_words: int = 4
     recall_min_pairs: int = 2
+    # how a pair is written (dayzero.eval.tasks.recall): "assign", abcd=1234, the key's last letters right before
+    # the value, within the KDA conv's window at byte-level tokens; "sentence" for the first runs' format
+    recall_style: str = "assign"
+    # questions per plain-format recall prompt (dayzero.eval.tasks.recall's drills): each asked pair's value is a
+    # retrieval the loss sees; a single question gives ~4 answer tokens a prompt of hundreds
+    recall_questions: int = 4
     # copying first: over the first ``copy_warmup`` of training, ``copy_warmup_share`` of the non-recall tokens are
     # copies (the other tasks keep their proportions in the rest), so that a copying (induction) mechanism forms
     # before the other tasks' gradients dominate; a run that mixed the tasks from the start formed none
@@ -67,6 +73,10 @@ class DataConfig:
             raise ValueError("recall_share must be in [0, 1) and chat_share in [0, 1]")
         if not 1 <= self.recall_min_pairs <= 8 or self.copy_min_words < 1:
             raise ValueError("recall_min_pairs must be in [1, 8] and copy_min_words at least 1")
+        if self.recall_questions < 1:
+            raise ValueError(f"recall_questions must be at least 1, got {self.recall_questions}")
+        if self.recall_style not in RECALL_STYLES:
+            raise ValueError(f"recall_style must be one of {RECALL_STYLES}, got {self.recall_style!r}")
         if not 0 < self.recall_min <= self.recall_start <= self.recall_max:
             raise ValueError("recall lengths must satisfy 0 < recall_min <= recall_start <= recall_max")
         if self.loss_balance not in ("task", "token"):
@@ -92,7 +102,7 @@ class DataConfig:
         return {"addition": {"max_digits": self.max_digits}, "subtraction": {"max_digits": self.max_digits},
                 "reversal": {"max_chars": self.max_chars}, "sorting": {"max_chars": self.sort_chars},
                 "copy": {"words": self.copy_words, "min_words": min(self.copy_min_words, self.copy_words)},
-                "recall": {"min_pairs": self.recall_min_pairs}}.get(task, {})
+                "recall": {"min_pairs": self.recall_min_pairs, "style": self.recall_style}}.get(task, {})
 
 
 class Encoder:
@@ -193,9 +203,10 @@ class TaskStream:
             length = min(recall_tokens, r.randint(c.recall_min, max(c.recall_min, hi)))
             if length < c.recall_min:
                 break
+            chat = r.random() < c.chat_share  # a chat reply answers one question: drills in the plain format only
             inst = instances("recall", 1, "train", seed=seed * 64 + n, context_len=length, count=self.enc.count,
-                             **c.options("recall"))
-            seqs += self.enc.encode(inst, [r.random() < c.chat_share])
+                             questions=1 if chat else c.recall_questions, **c.options("recall"))
+            seqs += self.enc.encode(inst, [chat])
             groups.append("recall")
             recall_tokens -= len(seqs[-1][0])
             n += 1

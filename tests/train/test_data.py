@@ -20,7 +20,7 @@ def tokenizer():
 
 
 def facts(prompt: str) -> int:
-    return len(re.findall(r"The value of [a-z]{4} is \d{4}\.", prompt))
+    return len(re.findall(r"(?<![a-z])[a-z]{4}=\d{4}\.", prompt))
 
 
 def test_train_split_has_short_copies_and_few_pair_recalls_the_eval_split_full_ones():
@@ -63,7 +63,8 @@ def test_copies_dominate_the_first_part_of_training_then_the_configured_shares(t
 
 @pytest.mark.parametrize("bad", [dict(recall_min_pairs=0), dict(recall_min_pairs=9), dict(copy_min_words=0),
                                  dict(weights={"recall": 1.0}), dict(tokens=8), dict(copy_warmup=1.5),
-                                 dict(copy_warmup_share=1.0)])
+                                 dict(copy_warmup_share=1.0), dict(recall_style="verse"),
+                                 dict(recall_questions=0)])
 def test_bad_data_settings_are_refused(bad):
     with pytest.raises(ValueError):
         DataConfig(**bad)
