@@ -28,6 +28,8 @@ TINY_CONFIG = CONFIGS / "dayzero-train-tiny.json"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from dayzero.eval.tasks import RECALL_STYLES
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="auto", help="auto (CUDA when present) | cpu | cuda | cuda:N")
@@ -46,7 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="fraction of training in which copies take most of the non-recall tokens (default 0.5)")
     ap.add_argument("--recall-min-pairs", type=int, default=None, metavar="N",
                     help="fewest key-value pairs in a training recall prompt (default 2; the eval split has 8)")
-    ap.add_argument("--recall-style", default="assign", choices=["assign", "sentence"],
+    ap.add_argument("--recall-style", default="assign", choices=RECALL_STYLES,
                     help="recall pairs as `abcd=1234.` asked with `abcd=` (default), or as sentences (the first runs)")
     ap.add_argument("--recall-questions", type=int, default=None, metavar="N",
                     help="questions per plain-format training recall prompt, each answered (default 4; eval asks 1)")

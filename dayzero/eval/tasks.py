@@ -85,6 +85,15 @@ def copying(r: random.Random, words: int = 32, min_words: int | None = None, **_
 RECALL_STYLES = ("assign", "sentence")
 
 
+def _pair(style: str, key: str, value: str) -> str:
+    return f"{key}={value}." if style == "assign" else f"The value of {key} is {value}."
+
+
+def _question(style: str, key: str) -> str:
+    """The text asking for ``key``'s value; the value follows it directly."""
+    return f"\nWhat is {key}? {key}=" if style == "assign" else f"\nWhat is the value of {key}? The value of {key} is "
+
+
 def recall(r: random.Random, context_len: int = 2048, count: Callable[[str], int] | None = None,
            pairs: int = 8, min_pairs: int | None = None, style: str = "assign", questions: int = 1,
            **_) -> tuple[str, str]:
@@ -112,13 +121,8 @@ def recall(r: random.Random, context_len: int = 2048, count: Callable[[str], int
             entries.append((k, f"{r.randint(0, 9999):04d}"))
     asked = r.randrange(len(entries))
     sentence = lambda: " ".join(r.choice(WORDS) for _ in range(12)) + "."  # noqa: E731
-    key = entries[asked][0]
-    if style == "assign":
-        question = f"\nWhat is {key}? {key}="
-        facts = [f"{k}={v}." for k, v in entries]
-    else:
-        question = f"\nWhat is the value of {key}? The value of {key} is "
-        facts = [f"The value of {k} is {v}." for k, v in entries]
+    question = _question(style, entries[asked][0])
+    facts = [_pair(style, k, v) for k, v in entries]
     per = count(" ".join(sentence() for _ in range(64))) / 64  # tokens per filler sentence, joined as below
     reserve = count(question) + count(" ".join(facts))
     n = max(0, int((context_len - reserve) / per))  # no filler at all in the shortest (training) prompts
@@ -132,9 +136,7 @@ def recall(r: random.Random, context_len: int = 2048, count: Callable[[str], int
     answer = entries[asked][1]
     others = [i for i in range(len(entries)) if i != asked]
     for i in r.sample(others, min(questions - 1, len(others))):
-        k, v = entries[i]
-        answer += (f"\nWhat is {k}? {k}=" if style == "assign" else
-                   f"\nWhat is the value of {k}? The value of {k} is ") + v
+        answer += _question(style, entries[i][0]) + entries[i][1]
     return " ".join(filler) + question, answer
 
 

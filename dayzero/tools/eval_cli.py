@@ -100,7 +100,7 @@ def build(args, tokenizer) -> list[Instance]:
     out = []
     for task in _task_names(args.tasks):
         out += instances(task, args.n, "eval", args.task_seed, max_digits=args.max_digits, context_len=args.context_len,
-                         count=count, style=getattr(args, "recall_style", "assign"))
+                         count=count, style=args.recall_style)
     return out
 
 

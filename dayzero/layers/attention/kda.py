@@ -26,6 +26,7 @@ from dayzero.distributed import SINGLE, ParallelState, divide
 from dayzero.layers.fused import concat_as_views, fuse, local_gemm, project
 from dayzero.layers.norm import RMSNorm
 from dayzero.layers.parallel import Linear, Shard, column_linear, fused_product, row_linear
+from dayzero.ops.kda.step import gate_ups
 
 
 class DeltaRuleLayer(CachedLayer):
@@ -110,7 +111,7 @@ class KDAAttention(DeltaRuleLayer):
         w = getattr(self, "_gate_up_weight", None)
         if w is None or both is None:
             return self.f_b_proj(f_a), self.g_b_proj(g_a)
-        fg = torch.bmm(both.view(-1, 2, self.K).transpose(0, 1), w.transpose(1, 2))  # [2, T, P]
+        fg = gate_ups(both, w)  # [2, T, P]
         return fg[0], fg[1]
 
     def forward(self, x: torch.Tensor, batch, projected: torch.Tensor | None = None) -> torch.Tensor:

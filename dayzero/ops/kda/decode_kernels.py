@@ -28,13 +28,12 @@ from __future__ import annotations
 import torch
 
 from dayzero.ops.attention.cuda import NOT_DECODE
-from dayzero.ops.kda.step import split_projection
+from dayzero.ops.kda.step import gate_ups, split_projection
 from dayzero.ops.registry import register
 from dayzero.ops.triton_support import HAS_TRITON, next_pow2, pdl, tl, triton, triton_refusal
 
 UP_MAX_ROWS = 4  # up to this many sequences the programs run the gates' up-projections themselves
 TARGET_PROGRAMS = 256  # split heads' value columns until a step has about this many programs
-MAX_COUNTERS = 256  # (sequence, head) counters per layer: the splits stop at TARGET_PROGRAMS, so few are used
 MAX_TAPS = 8
 
 if HAS_TRITON:
@@ -142,7 +141,8 @@ _COUNTERS: dict[tuple, torch.Tensor] = {}  # (device, the layer's state pool's a
 def _counters(state_pool: torch.Tensor) -> torch.Tensor:
     key = (state_pool.device, state_pool.data_ptr())
     if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=state_pool.device)
+        # a head splits only while sequences x heads < TARGET_PROGRAMS (_splits), so that many counters always do
+        _COUNTERS[key] = torch.zeros(TARGET_PROGRAMS, dtype=torch.int32, device=state_pool.device)
     return _COUNTERS[key]
 
 
@@ -174,8 +174,6 @@ def refusal(proj, conv_weight, conv_pool, gate_up, A_log, dt_bias, lower_bound, 
     if A_log.numel() != H or dt_bias.numel() != P or not (A_log.is_contiguous() and dt_bias.is_contiguous()):
         return "A_log must be H contiguous values and dt_bias P"
     if _splits(proj.shape[0], H, K) > 1 and (state_pool.device, state_pool.data_ptr()) not in _COUNTERS:
-        if proj.shape[0] * H > MAX_COUNTERS:
-            return f"{proj.shape[0]} sequences x {H} heads exceed the layer's {MAX_COUNTERS} counters"
         if state_pool.is_cuda and torch.cuda.is_current_stream_capturing():
             return "this layer's first call is inside a CUDA-graph capture (its counters are made eagerly)"
         _counters(state_pool)
@@ -192,7 +190,7 @@ def kda_decode(proj, conv_weight, conv_pool, gate_up, A_log, dt_bias, lower_boun
         og = torch.empty(B, P, dtype=proj.dtype, device=proj.device)
         f = og  # not read
     else:
-        fg = torch.bmm(proj[:, 3 * P:3 * P + 2 * K].reshape(B, 2, K).transpose(0, 1), gate_up.transpose(1, 2))
+        fg = gate_ups(proj[:, 3 * P:3 * P + 2 * K], gate_up)
         f, og = fg[0], fg[1]
     nv = _splits(B, H, K)
     if B:

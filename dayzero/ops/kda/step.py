@@ -25,6 +25,13 @@ def split_projection(proj: torch.Tensor, state_pool: torch.Tensor):
     return H, K, P
 
 
+def gate_ups(both: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    """The forget gate's and the output gate's up-projections of ``both`` = [f_a | g_a] [T, 2K] by their weights
+    ``gate_up`` [2, P, K], as one batched GEMM: [2, T, P]."""
+    K = gate_up.shape[-1]
+    return torch.bmm(both.reshape(-1, 2, K).transpose(0, 1), gate_up.transpose(1, 2))
+
+
 @register("kda_decode")
 def kda_decode(proj: torch.Tensor, conv_weight: torch.Tensor, conv_pool: torch.Tensor, gate_up: torch.Tensor,
                A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None, scale: float,
@@ -37,7 +44,7 @@ def kda_decode(proj: torch.Tensor, conv_weight: torch.Tensor, conv_pool: torch.T
     qkv, both, b = proj.split([3 * P, 2 * K, H], dim=-1)
     q, k, v = (t.view(T, H, K) for t in call("causal_conv1d_pooled", qkv, conv_weight, conv_pool, batch, "silu", 3,
                                               reset=state_pool))
-    fg = torch.bmm(both.reshape(T, 2, K).transpose(0, 1), gate_up.transpose(1, 2))  # [2, T, P]
+    fg = gate_ups(both, gate_up)  # [2, T, P]
     o = call("kda_pooled", q, k, v, fg[0].view(T, H, K), b, scale, state_pool, batch, True,
              gate=(A_log, dt_bias, lower_bound), zeroed=True)
     return o, fg[1]
