@@ -64,7 +64,6 @@ TINY = {
                          index_topk=8, index_n_heads=4, index_head_dim=16, max_position_embeddings=256,
                          rope_parameters={**YARN, "factor": 8.0, "original_max_position_embeddings": 32}),
 }
-KERNEL_MODULES = ("fla", "fla.ops", "fla.modules", "causal_conv1d", "mamba_ssm", "flash_attn", "kernels")
 T0 = time.perf_counter()
 
 
@@ -295,8 +294,9 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     env = environment(dev)
     if dev.type == "cpu":  # transformers calls these kernels whenever they import, whatever the device
-        for name in KERNEL_MODULES:
-            sys.modules[name] = None
+        from dayzero.tools.align_hf import block_kernels
+
+        block_kernels()
     log(f"{env['device']}, {str(dtype).removeprefix('torch.')}; torch {env['torch']}, transformers "
         f"{env['transformers']}; fla {env['fla']}")
     root = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="vs_transformers-"))

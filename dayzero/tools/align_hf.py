@@ -14,6 +14,7 @@ layer's output.
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -40,6 +41,10 @@ def hf_knows(path: str | Path) -> bool:
 
 
 def block_kernels() -> None:
+    """transformers as a reference: its pure-PyTorch path, with no kernel package imported and no hub kernels
+    (from transformers 5.25, ``from_pretrained`` takes hub kernels unless ``USE_HUB_KERNELS`` says no, and fails
+    when the ``kernels`` package cannot import)."""
+    os.environ["USE_HUB_KERNELS"] = "NO"
     for name in KERNEL_MODULES:
         if sys.modules.get(name) is None:
             sys.modules[name] = None  # the import fails: transformers falls back to torch

@@ -17,16 +17,10 @@ from pathlib import Path
 import torch
 
 from dayzero import LLM, SamplingParams
+from dayzero.tools.align_hf import block_kernels
 from tests.engine.test_incremental import run_chunks
 
-KERNEL_MODULES = ("fla", "fla.ops", "fla.modules", "causal_conv1d", "mamba_ssm", "flash_attn", "kernels")
 TIE = 1e-4
-
-
-def block_kernels() -> None:
-    for name in KERNEL_MODULES:
-        if name not in sys.modules or sys.modules[name] is None:
-            sys.modules[name] = None  # import fails: transformers falls back to torch
 
 
 @torch.no_grad()

@@ -13,6 +13,8 @@ import shutil
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 from safetensors.torch import load_file, save_file
 
 from dayzero import LLM, SamplingParams
@@ -31,6 +33,9 @@ CONFIG = dict(
     index_topk=TOPK, index_n_heads=16, index_head_dim=32, rope_parameters=YARN, hc_mult=3, swiglu_limit=0.5,
     indexer_types=["full", "shared", "full", "shared", "full"], mlp_layer_types=["dense", "sparse", "dense", "sparse", "sparse"],
     pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    # transformers 5.25 moved HY-V4's RoPE from NeoX halves to interleaved pairs: the checkpoint names the layout
+    # the installed reference applies, and the adapter reads it
+    rope_interleave=Version(transformers.__version__) >= Version("5.25"),
 )
 SEED = 0
 

@@ -2,13 +2,12 @@
 experts, and hyper-connections carrying ``hc_mult`` residual streams (``models/hyper.py``).
 
 Read from transformers ``models/hy_v4`` (the parity reference):
-- attention is DeepSeek-V3.2's MLA + lightning indexer, with MLA's RoPE in NeoX halves (not interleaved),
-  a per-head fp32 sink logit in the softmax denominator (``learnable_sink_param``), and an output gate
+- attention is DeepSeek-V3.2's MLA + lightning indexer, with RoPE in interleaved pairs in both (transformers
+  before 5.25 rotated NeoX halves; a config's ``rope_interleave: false`` selects that layout), a per-head fp32 sink logit in the softmax denominator (``learnable_sink_param``), and an output gate
   ``o * sigmoid(linear_gate x)`` before ``o_proj`` reading the layer's normalised input (``[H*v_head_dim, D]``;
   a ``gating_type: "headwise"`` config gives one gate per head, ``[H, D]``);
-- the indexer rotates the LAST ``qk_rope_head_dim`` dims of its q and k, in NeoX halves as transformers does
-  (other descriptions of HY-V4 say interleaved pairs: the layout is one IndexerSpec field), and its
-  ``k_norm`` uses ``rms_norm_eps``;
+- the indexer rotates the LAST ``qk_rope_head_dim`` dims of its q and k, and its ``k_norm`` uses
+  ``rms_norm_eps``;
 - ``indexer_types`` "shared" layers reuse the nearest earlier "full" layer's top-k; the default schedule is
   full at layer 0 and every 4th layer from 1;
 - routed experts clamp SwiGLU's inputs at ``swiglu_limit`` (gate <= limit, |up| <= limit); shared experts
@@ -49,7 +48,7 @@ def _kinds(raw: dict, key: str, default: list[str], allowed: set[str]) -> list[s
 
 
 def hy_v4_spec(raw: dict) -> ModelSpec:
-    raw = {**DEFAULTS, **{k: v for k, v in raw.items() if v is not None}, "rope_interleave": False}
+    raw = {**DEFAULTS, "rope_interleave": True, **{k: v for k, v in raw.items() if v is not None}}
     n = raw["num_hidden_layers"]
     # transformers 5.17 writes "deepseek_sparse_attention", later versions "indexed_attention": both are DSA
     _kinds(raw, "layer_types", ["indexed_attention"] * n, {"indexed_attention", "deepseek_sparse_attention"})
@@ -60,7 +59,7 @@ def hy_v4_spec(raw: dict) -> ModelSpec:
         raise ValueError(f"hy_v4: gating_type {raw['gating_type']!r} is not supported; supported: elementwise, headwise")
 
     def attn(kind: str):
-        ispec = indexer_spec(raw, shared=kind == "shared")
+        ispec = indexer_spec(raw, interleaved=raw["rope_interleave"], shared=kind == "shared")
         ispec = replace(ispec, rope=replace(ispec.rope, last=True), norm_eps=raw["rms_norm_eps"])
         return replace(mla_spec(raw, ispec), output_gate=True, output_gate_kind=raw["gating_type"], sinks=True)
 
