@@ -37,7 +37,7 @@ CONFIG = dict(
     # the installed reference applies, and the adapter reads it
     rope_interleave=Version(transformers.__version__) >= Version("5.25"),
 )
-SEED = 0
+SEED = 2  # no near-tie at the top-k cut under either RoPE layout
 
 
 def _spread_hc_scales(model):
@@ -91,7 +91,8 @@ def test_spec_and_layers(ckpt):
     assert [l.mlp_kind for l in spec.layers] == ["dense", "moe", "dense", "moe", "moe"]
     assert all(l.mlp.swiglu_limit == 0.5 for l in spec.layers if l.mlp_kind == "moe")
     a = spec.layers[0].attn
-    assert isinstance(a, MLASpec) and a.sinks and a.output_gate and not a.rope.interleaved
+    assert isinstance(a, MLASpec) and a.sinks and a.output_gate
+    assert a.rope.interleaved == a.indexer.rope.interleaved == CONFIG["rope_interleave"]
     assert a.indexer.rope.last and a.indexer.norm_eps == hf.config.rms_norm_eps
     model = build_model(spec, torch.float32, "meta")
     shared = [attn.indexer is None for _, attn in model.cached_layers()]
