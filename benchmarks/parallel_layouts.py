@@ -3,10 +3,11 @@
     python benchmarks/parallel_layouts.py --config configs/dayzero-tiny.json --layouts 1 tp2 ep2 pp2 tp2,ep2 \
         --batch 8 --prompt-len 128 --decode 16 [--device cpu] [--json FILE]
     python benchmarks/parallel_layouts.py --layouts 1 pp2,mb1 pp2 pp2,mb4   # pipeline micro-batches
+    python benchmarks/parallel_layouts.py --layouts 1 tp2,ep2 dp2,ep2 dp2   # attention data parallelism
 
 Random weights from the config (``load_format="dummy"``). Each layout starts its ranks (Gloo on CPUs, NCCL on
 GPUs, one device per rank), every rank runs the same engine steps: ``--batch`` prompts of ``--prompt-len`` tokens
-are prefilled, then ``--decode`` steps decode. Rank 0 times the prefill steps and the decode steps. The CPU
+are prefilled, then ``--decode`` steps decode (under ``dp`` each replica takes every dp-th prompt). Rank 0 times the prefill steps and the decode steps. The CPU
 threads are split evenly between the ranks, so every layout uses the same cores. Prints a table with each
 layout's tokens/s and its ratio to one process; only ratios of one run are compared.
 """
@@ -32,15 +33,16 @@ from dayzero.engine.sampling_params import SamplingParams  # noqa: E402
 
 
 def parse_layout(text: str) -> dict[str, int]:
-    """``1``, ``tp2``, ``ep2,pp2``, ``pp2,mb1`` -> {"tp": .., "ep": .., "pp": .., "mb": ..} (``mb``: pipeline
-    micro-batches, 0 = the engine's default, two per stage)."""
-    out = {"tp": 1, "ep": 1, "pp": 1, "mb": 0}
+    """``1``, ``tp2``, ``ep2,pp2``, ``pp2,mb1``, ``dp2,ep2`` -> {"tp": .., "ep": .., "pp": .., "dp": .., "mb": ..}
+    (``mb``: pipeline micro-batches, 0 = the engine's default, two per stage; ``dp``: attention data-parallel
+    replicas)."""
+    out = {"tp": 1, "ep": 1, "pp": 1, "dp": 1, "mb": 0}
     if text == "1":
         return out
     for part in text.split(","):
         key, num = part[:2], part[2:]
         if key not in out or not num.isdigit() or int(num) < 1:
-            raise SystemExit(f"bad layout {text!r}: use e.g. 1, tp2, ep2, pp2, tp2,ep2, pp2,mb1")
+            raise SystemExit(f"bad layout {text!r}: use e.g. 1, tp2, ep2, pp2, tp2,ep2, pp2,mb1, dp2,ep2")
         out[key] = int(num)
     return out
 
@@ -53,8 +55,8 @@ def _sync(device: torch.device) -> None:
 def _rank(rank: int, layout: dict, world: int, port: int, args, threads: int, out: str) -> None:
     torch.set_num_threads(threads)
     backend = "nccl" if args.device.startswith("cuda") else "gloo"
-    state = init_parallel(tp=layout["tp"], ep=layout["ep"], pp=layout["pp"], backend=backend, rank=rank,
-                          world_size=world, port=port)
+    state = init_parallel(tp=layout["tp"], ep=layout["ep"], pp=layout["pp"], dp=layout["dp"], backend=backend,
+                          rank=rank, world_size=world, port=port)
     try:
         device = f"cuda:{rank}" if backend == "nccl" else args.device
         engine = LLMEngine(EngineConfig(model=args.config, load_format="dummy", device=device, dtype=args.dtype,
@@ -66,7 +68,9 @@ def _rank(rank: int, layout: dict, world: int, port: int, args, threads: int, ou
         vocab = engine.model_config.vocab_size
         params = SamplingParams(max_tokens=args.decode, temperature=0.0, ignore_eos=True)
         for i in range(args.batch):
-            engine.add_request(f"r{i}", torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist(), params)
+            ids = torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist()
+            if i % state.dp_size == state.dp_rank:  # every replica takes every dp-th prompt
+                engine.add_request(f"r{i}", ids, params)
         dev = engine.device
         _sync(dev)
         t0, prefill_steps = time.perf_counter(), 0
@@ -93,7 +97,7 @@ def _free_port() -> int:
 
 
 def run_layout(layout: dict, args) -> dict:
-    world = layout["pp"] * max(layout["tp"], layout["ep"])
+    world = layout["pp"] * max(layout["tp"] * layout["dp"], layout["ep"])
     threads = max(1, args.threads // world)
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "rank0.json")

@@ -1,7 +1,8 @@
 """The parallel layout of one process and its collectives.
 
-One process per device. The job's ``world`` ranks hold the same sequences (attention data parallelism does not
-exist yet). Pipeline parallelism cuts the layers into ``pp`` contiguous stages of ``G = world / pp`` consecutive
+One process per device. The job's ``world`` ranks hold the same sequences, unless attention is data parallel
+(``dp > 1``, one stage): then each of a stage's ``dp`` tp groups (a replica) holds sequences of its own, and only
+the routed experts' exchange crosses replicas. Pipeline parallelism cuts the layers into ``pp`` contiguous stages of ``G = world / pp`` consecutive
 ranks each; the ranks of one in-stage position form a pp group (hidden states go from each rank to the same
 position of the next stage, and the last stage's logits are broadcast back). Inside a stage, attention, dense MLPs
 and shared experts are split over tp groups of ``tp`` consecutive ranks (with ``G / tp`` replicas of each
@@ -49,9 +50,13 @@ class ParallelState:
     ep_tp_rank: int = 0
     ep_tp_size: int = 1
     ep_tp_group: object = None
+    # attention data parallelism: this rank's replica (its tp group) of dp_size in the stage, each with its own
+    # sequences; the routed experts' tokens are shared out over the tp group instead of the expert group
+    dp_rank: int = 0
+    dp_size: int = 1
 
     def __post_init__(self):
-        for name in ("tp", "ep", "pp", "ep_tp"):
+        for name in ("tp", "ep", "pp", "ep_tp", "dp"):
             size, rank = getattr(self, f"{name}_size"), getattr(self, f"{name}_rank")
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(f"{name} must be a positive int, got {size!r}")
@@ -213,27 +218,29 @@ def _env_int(name: str) -> int | None:
         raise ValueError(f"environment variable {name}={v!r} is not an int") from None
 
 
-def init_parallel(tp: int | None = None, backend: str = "gloo", *, ep: int = 1, pp: int = 1, rank: int | None = None,
+def init_parallel(tp: int | None = None, backend: str = "gloo", *, ep: int = 1, pp: int = 1, dp: int = 1,
+                  rank: int | None = None,
                   world_size: int | None = None, init_method: str | None = None, local_rank: int | None = None,
                   port: int | None = None) -> ParallelState:
     """Join the job's process group and return this process's :class:`ParallelState` (also kept as
     :func:`current`).
 
     ``rank``, ``world_size`` and ``local_rank`` default to torchrun's ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``
-    (and to a job of ``pp · max(tp, ep)`` processes when those are unset); ``init_method`` to ``env://`` when
+    (and to a job of ``pp · max(tp · dp, ep)`` processes when those are unset); ``init_method`` to ``env://`` when
     ``MASTER_ADDR`` is set, else ``tcp://127.0.0.1:<port>`` (``port``, ``MASTER_PORT`` or 29500). ``pp`` must divide
-    the world size; ``tp`` defaults to a stage's ranks and must divide them; ``ep`` must divide them too.
+    the world size; ``tp`` defaults to a stage's ranks over ``dp`` and must divide them; ``ep`` must divide them too;
+    ``dp > 1`` (attention data parallelism) takes one stage of exactly ``tp · dp`` ranks and ``ep`` 1 or all of them.
     A single process joins no group at all. Impossible layouts stop here with a ``ValueError`` naming the setting."""
     global _current
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
-    for name, v in (("tp", tp), ("ep", ep), ("pp", pp)):
+    for name, v in (("tp", tp), ("ep", ep), ("pp", pp), ("dp", dp)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ValueError(f"{name} must be a positive int, got {v!r}")
     world = world_size if world_size is not None else _env_int("WORLD_SIZE")
-    world = world if world is not None else pp * max(tp or 1, ep)
-    tp = world // pp if tp is None else tp  # a world that pp does not divide is refused below
-    check_layout(tp, ep, world, pp)
+    world = world if world is not None else pp * max((tp or 1) * dp, ep)
+    tp = max(1, world // pp // dp) if tp is None else tp  # a world that pp does not divide is refused below
+    check_layout(tp, ep, world, pp, dp)
     rank = rank if rank is not None else (_env_int("RANK") or 0)
     if not 0 <= rank < world:
         raise ValueError(f"rank={rank} is outside [0, world_size={world})")
@@ -280,7 +287,8 @@ def init_parallel(tp: int | None = None, backend: str = "gloo", *, ep: int = 1, 
         for j in range(G):
             pp_group = group(list(range(j, world, G))) or pp_group
     _current = ParallelState(rank % tp, tp, tp_group, backend, device, (rank % G) // etp if ep > 1 else 0, ep, ep_group,
-                             rank, world, 0, rank // G, pp, pp_group, rank % etp, etp, etp_group)
+                             rank, world, 0, rank // G, pp, pp_group, rank % etp, etp, etp_group,
+                             dp_rank=(rank % G) // tp if dp > 1 else 0, dp_size=dp)
     return _current
 
 
@@ -290,11 +298,19 @@ def expert_tp_ranks(ep: int, stage: int) -> int:
     return stage // ep if 1 < ep < stage else 1
 
 
-def check_layout(tp: int, ep: int, world: int, pp: int = 1) -> None:
+def check_layout(tp: int, ep: int, world: int, pp: int = 1, dp: int = 1) -> None:
     """The ``ValueError`` naming the setting for a layout the engine cannot run."""
     if world % pp:
         raise ValueError(f"pp={pp} does not divide world_size={world}: every stage has the same number of ranks")
     stage, what = world // pp, "world_size" if pp == 1 else "world_size/pp"
+    if dp > 1:
+        if pp > 1:
+            raise ValueError(f"dp={dp} with pp={pp}: attention data parallelism runs in one pipeline stage (pp=1)")
+        if tp * dp != stage:
+            raise ValueError(f"dp={dp} replicas of tp={tp} ranks are {tp * dp} ranks, not world_size={stage}")
+        if ep not in (1, stage):
+            raise ValueError(f"ep={ep} with dp={dp}: attention data parallelism takes ep=1 (each replica holds every "
+                             f"expert) or ep=tp·dp={stage} (the experts spread over every rank)")
     if stage % tp:
         raise ValueError(f"tp={tp} does not divide {what}={stage}: every rank belongs to one tp group")
     if stage % ep:

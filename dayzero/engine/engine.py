@@ -81,6 +81,9 @@ class EngineConfig:
     # a stage's ranks G in between (each expert's width split over G / ep ranks)
     ep: int = 1
     pp: int = 1  # pipeline stages
+    # attention data parallelism: dp replicas of tp ranks, each holding sequences of its own (one stage; ep 1 or
+    # tp·dp); the driver gives each request to the replica with the fewest
+    dp: int = 1
     # eager steps of several sequences run as up to this many micro-batches (of at least 32 rows), so pipeline
     # stages overlap (0: twice the stages under pp, whole steps without; 1: whole steps)
     pp_micro_batches: int = 0
@@ -88,7 +91,7 @@ class EngineConfig:
     distributed_port: int | None = None  # None: a free port (torchrun's MASTER_PORT wins)
 
     def __post_init__(self):
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tp", "ep", "pp"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tp", "ep", "pp", "dp"):
             v = getattr(self, name)
             if v is None and name == "block_size":
                 continue
@@ -144,8 +147,9 @@ class EngineConfig:
 class LLMEngine:
     def __init__(self, config: EngineConfig, parallel: ParallelState = SINGLE):
         """``parallel``: this process's rank of a multi-process job (:func:`dayzero.distributed.init_parallel`);
-        every rank builds the engine with the same config and is given the same requests, loads only its slices
-        of the weights, and samples the same tokens from the gathered logits."""
+        every rank builds the engine with the same config and is given the same requests (those of its replica,
+        under attention data parallelism), loads only its slices of the weights, and samples the same tokens from
+        the gathered logits."""
         self.config = config
         if config.num_redundant_experts:
             parallel = dataclasses.replace(parallel, redundant_experts=config.num_redundant_experts)
@@ -340,6 +344,8 @@ class LLMEngine:
         prev, self._inflight = self._inflight, None
         scheduled = self.scheduler.schedule()
         if not scheduled:
+            if self.parallel.dp_size > 1 and self.parallel.ep_size > 1:
+                self._idle_step()
             if prev is not None:
                 return self._resolve(prev)
             if self.scheduler.has_work():
@@ -382,6 +388,17 @@ class LLMEngine:
         if out is not None and not self.async_scheduling:
             outputs = self._resolve(sampled)
         return outputs
+
+    def _idle_step(self) -> None:
+        """Attention data parallelism: a step with nothing of this replica's to run still meets the other
+        replicas in every MoE layer's expert exchange, and counts as a step (a rebalance comes at the same step
+        on every rank)."""
+        self.num_steps += 1
+        if self.config.eplb_interval and self.num_steps % self.config.eplb_interval == 0:
+            self.rebalance_experts()
+        with torch.inference_mode():
+            for m in self.moe_layers:
+                m.idle(self.dtype)
 
     def _commit(self, scheduled) -> None:
         """The step's full blocks join the prefix cache and its snapshot points copy the states out, queued

@@ -1,4 +1,4 @@
-"""Starting an engine of ``pp`` stages of ``max(tp, ep)`` ranks: one process per rank, rank 0 the calling process.
+"""Starting an engine of ``pp`` stages of ``max(tp · dp, ep)`` ranks: one process per rank, rank 0 the calling process.
 
 On one host the other ranks are spawned here (``multiprocessing`` spawn, a pipe to each) and meet on
 ``distributed_host:distributed_port`` (loopback and a free port by default). Under torchrun (``RANK`` and
@@ -33,6 +33,7 @@ class Layout:
     tp: int
     ep: int
     pp: int
+    dp: int
     world: int
     backend: str  # "nccl" on CUDA devices, else "gloo"
     rank: int | None  # this process's rank under torchrun; None: this process starts the others
@@ -49,8 +50,8 @@ def torchrun_rank() -> int | None:
 def plan_layout(config: EngineConfig) -> Layout:
     """The job ``config`` asks for, or the ``ValueError`` naming the setting that cannot run here."""
     rank = torchrun_rank()
-    world = int(os.environ["WORLD_SIZE"]) if rank is not None else config.pp * max(config.tp, config.ep)
-    check_layout(config.tp, config.ep, world, config.pp)
+    world = int(os.environ["WORLD_SIZE"]) if rank is not None else config.pp * max(config.tp * config.dp, config.ep)
+    check_layout(config.tp, config.ep, world, config.pp, config.dp)
     device = resolve_device(config.device)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if rank is not None else world
     if world > 1 and device.type == "cuda":
@@ -63,7 +64,8 @@ def plan_layout(config: EngineConfig) -> Layout:
             raise ValueError(f"tp={config.tp}, ep={config.ep}, pp={config.pp}: {local} ranks on this host need one "
                              "CUDA device each, "
                              f"it has {n} (CUDA_VISIBLE_DEVICES chooses them)")
-    return Layout(config.tp, config.ep, config.pp, world, "nccl" if device.type == "cuda" else "gloo", rank, local)
+    return Layout(config.tp, config.ep, config.pp, config.dp, world, "nccl" if device.type == "cuda" else "gloo", rank,
+                  local)
 
 
 def check_model_layout(config: EngineConfig, layout: Layout) -> None:
@@ -77,7 +79,7 @@ def check_model_layout(config: EngineConfig, layout: Layout) -> None:
     for stage in range(layout.pp):  # each stage holds other layers: each may refuse its own
         build_model(spec, torch.float32, "meta", ParallelState(
             0, layout.tp, ep_rank=0, ep_size=layout.ep, pp_rank=stage, pp_size=layout.pp,
-            redundant_experts=config.num_redundant_experts, ep_tp_size=etp))
+            redundant_experts=config.num_redundant_experts, ep_tp_size=etp, dp_size=layout.dp))
 
 
 def rank_config(config: EngineConfig, layout: Layout, local_rank: int) -> EngineConfig:
@@ -126,7 +128,7 @@ def _spawn(config: EngineConfig, layout: Layout) -> EngineDriver:
 
     host = config.distributed_host
     port = config.distributed_port or _free_port(host)
-    join = dict(tp=layout.tp, ep=layout.ep, pp=layout.pp, backend=layout.backend, world_size=layout.world,
+    join = dict(tp=layout.tp, ep=layout.ep, pp=layout.pp, dp=layout.dp, backend=layout.backend, world_size=layout.world,
                 init_method=f"tcp://{f'[{host}]' if ':' in host else host}:{port}")
     ctx = mp.get_context("spawn")  # a fresh interpreter: no forked CUDA context, threads or locks
 
@@ -155,7 +157,7 @@ def _local_rank(rank: int) -> int:
 
 
 def _torchrun_driver(config: EngineConfig, layout: Layout) -> EngineDriver:
-    state = init_parallel(tp=layout.tp, ep=layout.ep, pp=layout.pp, backend=layout.backend)
+    state = init_parallel(tp=layout.tp, ep=layout.ep, pp=layout.pp, dp=layout.dp, backend=layout.backend)
 
     def connect(ranks: list[Rank]) -> list[int]:
         key = os.urandom(32)
@@ -179,7 +181,7 @@ def _torchrun_driver(config: EngineConfig, layout: Layout) -> EngineDriver:
 def _torchrun_worker(config: EngineConfig, layout: Layout) -> None:
     from dayzero.engine import worker_main
 
-    state = init_parallel(tp=layout.tp, ep=layout.ep, pp=layout.pp, backend=layout.backend)
+    state = init_parallel(tp=layout.tp, ep=layout.ep, pp=layout.pp, dp=layout.dp, backend=layout.backend)
     port, key = broadcast_object()
     conn = Client((os.environ.get("MASTER_ADDR", config.distributed_host), port), authkey=key)
     conn.send((layout.rank, _local_rank(layout.rank)))

@@ -38,8 +38,10 @@ class LLM:
     ``host_cache_gib`` of pinned host memory keep the prefix-cache blocks and snapshots the device evicts, for
     later hits.
 
-    ``pp`` pipeline stages of ``max(tp, ep)`` ranks (``tp`` tensor-parallel, ``ep`` expert-parallel: 1, every
-    rank of a stage, or a divisor of them, each expert's width then split over the stage's ranks / ep; ``num_redundant_experts`` and ``eplb_interval`` balance the experts; ``pp_micro_batches``:
+    ``pp`` pipeline stages of ``max(tp · dp, ep)`` ranks (``tp`` tensor-parallel, ``ep`` expert-parallel: 1, every
+    rank of a stage, or a divisor of them, each expert's width then split over the stage's ranks / ep; ``dp``
+    replicas of tp ranks that each hold sequences of their own (attention data parallelism: one stage, ep 1 or
+    tp · dp); ``num_redundant_experts`` and ``eplb_interval`` balance the experts; ``pp_micro_batches``:
     the parts a step of several sequences is cut into so the stages overlap, 0: two per stage) run one process each: this one is rank 0, the
     others are spawned on this host and meet on ``distributed_host:distributed_port`` (loopback and a free port
     by default), or, under torchrun, are the job's other processes, where ``LLM(...)`` does not return but serves
@@ -80,6 +82,7 @@ class LLM:
         tp: int = 1,
         ep: int = 1,
         pp: int = 1,
+        dp: int = 1,
         pp_micro_batches: int = 0,
         num_redundant_experts: int = 0,
         eplb_interval: int = 0,
@@ -95,7 +98,7 @@ class LLM:
             cuda_graph_prefill_tokens=cuda_graph_prefill_tokens, cache_memory_fraction=cache_memory_fraction, num_threads=num_threads,
             enable_prefix_caching=enable_prefix_caching, prefix_snapshot_interval=prefix_snapshot_interval,
             num_prefix_snapshots=num_prefix_snapshots, async_scheduling=async_scheduling, host_cache_gib=host_cache_gib,
-            tp=tp, ep=ep, pp=pp, pp_micro_batches=pp_micro_batches, num_redundant_experts=num_redundant_experts,
+            tp=tp, ep=ep, pp=pp, dp=dp, pp_micro_batches=pp_micro_batches, num_redundant_experts=num_redundant_experts,
             eplb_interval=eplb_interval,
             distributed_host=distributed_host, distributed_port=distributed_port,
         ))

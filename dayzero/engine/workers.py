@@ -7,6 +7,12 @@ runs rank 0's step, then reads each rank's digest of its outputs, which must equ
 (``requests``, ``tokenizer``, ``cache_plan``, ...) and the methods in ``READS`` read rank 0's engine alone; any
 other engine method is refused, so that a new call that changes state cannot skip the other ranks unseen.
 
+Under attention data parallelism (``dp > 1``) the ranks form ``dp`` replicas of ``tp`` consecutive ranks, and
+each replica holds requests of its own: the driver gives a new request to the replica with the fewest unfinished
+ones (checking it on rank 0 first, so a bad request is refused before any rank sees it), replays it to that
+replica's ranks alone, and every step takes the outputs of each other replica from its first rank, whose ranks'
+digests must equal its own. A replica with nothing to run still steps, to serve the others' expert exchanges.
+
 A rank that dies or fails ends the engine: the ranks could no longer run the same steps. The driver finds out
 while it waits for replies (a spawned worker's process sentinel, a closed connection, a timeout), or from the
 collective it is in (Gloo raises once a peer's connection closes), or, while idle, from a monitor thread that
@@ -19,8 +25,10 @@ import signal
 import threading
 import time
 import weakref
+from collections import ChainMap
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -28,7 +36,7 @@ import torch
 from dayzero.distributed import destroy_parallel
 
 MIRRORED = ("add_request", "abort")  # the calls a step message replays before the step
-READS = ("check_request", "has_unfinished", "stats", "cache_usage", "expert_load")  # change nothing: rank 0 alone
+READS = ("check_request", "cache_usage", "expert_load")  # change nothing: rank 0 alone
 STEP_TIMEOUT = 60.0  # seconds a rank may lag rank 0 at the end of a step (they meet in its collectives)
 EXPLAIN_TIMEOUT = 5.0  # seconds to wait for the other ranks' news once rank 0 itself failed
 STARTUP_TIMEOUT = 600.0  # seconds the other ranks may take to build their engines after rank 0 built its own
@@ -153,7 +161,10 @@ class EngineDriver:
         self.ranks = ranks
         self.failure: str | None = None
         self.num_steps = 0
-        self._calls: list[tuple] = []  # mirrored since the last step
+        self._calls: list[tuple] = []  # (replica, call) mirrored since the last step
+        self.tp = self.dp = 1  # the replicas' layout, once rank 0's engine is built
+        self.home: dict[str, int] = {}  # attention data parallelism: each unfinished request's replica
+        self._remote: dict[str, list] = {}  # ... and, for those outside replica 0, what `requests` tells of them
         self._life = _Life(ranks)
         self._finalizer = weakref.finalize(self, _shutdown, self._life)  # close(), garbage or interpreter exit
 
@@ -177,6 +188,7 @@ class EngineDriver:
         state = self._while_watched(join)
         try:
             self.engine = build(state)
+            self.tp, self.dp = state.tp_size, state.dp_size
         except Exception as e:
             if isinstance(e, ValueError):  # a setting rank 0 refused: every rank refuses it alike
                 raise
@@ -204,20 +216,56 @@ class EngineDriver:
             raise box["error"]
         return box["value"]
 
+    # --- reads ---------------------------------------------------------------------------------------------
+    def replica(self, rank: int) -> int:
+        """The replica (tp group) ``rank`` belongs to: 0 for every rank without attention data parallelism."""
+        return rank // self.tp if self.dp > 1 else 0
+
+    @property
+    def requests(self):
+        """Every unfinished request by id: rank 0's engine's, and under attention data parallelism the other
+        replicas' (each a list of one stand-in giving its prompt's token count)."""
+        return ChainMap(self.engine.requests, self._remote) if self.dp > 1 else self.engine.requests
+
+    def has_unfinished(self) -> bool:
+        return bool(self.home) or self.engine.has_unfinished()
+
+    def stats(self) -> dict:
+        """Rank 0's engine's counters; under attention data parallelism, queues and cache are replica 0's, and
+        ``replica_requests`` counts each replica's unfinished requests."""
+        out = self.engine.stats()
+        if self.dp > 1:
+            out["replica_requests"] = [list(self.home.values()).count(d) for d in range(self.dp)]
+        return out
+
     # --- mirrored calls -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params, prompt: str | None = None,
                     delta: bool = False, images: list | None = None):
         self._check()
-        self.engine.add_request(request_id, prompt_token_ids, params, prompt=prompt, delta=delta, images=images)
-        # every rank runs the tower on the same images (Pillow images and bytes pickle)
-        self._calls.append(("add_request", (request_id, list(prompt_token_ids), params),
-                            {"delta": delta, "images": images}))
+        d = 0
+        if self.dp > 1:
+            if request_id in self.home:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            load = [list(self.home.values()).count(i) for i in range(self.dp)]
+            d = load.index(min(load))
+        if d == 0:
+            self.engine.add_request(request_id, prompt_token_ids, params, prompt=prompt, delta=delta, images=images)
+        else:  # refused here as the replica would refuse it; its images are prepared again there
+            ids, _ = self.engine._with_images(list(prompt_token_ids), list(images or []))
+            self.engine.check_request(ids, params)
+            self._remote[request_id] = [SimpleNamespace(num_prompt_tokens=len(ids))]
+        if self.dp > 1:
+            self.home[request_id] = d
+        # every rank of the replica runs the tower on the same images (Pillow images and bytes pickle)
+        self._calls.append((d, ("add_request", (request_id, list(prompt_token_ids), params),
+                                {"delta": delta, "images": images})))
 
     def abort(self, request_id: str) -> bool:
         """Also after a failure (rank 0 alone then), so that callers can always clean up."""
-        done = self.engine.abort(request_id)
+        d = self.home.pop(request_id, 0)
+        done = self._remote.pop(request_id, None) is not None if d else self.engine.abort(request_id)
         if done and self.failure is None:
-            self._calls.append(("abort", (request_id,), {}))
+            self._calls.append((d, ("abort", (request_id,), {})))
         return done
 
     def step(self):
@@ -225,10 +273,10 @@ class EngineDriver:
         self.num_steps += 1
         what = f"step {self.num_steps}"
         calls, self._calls = self._calls, []
-        message = ("step", calls, rng_state(self.engine.device))
+        rng = rng_state(self.engine.device)
         for r in self.ranks:
             try:
-                r.conn.send(message)
+                r.conn.send(("step", [c for d, c in calls if d == self.replica(r.rank)], rng))
             except OSError:
                 raise self._fail(r.ended()) from None
         try:
@@ -241,10 +289,16 @@ class EngineDriver:
         except BaseException:  # also Ctrl-C: a step left half done here cannot be brought back in step
             self._fail(f"rank 0 was interrupted in {what}")  # nothing new when a failure is already recorded
             raise
-        mine = digest(outputs)
-        for r, theirs in zip(self.ranks, replies):
-            if theirs != mine:
-                raise self._fail(f"rank {r.rank} decided otherwise than rank 0 in {what} ({theirs} against {mine})")
+        first = {0: (0, digest(outputs))}  # replica -> (its first rank, that rank's digest)
+        for r, (theirs, outs) in zip(self.ranks, replies):
+            lead, want = first.setdefault(self.replica(r.rank), (r.rank, theirs))
+            if theirs != want:
+                raise self._fail(f"rank {r.rank} decided otherwise than rank {lead} in {what} ({theirs} against {want})")
+            outputs += outs or []
+        for o in outputs if self.dp > 1 else ():
+            if o.finished:
+                self.home.pop(o.request_id, None)
+                self._remote.pop(o.request_id, None)
         return outputs
 
     def on_failure(self, listener: Callable[[str], None]) -> None:

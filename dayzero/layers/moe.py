@@ -33,7 +33,8 @@ from torch import nn
 
 from dayzero import ops
 from dayzero.config.spec import MLPSpec, MoESpec
-from dayzero.distributed import SINGLE, ParallelState, divide, ep_all_gather, ep_all_to_all, etp_all_reduce
+from dayzero.distributed import (SINGLE, ParallelState, divide, ep_all_gather, ep_all_to_all, etp_all_reduce,
+                                 tp_all_gather)
 from dayzero.layers.expert_placement import balanced_placement, initial_placement, move_experts, replica_table
 from dayzero.layers.fused import fuse, project
 from dayzero.layers.mlp import MLP
@@ -221,13 +222,35 @@ class MoE(nn.Module):
     def _routed_ep(self, x, h, w1, w2, batch) -> torch.Tensor:
         """:meth:`_routed` with the experts spread over the ep ranks: this rank routes its share of the tokens,
         sends each pair's row to the rank holding (a copy of) its expert and gets the outputs back, then the
-        shares are gathered."""
-        p, k = self.parallel, self.spec.top_k
-        ep, r, S = p.ep_size, p.ep_rank, len(self.slot_expert) // p.ep_size
+        shares are gathered. The ranks that hold the same tokens share them out: the expert group, or under
+        attention data parallelism (where each replica holds its own) the tp group."""
+        p = self.parallel
+        r, n = (p.tp_rank, p.tp_size) if p.dp_size > 1 else (p.ep_rank, p.ep_size)
         T = x.shape[0]
-        per = -(-T // ep)
+        per = -(-T // n)
         rows = slice(min(r * per, T), min((r + 1) * per, T))
         weights, ids = self._route(x[rows], batch, rows)  # [t, k] logical experts
+        y = self._exchange(h[rows], weights, ids, w1, w2)  # [t, L]
+        y = torch.nn.functional.pad(y, (0, 0, 0, per - y.shape[0]))
+        y = tp_all_gather(y, p, dim=0)[:T] if p.dp_size > 1 else torch.cat(ep_all_gather(y, p))[:T]
+        return etp_all_reduce(y, p) if self.expert_tp else y  # 1 < ep < G: the width slices' partial sums
+
+    def idle(self, dtype: torch.dtype) -> None:
+        """A step in which this rank's replica holds no tokens (attention data parallelism): its experts still
+        serve the pairs the other replicas route to them."""
+        w1, w2 = self._expert_weights()
+        k, dev = self.spec.top_k, self.load_ends.device
+        self._exchange(torch.empty(0, self.spec.latent_size or self.gate.in_features, dtype=dtype, device=dev),
+                       torch.empty(0, k, dtype=torch.float32, device=dev), torch.empty(0, k, dtype=torch.long, device=dev),
+                       w1, w2)
+        if self.packed:
+            self.workspace.release(self)
+
+    def _exchange(self, h, weights, ids, w1, w2) -> torch.Tensor:
+        """The weighted sums [t, L] of this rank's pairs (rows ``h`` [t, L], their experts ``ids`` [t, k]): each
+        pair's row goes to the ep rank holding (a copy of) its expert, and its output comes back."""
+        p, k = self.parallel, self.spec.top_k
+        ep, r, S = p.ep_size, p.ep_rank, len(self.slot_expert) // p.ep_size
         if p.redundant_experts:  # the j-th pair of an expert goes to its copy j mod copies
             nth = torch.arange(ids.numel(), device=ids.device).view_as(ids)
             slots = self.replicas[ids, nth % self.copies[ids]]
@@ -237,21 +260,31 @@ class MoE(nn.Module):
         ends = offsets.long()
         counts = torch.diff(ends, prepend=ends.new_zeros(1))  # [ep·S]
         table = torch.stack(ep_all_gather(counts, p))  # [ep, ep·S]: pairs each rank routes to each slot
-        load = torch.zeros(self.spec.n_experts, dtype=torch.int64, device=x.device)
+        load = torch.zeros(self.spec.n_experts, dtype=torch.int64, device=h.device)
         self.load_ends += load.index_add_(0, self.slot_of, table.sum(0)).cumsum(0)
         per_rank = table.view(ep, ep, S).sum(-1)  # [source, destination]
         send, recv = per_rank[r].tolist(), per_rank[:, r].tolist()  # the host read of the split sizes
-        got = ep_all_to_all(h[rows][order // k], send, recv, p)  # [R, L] rows for this rank's slots
+        got = ep_all_to_all(h[order // k], send, recv, p)  # [R, L] rows for this rank's slots
         mine = table[:, r * S:(r + 1) * S].reshape(-1)  # rows per (source, local slot), in arrival order
-        local = torch.repeat_interleave(torch.arange(S, device=x.device).repeat(ep), mine)  # [R]
+        local = torch.repeat_interleave(torch.arange(S, device=h.device).repeat(ep), mine)  # [R]
         order2, offsets2 = ops.call("moe_permute", local[:, None], S)
         out = torch.empty_like(got)
         out[order2] = self._experts(got, offsets2, order2, 1, w1, w2)  # back in arrival order
         home = ep_all_to_all(out, recv, send, p)  # [t*k, L] this rank's pairs, in its slot order
-        y = ops.call("moe_unpermute", home, order, weights, rows.stop - rows.start)  # [t, L]
-        y = torch.nn.functional.pad(y, (0, 0, 0, per - y.shape[0]))
-        y = torch.cat(ep_all_gather(y, p))[:T]
-        return etp_all_reduce(y, p) if self.expert_tp else y  # 1 < ep < G: the width slices' partial sums
+        return ops.call("moe_unpermute", home, order, weights, h.shape[0])  # [t, L]
+
+    def _expert_weights(self) -> tuple:
+        """(w1, w2) as the expert ops take them; packed MXFP4 experts are converted (or taken converted) into
+        the workspace, which the caller releases."""
+        if self.packed:
+            if self.workspace is None:
+                raise RuntimeError("packed MXFP4 experts need an ExpertWorkspace (attach_workspace)")
+            w1, w2 = self.workspace.acquire(self)
+            self.workspace.prefetch(self.next_moe)
+            return w1, w2
+        if self.fp8:
+            return TileScaled(self.w1, self.w1_scale_inv), TileScaled(self.w2, self.w2_scale_inv)
+        return self.w1, self.w2
 
     def _shared_in_up_projection(self, fused: dict) -> bool:
         """Whether the LatentMoE up-projection and the shared expert's activation and down projection can run as
@@ -272,15 +305,7 @@ class MoE(nn.Module):
         h = x  # [T, L]
         if self.latent:
             h = fused["fc1_latent_proj"] if fused else self.fc1_latent_proj(x)
-        if self.packed:
-            if self.workspace is None:
-                raise RuntimeError("packed MXFP4 experts need an ExpertWorkspace (attach_workspace)")
-            w1, w2 = self.workspace.acquire(self)
-            self.workspace.prefetch(self.next_moe)
-        elif self.fp8:
-            w1, w2 = TileScaled(self.w1, self.w1_scale_inv), TileScaled(self.w2, self.w2_scale_inv)
-        else:
-            w1, w2 = self.w1, self.w2
+        w1, w2 = self._expert_weights()
         y = self._routed(x, h, w1, w2, batch) if self.parallel.ep_size == 1 else self._routed_ep(x, h, w1, w2, batch)
         if self.packed:
             self.workspace.release(self)

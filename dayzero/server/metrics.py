@@ -70,6 +70,12 @@ class _EngineCollector:
         for (kind, mode), n in sorted((s.get("model_steps") or {}).items()):
             steps.add_metric([kind, mode], n)
         yield steps
+        if "replica_requests" in s:  # attention data parallelism: rank 0's queues above are replica 0's
+            g = GaugeMetricFamily("dayzero_replica_requests", "Unfinished requests on each attention data-parallel "
+                                  "replica (a new request goes to the one with the fewest)", labels=["replica"])
+            for d, n in enumerate(s["replica_requests"]):
+                g.add_metric([str(d)], n)
+            yield g
         yield from _expert_families(s.get("expert_load") or {}, s.get("ep_size", 1))
 
 

@@ -81,9 +81,10 @@ def layouts(costs: ModelCosts, n: int) -> list[Layout]:
 def engine_gap(lay: Layout) -> str | None:
     """Why dayzero's engine cannot run ``lay`` yet, or None when it can (``check_layout``'s rules): the plan
     models every layout worth considering, the engine runs a subset of them today."""
-    if lay.dp > 1:
-        return (f"attention data parallelism (dp={lay.dp}) is not built: the engine's tp groups within a stage are "
-                f"replicas that all hold every sequence")
+    if lay.dp > 1 and lay.pp > 1:
+        return f"attention data parallelism (dp={lay.dp}) runs in one pipeline stage (pp=1)"
+    if lay.dp > 1 and lay.ep not in (1, lay.tp * lay.dp):
+        return f"attention data parallelism (dp={lay.dp}) takes ep=1 or ep=tp·dp={lay.tp * lay.dp}"
     return None
 
 
