@@ -52,15 +52,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(fn, *args, tp: int = TP, ep: int = 1, pp: int = 1) -> None:
-    """Run ``fn(state, *args)`` in ``pp · max(tp, ep)`` fresh processes joined by Gloo on a free loopback port."""
-    world = pp * max(tp, ep)
-    mp.spawn(_rank_main, args=(tp, ep, pp, world, free_port(), fn, args), nprocs=world, join=True)
+def spawn(fn, *args, tp: int = TP, ep: int = 1, pp: int = 1, dp: int = 1) -> None:
+    """Run ``fn(state, *args)`` in ``pp · max(tp · dp, ep)`` fresh processes joined by Gloo on a free loopback port."""
+    world = pp * max(tp * dp, ep)
+    mp.spawn(_rank_main, args=(tp, ep, pp, dp, world, free_port(), fn, args), nprocs=world, join=True)
 
 
-def _rank_main(rank: int, tp: int, ep: int, pp: int, world: int, port: int, fn, args) -> None:
+def _rank_main(rank: int, tp: int, ep: int, pp: int, dp: int, world: int, port: int, fn, args) -> None:
     torch.set_num_threads(1 if world > 2 else 2)
-    state = init_parallel(tp=tp, ep=ep, pp=pp, backend="gloo", rank=rank, world_size=world, port=port)
+    state = init_parallel(tp=tp, ep=ep, pp=pp, dp=dp, backend="gloo", rank=rank, world_size=world, port=port)
     try:
         fn(state, *args)
         # Every rank past its last collective before any leaves: a rank tearing Gloo down while a peer's last
