@@ -488,12 +488,15 @@ class LLMEngine:
         if self.moe_layers and (now - self._load_read[0] >= 1.0 or idle):
             self._load_read = (now, dict(zip(self.moe_layer_index, self.expert_load())))
         return {
-            "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-            "preemptions": self.scheduler.num_preemptions, "aborts": self.num_aborted, **self.cache.usage(),
-            "expert_load": self._load_read[1], "ep_size": self.parallel.ep_size,
+            **self.counters(), "expert_load": self._load_read[1], "ep_size": self.parallel.ep_size,
             "model_steps": dict(self.runner.step_counts),
             **(self.images.stats() if self.images is not None else {"encoder_runs": 0, "encoder_cache_hits": 0}),
         }
+
+    def counters(self) -> dict[str, int]:
+        """The host-side counts of :meth:`stats` (queues, cache use, preemptions, aborts): cheap, no device read."""
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "preemptions": self.scheduler.num_preemptions, "aborts": self.num_aborted, **self.cache.usage()}
 
     def rebalance_experts(self) -> int:
         """Recompute every expert-parallel MoE layer's placement from the loads since the last rebalance and

@@ -1,6 +1,6 @@
 """A rank other than 0 of a multi-process engine: build the engine rank 0 asks for, then replay rank 0's calls
 step by step (:mod:`dayzero.engine.workers` describes the messages) until rank 0 closes it or goes away. The
-first rank of each replica but rank 0's (attention data parallelism) also sends its outputs.
+first rank of each replica but rank 0's (attention data parallelism) also sends its outputs and counters.
 
 A rank that fails sends its error to rank 0 and exits at once: it may have left rank 0 inside a collective,
 which only its exit ends.
@@ -64,7 +64,7 @@ def run(conn: Connection, rank: int, state: ParallelState) -> None:
             outputs = engine.step()
         except Exception as e:
             _failed(conn, rank, f"step {steps}", e)
-        conn.send(("done", (digest(outputs), outputs if lead else None)))
+        conn.send(("done", (digest(outputs), (outputs, engine.counters()) if lead else None)))
     destroy_parallel()
     sys.exit(0)
 

@@ -10,8 +10,8 @@ other engine method is refused, so that a new call that changes state cannot ski
 Under attention data parallelism (``dp > 1``) the ranks form ``dp`` replicas of ``tp`` consecutive ranks, and
 each replica holds requests of its own: the driver gives a new request to the replica with the fewest unfinished
 ones (checking it on rank 0 first, so a bad request is refused before any rank sees it), replays it to that
-replica's ranks alone, and every step takes the outputs of each other replica from its first rank, whose ranks'
-digests must equal its own. A replica with nothing to run still steps, to serve the others' expert exchanges.
+replica's ranks alone, and every step takes the outputs and counters of each other replica from its first rank,
+whose ranks' digests must equal its own. A replica with nothing to run still steps, to serve the others' expert exchanges.
 
 A rank that dies or fails ends the engine: the ranks could no longer run the same steps. The driver finds out
 while it waits for replies (a spawned worker's process sentinel, a closed connection, a timeout), or from the
@@ -165,6 +165,7 @@ class EngineDriver:
         self.tp = self.dp = 1  # the replicas' layout, once rank 0's engine is built
         self.home: dict[str, int] = {}  # attention data parallelism: each unfinished request's replica
         self._remote: dict[str, list] = {}  # ... and, for those outside replica 0, what `requests` tells of them
+        self._counters: dict[int, dict] = {}  # each other replica's LLMEngine.counters() after its last step
         self._life = _Life(ranks)
         self._finalizer = weakref.finalize(self, _shutdown, self._life)  # close(), garbage or interpreter exit
 
@@ -231,10 +232,14 @@ class EngineDriver:
         return bool(self.home) or self.engine.has_unfinished()
 
     def stats(self) -> dict:
-        """Rank 0's engine's counters; under attention data parallelism, queues and cache are replica 0's, and
-        ``replica_requests`` counts each replica's unfinished requests."""
+        """Rank 0's engine's stats; under attention data parallelism the counts (queues, cache, preemptions,
+        aborts) are summed over the replicas (the others' as of their last step), and ``replica_requests`` counts
+        each replica's unfinished requests."""
         out = self.engine.stats()
         if self.dp > 1:
+            for counters in self._counters.values():
+                for k, v in counters.items():
+                    out[k] += v
             out["replica_requests"] = [list(self.home.values()).count(d) for d in range(self.dp)]
         return out
 
@@ -290,11 +295,13 @@ class EngineDriver:
             self._fail(f"rank 0 was interrupted in {what}")  # nothing new when a failure is already recorded
             raise
         first = {0: (0, digest(outputs))}  # replica -> (its first rank, that rank's digest)
-        for r, (theirs, outs) in zip(self.ranks, replies):
+        for r, (theirs, led) in zip(self.ranks, replies):
             lead, want = first.setdefault(self.replica(r.rank), (r.rank, theirs))
             if theirs != want:
                 raise self._fail(f"rank {r.rank} decided otherwise than rank {lead} in {what} ({theirs} against {want})")
-            outputs += outs or []
+            if led is not None:  # the first rank of another replica
+                outputs += led[0]
+                self._counters[self.replica(r.rank)] = led[1]
         for o in outputs if self.dp > 1 else ():
             if o.finished:
                 self.home.pop(o.request_id, None)

@@ -6,7 +6,7 @@ of their own, and meet only in the routed experts' exchange.
   model) and with redundant experts rebalanced every two steps, the greedy tokens and logprobs equal one
   process's. The prompts end at different steps, so one replica runs steps with nothing of its own.
 - Requests go to the replica with the fewest unfinished ones; a request the engine refuses is refused before any
-  rank sees it, and leaves the replicas as they were.
+  rank sees it, and leaves the replicas as they were; the stats sum the replicas' queues and caches.
 - ``dayzero serve --dp 2 --ep 2`` answers a request of three prompts (two replicas compute them) alike, and
   ``/metrics`` counts each replica's requests.
 - A rank of the other replica killed mid-run fails the requests of both replicas within seconds, naming it.
@@ -120,6 +120,10 @@ def test_requests_go_to_the_emptier_replica_and_refusals_change_nothing(models):
         engine.add_request("r3", [7, 8, 9], params)
         engine.add_request("r4", [7, 8, 9], params)
         assert engine.home == {"r3": 0, "r4": 1}
+        engine.step()  # prefill both: the counters sum the replicas'
+        stats, mine = engine.stats(), engine.engine.stats()
+        assert stats["running"] == 2 and mine["running"] == 1
+        assert stats["blocks_total"] == 2 * mine["blocks_total"] and stats["aborts"] == mine["aborts"] + 1  # r1
         outs = {}
         while engine.has_unfinished():
             outs |= {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
