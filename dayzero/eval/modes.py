@@ -58,6 +58,8 @@ MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("no-prefix", "the prefix cache off", {"enable_prefix_caching": False}),
     Mode("tp2", "tensor parallel over two ranks (Gloo on CPUs, NCCL on GPUs)", {"tp": 2}),
     Mode("ep2", "the routed experts spread over two ranks", {"ep": 2}),
+    Mode("dp2", "attention data parallel over two replicas (each its own sequences), the experts over both",
+         {"dp": 2, "ep": 2}),
     Mode("async", "each step queued before the host reads the last one's samples", {"async_scheduling": True}),
     Mode("eager", "no CUDA graphs: every step eager", {"enforce_eager": True}),
 )}

@@ -1,6 +1,7 @@
 """The end-to-end signal of ``dayzero eval``: the same held-out instances, answered through engines that differ
 only in how they schedule and cache (chunked prefill of 16 tokens, forced preemption, one sequence at a time,
-overlapped steps, the second pass served from the prefix cache, two tensor-parallel ranks), give exactly the
+overlapped steps, the second pass served from the prefix cache, two tensor-parallel ranks, two attention
+data-parallel replicas), give exactly the
 completions of the plain fp32 engine. A scheduler that feeds a chunk twice or a prefix cache that restores the
 wrong state changes them. Likewise MXFP4 experts give the same completions through the bf16 workspace, the FP8
 workspace and read packed (each holds the MXFP4 values exactly). On the bundled model (fp32, CPU)."""
@@ -52,7 +53,7 @@ def plain(insts):
     return answers(LLM(**PLAIN), insts)
 
 
-@pytest.mark.parametrize("name", ["chunk16", "preempt", "batch1", "async", "prefix", "tp2"])
+@pytest.mark.parametrize("name", ["chunk16", "preempt", "batch1", "async", "prefix", "tp2", "dp2"])
 def test_scheduling_modes_answer_as_the_plain_engine(name, insts, plain, count):
     """``dayzero eval --modes``'s rescheduling modes over the plain fp32 engine: the same completions."""
     run = run_mode(MODES[name], PLAIN, insts, answers, max_answer_tokens, count)
