@@ -229,7 +229,8 @@ def init_parallel(tp: int | None = None, backend: str = "gloo", *, ep: int = 1, 
     (and to a job of ``pp · max(tp · dp, ep)`` processes when those are unset); ``init_method`` to ``env://`` when
     ``MASTER_ADDR`` is set, else ``tcp://127.0.0.1:<port>`` (``port``, ``MASTER_PORT`` or 29500). ``pp`` must divide
     the world size; ``tp`` defaults to a stage's ranks over ``dp`` and must divide them; ``ep`` must divide them too;
-    ``dp > 1`` (attention data parallelism) takes one stage of exactly ``tp · dp`` ranks and ``ep`` 1 or all of them.
+    ``dp > 1`` (attention data parallelism) takes one stage of exactly ``tp · dp`` ranks, and ``ep`` 1, all of them, or
+    one whose expert-TP groups (``tp · dp / ep`` ranks) divide ``tp``.
     A single process joins no group at all. Impossible layouts stop here with a ``ValueError`` naming the setting."""
     global _current
     if backend not in BACKENDS:
@@ -308,9 +309,10 @@ def check_layout(tp: int, ep: int, world: int, pp: int = 1, dp: int = 1) -> None
             raise ValueError(f"dp={dp} with pp={pp}: attention data parallelism runs in one pipeline stage (pp=1)")
         if tp * dp != stage:
             raise ValueError(f"dp={dp} replicas of tp={tp} ranks are {tp * dp} ranks, not world_size={stage}")
-        if ep not in (1, stage):
+        if ep not in (1, stage) and tp % (stage // ep):
             raise ValueError(f"ep={ep} with dp={dp}: attention data parallelism takes ep=1 (each replica holds every "
-                             f"expert) or ep=tp·dp={stage} (the experts spread over every rank)")
+                             f"expert), ep=tp·dp={stage} (the experts spread over every rank), or an ep whose expert-TP "
+                             f"groups of tp·dp/ep={stage // ep} ranks lie inside a replica of tp={tp}")
     if stage % tp:
         raise ValueError(f"tp={tp} does not divide {what}={stage}: every rank belongs to one tp group")
     if stage % ep:

@@ -81,8 +81,8 @@ class EngineConfig:
     # a stage's ranks G in between (each expert's width split over G / ep ranks)
     ep: int = 1
     pp: int = 1  # pipeline stages
-    # attention data parallelism: dp replicas of tp ranks, each holding sequences of its own (one stage; ep 1 or
-    # tp·dp); the driver gives each request to the replica with the fewest
+    # attention data parallelism: dp replicas of tp ranks, each holding sequences of its own (one stage; ep 1, tp·dp,
+    # or one whose expert-TP groups lie inside a replica); the driver gives each request to the replica with the fewest
     dp: int = 1
     # eager steps of several sequences run as up to this many micro-batches (of at least 32 rows), so pipeline
     # stages overlap (0: twice the stages under pp, whole steps without; 1: whole steps)

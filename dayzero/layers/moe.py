@@ -225,14 +225,18 @@ class MoE(nn.Module):
         shares are gathered. The ranks that hold the same tokens share them out: the expert group, or under
         attention data parallelism (where each replica holds its own) the tp group."""
         p = self.parallel
-        r, n = (p.tp_rank, p.tp_size) if p.dp_size > 1 else (p.ep_rank, p.ep_size)
+        etp = p.etp_size if self.expert_tp else 1  # 1 < ep < G: the ranks of an expert-TP group route the same rows
+        r, n = (p.tp_rank // etp, p.tp_size // etp) if p.dp_size > 1 else (p.ep_rank, p.ep_size)
         T = x.shape[0]
         per = -(-T // n)
         rows = slice(min(r * per, T), min((r + 1) * per, T))
         weights, ids = self._route(x[rows], batch, rows)  # [t, k] logical experts
         y = self._exchange(h[rows], weights, ids, w1, w2)  # [t, L]
         y = torch.nn.functional.pad(y, (0, 0, 0, per - y.shape[0]))
-        y = tp_all_gather(y, p, dim=0)[:T] if p.dp_size > 1 else torch.cat(ep_all_gather(y, p))[:T]
+        if p.dp_size > 1:  # the replica's shares, each as etp partial sums over the experts' width slices
+            y = tp_all_gather(y, p, dim=0)
+            return (y.view(n, etp, per, -1).sum(1).flatten(0, 1) if etp > 1 else y)[:T]
+        y = torch.cat(ep_all_gather(y, p))[:T]
         return etp_all_reduce(y, p) if self.expert_tp else y  # 1 < ep < G: the width slices' partial sums
 
     def idle(self, dtype: torch.dtype) -> None:

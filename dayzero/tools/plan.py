@@ -83,8 +83,10 @@ def engine_gap(lay: Layout) -> str | None:
     models every layout worth considering, the engine runs a subset of them today."""
     if lay.dp > 1 and lay.pp > 1:
         return f"attention data parallelism (dp={lay.dp}) runs in one pipeline stage (pp=1)"
-    if lay.dp > 1 and lay.ep not in (1, lay.tp * lay.dp):
-        return f"attention data parallelism (dp={lay.dp}) takes ep=1 or ep=tp·dp={lay.tp * lay.dp}"
+    g = lay.tp * lay.dp
+    if lay.dp > 1 and lay.ep not in (1, g) and lay.tp % (g // lay.ep):
+        return (f"attention data parallelism (dp={lay.dp}) takes ep=1, ep=tp·dp={g}, or expert-TP groups of "
+                f"tp·dp/ep={g // lay.ep} ranks inside a replica of tp={lay.tp}")
     return None
 
 
