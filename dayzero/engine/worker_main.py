@@ -60,7 +60,7 @@ def run(conn: Connection, rank: int, state: ParallelState) -> None:
                 if name not in MIRRORED:
                     raise ValueError(f"{name} is not a mirrored call")
                 getattr(engine, name)(*args, **kwargs)
-            set_rng_state(engine.device, rng)
+            set_rng_state(engine.device, rng, state.dp_rank)
             outputs = engine.step()
         except Exception as e:
             _failed(conn, rank, f"step {steps}", e)

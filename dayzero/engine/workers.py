@@ -21,6 +21,7 @@ watches the spawned processes. Then every call raises :class:`RankFailure`, nami
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import signal
 import threading
 import time
@@ -54,7 +55,15 @@ def rng_state(device: torch.device) -> bytes:
     return t.numpy().tobytes()  # bytes, not a tensor: torch would pickle a tensor through shared memory
 
 
-def set_rng_state(device: torch.device, state: bytes) -> None:
+def set_rng_state(device: torch.device, state: bytes, replica: int = 0) -> None:
+    """Rank 0's generator state on ``device``; for another attention data-parallel replica, a state drawn from it
+    and the replica's index, so that replicas' rows at the same batch position do not sample alike (the same prompt
+    on two replicas would give the same tokens) while a replica's ranks still agree."""
+    if replica:
+        seed = int.from_bytes(hashlib.blake2b(state + replica.to_bytes(4, "little"), digest_size=8).digest(), "little")
+        gen = torch.cuda.default_generators[device.index or 0] if device.type == "cuda" else torch.default_generator
+        gen.manual_seed(seed)
+        return
     t = torch.frombuffer(bytearray(state), dtype=torch.uint8)
     torch.cuda.set_rng_state(t, device) if device.type == "cuda" else torch.set_rng_state(t)
 

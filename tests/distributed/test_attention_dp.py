@@ -6,7 +6,8 @@ of their own, and meet only in the routed experts' exchange.
   expert-TP pairs lie inside a replica (tp=2 dp=2 ep=2), with MXFP4 experts (the bundled model) and with redundant experts rebalanced every two steps, the greedy tokens and logprobs equal one
   process's. The prompts end at different steps, so one replica runs steps with nothing of its own.
 - Requests go to the replica with the fewest unfinished ones; a request the engine refuses is refused before any
-  rank sees it, and leaves the replicas as they were; the stats sum the replicas' queues and caches.
+  rank sees it, and leaves the replicas as they were; the stats sum the replicas' queues and caches; the same
+  prompt sampled on both replicas at once draws other random numbers on each.
 - ``dayzero serve --dp 2 --ep 2`` answers a request of three prompts (two replicas compute them) alike, and
   ``/metrics`` counts each replica's requests.
 - A rank of the other replica killed mid-run fails the requests of both replicas within seconds, naming it.
@@ -129,6 +130,11 @@ def test_requests_go_to_the_emptier_replica_and_refusals_change_nothing(models):
         while engine.has_unfinished():
             outs |= {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
         assert outs["r3"] == outs["r4"] and len(outs["r3"]) == 3  # the same prompt on either replica
+        # sampled: the same prompt at the same batch position of both replicas draws other numbers on each
+        hot = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
+        torch.manual_seed(7)
+        a, b = llm.generate([{"prompt_token_ids": [7, 8, 9]}] * 2, hot)
+        assert a.outputs[0].token_ids != b.outputs[0].token_ids
 
 
 def test_a_killed_replica_fails_every_request_within_seconds(models):
