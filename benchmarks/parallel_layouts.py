@@ -5,11 +5,12 @@
     python benchmarks/parallel_layouts.py --layouts 1 pp2,mb1 pp2 pp2,mb4   # pipeline micro-batches
     python benchmarks/parallel_layouts.py --layouts 1 tp2,ep2 dp2,ep2 dp2   # attention data parallelism
 
-Random weights from the config (``load_format="dummy"``). Each layout starts its ranks (Gloo on CPUs, NCCL on
-GPUs, one device per rank), every rank runs the same engine steps: ``--batch`` prompts of ``--prompt-len`` tokens
-are prefilled, then ``--decode`` steps decode (under ``dp`` each replica takes every dp-th prompt). Rank 0 times the prefill steps and the decode steps. The CPU
-threads are split evenly between the ranks, so every layout uses the same cores. Prints a table with each
-layout's tokens/s and its ratio to one process; only ratios of one run are compared.
+Random weights from the config (``load_format="dummy"``). Each layout starts its ranks (Gloo on CPUs, NCCL on GPUs,
+one device per rank), every rank runs the same engine steps: ``--batch`` prompts of ``--prompt-len`` tokens are
+prefilled, then ``--decode`` steps decode (under ``dp`` each replica takes every dp-th prompt). Rank 0 times the
+prefill steps and the decode steps. The CPU threads are split evenly between the ranks, so every layout uses the
+same cores. Prints a table with each layout's tokens/s and its ratio to one process; only ratios of one run are
+compared.
 """
 from __future__ import annotations
 

@@ -2,17 +2,17 @@
 
 One process per device. The job's ``world`` ranks hold the same sequences, unless attention is data parallel
 (``dp > 1``, one stage): then each of a stage's ``dp`` tp groups (a replica) holds sequences of its own, and only
-the routed experts' exchange crosses replicas. Pipeline parallelism cuts the layers into ``pp`` contiguous stages of ``G = world / pp`` consecutive
-ranks each; the ranks of one in-stage position form a pp group (hidden states go from each rank to the same
-position of the next stage, and the last stage's logits are broadcast back). Inside a stage, attention, dense MLPs
-and shared experts are split over tp groups of ``tp`` consecutive ranks (with ``G / tp`` replicas of each
-split); routed experts are spread over the ``ep`` ranks of an expert group: the whole stage (``ep = G``), none
-(``ep = 1``: each expert's width is split over tp instead), or in between, where the stage holds ``G / ep``
-expert groups (every ``G / ep``-th rank) and each expert's width is split over the ``G / ep`` consecutive ranks of
-an expert-TP group, one rank of each expert group. A :class:`ParallelState` is a
-plain frozen value: the layers keep the one they were built with, and a collective reads its group from it,
-never from a global. In one process the collectives return their input before anything of
-``torch.distributed`` is touched.
+the routed experts' exchange crosses replicas. Pipeline parallelism cuts the layers into ``pp`` contiguous stages
+of ``G = world / pp`` consecutive ranks each; the ranks of one in-stage position form a pp group (hidden states go
+from each rank to the same position of the next stage, and the last stage's logits are broadcast back). Inside a
+stage, attention, dense MLPs and shared experts are split over tp groups of ``tp`` consecutive ranks (with
+``G / tp`` replicas of each split); routed experts are spread over the ``ep`` ranks of an expert group: the whole
+stage (``ep = G``), none (``ep = 1``: each expert's width is split over tp instead), or in between, where the
+stage holds ``G / ep`` expert groups (every ``G / ep``-th rank) and each expert's width is split over the
+``G / ep`` consecutive ranks of an expert-TP group, one rank of each expert group. A :class:`ParallelState` is a
+plain frozen value: the layers keep the one they were built with, and a collective reads its group from it, never
+from a global. In one process the collectives return their input before anything of ``torch.distributed`` is
+touched.
 """
 from __future__ import annotations
 
@@ -310,9 +310,9 @@ def check_layout(tp: int, ep: int, world: int, pp: int = 1, dp: int = 1) -> None
         if tp * dp != stage:
             raise ValueError(f"dp={dp} replicas of tp={tp} ranks are {tp * dp} ranks, not world_size={stage}")
         if ep not in (1, stage) and tp % (stage // ep):
-            raise ValueError(f"ep={ep} with dp={dp}: attention data parallelism takes ep=1 (each replica holds every "
-                             f"expert), ep=tp·dp={stage} (the experts spread over every rank), or an ep whose expert-TP "
-                             f"groups of tp·dp/ep={stage // ep} ranks lie inside a replica of tp={tp}")
+            raise ValueError(f"ep={ep} with dp={dp}: attention data parallelism takes ep=1 (each replica holds "
+                             f"every expert), ep=tp·dp={stage} (the experts spread over every rank), or an ep whose "
+                             f"expert-TP groups of tp·dp/ep={stage // ep} ranks lie inside a replica of tp={tp}")
     if stage % tp:
         raise ValueError(f"tp={tp} does not divide {what}={stage}: every rank belongs to one tp group")
     if stage % ep:

@@ -7,11 +7,11 @@ runs rank 0's step, then reads each rank's digest of its outputs, which must equ
 (``requests``, ``tokenizer``, ``cache_plan``, ...) and the methods in ``READS`` read rank 0's engine alone; any
 other engine method is refused, so that a new call that changes state cannot skip the other ranks unseen.
 
-Under attention data parallelism (``dp > 1``) the ranks form ``dp`` replicas of ``tp`` consecutive ranks, and
-each replica holds requests of its own: the driver gives a new request to the replica with the fewest unfinished
-ones (checking it on rank 0 first, so a bad request is refused before any rank sees it), replays it to that
-replica's ranks alone, and every step takes the outputs and counters of each other replica from its first rank,
-whose ranks' digests must equal its own. A replica with nothing to run still steps, to serve the others' expert exchanges.
+Under attention data parallelism (``dp > 1``) the ranks form ``dp`` replicas of ``tp`` consecutive ranks, and each
+replica holds requests of its own: the driver gives a new request to the replica with the fewest unfinished ones
+(checking it on rank 0 first, so a bad request is refused before any rank sees it), replays it to that replica's
+ranks alone, and every step takes the outputs and counters of each other replica from its first rank, whose ranks'
+digests must equal its own. A replica with nothing to run still steps, to serve the others' expert exchanges.
 
 A rank that dies or fails ends the engine: the ranks could no longer run the same steps. The driver finds out
 while it waits for replies (a spawned worker's process sentinel, a closed connection, a timeout), or from the
@@ -307,7 +307,8 @@ class EngineDriver:
         for r, (theirs, led) in zip(self.ranks, replies):
             lead, want = first.setdefault(self.replica(r.rank), (r.rank, theirs))
             if theirs != want:
-                raise self._fail(f"rank {r.rank} decided otherwise than rank {lead} in {what} ({theirs} against {want})")
+                raise self._fail(f"rank {r.rank} decided otherwise than rank {lead} in {what} "
+                                 f"({theirs} against {want})")
             if led is not None:  # the first rank of another replica
                 outputs += led[0]
                 self._counters[self.replica(r.rank)] = led[1]

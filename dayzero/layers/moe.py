@@ -244,9 +244,9 @@ class MoE(nn.Module):
         serve the pairs the other replicas route to them."""
         w1, w2 = self._expert_weights()
         k, dev = self.spec.top_k, self.load_ends.device
-        self._exchange(torch.empty(0, self.spec.latent_size or self.gate.in_features, dtype=dtype, device=dev),
-                       torch.empty(0, k, dtype=torch.float32, device=dev), torch.empty(0, k, dtype=torch.long, device=dev),
-                       w1, w2)
+        h = torch.empty(0, self.spec.latent_size or self.gate.in_features, dtype=dtype, device=dev)
+        weights = torch.empty(0, k, dtype=torch.float32, device=dev)
+        self._exchange(h, weights, torch.empty(0, k, dtype=torch.long, device=dev), w1, w2)
         if self.packed:
             self.workspace.release(self)
 

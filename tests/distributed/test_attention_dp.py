@@ -2,9 +2,10 @@
 of their own, and meet only in the routed experts' exchange.
 
 - With the experts spread over every rank (``ep = tp·dp``), without expert parallelism (``ep = 1``: independent
-  replicas), with tp=2 replicas (world 4, kimi_linear: MLA, KDA and MoE layers), in expert groups whose
-  expert-TP pairs lie inside a replica (tp=2 dp=2 ep=2), with MXFP4 experts (the bundled model) and with redundant experts rebalanced every two steps, the greedy tokens and logprobs equal one
-  process's. The prompts end at different steps, so one replica runs steps with nothing of its own.
+  replicas), with tp=2 replicas (world 4, kimi_linear: MLA, KDA and MoE layers), in expert groups whose expert-TP
+  pairs lie inside a replica (tp=2 dp=2 ep=2), with MXFP4 experts (the bundled model) and with redundant experts
+  rebalanced every two steps, the greedy tokens and logprobs equal one process's. The prompts end at different
+  steps, so one replica runs steps with nothing of its own.
 - Requests go to the replica with the fewest unfinished ones; a request the engine refuses is refused before any
   rank sees it, and leaves the replicas as they were; the stats sum the replicas' queues and caches; the same
   prompt sampled on both replicas at once draws other random numbers on each.
