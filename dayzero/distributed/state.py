@@ -1,8 +1,8 @@
 """The parallel layout of one process and its collectives.
 
 One process per device. The job's ``world`` ranks hold the same sequences, unless attention is data parallel
-(``dp > 1``, one stage): then each of a stage's ``dp`` tp groups (a replica) holds sequences of its own, and only
-the routed experts' exchange crosses replicas. Pipeline parallelism cuts the layers into ``pp`` contiguous stages
+(``dp > 1``): then each of a stage's ``dp`` tp groups, with the ranks of the same positions in the other stages (a
+replica), holds sequences of its own, and only the routed experts' exchange crosses replicas. Pipeline parallelism cuts the layers into ``pp`` contiguous stages
 of ``G = world / pp`` consecutive ranks each; the ranks of one in-stage position form a pp group (hidden states go
 from each rank to the same position of the next stage, and the last stage's logits are broadcast back). Inside a
 stage, attention, dense MLPs and shared experts are split over tp groups of ``tp`` consecutive ranks (with
@@ -229,7 +229,7 @@ def init_parallel(tp: int | None = None, backend: str = "gloo", *, ep: int = 1, 
     (and to a job of ``pp · max(tp · dp, ep)`` processes when those are unset); ``init_method`` to ``env://`` when
     ``MASTER_ADDR`` is set, else ``tcp://127.0.0.1:<port>`` (``port``, ``MASTER_PORT`` or 29500). ``pp`` must divide
     the world size; ``tp`` defaults to a stage's ranks over ``dp`` and must divide them; ``ep`` must divide them too;
-    ``dp > 1`` (attention data parallelism) takes one stage of exactly ``tp · dp`` ranks, and ``ep`` 1, all of them, or
+    ``dp > 1`` (attention data parallelism) takes stages of exactly ``tp · dp`` ranks, and ``ep`` 1, all of them, or
     one whose expert-TP groups (``tp · dp / ep`` ranks) divide ``tp``.
     A single process joins no group at all. Impossible layouts stop here with a ``ValueError`` naming the setting."""
     global _current
@@ -305,10 +305,8 @@ def check_layout(tp: int, ep: int, world: int, pp: int = 1, dp: int = 1) -> None
         raise ValueError(f"pp={pp} does not divide world_size={world}: every stage has the same number of ranks")
     stage, what = world // pp, "world_size" if pp == 1 else "world_size/pp"
     if dp > 1:
-        if pp > 1:
-            raise ValueError(f"dp={dp} with pp={pp}: attention data parallelism runs in one pipeline stage (pp=1)")
         if tp * dp != stage:
-            raise ValueError(f"dp={dp} replicas of tp={tp} ranks are {tp * dp} ranks, not world_size={stage}")
+            raise ValueError(f"dp={dp} replicas of tp={tp} ranks are {tp * dp} ranks, not {what}={stage}")
         if ep not in (1, stage) and tp % (stage // ep):
             raise ValueError(f"ep={ep} with dp={dp}: attention data parallelism takes ep=1 (each replica holds "
                              f"every expert), ep=tp·dp={stage} (the experts spread over every rank), or an ep whose "

@@ -81,8 +81,8 @@ class EngineConfig:
     # a stage's ranks G in between (each expert's width split over G / ep ranks)
     ep: int = 1
     pp: int = 1  # pipeline stages
-    # attention data parallelism: dp replicas of tp ranks, each holding sequences of its own (one stage; ep 1, tp·dp,
-    # or one whose expert-TP groups lie inside a replica); the driver gives each request to the replica with the fewest
+    # attention data parallelism: dp replicas of tp ranks a stage, each holding sequences of its own (ep 1, tp·dp, or
+    # one whose expert-TP groups lie inside a replica); the driver gives each request to the replica with the fewest
     dp: int = 1
     # eager steps of several sequences run as up to this many micro-batches (of at least 32 rows), so pipeline
     # stages overlap (0: twice the stages under pp, whole steps without; 1: whole steps)
@@ -165,8 +165,16 @@ class LLMEngine:
         adapter = adapter_for(raw, cfg_file)
         self.model_config = adapter.to_spec(raw)
         self.model = build_model(self.model_config, self.dtype, self.device, parallel)
-        # m parts over pp stages take (m + pp - 1) / m part-times per step against pp whole ones
-        self.model.micro_batches = config.pp_micro_batches or (2 * parallel.pp_size if parallel.pp_size > 1 else 1)
+        # m parts over pp stages take (m + pp - 1) / m part-times per step against pp whole ones; replicas that meet
+        # in the experts' exchange (attention data parallelism) run whole steps, so that their layers' calls pair
+        if parallel.dp_size > 1 and parallel.ep_size > 1 and parallel.pp_size > 1:
+            if config.pp_micro_batches > 1:
+                raise ValueError(f"pp_micro_batches={config.pp_micro_batches} with dp={parallel.dp_size} and "
+                                 f"ep={parallel.ep_size}: replicas cut their steps into different numbers of parts, "
+                                 "which would not meet in the experts' exchange; leave it at 0 (whole steps)")
+            self.model.micro_batches = 1
+        else:
+            self.model.micro_batches = config.pp_micro_batches or (2 * parallel.pp_size if parallel.pp_size > 1 else 1)
         rules, ignore = adapter.rules(self.model_config), adapter.ignore
         self.vision_family = family = vision_family(raw)
         self.tower_problem = tower_problem(raw)  # a tower in the config that cannot take images: why

@@ -40,8 +40,8 @@ class LLM:
 
     ``pp`` pipeline stages of ``max(tp · dp, ep)`` ranks (``tp`` tensor-parallel, ``ep`` expert-parallel: 1, every
     rank of a stage, or a divisor of them, each expert's width then split over the stage's ranks / ep; ``dp``
-    replicas of tp ranks that each hold sequences of their own (attention data parallelism: one stage, ep 1,
-    tp · dp, or expert-TP groups inside a replica); ``num_redundant_experts`` and ``eplb_interval`` balance the experts;
+    replicas of tp ranks that each hold sequences of their own (attention data parallelism: ep 1, tp · dp, or
+    expert-TP groups inside a replica); ``num_redundant_experts`` and ``eplb_interval`` balance the experts;
     ``pp_micro_batches``: the parts a step of several sequences is cut into so the stages overlap, 0: two per stage)
     run one process each: this one is rank 0, the others are spawned on this host and meet on
     ``distributed_host:distributed_port`` (loopback and a free port by default), or, under torchrun, are the job's

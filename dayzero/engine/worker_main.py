@@ -45,7 +45,8 @@ def run(conn: Connection, rank: int, state: ParallelState) -> None:
     except Exception as e:
         _failed(conn, rank, "startup", e)
     steps = 0
-    lead = state.dp_size > 1 and state.dp_rank > 0 and state.tp_rank == 0  # sends its replica's outputs
+    # the first rank of another replica (in the first stage) sends its replica's outputs
+    lead = state.dp_size > 1 and state.dp_rank > 0 and state.tp_rank == 0 and state.pp_rank == 0
     while True:
         try:
             message = conn.recv()

@@ -171,7 +171,7 @@ class EngineDriver:
         self.failure: str | None = None
         self.num_steps = 0
         self._calls: list[tuple] = []  # (replica, call) mirrored since the last step
-        self.tp = self.dp = 1  # the replicas' layout, once rank 0's engine is built
+        self.tp = self.dp = self.stage = 1  # the replicas' layout (tp, dp, ranks a stage), once rank 0's engine is built
         self.home: dict[str, int] = {}  # attention data parallelism: each unfinished request's replica
         self._remote: dict[str, list] = {}  # ... and, for those outside replica 0, what `requests` tells of them
         self._counters: dict[int, dict] = {}  # each other replica's LLMEngine.counters() after its last step
@@ -198,7 +198,7 @@ class EngineDriver:
         state = self._while_watched(join)
         try:
             self.engine = build(state)
-            self.tp, self.dp = state.tp_size, state.dp_size
+            self.tp, self.dp, self.stage = state.tp_size, state.dp_size, state.world_size // state.pp_size
         except Exception as e:
             if isinstance(e, ValueError):  # a setting rank 0 refused: every rank refuses it alike
                 raise
@@ -228,8 +228,9 @@ class EngineDriver:
 
     # --- reads ---------------------------------------------------------------------------------------------
     def replica(self, rank: int) -> int:
-        """The replica (tp group) ``rank`` belongs to: 0 for every rank without attention data parallelism."""
-        return rank // self.tp if self.dp > 1 else 0
+        """The replica ``rank`` belongs to (its tp group's position in its stage): 0 for every rank without
+        attention data parallelism."""
+        return rank % self.stage // self.tp if self.dp > 1 else 0
 
     @property
     def requests(self):

@@ -157,7 +157,7 @@ def add_engine_options(p) -> None:
     d.add_argument("--pp", type=positive_int, default=1, metavar="N", help="pipeline stages (of max(tp·dp, ep) ranks)")
     d.add_argument("--dp", type=positive_int, default=1, metavar="N",
                    help="attention data parallelism: N replicas of tp ranks, each holding sequences of its own "
-                        "(pp 1; ep 1, tp·dp, or expert-TP groups inside a replica)")
+                        "(ep 1, tp·dp, or expert-TP groups inside a replica)")
     d.add_argument("--pp-micro-batches", type=int, default=0, metavar="M",
                    help="run steps of several sequences as up to M micro-batches (of at least 32 rows) so the "
                         "pipeline stages overlap (0: twice the stages; 1: whole steps)")

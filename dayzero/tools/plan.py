@@ -81,8 +81,6 @@ def layouts(costs: ModelCosts, n: int) -> list[Layout]:
 def engine_gap(lay: Layout) -> str | None:
     """Why dayzero's engine cannot run ``lay`` yet, or None when it can (``check_layout``'s rules): the plan
     models every layout worth considering, the engine runs a subset of them today."""
-    if lay.dp > 1 and lay.pp > 1:
-        return f"attention data parallelism (dp={lay.dp}) runs in one pipeline stage (pp=1)"
     g = lay.tp * lay.dp
     if lay.dp > 1 and lay.ep not in (1, g) and lay.tp % (g // lay.ep):
         return (f"attention data parallelism (dp={lay.dp}) takes ep=1, ep=tp·dp={g}, or expert-TP groups of "

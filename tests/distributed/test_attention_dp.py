@@ -4,8 +4,9 @@ of their own, and meet only in the routed experts' exchange.
 - With the experts spread over every rank (``ep = tp·dp``), without expert parallelism (``ep = 1``: independent
   replicas), with tp=2 replicas (world 4, kimi_linear: MLA, KDA and MoE layers), in expert groups whose expert-TP
   pairs lie inside a replica (tp=2 dp=2 ep=2), with MXFP4 experts (the bundled model) and with redundant experts
-  rebalanced every two steps, the greedy tokens and logprobs equal one process's. The prompts end at different
-  steps, so one replica runs steps with nothing of its own.
+  rebalanced every two steps, and over two pipeline stages (with ep=2, the steps whole; without, in micro-batches),
+  the greedy tokens and logprobs equal one process's. The prompts end at different steps, so one replica runs steps
+  with nothing of its own.
 - Requests go to the replica with the fewest unfinished ones; a request the engine refuses is refused before any
   rank sees it, and leaves the replicas as they were; the stats sum the replicas' queues and caches; the same
   prompt sampled on both replicas at once draws other random numbers on each.
@@ -70,7 +71,10 @@ def _vocab(path) -> int:
     ("default", dict(dp=2, ep=2)),
     ("kimi_linear", dict(tp=2, dp=2, ep=4)),
     ("qwen3_moe", dict(tp=2, dp=2, ep=2)),
-], ids=["dp2-ep2", "dp2-ep1", "dp2-ep2-balanced", "mxfp4-dp2-ep2", "tp2-dp2-ep4", "tp2-dp2-ep2"])
+    ("kimi_linear", dict(dp=2, ep=2, pp=2)),
+    ("qwen3_moe", dict(dp=2, pp=2)),
+], ids=["dp2-ep2", "dp2-ep1", "dp2-ep2-balanced", "mxfp4-dp2-ep2", "tp2-dp2-ep4", "tp2-dp2-ep2", "dp2-ep2-pp2",
+        "dp2-pp2"])
 def test_replicas_give_one_process_outputs(models, model, layout):
     path = models[model]
     prompts, params = _requests(_vocab(path))
@@ -152,7 +156,8 @@ def test_a_killed_replica_fails_every_request_within_seconds(models):
 
 
 @pytest.mark.parametrize("layout,message", [
-    (dict(dp=2, pp=2), "dp=2 with pp=2: attention data parallelism runs in one pipeline stage"),
+    (dict(dp=2, ep=2, pp=2, pp_micro_batches=2), "pp_micro_batches=2 with dp=2 and ep=2: replicas cut their steps "
+                                                   "into different numbers of parts"),
     (dict(dp=4, ep=2), r"ep=2 with dp=4: attention data parallelism takes ep=1 .*, ep=tp·dp=4 .*, or an ep whose "
                        r"expert-TP groups of tp·dp/ep=2 ranks lie inside a replica of tp=1"),
     (dict(tp=2, dp=2, ep=8), "dp=2 replicas of tp=2 ranks are 4 ranks, not world_size=8"),
