@@ -2,17 +2,17 @@
 
 One process per device. The job's ``world`` ranks hold the same sequences, unless attention is data parallel
 (``dp > 1``): then each of a stage's ``dp`` tp groups, with the ranks of the same positions in the other stages (a
-replica), holds sequences of its own, and only the routed experts' exchange crosses replicas. Pipeline parallelism cuts the layers into ``pp`` contiguous stages
-of ``G = world / pp`` consecutive ranks each; the ranks of one in-stage position form a pp group (hidden states go
-from each rank to the same position of the next stage, and the last stage's logits are broadcast back). Inside a
-stage, attention, dense MLPs and shared experts are split over tp groups of ``tp`` consecutive ranks (with
-``G / tp`` replicas of each split); routed experts are spread over the ``ep`` ranks of an expert group: the whole
-stage (``ep = G``), none (``ep = 1``: each expert's width is split over tp instead), or in between, where the
-stage holds ``G / ep`` expert groups (every ``G / ep``-th rank) and each expert's width is split over the
-``G / ep`` consecutive ranks of an expert-TP group, one rank of each expert group. A :class:`ParallelState` is a
-plain frozen value: the layers keep the one they were built with, and a collective reads its group from it, never
-from a global. In one process the collectives return their input before anything of ``torch.distributed`` is
-touched.
+replica), holds sequences of its own, and only the routed experts' exchange crosses replicas. Pipeline parallelism
+cuts the layers into ``pp`` contiguous stages of ``G = world / pp`` consecutive ranks each; the ranks of one
+in-stage position form a pp group (hidden states go from each rank to the same position of the next stage, and the
+last stage's logits are broadcast back). Inside a stage, attention, dense MLPs and shared experts are split over tp
+groups of ``tp`` consecutive ranks (with ``G / tp`` replicas of each split); routed experts are spread over the
+``ep`` ranks of an expert group: the whole stage (``ep = G``), none (``ep = 1``: each expert's width is split over
+tp instead), or in between, where the stage holds ``G / ep`` expert groups (every ``G / ep``-th rank) and each
+expert's width is split over the ``G / ep`` consecutive ranks of an expert-TP group, one rank of each expert group.
+A :class:`ParallelState` is a plain frozen value: the layers keep the one they were built with, and a collective
+reads its group from it, never from a global. In one process the collectives return their input before anything
+of ``torch.distributed`` is touched.
 """
 from __future__ import annotations
 
@@ -84,12 +84,27 @@ class ParallelState:
         return self.tp_group if self.ep_size == 1 else self.ep_tp_group
 
     @property
+    def meets_other_replicas(self) -> bool:
+        """Whether this rank's replica shares a collective with the others (attention data parallelism with the
+        routed experts spread over ranks): then every replica must run each MoE layer's exchange every step."""
+        return self.dp_size > 1 and self.ep_size > 1
+
+    def replica_of(self, rank: int) -> int:
+        """The attention data-parallel replica of ``rank`` in this job (0 for every rank without it)."""
+        return replica_of(rank, self.tp_size, self.dp_size, self.world_size // self.pp_size)
+
+    @property
     def first_stage(self) -> bool:
         return self.pp_rank == 0
 
     @property
     def last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
+
+
+def replica_of(rank: int, tp: int, dp: int, stage: int) -> int:
+    """The replica of ``rank`` (its tp group's position in its stage of ``stage`` ranks) under ``dp > 1``, else 0."""
+    return rank % stage // tp if dp > 1 else 0
 
 
 def pipeline_stages(num_layers: int, pp: int) -> list[range]:
@@ -289,7 +304,7 @@ def init_parallel(tp: int | None = None, backend: str = "gloo", *, ep: int = 1, 
             pp_group = group(list(range(j, world, G))) or pp_group
     _current = ParallelState(rank % tp, tp, tp_group, backend, device, (rank % G) // etp if ep > 1 else 0, ep, ep_group,
                              rank, world, 0, rank // G, pp, pp_group, rank % etp, etp, etp_group,
-                             dp_rank=(rank % G) // tp if dp > 1 else 0, dp_size=dp)
+                             dp_rank=replica_of(rank, tp, dp, G), dp_size=dp)
     return _current
 
 

@@ -167,7 +167,7 @@ class LLMEngine:
         self.model = build_model(self.model_config, self.dtype, self.device, parallel)
         # m parts over pp stages take (m + pp - 1) / m part-times per step against pp whole ones; replicas that meet
         # in the experts' exchange (attention data parallelism) run whole steps, so that their layers' calls pair
-        if parallel.dp_size > 1 and parallel.ep_size > 1 and parallel.pp_size > 1:
+        if parallel.meets_other_replicas and parallel.pp_size > 1:
             if config.pp_micro_batches > 1:
                 raise ValueError(f"pp_micro_batches={config.pp_micro_batches} with dp={parallel.dp_size} and "
                                  f"ep={parallel.ep_size}: replicas cut their steps into different numbers of parts, "
@@ -352,7 +352,7 @@ class LLMEngine:
         prev, self._inflight = self._inflight, None
         scheduled = self.scheduler.schedule()
         if not scheduled:
-            if self.parallel.dp_size > 1 and self.parallel.ep_size > 1:
+            if self.parallel.meets_other_replicas:
                 self._idle_step()
             if prev is not None:
                 return self._resolve(prev)

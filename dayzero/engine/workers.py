@@ -171,7 +171,6 @@ class EngineDriver:
         self.failure: str | None = None
         self.num_steps = 0
         self._calls: list[tuple] = []  # (replica, call) mirrored since the last step
-        self.tp = self.dp = self.stage = 1  # the replicas' layout (tp, dp, ranks a stage), once rank 0's engine is built
         self.home: dict[str, int] = {}  # attention data parallelism: each unfinished request's replica
         self._remote: dict[str, list] = {}  # ... and, for those outside replica 0, what `requests` tells of them
         self._counters: dict[int, dict] = {}  # each other replica's LLMEngine.counters() after its last step
@@ -198,7 +197,6 @@ class EngineDriver:
         state = self._while_watched(join)
         try:
             self.engine = build(state)
-            self.tp, self.dp, self.stage = state.tp_size, state.dp_size, state.world_size // state.pp_size
         except Exception as e:
             if isinstance(e, ValueError):  # a setting rank 0 refused: every rank refuses it alike
                 raise
@@ -227,10 +225,15 @@ class EngineDriver:
         return box["value"]
 
     # --- reads ---------------------------------------------------------------------------------------------
-    def replica(self, rank: int) -> int:
-        """The replica ``rank`` belongs to (its tp group's position in its stage): 0 for every rank without
-        attention data parallelism."""
-        return rank % self.stage // self.tp if self.dp > 1 else 0
+    @property
+    def dp(self) -> int:
+        """Attention data-parallel replicas (1 until rank 0's engine is built)."""
+        return 1 if self.engine is None else self.engine.parallel.dp_size
+
+    def _replica_loads(self) -> list[int]:
+        """Each replica's unfinished requests."""
+        homes = list(self.home.values())
+        return [homes.count(d) for d in range(self.dp)]
 
     @property
     def requests(self):
@@ -250,7 +253,7 @@ class EngineDriver:
             for counters in self._counters.values():
                 for k, v in counters.items():
                     out[k] += v
-            out["replica_requests"] = [list(self.home.values()).count(d) for d in range(self.dp)]
+            out["replica_requests"] = self._replica_loads()
         return out
 
     # --- mirrored calls -------------------------------------------------------------------------------
@@ -261,7 +264,7 @@ class EngineDriver:
         if self.dp > 1:
             if request_id in self.home:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            load = [list(self.home.values()).count(i) for i in range(self.dp)]
+            load = self._replica_loads()
             d = load.index(min(load))
         if d == 0:
             self.engine.add_request(request_id, prompt_token_ids, params, prompt=prompt, delta=delta, images=images)
@@ -289,9 +292,10 @@ class EngineDriver:
         what = f"step {self.num_steps}"
         calls, self._calls = self._calls, []
         rng = rng_state(self.engine.device)
+        replica = self.engine.parallel.replica_of
         for r in self.ranks:
             try:
-                r.conn.send(("step", [c for d, c in calls if d == self.replica(r.rank)], rng))
+                r.conn.send(("step", [c for d, c in calls if d == replica(r.rank)], rng))
             except OSError:
                 raise self._fail(r.ended()) from None
         try:
@@ -306,13 +310,13 @@ class EngineDriver:
             raise
         first = {0: (0, digest(outputs))}  # replica -> (its first rank, that rank's digest)
         for r, (theirs, led) in zip(self.ranks, replies):
-            lead, want = first.setdefault(self.replica(r.rank), (r.rank, theirs))
+            lead, want = first.setdefault(replica(r.rank), (r.rank, theirs))
             if theirs != want:
                 raise self._fail(f"rank {r.rank} decided otherwise than rank {lead} in {what} "
                                  f"({theirs} against {want})")
             if led is not None:  # the first rank of another replica
                 outputs += led[0]
-                self._counters[self.replica(r.rank)] = led[1]
+                self._counters[replica(r.rank)] = led[1]
         for o in outputs if self.dp > 1 else ():
             if o.finished:
                 self.home.pop(o.request_id, None)
