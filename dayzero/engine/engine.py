@@ -259,7 +259,7 @@ class LLMEngine:
         image count, an unreadable image, or an expanded prompt over the context."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        ids, mm = self._with_images(list(prompt_token_ids), list(images or []))
+        ids, mm = self.prepare_prompt(list(prompt_token_ids), list(images or []))
         max_tokens = self.check_request(ids, params)
         seqs = []
         for i in range(params.n):
@@ -272,8 +272,11 @@ class LLMEngine:
         for seq in seqs:
             self.scheduler.add(seq)
 
-    def _with_images(self, ids: list[int], images: list):
-        """(prompt ids with the image placeholders widened, the request's images or None)."""
+    def prepare_prompt(self, ids: list[int], images: list):
+        """(prompt ids with the image placeholders widened, the request's images or None), or the ValueError that
+        refuses them (images for a model without a vision tower, a placeholder count that is not the image
+        count, an unreadable image, an expanded prompt over the context). With :meth:`check_request`, the
+        checks of :meth:`add_request`, for a caller that checks a request before sending it elsewhere."""
         if self.images is None:
             if images:
                 why = self.tower_problem or "its checkpoint has no vision tower"

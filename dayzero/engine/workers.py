@@ -269,7 +269,7 @@ class EngineDriver:
         if d == 0:
             self.engine.add_request(request_id, prompt_token_ids, params, prompt=prompt, delta=delta, images=images)
         else:  # refused here as the replica would refuse it; its images are prepared again there
-            ids, _ = self.engine._with_images(list(prompt_token_ids), list(images or []))
+            ids, _ = self.engine.prepare_prompt(list(prompt_token_ids), list(images or []))
             self.engine.check_request(ids, params)
             self._remote[request_id] = [SimpleNamespace(num_prompt_tokens=len(ids))]
         if self.dp > 1:

@@ -52,7 +52,7 @@ def references(llm, hf, batch):
     """transformers' (prompt logits, greedy tokens) of each prompt."""
     out = []
     for ids, images in batch:
-        wide, _ = llm.engine._with_images(list(ids), images)
+        wide, _ = llm.engine.prepare_prompt(list(ids), images)
         inputs = llm.engine.images.processor(images) if images else None
         out.append((hf_logits(hf, wide, inputs), hf_greedy(hf, wide, inputs, NEW_TOKENS)))
     return out
@@ -218,7 +218,7 @@ def test_kimi_release_layout(tmp_path):
     theirs = engine_logits(llm_of(tmp_path / "hf").engine, batch, 64)
     for (ids, images), a, b in zip(batch, ours, theirs):
         assert torch.equal(a, b)
-        wide, _ = llm.engine._with_images(list(ids), images)
+        wide, _ = llm.engine.prepare_prompt(list(ids), images)
         inputs = llm.engine.images.processor(images) if images else None
         assert rel(a, hf_logits(hf, wide, inputs)) <= RTOL
 

@@ -101,7 +101,7 @@ def engine_logits(engine, prompts, chunk: int | list[int]) -> list[torch.Tensor]
     sequence taking up to ``chunk`` tokens a step (or the sizes of a list, one per step, for one prompt)."""
     seqs = []
     for ids, images in prompts:
-        wide, mm = engine._with_images(list(ids), images)
+        wide, mm = engine.prepare_prompt(list(ids), images)
         seqs.append(Sequence("t", 0, list(wide), len(wide), SamplingParams(), images=mm))
     rows = [[] for _ in seqs]
     sizes = iter(chunk) if isinstance(chunk, list) else None
