@@ -172,6 +172,7 @@ class EngineDriver:
         self.num_steps = 0
         self._calls: list[tuple] = []  # (replica, call) mirrored since the last step
         self.home: dict[str, int] = {}  # attention data parallelism: each unfinished request's replica
+        self._work: dict[str, int] = {}  # and the cache tokens its samples may claim (prompt + max_tokens each)
         self._remote: dict[str, list] = {}  # ... and, for those outside replica 0, what `requests` tells of them
         self._counters: dict[int, dict] = {}  # each other replica's LLMEngine.counters() after its last step
         self._life = _Life(ranks)
@@ -235,6 +236,15 @@ class EngineDriver:
         homes = list(self.home.values())
         return [homes.count(d) for d in range(self.dp)]
 
+    def _least_loaded(self) -> int:
+        """The replica for a new request: the least cache its unfinished requests may still claim (each sample's
+        prompt and token allowance), then the fewest requests, then the lowest index."""
+        work = [0] * self.dp
+        for rid, d in self.home.items():
+            work[d] += self._work.get(rid, 0)
+        count = self._replica_loads()
+        return min(range(self.dp), key=lambda d: (work[d], count[d], d))
+
     @property
     def requests(self):
         """Every unfinished request by id: rank 0's engine's, and under attention data parallelism the other
@@ -264,16 +274,16 @@ class EngineDriver:
         if self.dp > 1:
             if request_id in self.home:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            load = self._replica_loads()
-            d = load.index(min(load))
+            d = self._least_loaded()
         if d == 0:
             self.engine.add_request(request_id, prompt_token_ids, params, prompt=prompt, delta=delta, images=images)
+            work = sum(s.num_prompt_tokens + s.max_tokens for s in self.engine.requests[request_id])
         else:  # refused here as the replica would refuse it; its images are prepared again there
             ids, _ = self.engine.prepare_prompt(list(prompt_token_ids), list(images or []))
-            self.engine.check_request(ids, params)
+            work = params.n * (len(ids) + self.engine.check_request(ids, params))
             self._remote[request_id] = [SimpleNamespace(num_prompt_tokens=len(ids))]
         if self.dp > 1:
-            self.home[request_id] = d
+            self.home[request_id], self._work[request_id] = d, work
         # every rank of the replica runs the tower on the same images (Pillow images and bytes pickle)
         self._calls.append((d, ("add_request", (request_id, list(prompt_token_ids), params),
                                 {"delta": delta, "images": images})))
@@ -281,6 +291,7 @@ class EngineDriver:
     def abort(self, request_id: str) -> bool:
         """Also after a failure (rank 0 alone then), so that callers can always clean up."""
         d = self.home.pop(request_id, 0)
+        self._work.pop(request_id, None)
         done = self._remote.pop(request_id, None) is not None if d else self.engine.abort(request_id)
         if done and self.failure is None:
             self._calls.append((d, ("abort", (request_id,), {})))
@@ -320,6 +331,7 @@ class EngineDriver:
         for o in outputs if self.dp > 1 else ():
             if o.finished:
                 self.home.pop(o.request_id, None)
+                self._work.pop(o.request_id, None)
                 self._remote.pop(o.request_id, None)
         return outputs
 

@@ -96,6 +96,26 @@ def test_replicas_give_one_process_outputs(models, model, layout):
         assert [[t for t, _ in top] for top in b.top_logprobs] == [[t for t, _ in top] for top in a.top_logprobs]
 
 
+def test_replicas_are_chosen_by_the_cache_their_requests_may_claim(models):
+    path = models["qwen3_moe"]
+    vocab = _vocab(path)
+    long, short = (SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (40, 2))
+    with LLM(str(path), dp=2, ep=2, **ENGINE) as llm:
+        engine = llm.engine
+        a, b, c, d = prompt_batch(vocab, lengths=(4, 6, 8, 5))
+        engine.add_request("long", a, long)  # replica 0 may claim 44 tokens
+        engine.add_request("s1", b, short)  # replica 1: 8
+        engine.add_request("s2", c, short)  # replica 1 again (18 < 44), where a count of requests gives 0
+        assert engine.home == {"long": 0, "s1": 1, "s2": 1}
+        engine.abort("long")  # its claim goes with it: replica 0 is the emptier one
+        engine.add_request("s3", d, short)
+        assert engine.home == {"s1": 1, "s2": 1, "s3": 0}
+        finished = set()
+        while engine.has_unfinished():
+            finished |= {o.request_id for o in engine.step() if o.finished}
+        assert finished == {"s1", "s2", "s3"} and engine.home == {} and engine._work == {}
+
+
 def test_requests_go_to_the_emptier_replica_and_refusals_change_nothing(models):
     path = models["qwen3_moe"]
     vocab = _vocab(path)
