@@ -82,16 +82,18 @@ def copying(r: random.Random, words: int = 32, min_words: int | None = None, **_
     return f"copy: {passage}\n=", passage
 
 
-RECALL_STYLES = ("assign", "sentence")
+RECALL_STYLES = ("assign", "sentence", "letter")
 
 
 def _pair(style: str, key: str, value: str) -> str:
-    return f"{key}={value}." if style == "assign" else f"The value of {key} is {value}."
+    return f"The value of {key} is {value}." if style == "sentence" else f"{key}={value}."
 
 
 def _question(style: str, key: str) -> str:
     """The text asking for ``key``'s value; the value follows it directly."""
-    return f"\nWhat is {key}? {key}=" if style == "assign" else f"\nWhat is the value of {key}? The value of {key} is "
+    if style == "sentence":
+        return f"\nWhat is the value of {key}? The value of {key} is "
+    return f"\nWhat is {key}? {key}="
 
 
 def recall(r: random.Random, context_len: int = 2048, count: Callable[[str], int] | None = None,
@@ -104,7 +106,9 @@ def recall(r: random.Random, context_len: int = 2048, count: Callable[[str], int
     ``style`` "assign" writes a pair ``abcd=1234.`` and ends the prompt with ``abcd=``, so the key's last letters
     sit right before the value in both places (within a short conv's window at byte-level tokens); "sentence"
     writes ``The value of abcd is 1234.`` and ends with ``The value of abcd is `` (the key five tokens and more
-    before the answer: the first checkpoints were trained on it).
+    before the answer: the first checkpoints were trained on it); "letter" writes ``K=1234.`` and ends with ``K=``,
+    each key one capital letter (none occurs in the filler), so that finding the pair takes matching one token,
+    not four (at a tiny size, four-letter keys stayed at chance where one-letter keys were learnt).
 
     ``questions`` > 1 (training's drills): the answer goes on with more questions about other pairs, each with
     its value, ``1234\nWhat is efgh? efgh=5678``, up to one per pair: several retrievals from one prompt. The
@@ -115,7 +119,7 @@ def recall(r: random.Random, context_len: int = 2048, count: Callable[[str], int
     n_pairs = pairs if min_pairs is None else r.randint(min_pairs, pairs)
     entries, seen = [], set()  # (key, value)
     while len(entries) < n_pairs:
-        k = _letters(r, 4)
+        k = r.choice(string.ascii_uppercase) if style == "letter" else _letters(r, 4)
         if k not in seen:
             seen.add(k)
             entries.append((k, f"{r.randint(0, 9999):04d}"))

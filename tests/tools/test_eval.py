@@ -65,6 +65,16 @@ def test_recall_styles_write_the_same_pairs_and_filler_two_ways():
         asked = re.findall(r"\nWhat is ([a-z]{4})\? \1=(\d{4})", "\n" + drill.prompt.split("\n")[-1] + drill.answer)
         assert len(asked) == min(4, len(pairs)) and len({k for k, _ in asked}) == len(asked)
         assert all(pairs[k] == v for k, v in asked)  # every question answered with its pair's value
+    for new, letter in zip(T.instances("recall", 5, context_len=300),
+                           T.instances("recall", 5, context_len=300, style="letter")):
+        # keys of one capital letter (the random draws differ from four-letter keys': other values)
+        pairs = re.findall(r"(?<![A-Za-z])([A-Z])=(\d{4})\.", letter.prompt)
+        assert len(pairs) == len(re.findall(r"(?<![a-z])([a-z]{4})=(\d{4})\.", new.prompt))
+        assert len({k for k, _ in pairs}) == len(pairs)  # distinct keys
+        key = re.search(r"\nWhat is ([A-Z])\? \1=$", letter.prompt).group(1)
+        assert (key, letter.answer) in pairs
+        assert not re.search(r"[A-Z]", re.sub(r"(?<![A-Za-z])[A-Z]=\d{4}\.|\nWhat is [A-Z]\? [A-Z]=$", "",
+                                               letter.prompt).replace("What", ""))  # no capital in the filler
     with pytest.raises(ValueError, match="recall style"):
         T.instances("recall", 1, style="verse")
 
