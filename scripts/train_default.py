@@ -40,6 +40,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--overwrite", action="store_true", help="write into --out even when it holds files")
     ap.add_argument("--tiny", action="store_true", help="a tiny model and small steps (CPU smoke runs)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--init", default=None, metavar="DIR",
+                    help="start from this checkpoint's weights (MXFP4 experts dequantised) and config, with a fresh "
+                         "optimizer and schedule: a run continued over several time-limited jobs")
     ap.add_argument("--config", default=None, help=f"model config (default {DEFAULT_CONFIG.relative_to(ROOT)})")
     ap.add_argument("--tasks", default=None, help="comma-separated training tasks (default: all of dayzero eval's)")
     ap.add_argument("--tokens", type=int, default=None, help="tokens per step (default 98304; --tiny 2048)")
@@ -89,6 +92,11 @@ def check(args) -> None:
         if bad or not names:
             raise ValueError(f"--tasks: unknown task {', '.join(bad) or '(none given)'}; "
                              f"the tasks are {', '.join(TASKS)}")
+    if args.init is not None:
+        if args.config is not None:
+            raise ValueError("--init takes the checkpoint's own config: leave out --config")
+        if not (Path(args.init) / "config.json").is_file() or not (Path(args.init) / "model.safetensors").is_file():
+            raise ValueError(f"--init {args.init}: no config.json and model.safetensors there")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a directory")
@@ -111,9 +119,9 @@ def _portable(argv: list[str]) -> list[str]:
     for a in argv:
         if path_next:
             a, path_next = Path(a).name or a, False
-        elif a in ("--out", "--profile", "--config"):
+        elif a in ("--out", "--profile", "--config", "--init"):
             path_next = True
-        elif a.startswith(("--out=", "--profile=", "--config=")):
+        elif a.startswith(("--out=", "--profile=", "--config=", "--init=")):
             flag, value = a.split("=", 1)
             a = f"{flag}={Path(value).name}"
         out.append(a)
@@ -140,7 +148,7 @@ def main(argv=None) -> int:
     from dayzero.engine.tokenizer import load_tokenizer
     from dayzero.eval.tasks import TASKS
     from dayzero.train.card import write_model_card
-    from dayzero.train.checkpoint import new_model, save_checkpoint
+    from dayzero.train.checkpoint import load_model, new_model, save_checkpoint
     from dayzero.train.data import DataConfig
     from dayzero.train.evaluate import evaluate, table
     from dayzero.train.loop import TrainConfig, Trainer
@@ -150,7 +158,8 @@ def main(argv=None) -> int:
     cuda = device.type == "cuda"
     if not cuda:
         configure_threads()  # fewer threads than cores on a loaded machine: torch's would wait on each other
-    config = HybridConfig.from_file(args.config or (TINY_CONFIG if args.tiny else DEFAULT_CONFIG))
+    default_config = TINY_CONFIG if args.tiny else DEFAULT_CONFIG
+    config = HybridConfig.from_file(Path(args.init) / "config.json" if args.init else args.config or default_config)
     tokenizer = load_tokenizer(DEFAULT_MODEL)
     tasks = [t.strip() for t in (args.tasks or ",".join(TASKS)).split(",") if t.strip()]
     data = DataConfig()
@@ -186,7 +195,7 @@ def main(argv=None) -> int:
         eval_every=(args.eval_every or None) if cuda else None,
         fake_mxfp4=args.expert_format == "mxfp4", profile_file=args.profile)
     torch.manual_seed(args.seed)
-    model = new_model(config, device, args.seed)
+    model = load_model(args.init, device) if args.init else new_model(config, device, args.seed)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: dayzero_hybrid {config.hidden_size}x{config.num_hidden_layers} ({', '.join(config.layer_types)}), "
           f"{n_params / 1e6:.1f}M parameters, on {device}; {data.tokens} tokens a step; tasks {', '.join(tasks)}",

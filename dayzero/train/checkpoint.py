@@ -20,7 +20,7 @@ import torch
 from dayzero.config.model_config import HybridConfig
 from dayzero.loader.safetensors_loader import load_weights
 from dayzero.models.registry import adapter_for, build_model, read_config
-from dayzero.quant.mxfp4 import quantize_mxfp4
+from dayzero.quant.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from dayzero.tools.build_default_model import _is_high_precision
 from dayzero.tools.safetensors_out import write_safetensors
 
@@ -70,13 +70,26 @@ def new_model(config: HybridConfig, device, seed: int = 0) -> torch.nn.Module:
 
 
 def load_model(path: str | Path, device) -> torch.nn.Module:
-    """A ``dayzero_hybrid`` checkpoint as an fp32 model for training (dense experts only)."""
+    """A ``dayzero_hybrid`` checkpoint as an fp32 model for training, built and loaded as the engine builds and
+    loads it; MXFP4 routed experts are dequantised into dense, trainable ones (a run that starts from a
+    checkpoint, ``scripts/train_default.py --init``)."""
     raw, file = read_config(path)
     adapter = adapter_for(raw, file)
     spec = adapter.to_spec(raw)
     model = build_model(spec, torch.float32, "cpu")
     load_weights(model, Path(path), adapter.rules(spec), adapter.ignore)
-    return model.to(device).train()
+    packed = model.state_dict()
+    if not any(n.endswith("_blocks") for n in packed):
+        return model.to(device).train()
+    dense = build_model(_dense(HybridConfig.from_dict(raw)).to_spec(), torch.float32, "cpu")
+    state = {}
+    for name in dense.state_dict():
+        if name in packed:
+            state[name] = packed[name]
+        else:  # an MXFP4 expert tensor: w1 from w1_blocks and w1_scales
+            state[name] = dequantize_mxfp4(packed[name + "_blocks"], packed[name + "_scales"], torch.float32)
+    dense.load_state_dict(state)
+    return dense.to(device).train()
 
 
 def checkpoint_tensors(model, config: HybridConfig, expert_format: str = "mxfp4") -> dict[str, torch.Tensor]:

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from dayzero import LLM, SamplingParams
 from dayzero.config.model_config import HybridConfig
 from dayzero.train.card import card_results
-from dayzero.train.checkpoint import checkpoint_tensors, new_model
+from dayzero.train.checkpoint import checkpoint_tensors, load_model, new_model
 
 ROOT = Path(__file__).resolve().parents[2]
 ASSET_FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
@@ -55,6 +56,29 @@ def test_bf16_experts_checkpoint_loads(tmp_path):
                     "--expert-format", "bf16", "--tasks", "addition,recall"])
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
     LLM(str(out), device="cpu").generate(["1+1="], SamplingParams(max_tokens=2, temperature=0.0))
+
+
+def test_init_continues_from_a_checkpoint_with_mxfp4_experts(tmp_path):
+    first, second = tmp_path / "a", tmp_path / "b"
+    _script().main(["--tiny", "--device", "cpu", "--steps", "1", "--out", str(first), "--eval-n", "0"])
+    model = load_model(first, "cpu")  # the MXFP4 experts dequantised into dense, trainable ones
+    config = HybridConfig.from_file(first / "config.json")
+    assert all(p.is_floating_point() and p.requires_grad for n, p in model.named_parameters()
+               if n.endswith((".w1", ".w2")))
+    again = checkpoint_tensors(model, config, "mxfp4")  # saved again: the same file, bit for bit
+    stored = load_file(first / "model.safetensors")
+    assert again.keys() == stored.keys() and all(torch.equal(again[k], stored[k]) for k in stored)
+    _script().main(["--tiny", "--device", "cpu", "--steps", "2", "--out", str(second), "--eval-n", "0", "--init",
+                    str(first)])
+    assert json.loads((second / "config.json").read_text()) == json.loads((first / "config.json").read_text())
+    trained = load_file(second / "model.safetensors")
+    assert any(not torch.equal(trained[k], stored[k]) for k in stored)  # it trained on from there
+    assert "--init a" in (second / "README.md").read_text()
+    with pytest.raises(ValueError, match="--init takes the checkpoint's own config"):
+        _script().main(["--device", "cpu", "--out", str(tmp_path / "c"), "--init", str(first), "--config",
+                        str(first / "config.json")])
+    with pytest.raises(ValueError, match="no config.json and model.safetensors there"):
+        _script().main(["--device", "cpu", "--out", str(tmp_path / "c"), "--init", str(tmp_path / "none")])
 
 
 @pytest.mark.parametrize("argv,match", [
