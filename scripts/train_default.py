@@ -51,9 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="fraction of training in which copies take most of the non-recall tokens (default 0.5)")
     ap.add_argument("--recall-min-pairs", type=int, default=None, metavar="N",
                     help="fewest key-value pairs in a training recall prompt (default 2; the eval split has 8)")
-    ap.add_argument("--recall-style", default="assign", choices=RECALL_STYLES,
-                    help="recall pairs as `abcd=1234.` asked with `abcd=` (default), with one-letter keys `K=1234.` "
-                         "(letter), or as sentences (the first runs)")
+    ap.add_argument("--recall-style", default="letter", choices=RECALL_STYLES,
+                    help="recall pairs as `K=1234.` asked with `K=` (letter, the default), `abcd=1234.` asked with "
+                         "`abcd=` (assign), or as sentences (the earlier runs' formats)")
     ap.add_argument("--recall-questions", type=int, default=None, metavar="N",
                     help="questions per plain-format training recall prompt, each answered (default 4; eval asks 1)")
     ap.add_argument("--recall-lengths", default=None, metavar="MIN,START,MAX",

@@ -97,18 +97,19 @@ def _question(style: str, key: str) -> str:
 
 
 def recall(r: random.Random, context_len: int = 2048, count: Callable[[str], int] | None = None,
-           pairs: int = 8, min_pairs: int | None = None, style: str = "assign", questions: int = 1,
+           pairs: int = 8, min_pairs: int | None = None, style: str = "letter", questions: int = 1,
            **_) -> tuple[str, str]:
-    """``pairs`` key–value pairs (four-letter keys, four-digit values; between ``min_pairs`` and ``pairs`` when
-    given) scattered through filler sentences; the question asks for one whose pair sits in the first half of
-    the prompt. ``count`` gives a text's length in tokens (default: words, about a token each).
+    """``pairs`` key–value pairs (four-digit values; between ``min_pairs`` and ``pairs`` when given) scattered
+    through filler sentences; the question asks for one whose pair sits in the first half of the prompt.
+    ``count`` gives a text's length in tokens (default: words, about a token each).
 
-    ``style`` "assign" writes a pair ``abcd=1234.`` and ends the prompt with ``abcd=``, so the key's last letters
-    sit right before the value in both places (within a short conv's window at byte-level tokens); "sentence"
-    writes ``The value of abcd is 1234.`` and ends with ``The value of abcd is `` (the key five tokens and more
-    before the answer: the first checkpoints were trained on it); "letter" writes ``K=1234.`` and ends with ``K=``,
-    each key one capital letter (none occurs in the filler), so that finding the pair takes matching one token,
-    not four (at a tiny size, four-letter keys stayed at chance where one-letter keys were learnt).
+    ``style`` "letter" (the default) writes ``K=1234.`` and ends the prompt with ``K=``, each key one capital letter
+    (none occurs in the filler), so that finding the pair takes matching one token, not four: at a tiny size four-letter
+    keys stayed at chance where one-letter keys were learnt, and the first H200 run with them is the first whose recall
+    formed. "assign" writes a pair ``abcd=1234.`` and ends the prompt with ``abcd=``, so the key's last letters sit
+    right before the value in both places (within a short conv's window at byte-level tokens); "sentence" writes ``The
+    value of abcd is 1234.`` and ends with ``The value of abcd is `` (the key five tokens and more before the answer:
+    the first checkpoints were trained on it).
 
     ``questions`` > 1 (training's drills): the answer goes on with more questions about other pairs, each with
     its value, ``1234\nWhat is efgh? efgh=5678``, up to one per pair: several retrievals from one prompt. The

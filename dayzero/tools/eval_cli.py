@@ -41,10 +41,10 @@ def add_parser(sub) -> None:
     e.add_argument("--n", type=int, default=100, help="instances per task")
     e.add_argument("--context-len", type=int, default=2048, metavar="L", help="tokens of a recall prompt")
     e.add_argument("--max-digits", type=int, default=5, help="operand digits of addition and subtraction")
-    e.add_argument("--recall-style", default="assign", choices=RECALL_STYLES,
-                   help="recall pairs written `abcd=1234.` and asked with `abcd=` (default), with one-letter keys, "
-                        "`K=1234.` asked with `K=` (letter), or as sentences, `The value of abcd is 1234.` (the "
-                        "format of the first training runs)")
+    e.add_argument("--recall-style", default="letter", choices=RECALL_STYLES,
+                   help="recall pairs written `K=1234.` and asked with `K=`, one capital letter a key (letter, the "
+                        "default), `abcd=1234.` asked with `abcd=` (assign), or as sentences, `The value of abcd is "
+                        "1234.` (the formats of earlier training runs)")
     e.add_argument("--task-seed", type=int, default=0, help="which held-out instances (the eval stream's seed)")
     e.add_argument("--url", default=None, help="a running server, e.g. http://127.0.0.1:8000 (default: the engine "
                                                "in this process)")

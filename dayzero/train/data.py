@@ -45,9 +45,9 @@ class DataConfig:
     # recall_min_pairs..8 pairs (the eval split keeps 32 words and 8 pairs)
     copy_min_words: int = 4
     recall_min_pairs: int = 2
-    # how a pair is written (dayzero.eval.tasks.recall): "assign", abcd=1234, the key's last letters right before
-    # the value, within the KDA conv's window at byte-level tokens; "sentence" for the first runs' format
-    recall_style: str = "assign"
+    # how a pair is written (dayzero.eval.tasks.recall): "letter", K=1234, a key of one token (the fifth run's
+    # format, the first whose recall formed); "assign", abcd=1234, and "sentence" for the earlier runs' formats
+    recall_style: str = "letter"
     # questions per plain-format recall prompt (dayzero.eval.tasks.recall's drills): each asked pair's value is a
     # retrieval the loss sees; a single question gives ~4 answer tokens a prompt of hundreds
     recall_questions: int = 4

@@ -10,7 +10,7 @@ from dayzero.tools import eval_cli
 
 
 def evaluate(path, n: int = 100, tasks=tuple(TASKS), context_len: int = 2048, max_digits: int = 5,
-             task_seed: int = 0, device: str = "auto", recall_style: str = "assign", **engine) -> list[dict]:
+             task_seed: int = 0, device: str = "auto", recall_style: str = "letter", **engine) -> list[dict]:
     """Rows of ``eval_cli.score`` (task, n, correct, accuracy, 95% interval) for the checkpoint at ``path``;
     ``engine`` goes to ``LLM`` (e.g. ``enforce_eager``, ``cache_memory_bytes``)."""
     args = SimpleNamespace(tasks=",".join(tasks), n=n, task_seed=task_seed, max_digits=max_digits,

@@ -41,9 +41,9 @@ def test_instances_are_seeded_and_their_answers_right():
 def test_recall_puts_the_asked_pair_in_the_first_half_of_a_prompt_of_about_the_asked_length(tiny_ckpt):
     tok = LLM(str(tiny_ckpt), device="cpu", dtype="float32", num_cache_blocks=8).tokenizer
     count = lambda text: len(tok.encode(text, add_special_tokens=False))  # noqa: E731
-    for inst in T.instances("recall", 10, context_len=1024, count=count):
-        key = re.fullmatch(r".*\nWhat is ([a-z]{4})\? \1=", inst.prompt, re.S).group(1)
-        at = re.search(rf"(?<![a-z]){key}={inst.answer}\.", inst.prompt).start()
+    for inst in T.instances("recall", 10, context_len=1024, count=count):  # keys of one capital letter
+        key = re.fullmatch(r".*\nWhat is ([A-Z])\? \1=", inst.prompt, re.S).group(1)
+        at = re.search(rf"(?<![A-Za-z]){key}={inst.answer}\.", inst.prompt).start()
         assert at < len(inst.prompt) / 2
         assert 0.8 * 1024 <= count(inst.prompt) <= 1.2 * 1024
 
@@ -51,22 +51,23 @@ def test_recall_puts_the_asked_pair_in_the_first_half_of_a_prompt_of_about_the_a
 def test_recall_styles_write_the_same_pairs_and_filler_two_ways():
     """The sentence style (the first checkpoints' format) draws the same pairs and asks for the same one (the filler
     differs: its length counts the pairs' text)."""
-    for new, old in zip(T.instances("recall", 5, context_len=300), T.instances("recall", 5, context_len=300,
-                                                                                style="sentence")):
+    for new, old in zip(T.instances("recall", 5, context_len=300, style="assign"),
+                        T.instances("recall", 5, context_len=300, style="sentence")):
         assert new.answer == old.answer
         pairs = re.findall(r"(?<![a-z])([a-z]{4})=(\d{4})\.", new.prompt)
         assert pairs and sorted(pairs) == sorted(re.findall(r"The value of ([a-z]{4}) is (\d{4})\.", old.prompt))
         key = re.search(r"What is the value of ([a-z]{4})\? The value of \1 is $", old.prompt).group(1)
         assert (key, new.answer) in pairs and new.prompt.endswith(f"{key}=")
-    for one, drill in zip(T.instances("recall", 5, "train", context_len=300, min_pairs=2),
-                          T.instances("recall", 5, "train", context_len=300, min_pairs=2, questions=4)):
+    for one, drill in zip(T.instances("recall", 5, "train", context_len=300, min_pairs=2, style="assign"),
+                          T.instances("recall", 5, "train", context_len=300, min_pairs=2, questions=4,
+                                      style="assign")):
         assert drill.prompt == one.prompt and drill.answer.startswith(one.answer + "\n")  # the first question as ever
         pairs = dict(re.findall(r"(?<![a-z])([a-z]{4})=(\d{4})\.", one.prompt))
         asked = re.findall(r"\nWhat is ([a-z]{4})\? \1=(\d{4})", "\n" + drill.prompt.split("\n")[-1] + drill.answer)
         assert len(asked) == min(4, len(pairs)) and len({k for k, _ in asked}) == len(asked)
         assert all(pairs[k] == v for k, v in asked)  # every question answered with its pair's value
-    for new, letter in zip(T.instances("recall", 5, context_len=300),
-                           T.instances("recall", 5, context_len=300, style="letter")):
+    for new, letter in zip(T.instances("recall", 5, context_len=300, style="assign"),
+                           T.instances("recall", 5, context_len=300)):  # letter, the default
         # keys of one capital letter (the random draws differ from four-letter keys': other values)
         pairs = re.findall(r"(?<![A-Za-z])([A-Z])=(\d{4})\.", letter.prompt)
         assert len(pairs) == len(re.findall(r"(?<![a-z])([a-z]{4})=(\d{4})\.", new.prompt))

@@ -20,7 +20,7 @@ def tokenizer():
 
 
 def facts(prompt: str) -> int:
-    return len(re.findall(r"(?<![a-z])[a-z]{4}=\d{4}\.", prompt))
+    return len(re.findall(r"(?<![A-Za-z])(?:[A-Z]|[a-z]{4})=\d{4}\.", prompt))  # one-letter or four-letter keys
 
 
 def test_train_split_has_short_copies_and_few_pair_recalls_the_eval_split_full_ones():

@@ -105,6 +105,7 @@ def test_output_dir_with_files_needs_overwrite(tmp_path):
 def test_default_training_config_fits_16_mib_with_mxfp4_experts():
     config = HybridConfig.from_file(ROOT / "configs" / "dayzero-default-train.json")
     assert config.index_topk < 2048  # the recall contexts reach past the DSA top-k
+    assert config.max_position_embeddings > 8192  # and the 8K-token recall target fits in the context
     tensors = checkpoint_tensors(new_model(config, "cpu"), config, "mxfp4")
     assert sum(t.numel() * t.element_size() for t in tensors.values()) <= 16 * 2**20
     assert any(name.endswith("w1_blocks") and t.dtype == torch.uint8 for name, t in tensors.items())
