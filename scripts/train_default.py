@@ -205,7 +205,8 @@ def main(argv=None) -> int:
         save_checkpoint(model, config, out, DEFAULT_MODEL, args.expert_format)
         rows = evaluate(out, n=16, tasks=tasks, device=str(device), enforce_eager=True, recall_style=data.recall_style,
                         cache_memory_bytes=2 << 30, max_model_len=4096)
-        print(f"eval at step {step}: " + "  ".join(f"{r['task']} {r['accuracy']:.0%}" for r in rows), flush=True)
+        print(f"eval at step {step}: " + "  ".join(f"{r['task']} {r['accuracy']:.0%} ({r['chars']:.0%} chars)"
+                                                    for r in rows), flush=True)
 
     trainer = Trainer(model, tokenizer, train_config, device, log=lambda s: print(s, flush=True), on_eval=quick_eval)
     summary = trainer.train()

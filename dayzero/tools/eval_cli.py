@@ -168,14 +168,33 @@ def correct(inst: Instance, text: str) -> bool:
     return text.strip() == inst.answer
 
 
+def chars_in_place(inst: Instance, text: str) -> float:
+    """Partial credit: characters the stripped completion has at the answer's places, over the longer of the two
+    (a four-digit recall answer with two digits right scores 0.5, and one with a fifth digit 0.8; exact match 1)."""
+    got = text.strip()
+    return sum(a == b for a, b in zip(inst.answer, got)) / max(1, len(inst.answer), len(got))
+
+
 def score(insts: list[Instance], texts: list[str]) -> list[dict]:
+    """Per task: n, correct, accuracy (exact match) with its 95% interval (low, high), and ``chars``, the mean
+    share of answer characters in place (:func:`chars_in_place`), a graded signal while exact answers are rare."""
     rows = []
     for task in dict.fromkeys(i.task for i in insts):
-        got = [correct(i, t) for i, t in zip(insts, texts) if i.task == task]
+        pairs = [(i, t) for i, t in zip(insts, texts) if i.task == task]
+        got = [correct(i, t) for i, t in pairs]
         lo, hi = wilson(sum(got), len(got))
         rows.append({"task": task, "n": len(got), "correct": sum(got), "accuracy": sum(got) / len(got),
-                     "low": lo, "high": hi})
+                     "low": lo, "high": hi, "chars": sum(chars_in_place(i, t) for i, t in pairs) / len(pairs)})
     return rows
+
+
+def table(rows: list[dict]) -> str:
+    """The rows of :func:`score` as the table ``dayzero eval`` prints."""
+    lines = [f"{'task':<12} {'n':>5} {'correct':>8} {'accuracy':>9}  {'95% interval':>15}  {'chars in place':>14}"]
+    for r in rows:
+        lines.append(f"{r['task']:<12} {r['n']:>5} {r['correct']:>8} {r['accuracy']:>9.1%}  "
+                     f"{r['low']:>6.1%} – {r['high']:>6.1%}  {r['chars']:>14.1%}")
+    return "\n".join(lines)
 
 
 def _modes(args) -> int:
@@ -218,14 +237,11 @@ def run(args) -> int:
     insts, texts, target = (_in_process if args.url is None else _over_http)(args)
     rows = score(insts, texts)
     if args.json:
-        outputs = [{"task": i.task, "answer": i.answer, "output": t, "correct": correct(i, t)}
-                   for i, t in zip(insts, texts)]
+        outputs = [{"task": i.task, "answer": i.answer, "output": t, "correct": correct(i, t),
+                    "chars": chars_in_place(i, t)} for i, t in zip(insts, texts)]
         print(json.dumps({"target": target, "task_seed": args.task_seed, "context_len": args.context_len,
                           "tasks": rows, "outputs": outputs}))
         return 0
     print(f"{target}: exact match, greedy, task seed {args.task_seed}")
-    print(f"{'task':<12} {'n':>5} {'correct':>8} {'accuracy':>9}  {'95% interval':>15}")
-    for r in rows:
-        print(f"{r['task']:<12} {r['n']:>5} {r['correct']:>8} {r['accuracy']:>9.1%}  "
-              f"{r['low']:>6.1%} – {r['high']:>6.1%}")
+    print(table(rows))
     return 0

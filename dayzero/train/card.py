@@ -50,9 +50,10 @@ def model_card(*, config, n_params: int, size_bytes: int, expert_format: str, ta
     if rows:
         setup = ", ".join(f"{k} {v}" for k, v in eval_setup.items())
         lines += [f"Exact match, greedy, eval split ({setup}):", "",
-                  "| task | n | correct | accuracy | 95% interval |", "|---|---|---|---|---|"]
+                  "| task | n | correct | accuracy | 95% interval | answer characters in place |",
+                  "|---|---|---|---|---|---|"]
         lines += [f"| {r['task']} | {r['n']} | {r['correct']} | {r['accuracy']:.1%} | {r['low']:.1%} – "
-                  f"{r['high']:.1%} |" for r in rows]
+                  f"{r['high']:.1%} | {r['chars']:.1%} |" for r in rows]
         lines += ["", "Score it again with `dayzero eval MODEL --n N --context-len L`."]
     else:
         lines += ["Not evaluated in this run: `dayzero eval MODEL` scores it."]

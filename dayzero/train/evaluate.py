@@ -21,9 +21,4 @@ def evaluate(path, n: int = 100, tasks=tuple(TASKS), context_len: int = 2048, ma
         return eval_cli.score(insts, eval_cli.answers(llm, insts))
 
 
-def table(rows: list[dict]) -> str:
-    lines = [f"{'task':<12} {'n':>5} {'correct':>8} {'accuracy':>9}  {'95% interval':>15}"]
-    for r in rows:
-        lines.append(f"{r['task']:<12} {r['n']:>5} {r['correct']:>8} {r['accuracy']:>9.1%}  "
-                     f"{r['low']:>6.1%} – {r['high']:>6.1%}")
-    return "\n".join(lines)
+table = eval_cli.table  # the rows as ``dayzero eval`` prints them

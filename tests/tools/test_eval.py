@@ -119,6 +119,13 @@ def test_scores_count_exact_answers_through_the_engine(tiny_ckpt, monkeypatch, c
     for r in report["tasks"]:
         assert (r["n"], r["correct"], r["accuracy"]) == (6, 3, 0.5)
         assert r["low"] < 0.5 < r["high"]
+        mine = [o for o in report["outputs"] if o["task"] == r["task"]]
+        # partial credit: the near misses have every answer character in place and one more
+        assert [o["chars"] for o in mine] == [1.0 if o["correct"] else len(o["answer"]) / (len(o["answer"]) + 1)
+                                              for o in mine]
+        assert r["chars"] == pytest.approx(sum(o["chars"] for o in mine) / 6)
+    assert eval_cli.chars_in_place(T.Instance("recall", "", "1234"), "1934\n") == 0.75
+    assert eval_cli.chars_in_place(T.Instance("recall", "", "1234"), "12") == 0.5
 
 
 def test_modes_run_an_engine_each_and_compare_it_with_the_first(tiny_ckpt, monkeypatch, capsys):
