@@ -82,7 +82,7 @@ def copying(r: random.Random, words: int = 32, min_words: int | None = None, **_
     return f"copy: {passage}\n=", passage
 
 
-RECALL_STYLES = ("assign", "sentence", "letter")
+RECALL_STYLES = ("letter", "assign", "sentence")
 
 
 def _pair(style: str, key: str, value: str) -> str:
