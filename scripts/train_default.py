@@ -150,7 +150,8 @@ def main(argv=None) -> int:
     from dayzero.train.card import write_model_card
     from dayzero.train.checkpoint import load_model, new_model, save_checkpoint
     from dayzero.train.data import DataConfig
-    from dayzero.train.evaluate import evaluate, table
+    from dayzero.tools.eval_cli import table
+    from dayzero.train.evaluate import evaluate
     from dayzero.train.loop import TrainConfig, Trainer
 
     t0 = time.monotonic()

@@ -11,8 +11,9 @@ from dayzero.tools import eval_cli
 
 def evaluate(path, n: int = 100, tasks=tuple(TASKS), context_len: int = 2048, max_digits: int = 5,
              task_seed: int = 0, device: str = "auto", recall_style: str = "letter", **engine) -> list[dict]:
-    """Rows of ``eval_cli.score`` (task, n, correct, accuracy, 95% interval) for the checkpoint at ``path``;
-    ``engine`` goes to ``LLM`` (e.g. ``enforce_eager``, ``cache_memory_bytes``)."""
+    """Rows of ``eval_cli.score`` (task, n, correct, accuracy, 95% interval, characters in place) for the
+    checkpoint at ``path`` (``eval_cli.table`` prints them); ``engine`` goes to ``LLM`` (e.g. ``enforce_eager``,
+    ``cache_memory_bytes``)."""
     args = SimpleNamespace(tasks=",".join(tasks), n=n, task_seed=task_seed, max_digits=max_digits,
                            context_len=context_len, recall_style=recall_style, url=None)
     eval_cli.check_options(args)
@@ -20,5 +21,3 @@ def evaluate(path, n: int = 100, tasks=tuple(TASKS), context_len: int = 2048, ma
         insts = eval_cli.build(args, llm.tokenizer)
         return eval_cli.score(insts, eval_cli.answers(llm, insts))
 
-
-table = eval_cli.table  # the rows as ``dayzero eval`` prints them
