@@ -172,7 +172,6 @@ class EngineDriver:
         self.num_steps = 0
         self._calls: list[tuple] = []  # (replica, call) mirrored since the last step
         self.home: dict[str, int] = {}  # attention data parallelism: each unfinished request's replica
-        self._work: dict[str, int] = {}  # and the cache tokens its samples may claim (prompt + max_tokens each)
         self._remote: dict[str, list] = {}  # ... and, for those outside replica 0, what `requests` tells of them
         self._counters: dict[int, dict] = {}  # each other replica's LLMEngine.counters() after its last step
         self._life = _Life(ranks)
@@ -241,14 +240,14 @@ class EngineDriver:
         prompt and token allowance), then the fewest requests, then the lowest index."""
         work = [0] * self.dp
         for rid, d in self.home.items():
-            work[d] += self._work.get(rid, 0)
+            work[d] += sum(s.num_prompt_tokens + s.max_tokens for s in self.requests[rid])
         count = self._replica_loads()
         return min(range(self.dp), key=lambda d: (work[d], count[d], d))
 
     @property
     def requests(self):
         """Every unfinished request by id: rank 0's engine's, and under attention data parallelism the other
-        replicas' (each a list of one stand-in giving its prompt's token count)."""
+        replicas' (each a list of a stand-in per sample giving its prompt's token count and its max_tokens)."""
         return ChainMap(self.engine.requests, self._remote) if self.dp > 1 else self.engine.requests
 
     def has_unfinished(self) -> bool:
@@ -277,13 +276,12 @@ class EngineDriver:
             d = self._least_loaded()
         if d == 0:
             self.engine.add_request(request_id, prompt_token_ids, params, prompt=prompt, delta=delta, images=images)
-            work = sum(s.num_prompt_tokens + s.max_tokens for s in self.engine.requests[request_id])
         else:  # refused here as the replica would refuse it; its images are prepared again there
             ids, _ = self.engine.prepare_prompt(list(prompt_token_ids), list(images or []))
-            work = params.n * (len(ids) + self.engine.check_request(ids, params))
-            self._remote[request_id] = [SimpleNamespace(num_prompt_tokens=len(ids))]
+            max_tokens = self.engine.check_request(ids, params)  # a stand-in per sample, as the engine keeps
+            self._remote[request_id] = [SimpleNamespace(num_prompt_tokens=len(ids), max_tokens=max_tokens)] * params.n
         if self.dp > 1:
-            self.home[request_id], self._work[request_id] = d, work
+            self.home[request_id] = d
         # every rank of the replica runs the tower on the same images (Pillow images and bytes pickle)
         self._calls.append((d, ("add_request", (request_id, list(prompt_token_ids), params),
                                 {"delta": delta, "images": images})))
@@ -291,7 +289,6 @@ class EngineDriver:
     def abort(self, request_id: str) -> bool:
         """Also after a failure (rank 0 alone then), so that callers can always clean up."""
         d = self.home.pop(request_id, 0)
-        self._work.pop(request_id, None)
         done = self._remote.pop(request_id, None) is not None if d else self.engine.abort(request_id)
         if done and self.failure is None:
             self._calls.append((d, ("abort", (request_id,), {})))
@@ -331,7 +328,6 @@ class EngineDriver:
         for o in outputs if self.dp > 1 else ():
             if o.finished:
                 self.home.pop(o.request_id, None)
-                self._work.pop(o.request_id, None)
                 self._remote.pop(o.request_id, None)
         return outputs
 

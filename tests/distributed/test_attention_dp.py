@@ -113,7 +113,7 @@ def test_replicas_are_chosen_by_the_cache_their_requests_may_claim(models):
         finished = set()
         while engine.has_unfinished():
             finished |= {o.request_id for o in engine.step() if o.finished}
-        assert finished == {"s1", "s2", "s3"} and engine.home == {} and engine._work == {}
+        assert finished == {"s1", "s2", "s3"} and engine.home == {} and not engine.requests
 
 
 def test_requests_go_to_the_emptier_replica_and_refusals_change_nothing(models):
