@@ -59,6 +59,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--recall-lengths", default=None, metavar="MIN,START,MAX",
                     help="recall prompts' token counts: uniform from MIN to a bound growing from START to MAX over "
                          "the first half of training (default 128,384,2560; --tiny 64,96,160)")
+    ap.add_argument("--sparse-from", type=float, default=None, metavar="F",
+                    help="fraction of training after which the DSA layers attend over their indexers' top-k; before "
+                         "it, dense attention while the indexers learn to match it (default 0.7; 0 continues an "
+                         "--init run whose indexers are trained)")
     ap.add_argument("--loss-balance", default="task", choices=["task", "token"],
                     help="the LM loss per task, each task of a step an equal part (default), or per answer token")
     ap.add_argument("--expert-format", default="mxfp4", choices=["mxfp4", "bf16"], help="routed experts on disk")
@@ -84,6 +88,8 @@ def check(args) -> None:
         raise ValueError(f"--minutes must be positive, got {args.minutes}")
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"--steps must be at least 1, got {args.steps}")
+    if args.sparse_from is not None and not 0 <= args.sparse_from <= 1:
+        raise ValueError(f"--sparse-from must be in [0, 1], got {args.sparse_from}")
     if args.copy_warmup is not None and not 0 <= args.copy_warmup <= 1:
         raise ValueError(f"--copy-warmup must be in [0, 1], got {args.copy_warmup}")
     if args.tasks is not None:
@@ -194,7 +200,8 @@ def main(argv=None) -> int:
         workers=args.workers if args.workers is not None else (6 if cuda else 0),
         log_every=args.log_every or (20 if cuda else 1), warmup_steps=5 if args.tiny else 30,
         eval_every=(args.eval_every or None) if cuda else None,
-        fake_mxfp4=args.expert_format == "mxfp4", profile_file=args.profile)
+        fake_mxfp4=args.expert_format == "mxfp4", profile_file=args.profile,
+        sparse_from=TrainConfig.sparse_from if args.sparse_from is None else args.sparse_from)
     torch.manual_seed(args.seed)
     model = load_model(args.init, device) if args.init else new_model(config, device, args.seed)
     n_params = sum(p.numel() for p in model.parameters())

@@ -88,7 +88,8 @@ def test_init_continues_from_a_checkpoint_with_mxfp4_experts(tmp_path):
     (["--steps", "0"], "--steps must be at least 1"),
     (["--tokens", "0"], "--tokens must be positive"),
     (["--copy-warmup", "1.5"], "--copy-warmup must be in"),
-], ids=["task", "minutes-zero", "minutes-negative", "steps", "tokens", "copy-warmup"])
+    (["--sparse-from", "-0.1"], "--sparse-from must be in"),
+], ids=["task", "minutes-zero", "minutes-negative", "steps", "tokens", "copy-warmup", "sparse-from"])
 def test_bad_options_name_the_option(tmp_path, argv, match):
     with pytest.raises(ValueError, match=match):
         _script().main(["--tiny", "--device", "cpu", "--out", str(tmp_path / "x"), *argv])
