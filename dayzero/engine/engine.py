@@ -55,7 +55,7 @@ class EngineConfig:
     load_format: str = "auto"  # "auto": the checkpoint's safetensors; "dummy": random weights (benchmarks, planning)
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "bfloat16" | "float16" | "float32" | "fp8" | "int8"
     index_cache_dtype: str = "auto"  # the indexer keys' cache: "auto" (as kv_cache_dtype) or one of the same kinds
-    expert_compute: str = "bf16"  # workspace format packed MXFP4 experts are converted into: "bf16" | "fp8" | "fused"
+    expert_compute: str = "auto"  # packed MXFP4 experts: "auto" (per step) | "bf16" | "fp8" workspace | "fused"
     high_precision_layers: tuple[int, ...] = ()  # layers whose packed experts are dequantised once at load
     enforce_eager: bool = False  # True: no CUDA graphs, every step runs eagerly
     cuda_graph_sizes: tuple[int, ...] | None = None  # decode batch sizes captured (default 1, 2, 4, 8, 16, .. max_num_seqs)

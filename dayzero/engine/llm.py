@@ -27,7 +27,8 @@ class LLM:
     ``kv_cache_dtype`` "fp8" or "int8" stores paged caches quantised (keys per channel, values per token);
     ``index_cache_dtype`` sets the indexer keys' cache apart from it ("fp8": e4m3 with one scale per key).
     Packed MXFP4 experts are converted per layer into one shared workspace in ``expert_compute`` ("bf16" or
-    "fp8"), or read packed by the expert kernels ("fused", no workspace); ``high_precision_layers`` lists layers whose experts are instead dequantised once at load.
+    "fp8"), read packed by the expert kernels ("fused", no workspace), or per step ("auto", the default: packed
+    for steps of few rows per expert such as decode, a bf16 workspace for large prefill steps); ``high_precision_layers`` lists layers whose experts are instead dequantised once at load.
     ``load_format="dummy"`` gives random weights from the config alone (``model`` may then be a config file).
     On CUDA, decode steps run as CUDA graphs captured at load for the batch sizes ``cuda_graph_sizes`` (default
     1, 2, 4, 8, 16, 24, .. ``max_num_seqs``) and contexts up to ``cuda_graph_max_len`` tokens, and prefill and
@@ -65,7 +66,7 @@ class LLM:
         cache_memory_bytes: int | None = None,
         kv_cache_dtype: str = "auto",
         index_cache_dtype: str = "auto",
-        expert_compute: str = "bf16",
+        expert_compute: str = "auto",
         high_precision_layers: tuple[int, ...] | list[int] = (),
         load_format: str = "auto",
         enforce_eager: bool = False,

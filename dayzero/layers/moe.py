@@ -277,14 +277,15 @@ class MoE(nn.Module):
         home = ep_all_to_all(out, recv, send, p)  # [t*k, L] this rank's pairs, in its slot order
         return ops.call("moe_unpermute", home, order, weights, h.shape[0])  # [t, L]
 
-    def _expert_weights(self) -> tuple:
-        """(w1, w2) as the expert ops take them; packed MXFP4 experts are converted (or taken converted) into
-        the workspace, which the caller releases."""
+    def _expert_weights(self, tokens: int | None = None) -> tuple:
+        """(w1, w2) as the expert ops take them for a step of ``tokens`` rows; packed MXFP4 experts are
+        converted (or taken converted) into the workspace, which the caller releases, or read packed."""
         if self.packed:
             if self.workspace is None:
                 raise RuntimeError("packed MXFP4 experts need an ExpertWorkspace (attach_workspace)")
-            w1, w2 = self.workspace.acquire(self)
-            self.workspace.prefetch(self.next_moe)
+            rows = None if tokens is None else tokens * self.spec.top_k / self.spec.n_experts
+            w1, w2 = self.workspace.acquire(self, rows)
+            self.workspace.prefetch(self.next_moe, rows)
             return w1, w2
         if self.fp8:
             return TileScaled(self.w1, self.w1_scale_inv), TileScaled(self.w2, self.w2_scale_inv)
@@ -309,7 +310,7 @@ class MoE(nn.Module):
         h = x  # [T, L]
         if self.latent:
             h = fused["fc1_latent_proj"] if fused else self.fc1_latent_proj(x)
-        w1, w2 = self._expert_weights()
+        w1, w2 = self._expert_weights(x.shape[0])
         y = self._routed(x, h, w1, w2, batch) if self.parallel.ep_size == 1 else self._routed_ep(x, h, w1, w2, batch)
         if self.packed:
             self.workspace.release(self)

@@ -11,6 +11,13 @@ With ``compute="fused"`` nothing is converted: :meth:`acquire` hands out the pac
 (:class:`PackedMXFP4`), for expert kernels that dequantise inside their inner loop (the Triton expert kernels
 on a GPU); paths without such a kernel dequantise one expert at a time (``w[e]``), which is slow.
 
+``compute="auto"`` (the default) chooses per step: a conversion writes every expert of the layer, however few
+rows the step routes to them, so a step with at most :data:`FUSED_ROWS_PER_EXPERT` rows per expert on average
+(decode, small prefill chunks) reads the packed weights as ``fused`` does, and a larger one converts into a
+BF16 workspace, where the expert GEMMs run at the bf16 tensor-core rate. On the H200 a 64-expert layer
+(4096 : 2048) converts in ~1.7 ms, as long as its bf16 GEMMs take at ~500 rows per expert, while the packed
+kernels read 0.53 bytes a weight of the experts a step uses (``docs/performance.md``).
+
 Inside CUDA-graph capture nothing is cached: a replay runs later, when the slots hold whatever ran last,
 so every :meth:`acquire` converts in the graph, on the capturing stream, and :meth:`prefetch` does nothing
 (work on the side stream would not be joined into the graph). Whoever runs steps calls
@@ -23,7 +30,8 @@ import torch
 from dayzero.quant.convert_kernels import convert_mxfp4, convert_refusal
 from dayzero.quant.mxfp4 import BLOCK, dequantize_mxfp4, e4m3_pair_table, fp4_lut
 
-COMPUTE = ("bf16", "fp8", "fused")
+COMPUTE = ("auto", "bf16", "fp8", "fused")
+FUSED_ROWS_PER_EXPERT = 128  # "auto": steps with at most this many rows per expert read the packed weights
 
 
 class BlockScaled:
@@ -82,10 +90,11 @@ def _convert_torch(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor
 
 
 class ExpertWorkspace:
-    def __init__(self, compute: str = "bf16", device: torch.device | str = "cpu", slots: int | None = None):
+    def __init__(self, compute: str = "auto", device: torch.device | str = "cpu", slots: int | None = None,
+                 fused_rows: float = FUSED_ROWS_PER_EXPERT):
         if compute not in COMPUTE:
             raise ValueError(f"expert_compute must be one of {list(COMPUTE)}, got {compute!r}")
-        self.compute, self.device = compute, torch.device(device)
+        self.compute, self.device, self.fused_rows = compute, torch.device(device), fused_rows
         self.fused = compute == "fused"  # no slots: the kernels read the packed weights
         self.num_slots = 0 if self.fused else slots or (2 if self.device.type == "cuda" else 1)
         self._slots: list[dict[str, torch.Tensor]] = [{} for _ in range(self.num_slots)]
@@ -128,6 +137,13 @@ class ExpertWorkspace:
         return sum(t.numel() * t.element_size() for slot in self._slots for t in slot.values())
 
     # --- use -------------------------------------------------------------------------------------------
+    def reads_packed(self, rows_per_expert: float | None = None) -> bool:
+        """Whether a step routing ``rows_per_expert`` rows to each expert on average (None: unknown) reads the
+        packed weights rather than a converted copy."""
+        if self.fused:
+            return True
+        return self.compute == "auto" and rows_per_expert is not None and rows_per_expert <= self.fused_rows
+
     def _fill(self, i: int, layer) -> None:
         slot = self._slots[i]
         for name in ("w1", "w2"):
@@ -145,10 +161,10 @@ class ExpertWorkspace:
             out.append(BlockScaled(data, scale) if scale is not None else data)
         return tuple(out)
 
-    def acquire(self, layer):
-        """(w1, w2) of ``layer`` in the workspace: converted now, or by an earlier :meth:`prefetch`; with
-        ``fused``, the packed weights as they are."""
-        if self.fused:
+    def acquire(self, layer, rows_per_expert: float | None = None):
+        """(w1, w2) of ``layer`` for a step of ``rows_per_expert`` rows per expert: in the workspace, converted
+        now or by an earlier :meth:`prefetch`, or the packed weights as they are (:meth:`reads_packed`)."""
+        if self.reads_packed(rows_per_expert):
             return (PackedMXFP4(layer.w1_blocks, layer.w1_scales), PackedMXFP4(layer.w2_blocks, layer.w2_scales))
         if _capturing(self.device):  # converted in the graph every time: a replay cannot trust any slot
             i = self.conversions % self.num_slots
@@ -175,10 +191,13 @@ class ExpertWorkspace:
                 ev.record(torch.cuda.current_stream(self.device))
                 self._freed[i] = ev
 
-    def prefetch(self, layer) -> None:
-        """Start converting ``layer`` into the slot not in use (CUDA only, not while capturing; else a no-op)."""
+    def prefetch(self, layer, rows_per_expert: float | None = None) -> None:
+        """Start converting ``layer`` into the slot not in use for a step of ``rows_per_expert`` rows per expert
+        (CUDA only, not while capturing, not when the step reads the packed weights; else a no-op)."""
         if self._stream is None or layer is None or layer in self._owner or _capturing(self.device):
             return  # (always with ``fused``: no stream)
+        if self.reads_packed(rows_per_expert):
+            return
         i = self.conversions % self.num_slots
         with torch.cuda.stream(self._stream):
             if self._freed[i] is not None:

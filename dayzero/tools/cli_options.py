@@ -126,9 +126,10 @@ def add_engine_options(p) -> None:
     e.add_argument("--index-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="the DSA indexer keys' cache, apart from --kv-cache-dtype (auto: the same; fp8: e4m3 with a "
                         "scale per key, about half the bytes)")
-    e.add_argument("--expert-compute", default="bf16", choices=list(COMPUTE),
-                   help="workspace format packed MXFP4 experts are converted into (fused: none, the expert "
-                        "kernels read the packed weights)")
+    e.add_argument("--expert-compute", default="auto", choices=list(COMPUTE),
+                   help="packed MXFP4 experts: the workspace format they are converted into (bf16 | fp8), read "
+                        "packed by the expert kernels (fused), or per step (auto: packed for steps of at most "
+                        "128 rows per expert, a bf16 workspace above)")
     e.add_argument("--high-precision-layers", type=int, nargs="+", default=(), metavar="I",
                    help="layers whose packed experts are dequantised once at load")
     e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly")

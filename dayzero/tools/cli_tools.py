@@ -58,8 +58,9 @@ def add_plan(sub) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_DTYPES, help="cache storage")
     p.add_argument("--experts", default="auto", choices=["auto", "bf16", "fp8", "mxfp4"],
                    help="routed-expert storage (auto: as the config declares)")
-    p.add_argument("--conversion", default="bf16", choices=["bf16", "fp8", "fused"],
-                   help="MXFP4 experts: the workspace they are converted into, or a fused MXFP4 GEMM")
+    p.add_argument("--conversion", default="auto", choices=["auto", "bf16", "fp8", "fused"],
+                   help="MXFP4 experts: the workspace they are converted into, a fused MXFP4 GEMM, or per step as "
+                        "the engine's default (auto: fused for steps of at most 128 rows per expert)")
     p.add_argument("--prefill-chunk", type=int, default=8192, help="prefill tokens per step per DP rank")
     p.add_argument("--memory-fraction", type=float, default=0.92, help="share of device memory the plan may use")
     p.add_argument("--top", type=int, default=12, help="layouts to list")

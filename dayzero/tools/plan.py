@@ -16,6 +16,7 @@ from dayzero.cache.planner import DEFAULT_BLOCK_SIZE
 from dayzero.distributed import pipeline_stages
 from dayzero.multimodal.costs import cache_rows
 from dayzero.ops.indexer.triton_indexer import scratch_bytes as indexer_scratch_bytes
+from dayzero.quant.workspace import FUSED_ROWS_PER_EXPERT
 from dayzero.tools import fmt
 from dayzero.tools.devices import DeviceKind, parse_device_spec, parse_devices
 from dayzero.tools.model_info import FORMAT_TORCH, block_size_of, declared_format, load
@@ -34,7 +35,7 @@ class PlanConfig:
     kv_cache_dtype: str = "auto"
     dtype: str = "bf16"  # activations and unquantised weights
     experts: str = "auto"  # routed-expert storage: auto (as the checkpoint/config says) | bf16 | fp8 | mxfp4
-    conversion: str = "bf16"  # MXFP4 experts: convert into a bf16 or fp8 workspace, or "fused" (no workspace)
+    conversion: str = "auto"  # MXFP4 experts: a bf16 or fp8 workspace, "fused" (none), or "auto" (per step, as the engine)
     block_size: int | None = None  # None: the engine's default (16, or compressed rows' stride when larger)
     prefill_chunk: int = 8192  # tokens per DP rank per prefill step
     moe_imbalance: float = 1.5  # expert receive buffers sized for this multiple of the average load
@@ -215,7 +216,11 @@ def stage_time(costs: ModelCosts, cfg: PlanConfig, lay: Layout, layer_ids: range
         flops += tokens_rank * attn_flops(lc, context, prefill) / lay.tp
         if lc.is_moe:
             touched = 1 - (1 - lc.top_k / lc.n_experts) ** tokens_stage  # expected share of experts hit
-            nbytes += touched * (lc.expert_bytes + 2 * lc.expert_ws_bytes) / g  # ws: written then read
+            if lc.expert_ws_bytes and not (cfg.conversion == "auto"
+                                           and tokens_stage * lc.top_k / lc.n_experts <= FUSED_ROWS_PER_EXPERT):
+                nbytes += (lc.expert_bytes + (1 + touched) * lc.expert_ws_bytes) / g  # all converted, the hit read
+            else:
+                nbytes += touched * lc.expert_bytes / g
             flops += 2 * tokens_stage * lc.top_k * lc.expert_params / lc.n_experts / g
             link, n = moe_link_bytes(lc, lay, tokens_stage, a_b)
             ep_comm += link
@@ -294,11 +299,15 @@ def expert_storage(info, cfg: PlanConfig) -> tuple[str | None, str | None, str]:
     declared = expert_format(info)
     override = None if cfg.experts in ("auto", declared) else cfg.experts
     effective = override or declared
-    workspace = cfg.conversion if effective == "mxfp4" and cfg.conversion != "fused" else None
+    workspace = None
+    if effective == "mxfp4" and cfg.conversion != "fused":
+        workspace = "bf16" if cfg.conversion == "auto" else cfg.conversion
     desc = declared_format(info.spec) if override is None else f"experts {override.upper()} (--experts)"
     if workspace:
         desc += f"; MXFP4 experts converted into a {workspace.upper()} workspace ({cfg.workspace_slots} slot" \
                 f"{'s' if cfg.workspace_slots > 1 else ''})"
+        if cfg.conversion == "auto":
+            desc += f" for steps of more than {FUSED_ROWS_PER_EXPERT} rows per expert, read packed below"
     elif effective == "mxfp4":
         desc += "; MXFP4 experts run by a fused GEMM (no workspace)"
     return override, workspace, desc

@@ -59,6 +59,31 @@ def test_workspace_equals_dequantize_then_matmul(compute):
         assert w1.data.dtype == torch.float8_e4m3fn  # E2M1 codes held exactly as E4M3, scales beside them
 
 
+def test_auto_reads_packed_weights_for_small_steps_and_converts_for_large_ones():
+    """``auto`` chooses per step: at most ``fused_rows`` rows per expert read the packed weights, more convert
+    into a bf16 workspace; either way the experts compute the same product."""
+    from dayzero.ops.moe.reference import grouped_experts
+    from dayzero.quant.workspace import PackedMXFP4
+
+    a, b = _packed_layer(0), _packed_layer(1)
+    ws = ExpertWorkspace("auto", fused_rows=4)
+    assert ws.num_slots == 1 and ws.reads_packed(4) and not ws.reads_packed(4.5) and not ws.reads_packed(None)
+    x = torch.randn(9, a.w1_blocks.shape[-2] * 32, generator=torch.Generator().manual_seed(1))
+    ids = torch.tensor([[0, 3], [1, 5], [2, 2], [4, 0], [5, 1], [3, 4], [0, 1], [2, 5], [1, 3]])
+    weights = torch.rand(9, 2, generator=torch.Generator().manual_seed(2))
+    packed = ws.acquire(a, 3.0)
+    ws.prefetch(b, 3.0)
+    assert all(isinstance(w, PackedMXFP4) for w in packed) and ws.conversions == 0 and ws.nbytes == 0
+    converted = ws.acquire(a, 12.0)
+    assert all(w.dtype == torch.bfloat16 for w in converted) and ws.conversions == 1
+    torch.testing.assert_close(grouped_experts(x, ids, weights, *packed, "silu"),
+                               grouped_experts(x, ids, weights, *converted, "silu"), rtol=1e-6, atol=1e-6)
+    ws.acquire(a)  # rows unknown: converted (here already in the slot)
+    assert ws.conversions == 1
+    with pytest.raises(ValueError, match="expert_compute must be one of"):
+        ExpertWorkspace("mxfp4")
+
+
 @pytest.fixture(scope="module")
 def mx_ckpts(tmp_path_factory):
     dense = build_checkpoint(tmp_path_factory.mktemp("dense"), tiny_config(**MX), seed=4, std=0.05)
@@ -89,7 +114,7 @@ def test_quantize_tool_output(mx_ckpts):
         quantize_checkpoint(packed, packed.parent / "again", progress=False)
 
 
-@pytest.mark.parametrize("compute", ["bf16", "fp8", "fused"])
+@pytest.mark.parametrize("compute", ["auto", "bf16", "fp8", "fused"])
 def test_packed_model_equals_dequantized_dense_model(mx_ckpts, compute):
     _, packed, ref, _ = mx_ckpts
     kw = dict(device="cpu", dtype="float32", num_cache_blocks=64)
@@ -122,6 +147,23 @@ def test_one_workspace_shared_and_memory_accounting(mx_ckpts):
             assert packed_bytes * 8 / weights == pytest.approx(4.25)
         llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=3))
         assert eng.expert_workspace.conversions >= len(layers)
+
+
+def test_auto_converts_for_a_long_prefill_and_not_for_decode(mx_ckpts):
+    """The engine's default: a 400-token prefill step (133 rows per expert: 400 tokens x top-2 / 6 experts)
+    converts each packed layer once; the decode steps after it (1 row) convert nothing; the output is the
+    dequantised dense model's."""
+    _, packed, ref, _ = mx_ckpts
+    kw = dict(device="cpu", dtype="float32", num_cache_blocks=64, max_num_batched_tokens=512)
+    llm = LLM(str(packed), **kw)
+    eng = llm.engine
+    assert eng.expert_workspace.compute == "auto"
+    toks = [5 + (i * 7) % 90 for i in range(400)]
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    ours = llm.generate([{"prompt_token_ids": toks}], sp)[0].outputs[0].token_ids
+    assert eng.expert_workspace.conversions == len(eng.packed_moe_layers)  # the prefill step's, none after
+    dense = LLM(str(ref), **kw).generate([{"prompt_token_ids": toks}], sp)[0].outputs[0].token_ids
+    assert ours == dense
 
 
 def test_fused_mode_converts_nothing_and_holds_nothing(mx_ckpts):
@@ -161,7 +203,7 @@ def test_quantize_rejects_unknown_layouts(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("compute", ["bf16", "fp8"])
+@pytest.mark.parametrize("compute", ["auto", "bf16", "fp8"])
 def test_cuda_double_buffered_workspace_equals_cpu(mx_ckpts, compute):
     """On CUDA the next layer's experts convert on a side stream while this layer computes."""
     _, packed, _, _ = mx_ckpts
@@ -230,7 +272,7 @@ def test_conversion_builds_no_tensor_from_host_data():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("compute", ["bf16", "fp8"])
+@pytest.mark.parametrize("compute", ["auto", "bf16", "fp8"])
 def test_workspace_in_a_cuda_graph_replays_like_eager(compute):
     from dayzero.layers.moe import attach_workspace
 

@@ -112,6 +112,20 @@ def test_2p8t_on_h200s_with_mxfp4_experts():
     assert same["memory"]["workspace"] == 0
 
 
+def test_auto_conversion_reads_packed_experts_in_decode_and_converts_for_prefill():
+    """``--conversion auto`` (the engine's default) holds a bf16 workspace but moves no workspace bytes in a
+    decode step (packed experts read by the fused kernels), and a large prefill step converts like ``bf16``."""
+    def run(conversion):
+        cfg = PlanConfig(devices=1, device=DEVICES["h200"], context=8192, batch=1, conversion=conversion)
+        return next(r for r in plan(str(CONFIGS / "dayzero-small-mxfp4.json"), cfg)["layouts"] if r["layout"]["tp"] == 1)
+
+    auto, bf16, fused = run("auto"), run("bf16"), run("fused")
+    assert auto["memory"]["workspace"] == bf16["memory"]["workspace"] > 0 == fused["memory"]["workspace"]
+    assert auto["decode_tokens_per_s"] == pytest.approx(fused["decode_tokens_per_s"])
+    assert auto["decode_tokens_per_s"] > 1.5 * bf16["decode_tokens_per_s"]  # every expert converted each step
+    assert auto["prefill_tokens_per_s"] == pytest.approx(bf16["prefill_tokens_per_s"])
+
+
 def test_memory_terms_scale_as_stated():
     from dayzero.tools.model_info import load
     from dayzero.tools.plan import Layout, model_costs
