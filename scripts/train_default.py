@@ -63,6 +63,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="fraction of training after which the DSA layers attend over their indexers' top-k; before "
                          "it, dense attention while the indexers learn to match it (default 0.7; 0 continues an "
                          "--init run whose indexers are trained)")
+    ap.add_argument("--recall-share", type=float, default=None, metavar="F",
+                    help="share of a step's tokens in recall prompts (default 0.4)")
+    ap.add_argument("--loss-parts", default=None, metavar="TASK=W,..",
+                    help="tasks' parts of the loss relative to the others' (default 1 each), e.g. recall=3,copy=2")
     ap.add_argument("--loss-balance", default="task", choices=["task", "token"],
                     help="the LM loss per task, each task of a step an equal part (default), or per answer token")
     ap.add_argument("--expert-format", default="mxfp4", choices=["mxfp4", "bf16"], help="routed experts on disk")
@@ -88,6 +92,16 @@ def check(args) -> None:
         raise ValueError(f"--minutes must be positive, got {args.minutes}")
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"--steps must be at least 1, got {args.steps}")
+    if args.recall_share is not None and not 0 < args.recall_share < 1:
+        raise ValueError(f"--recall-share must be in (0, 1), got {args.recall_share}")
+    if args.loss_parts is not None:
+        try:
+            args.loss_parts = {k.strip(): float(v) for k, v in (p.split("=") for p in args.loss_parts.split(","))}
+        except ValueError:
+            raise ValueError(f"--loss-parts takes TASK=WEIGHT,.., got {args.loss_parts!r}") from None
+        bad = sorted(set(args.loss_parts) - set(TASKS))
+        if bad or any(not w > 0 for w in args.loss_parts.values()):
+            raise ValueError(f"--loss-parts: positive weights of the tasks {', '.join(TASKS)}, got {args.loss_parts}")
     if args.sparse_from is not None and not 0 <= args.sparse_from <= 1:
         raise ValueError(f"--sparse-from must be in [0, 1], got {args.sparse_from}")
     if args.copy_warmup is not None and not 0 <= args.copy_warmup <= 1:
@@ -171,13 +185,13 @@ def main(argv=None) -> int:
     tasks = [t.strip() for t in (args.tasks or ",".join(TASKS)).split(",") if t.strip()]
     data = DataConfig()
     weights = {t: w for t, w in data.weights.items() if t in tasks}
-    recall_share = data.recall_share if "recall" in tasks else 0.0
+    recall_share = (args.recall_share or data.recall_share) if "recall" in tasks else 0.0
     if not weights:  # recall alone
         recall_share = 0.95
     data = replace(data, weights=weights or {"copy": 1.0}, recall_share=recall_share,
                    tokens=args.tokens or (2048 if args.tiny else 98304),
                    copy_warmup=data.copy_warmup if args.copy_warmup is None else args.copy_warmup,
-                   loss_balance=args.loss_balance,
+                   loss_balance=args.loss_balance, loss_parts=args.loss_parts or {},
                    recall_min_pairs=data.recall_min_pairs if args.recall_min_pairs is None else args.recall_min_pairs,
                    recall_style=args.recall_style,
                    recall_questions=data.recall_questions if args.recall_questions is None else args.recall_questions)

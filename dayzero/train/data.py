@@ -60,6 +60,9 @@ class DataConfig:
     # part by its answer tokens; a recall prompt has ~6 answer tokens in hundreds, so per token recall was ~1% of
     # the loss at 40% of the tokens, and a 968-step run learnt no recall even at 200 tokens of context
     loss_balance: str = "task"
+    # with loss_balance "task": a task's part of the loss relative to the others' (default 1 each), e.g. more for
+    # recall in a continuation whose arithmetic is already exact
+    loss_parts: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self):
         bad = sorted(set(self.weights) - set(TASKS))
@@ -81,6 +84,9 @@ class DataConfig:
             raise ValueError("recall lengths must satisfy 0 < recall_min <= recall_start <= recall_max")
         if self.loss_balance not in ("task", "token"):
             raise ValueError(f"loss_balance must be 'task' or 'token', got {self.loss_balance!r}")
+        bad = sorted(set(self.loss_parts) - set(TASKS))
+        if bad or any(not v > 0 for v in self.loss_parts.values()):
+            raise ValueError(f"loss_parts takes positive weights of the tasks {', '.join(TASKS)}, got {self.loss_parts}")
         if not 0 <= self.copy_warmup <= 1 or not 0 <= self.copy_warmup_share < 1:
             raise ValueError("copy_warmup must be in [0, 1] and copy_warmup_share in [0, 1)")
 
@@ -155,23 +161,26 @@ class StepData:
                         self.loss_weights.pin_memory())
 
 
-def pack(seqs: list[tuple[list[int], int]], groups: list[str] | None = None
+def pack(seqs: list[tuple[list[int], int]], groups: list[str] | None = None, parts: dict[str, float] | None = None
          ) -> tuple[torch.Tensor, torch.Tensor, list[int], torch.Tensor]:
     """(ids, targets, lens, loss weights) of ``seqs`` (token ids, answer start) packed in order of length. The
-    answer tokens' weights sum to 1: each of ``groups`` (a label per sequence, e.g. its task) an equal part,
-    spread evenly over its answer tokens; without groups, every answer token the same."""
+    answer tokens' weights sum to 1: each of ``groups`` (a label per sequence, e.g. its task) a part in proportion
+    to its weight in ``parts`` (default 1: equal parts), spread evenly over its answer tokens; without groups,
+    every answer token the same."""
     groups = groups or [""] * len(seqs)
+    parts = parts or {}
     answers = {}
     for (toks, start), g in zip(seqs, groups):
         answers[g] = answers.get(g, 0) + len(toks) - start
     live = [g for g, n in answers.items() if n]
+    total = sum(parts.get(g, 1.0) for g in live)
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))
     ids, targets, lens, weights = [], [], [], []
     for i in order:
         (toks, start), g = seqs[i], groups[i]
         ids += toks
         targets += [IGNORE] * (start - 1) + toks[start:] + [IGNORE]
-        part = 1.0 / (len(live) * answers[g]) if answers[g] else 0.0
+        part = parts.get(g, 1.0) / (total * answers[g]) if answers[g] else 0.0
         weights += [0.0] * (start - 1) + [part] * (len(toks) - start) + [0.0]
         lens.append(len(toks))
     return (torch.tensor(ids, dtype=torch.int64), torch.tensor(targets, dtype=torch.int64), lens,
@@ -218,7 +227,7 @@ class TaskStream:
             seqs += self.enc.encode(insts, [r.random() < c.chat_share for _ in insts])
             groups += [task] * len(insts)
             tasks[task] = k
-        ids, targets, lens, weights = pack(seqs, groups if c.loss_balance == "task" else None)
+        ids, targets, lens, weights = pack(seqs, groups if c.loss_balance == "task" else None, c.loss_parts)
         return StepData(ids, targets, lens, tasks, weights)
 
 

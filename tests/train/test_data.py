@@ -95,3 +95,10 @@ def test_pack_weights_groups_equally():
     assert pack(seqs)[3].tolist() == pytest.approx([.2, .2, 0, 0, .2, .2, 0, 0, 0, 0, .2, 0])
     with pytest.raises(ValueError, match="loss_balance"):
         DataConfig(loss_balance="sequence")
+    # parts: group b weighs 3 to a's 1, so a's 4 tokens share 1/4 and b's one token has 3/4
+    assert pack(seqs, ["a", "a", "b"], {"b": 3.0})[3].tolist() == pytest.approx(
+        [1 / 16, 1 / 16, 0, 0, 1 / 16, 1 / 16, 0, 0, 0, 0, .75, 0])
+    with pytest.raises(ValueError, match="loss_parts"):
+        DataConfig(loss_parts={"recall": 0.0})
+    with pytest.raises(ValueError, match="loss_parts"):
+        DataConfig(loss_parts={"multiplication": 2.0})
