@@ -5,7 +5,7 @@
 
 Random weights from the config (``load_format="dummy"``). For each batch size it prefills ``batch`` prompts
 of ``--prompt-len`` tokens, then decodes ``--decode`` steps, timing each phase with the device synchronised.
-The roofline for decode is the bytes a step must move (weights read once, activated experts only, plus
+The roofline for decode is the bytes a step must move (weights read once, the experts its tokens hit only, plus
 the KV/state bytes read) over the measured copy bandwidth; for prefill, FLOPs (2 × active parameters per
 token) over the measured matmul rate. Prints a table; ``--json FILE`` writes the numbers.
 
@@ -65,15 +65,46 @@ def measured_ceilings(dev) -> tuple[float, float]:
     return bw, 2 * m**3 * 5 / (time.perf_counter() - t)
 
 
+ROUTED = ("w1", "w2", "w1_scale_inv", "w2_scale_inv", "w1_blocks", "w1_scales", "w2_blocks", "w2_scales")
+
+
+def _routed(layer) -> tuple[int, int]:
+    """(weights, bytes) of a MoE layer's routed experts as stored: dense, FP8 with scales, or packed MXFP4 (two
+    weights a byte in ``*_blocks``)."""
+    weights = sum(getattr(layer, n).numel() * (2 if n.endswith("_blocks") else 1) for n in ("w1", "w2", "w1_blocks", "w2_blocks")
+                  if hasattr(layer, n))
+    nbytes = sum(getattr(layer, n).numel() * getattr(layer, n).element_size() for n in ROUTED if hasattr(layer, n))
+    return weights, nbytes
+
+
+def _moe_layers(model, spec):
+    return [(layer.mlp, ls.mlp) for layer, ls in zip(model.model.layers, spec.layers) if isinstance(ls.mlp, MoESpec)]
+
+
 def active_params(model, spec) -> tuple[int, int]:
-    """(total parameters, parameters one token touches)."""
-    total = sum(p.numel() for p in model.parameters())
-    inactive = 0
-    for layer, ls in zip(model.model.layers, spec.layers):
-        if isinstance(ls.mlp, MoESpec):
-            routed = sum(getattr(layer.mlp, n).numel() for n in ("w1", "w2") if hasattr(layer.mlp, n))
-            inactive += routed * (1 - ls.mlp.top_k / ls.mlp.n_experts)
+    """(total parameters, parameters one token touches), embeddings aside in the second; packed MXFP4 experts
+    count their weights, not their bytes."""
+    stored = sum(p.numel() for p in model.parameters())
+    total, inactive = stored, 0
+    for mlp, ms in _moe_layers(model, spec):
+        weights, _ = _routed(mlp)
+        total += weights - sum(getattr(mlp, n).numel() for n in ROUTED if hasattr(mlp, n))  # logical, not stored
+        inactive += weights * (1 - ms.top_k / ms.n_experts)
     return total, int(total - inactive - model.model.embed_tokens.weight.numel())
+
+
+def weight_bytes(model, spec, batch: int) -> float:
+    """Bytes of weights a decode step of ``batch`` sequences reads, embeddings aside: every dense weight once, and
+    of each MoE layer's routed experts (in their stored format) the share that ``batch`` tokens hit, by uniform
+    routing 1 - (1 - k/E)^batch."""
+    dense = sum(p.numel() * p.element_size() for p in model.parameters())
+    dense -= model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
+    hit = 0.0
+    for mlp, ms in _moe_layers(model, spec):
+        _, nbytes = _routed(mlp)
+        dense -= nbytes
+        hit += nbytes * (1 - (1 - ms.top_k / ms.n_experts) ** batch)
+    return dense + hit
 
 
 def timed(eng, prompts: list[list[int]], decode: int, dev, images: list | None = None) -> tuple[float, float, int, list]:
@@ -259,7 +290,6 @@ def main() -> None:
     dev, spec = eng.device, eng.model_config
     total, active = active_params(eng.model, spec)
     bw, flops = measured_ceilings(dev)
-    elem = eng.dtype.itemsize
     print(f"{args.config}: {total / 1e9:.2f}B parameters ({active / 1e9:.2f}B active per token, embeddings aside) "
           f"on {dev} in {str(eng.dtype).removeprefix('torch.')}; built in {time.perf_counter() - t0:.1f}s; "
           f"measured copy {bw / 1e9:.0f} GB/s, matmul {flops / 1e12:.1f} TFLOP/s; decode: "
@@ -274,8 +304,9 @@ def main() -> None:
         # compiles a kernel the first time it meets a new shape class, e.g. a new MoE row bucket)
         timed(eng, draw(args.prompt_len), 4, dev)
         prefill_s, decode_s, steps, _ = timed(eng, draw(args.prompt_len), args.decode, dev)
-        # a decode step reads the active weights once, every sequence's KV rows, and reads + writes its states
-        step_bytes = active * elem + bsz * (args.prompt_len * kv_bytes + 2 * state_bytes)
+        # a decode step reads its weights once (the experts its tokens hit), every sequence's KV rows, and reads +
+        # writes its states
+        step_bytes = weight_bytes(eng.model, spec, bsz) + bsz * (args.prompt_len * kv_bytes + 2 * state_bytes)
         rows.append({
             "batch": bsz, "prefill_tok_s": bsz * args.prompt_len / prefill_s, "decode_tok_s": bsz * steps / decode_s,
             "decode_step_ms": 1e3 * decode_s / steps,
