@@ -1,0 +1,34 @@
+"""benchmarks/engine_throughput.py's roofline arithmetic: a decode step's weight bytes count the routed experts a
+batch hits, in their stored format (packed MXFP4 at 4.25 bits a weight)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.engine_throughput import active_params, weight_bytes
+from dayzero.models.registry import load_config
+from dayzero.tools.probe import build_uninitialised
+
+
+def _model(config: str):
+    spec = load_config(config)
+    return build_uninitialised(spec, torch.bfloat16, "meta"), spec
+
+
+def test_weight_bytes_count_the_experts_a_batch_hits_as_stored():
+    dense, spec = _model("configs/dayzero-small.json")
+    packed, spec_mx = _model("configs/dayzero-small-mxfp4.json")
+    moe = [ls.mlp for ls in spec.layers if hasattr(ls.mlp, "n_experts")]
+    E, k, n_moe = moe[0].n_experts, moe[0].top_k, len(moe)
+    routed = n_moe * E * 3 * moe[0].latent_size * moe[0].intermediate_size  # gate, up and down of every expert
+    hit = lambda b: 1 - (1 - k / E) ** b  # noqa: E731
+    # the bf16 model: the gap between batch 32 and batch 1 is the routed experts newly hit, 2 bytes a weight
+    assert weight_bytes(dense, spec, 32) - weight_bytes(dense, spec, 1) == pytest.approx(2 * routed * (hit(32) - hit(1)))
+    # packed: 17 bytes per 32 weights (16 of codes, one scale), the same share hit
+    gap = weight_bytes(packed, spec_mx, 32) - weight_bytes(packed, spec_mx, 1)
+    assert gap == pytest.approx(routed * 17 / 32 * (hit(32) - hit(1)))
+    # the rest (attention, shared experts, norms, the head) is the same in both
+    rest = weight_bytes(dense, spec, 1) - 2 * routed * hit(1)
+    assert weight_bytes(packed, spec_mx, 1) - routed * 17 / 32 * hit(1) == pytest.approx(rest)
+    # parameters count packed experts by their weights, so both checkpoints have the same
+    assert active_params(packed, spec_mx) == active_params(dense, spec)
