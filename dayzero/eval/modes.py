@@ -44,6 +44,8 @@ MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("default", "the engine as the other options configure it"),
     Mode("fp32", "float32 weights and activations", {"dtype": "float32"}),
     Mode("bf16", "bfloat16 weights and activations", {"dtype": "bfloat16"}),
+    Mode("bf16-workspace", "packed MXFP4 experts converted into a bf16 workspace in every step",
+         {"expert_compute": "bf16"}),
     Mode("fp8-workspace", "packed MXFP4 experts converted into an FP8 workspace", {"expert_compute": "fp8"}),
     Mode("fused-mxfp4", "packed MXFP4 experts read by the expert kernels themselves", {"expert_compute": "fused"}),
     Mode("kv-fp8", "the paged cache in FP8 (e4m3, scaled)", {"kv_cache_dtype": "fp8"}),

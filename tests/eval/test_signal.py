@@ -72,5 +72,5 @@ def test_mxfp4_experts_answer_alike_through_each_workspace(insts, count, tmp_pat
     assert done.returncode == 0, done.stderr[-2000:]
     some, base = insts[:12], dict(model=str(mx), dtype="float32")
     got = {m: run_mode(MODES[m], base, some, answers, max_answer_tokens, count).texts
-           for m in ("default", "fp8-workspace", "fused-mxfp4")}
-    assert got["fp8-workspace"] == got["default"] and got["fused-mxfp4"] == got["default"]
+           for m in ("default", "bf16-workspace", "fp8-workspace", "fused-mxfp4")}
+    assert all(got[m] == got["default"] for m in ("bf16-workspace", "fp8-workspace", "fused-mxfp4"))
