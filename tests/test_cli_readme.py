@@ -19,3 +19,20 @@ def test_the_align_example_passes(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0 and out.rstrip().endswith("PASS"), out
     assert (tmp_path / "align.png").stat().st_size > 0
+
+
+def test_the_first_example_answers_as_the_readme_says():
+    """The README's first example: the bundled model's completion and chat reply are the commented answers."""
+    from dayzero import LLM, SamplingParams
+
+    text = README.read_text()
+    prompt = re.search(r'outs = llm\.generate\(\["([^"]+)"\]', text).group(1)
+    expected = re.search(r"print\(outs\[0\]\.outputs\[0\]\.text\)\s+# (\S+)", text).group(1)
+    content = re.search(r'chat = llm\.chat\(\[\{"role": "user", "content": "([^"]+)"\}\]', text).group(1)
+    replied = re.search(r"print\(chat\[0\]\.outputs\[0\]\.text\)\s+# (\S+)", text).group(1)
+    llm = LLM(dtype="float32")
+    out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, stop=["\n"]))
+    assert out[0].outputs[0].text == expected
+    chat = llm.chat([{"role": "user", "content": content}], SamplingParams(max_tokens=8, temperature=0.0))
+    assert chat[0].outputs[0].text == replied
+    assert expected == str(48213 + 3771)  # and the answer is right

@@ -14,13 +14,21 @@ _RESULTS = re.compile(r"^dayzero_eval: (\{.*\})$", re.MULTILINE)
 
 
 def model_card(*, config, n_params: int, size_bytes: int, expert_format: str, tasks: list[str], command: str,
-               device: str, summary: dict, rows: list[dict], eval_setup: dict) -> str:
+               device: str, summary: dict, rows: list[dict], eval_setup: dict, signal_rows: list[dict] | None = None,
+               training: str | None = None) -> str:
     """The card's text. ``summary``: the trainer's (steps, tokens, seconds, history); ``rows``: ``eval_cli.score``
-    rows (may be empty); ``eval_setup``: how they were measured (device, dtype, n, context_len, ...)."""
+    rows (may be empty); ``eval_setup``: how they were measured (device, dtype, n, context_len, ...);
+    ``signal_rows``: the rows of :mod:`dayzero.eval.signal`'s subset (fp32, CPU), which CI scores again;
+    ``training``: the Training section's text in place of the one made from ``command`` and ``summary`` (a model
+    trained over several jobs)."""
+    from dayzero.eval.signal import SIGNAL_CONTEXT, SIGNAL_SEED, signal_accuracy
+
     results = {**eval_setup, "accuracy": {r["task"]: round(r["accuracy"], 4) for r in rows}}
+    if signal_rows:
+        results["signal"] = signal_accuracy(signal_rows)
     kinds = ", ".join(f"{config.layer_types.count(k)} {k.upper()}" for k in dict.fromkeys(config.layer_types))
     last = summary["history"][-1]["loss"] if summary.get("history") else float("nan")
-    rate = summary["tokens"] / max(summary["seconds"], 1e-9)
+    rate = summary.get("tokens", 0) / max(summary.get("seconds", 0), 1e-9)
     lines = [
         "---",
         "library_name: dayzero",
@@ -40,9 +48,9 @@ def model_card(*, config, n_params: int, size_bytes: int, expert_format: str, ta
         "",
         "## Training",
         "",
-        f"`{command}` on {device}: {summary['steps']} steps, {summary['tokens'] / 1e6:.1f}M tokens in "
-        f"{summary['seconds']:.0f} s ({rate / 1e3:,.0f}K tokens/s); last logged loss on the answer tokens "
-        f"{last:.4f}. How: `docs/training.md`.",
+        training or (f"`{command}` on {device}: {summary['steps']} steps, {summary['tokens'] / 1e6:.1f}M tokens in "
+                     f"{summary['seconds']:.0f} s ({rate / 1e3:,.0f}K tokens/s); last logged loss on the answer "
+                     f"tokens {last:.4f}. How: `docs/training.md`."),
         "",
         "## Held-out accuracy",
         "",
@@ -57,6 +65,15 @@ def model_card(*, config, n_params: int, size_bytes: int, expert_format: str, ta
         lines += ["", "Score it again with `dayzero eval MODEL --n N --context-len L`."]
     else:
         lines += ["Not evaluated in this run: `dayzero eval MODEL` scores it."]
+    if signal_rows:
+        lines += ["", "## The signal subset", "",
+                  f"The seeded subset of `dayzero/eval/signal.py` (eval split, seed {SIGNAL_SEED}, recall at "
+                  f"{SIGNAL_CONTEXT} tokens), fp32 on a CPU; `tests/eval/test_card.py` scores it again through "
+                  "engines of other precisions and caches and holds them to these numbers:", "",
+                  "| task | n | correct | accuracy |", "|---|---|---|---|"]
+        lines += [f"| {r['task']} | {r['n']} | {r['correct']} | {r['accuracy']:.1%} |" for r in signal_rows]
+        total, n = sum(r["correct"] for r in signal_rows), sum(r["n"] for r in signal_rows)
+        lines += [f"| all | {n} | {total} | {total / n:.1%} |"]
     return "\n".join(lines) + "\n"
 
 

@@ -17,17 +17,7 @@ from dayzero.engine.engine import DEFAULT_MODEL
 from dayzero.engine.tokenizer import load_tokenizer
 from dayzero.eval.modes import MODES, run_mode
 from dayzero.eval.tasks import instances
-from dayzero.ops import triton_support
 from dayzero.tools.eval_cli import answers, max_answer_tokens, score
-
-
-@pytest.fixture(scope="module", autouse=True)
-def users_cpu_path():
-    """The CPU path users get: the suite runs Triton's interpreter for its kernel tests, which would, e.g., convert
-    every MXFP4 expert through the interpreted kernel at every step."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(triton_support, "INTERPRET", False)
-        yield
 
 
 @pytest.fixture(scope="module")
