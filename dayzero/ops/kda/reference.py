@@ -135,9 +135,12 @@ def kda_recurrent(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, use
 
 
 def _chunk_seq(q, k, v, g, beta, S, C: int):
-    """One sequence. q, k, g: [L, H, K]; v: [L, H, V]; beta: [L, H]; S: [H, K, V] fp32."""
+    """One sequence. q, k, g: [L, H, K]; v: [L, H, V]; beta: [L, H]; S: [H, K, V] fp32. A sequence shorter than
+    a chunk is one chunk of its own length (the form is exact at any chunk size; padding it to C would cost
+    (C / L)^2 the work: a 15-token prompt in a 64-row chunk)."""
     L, H, K = q.shape
     V = v.shape[-1]
+    C = max(1, min(C, L))
     n = -(-L // C)
 
     def chunks(x):  # [L, H, *] -> [n, H, C, *]; zero padding: k = beta = 0 adds nothing, g = 0 keeps S
