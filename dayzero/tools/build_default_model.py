@@ -1,8 +1,9 @@
 """Build a random-weight ``dayzero_hybrid`` checkpoint with a byte-level tokenizer.
 
-``python -m dayzero.tools.build_default_model`` rewrites the bundled default model in
-``dayzero/assets/default`` (deterministic: same seed, same bytes). Tests use :func:`build_checkpoint`
-to make tiny checkpoints at test time.
+``python -m dayzero.tools.build_default_model --out DIR`` writes the random-weight model of the bundled family
+(``configs/dayzero-default.json``, deterministic: same seed, same bytes), which was the bundled model until a
+trained one (``scripts/train_default.py``) replaced it in ``dayzero/assets/default``. Tests use
+:func:`build_checkpoint` to make tiny checkpoints at test time.
 """
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-ASSET = Path(__file__).resolve().parents[1] / "assets" / "default"
 
 
 def _byte_symbols() -> list[str]:
@@ -85,7 +85,7 @@ def _is_high_precision(name: str) -> bool:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--config", default=str(CONFIGS / "dayzero-default.json"))
-    ap.add_argument("--out", default=str(ASSET))
+    ap.add_argument("--out", required=True, help="directory to write (the bundled model in dayzero/assets/default is the trained one)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     with open(args.config) as f:

@@ -115,10 +115,26 @@ class ServerProcess:
 
 
 @pytest.fixture(scope="session")
-def server(tmp_path_factory):
-    """The bundled model behind an API key: the server most tests talk to."""
-    srv = ServerProcess(tmp_path_factory.mktemp("serve"), "--num-cache-blocks", "2048", "--max-model-len", "1024",
-                        api_key=API_KEY)
+def random_model(tmp_path_factory) -> Path:
+    """Random weights of the bundled model's family (``configs/dayzero-default.json``) with its tokenizer: the API
+    tests want near-uniform next-token distributions (streams that hold multi-byte characters, samples that
+    differ by seed), which the trained bundled model no longer gives."""
+    import json
+
+    import torch
+
+    from dayzero.tools.build_default_model import build_checkpoint
+
+    config = json.loads((ROOT / "configs" / "dayzero-default.json").read_text())
+    return build_checkpoint(tmp_path_factory.mktemp("random-default"), config, seed=0, save_dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory, random_model):
+    """A random-weight model of the bundled family, served as ``dayzero-default`` behind an API key: the server
+    most tests talk to."""
+    srv = ServerProcess(tmp_path_factory.mktemp("serve"), str(random_model), "--served-model-name", MODEL,
+                        "--num-cache-blocks", "2048", "--max-model-len", "1024", api_key=API_KEY)
     yield srv
     assert srv.stop() == 0, srv.log()
 

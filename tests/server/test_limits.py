@@ -18,8 +18,10 @@ LIMITS = ["--max-concurrent-requests", "2", "--max-queue-len", "1", "--max-n", "
 
 
 @pytest.fixture(scope="module")
-def small(tmp_path_factory):
-    srv = ServerProcess(tmp_path_factory.mktemp("limits"), *LIMITS)  # no API key: every route is open
+def small(tmp_path_factory, random_model):
+    # no API key: every route is open; the random-weight model of the bundled family, whose requests run their
+    # whole max_tokens at the rate the tests' timing assumes
+    srv = ServerProcess(tmp_path_factory.mktemp("limits"), str(random_model), "--served-model-name", MODEL, *LIMITS)
     yield srv
     assert srv.stop(signal.SIGINT) == 0, srv.log()  # Ctrl-C also drains and exits 0
 
