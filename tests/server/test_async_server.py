@@ -13,9 +13,10 @@ REQUESTS = [dict(prompt="the engine", max_tokens=24, temperature=0.0, ignore_eos
 
 
 @pytest.fixture(scope="module")
-def overlapped(tmp_path_factory):
-    srv = ServerProcess(tmp_path_factory.mktemp("serve-async"), "--num-cache-blocks", "2048", "--max-model-len", "1024",
-                        "--async-scheduling", api_key=API_KEY)
+def overlapped(tmp_path_factory, random_model):
+    """The ``server`` fixture's model and options, with overlapped steps."""
+    srv = ServerProcess(tmp_path_factory.mktemp("serve-async"), str(random_model), "--served-model-name", MODEL,
+                        "--num-cache-blocks", "2048", "--max-model-len", "1024", "--async-scheduling", api_key=API_KEY)
     yield srv
     assert srv.stop() == 0, srv.log()
 
