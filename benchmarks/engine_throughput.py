@@ -34,6 +34,7 @@ import torch
 
 from dayzero import LLM, SamplingParams
 from dayzero.config.spec import MoESpec
+from dayzero.quant.workspace import COMPUTE
 
 
 def _sync(dev):
@@ -261,7 +262,7 @@ def main() -> None:
                     help="profile one batch-1 prefill step (CUDA): wall time, GPU busy share, kernels; tables in FILE")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                     help="overlap each step's host work with the next step (default: the engine's, on for CUDA)")
-    ap.add_argument("--expert-compute", default=None, choices=["auto", "bf16", "fp8", "fused"],
+    ap.add_argument("--expert-compute", default=None, choices=list(COMPUTE),
                     help="packed MXFP4 experts: the workspace format they are converted into, or read packed")
     ap.add_argument("--compare-async", action="store_true",
                     help="the baseline is this version without overlapped steps; this run overlaps them")

@@ -30,6 +30,7 @@ def main(argv=None) -> int:
     from dayzero.eval.signal import signal_instances
     from dayzero.eval.tasks import TASKS
     from dayzero.tools import eval_cli
+    from dayzero.tools.model_info import count_params, load
     from dayzero.train.card import write_model_card
     from dayzero.train.evaluate import evaluate
 
@@ -41,18 +42,14 @@ def main(argv=None) -> int:
         count = lambda text: len(llm.tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
         insts = signal_instances(count)
         signal = eval_cli.score(insts, eval_cli.answers(llm, insts))
-        n_params = sum(p.numel() for p in llm.engine.model.parameters())
     print(eval_cli.table(signal), flush=True)
     packed = (config.extra.get("quantization_config") or {}).get("quant_method") == "mxfp4"
-    if packed:  # two MXFP4 codes a byte: count weights, not bytes
-        n_params += sum(p.numel() for n, p in llm.engine.model.named_parameters() if n.endswith("_blocks"))
-        n_params -= sum(p.numel() for n, p in llm.engine.model.named_parameters() if n.endswith("_scales"))
     setup = {"device": "cpu", "dtype": "float32", "n": args.n, "context_len": args.context_len, "max_digits": 5,
              "recall_style": "letter"}
-    path = write_model_card(model, config=config, n_params=n_params,
+    path = write_model_card(model, config=config, n_params=count_params(load(model))["params_total"],
                             size_bytes=(model / "model.safetensors").stat().st_size,
-                            expert_format="mxfp4" if packed else "bf16", tasks=list(TASKS), command="", device="",
-                            summary={}, rows=rows, eval_setup=setup, signal_rows=signal,
+                            expert_format="mxfp4" if packed else "bf16", tasks=list(TASKS), rows=rows,
+                            eval_setup=setup, signal_rows=signal,
                             training=Path(args.training).read_text().strip())
     print(f"wrote {path}")
     return 0

@@ -34,6 +34,15 @@ COMPUTE = ("auto", "bf16", "fp8", "fused")
 FUSED_ROWS_PER_EXPERT = 128  # "auto": steps with at most this many rows per expert read the packed weights
 
 
+def reads_packed(compute: str, rows_per_expert: float | None, fused_rows: float = FUSED_ROWS_PER_EXPERT) -> bool:
+    """Whether expert compute mode ``compute`` reads the packed weights rather than a converted copy in a step
+    routing ``rows_per_expert`` rows to each expert on average (None: unknown); the engine's rule, and the
+    plan's."""
+    if compute == "fused":
+        return True
+    return compute == "auto" and rows_per_expert is not None and rows_per_expert <= fused_rows
+
+
 class BlockScaled:
     """FP8 expert weights with per-32-block scales; indexing an expert gives its dequantised fp32 weight
     (what a reference GEMM needs). ``data`` [E, N, K] e4m3, ``scale`` [E, N, K/32] fp32."""
@@ -140,9 +149,7 @@ class ExpertWorkspace:
     def reads_packed(self, rows_per_expert: float | None = None) -> bool:
         """Whether a step routing ``rows_per_expert`` rows to each expert on average (None: unknown) reads the
         packed weights rather than a converted copy."""
-        if self.fused:
-            return True
-        return self.compute == "auto" and rows_per_expert is not None and rows_per_expert <= self.fused_rows
+        return reads_packed(self.compute, rows_per_expert, self.fused_rows)
 
     def _fill(self, i: int, layer) -> None:
         slot = self._slots[i]

@@ -99,7 +99,7 @@ def add_engine_options(p) -> None:
     """Every ``EngineConfig`` field but ``model``, as ``--field-name`` (``--threads`` for ``num_threads``)."""
     from dayzero.cache.quant import KV_CACHE_DTYPES
     from dayzero.config.model_config import DTYPES
-    from dayzero.quant.workspace import COMPUTE
+    from dayzero.quant.workspace import COMPUTE, FUSED_ROWS_PER_EXPERT
 
     e = p.add_argument_group("engine (the LLM(...) keyword arguments of the same names)")
     e.add_argument("--device", type=device, default="auto", help="auto (CUDA when present, else cpu), cpu, cuda, cuda:N")
@@ -129,7 +129,7 @@ def add_engine_options(p) -> None:
     e.add_argument("--expert-compute", default="auto", choices=list(COMPUTE),
                    help="packed MXFP4 experts: the workspace format they are converted into (bf16 | fp8), read "
                         "packed by the expert kernels (fused), or per step (auto: packed for steps of at most "
-                        "128 rows per expert, a bf16 workspace above)")
+                        f"{FUSED_ROWS_PER_EXPERT} rows per expert, a bf16 workspace above)")
     e.add_argument("--high-precision-layers", type=int, nargs="+", default=(), metavar="I",
                    help="layers whose packed experts are dequantised once at load")
     e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly")

@@ -47,6 +47,8 @@ def add_inspect(sub) -> None:
 
 
 def add_plan(sub) -> None:
+    from dayzero.quant.workspace import COMPUTE, FUSED_ROWS_PER_EXPERT
+
     p = sub.add_parser("plan", help="memory per device and roofline speed for each TP/EP/PP/DP layout; exit 1 "
                                     "when none fits")
     p.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
@@ -58,9 +60,10 @@ def add_plan(sub) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_DTYPES, help="cache storage")
     p.add_argument("--experts", default="auto", choices=["auto", "bf16", "fp8", "mxfp4"],
                    help="routed-expert storage (auto: as the config declares)")
-    p.add_argument("--conversion", default="auto", choices=["auto", "bf16", "fp8", "fused"],
+    p.add_argument("--conversion", default="auto", choices=list(COMPUTE),
                    help="MXFP4 experts: the workspace they are converted into, a fused MXFP4 GEMM, or per step as "
-                        "the engine's default (auto: fused for steps of at most 128 rows per expert)")
+                        f"the engine's default (auto: fused for steps of at most {FUSED_ROWS_PER_EXPERT} rows per "
+                        "expert)")
     p.add_argument("--prefill-chunk", type=int, default=8192, help="prefill tokens per step per DP rank")
     p.add_argument("--memory-fraction", type=float, default=0.92, help="share of device memory the plan may use")
     p.add_argument("--top", type=int, default=12, help="layouts to list")

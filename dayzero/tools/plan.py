@@ -16,7 +16,7 @@ from dayzero.cache.planner import DEFAULT_BLOCK_SIZE
 from dayzero.distributed import pipeline_stages
 from dayzero.multimodal.costs import cache_rows
 from dayzero.ops.indexer.triton_indexer import scratch_bytes as indexer_scratch_bytes
-from dayzero.quant.workspace import FUSED_ROWS_PER_EXPERT
+from dayzero.quant.workspace import FUSED_ROWS_PER_EXPERT, reads_packed
 from dayzero.tools import fmt
 from dayzero.tools.devices import DeviceKind, parse_device_spec, parse_devices
 from dayzero.tools.model_info import FORMAT_TORCH, block_size_of, declared_format, load
@@ -216,8 +216,7 @@ def stage_time(costs: ModelCosts, cfg: PlanConfig, lay: Layout, layer_ids: range
         flops += tokens_rank * attn_flops(lc, context, prefill) / lay.tp
         if lc.is_moe:
             touched = 1 - (1 - lc.top_k / lc.n_experts) ** tokens_stage  # expected share of experts hit
-            if lc.expert_ws_bytes and not (cfg.conversion == "auto"
-                                           and tokens_stage * lc.top_k / lc.n_experts <= FUSED_ROWS_PER_EXPERT):
+            if lc.expert_ws_bytes and not reads_packed(cfg.conversion, tokens_stage * lc.top_k / lc.n_experts):
                 nbytes += (lc.expert_bytes + (1 + touched) * lc.expert_ws_bytes) / g  # all converted, the hit read
             else:
                 nbytes += touched * lc.expert_bytes / g

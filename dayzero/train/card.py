@@ -13,13 +13,22 @@ from pathlib import Path
 _RESULTS = re.compile(r"^dayzero_eval: (\{.*\})$", re.MULTILINE)
 
 
-def model_card(*, config, n_params: int, size_bytes: int, expert_format: str, tasks: list[str], command: str,
-               device: str, summary: dict, rows: list[dict], eval_setup: dict, signal_rows: list[dict] | None = None,
-               training: str | None = None) -> str:
+def _training(command: str, device: str, summary: dict) -> str:
+    """The Training section of one job: its command, device, steps, tokens, time and last loss."""
+    last = summary["history"][-1]["loss"] if summary.get("history") else float("nan")
+    rate = summary["tokens"] / max(summary["seconds"], 1e-9)
+    return (f"`{command}` on {device}: {summary['steps']} steps, {summary['tokens'] / 1e6:.1f}M tokens in "
+            f"{summary['seconds']:.0f} s ({rate / 1e3:,.0f}K tokens/s); last logged loss on the answer tokens "
+            f"{last:.4f}. How: `docs/training.md`.")
+
+
+def model_card(*, config, n_params: int, size_bytes: int, expert_format: str, tasks: list[str], rows: list[dict],
+               eval_setup: dict, command: str = "", device: str = "", summary: dict | None = None,
+               signal_rows: list[dict] | None = None, training: str | None = None) -> str:
     """The card's text. ``summary``: the trainer's (steps, tokens, seconds, history); ``rows``: ``eval_cli.score``
     rows (may be empty); ``eval_setup``: how they were measured (device, dtype, n, context_len, ...);
     ``signal_rows``: the rows of :mod:`dayzero.eval.signal`'s subset (fp32, CPU), which CI scores again;
-    ``training``: the Training section's text in place of the one made from ``command`` and ``summary`` (a model
+    ``training``: the Training section's text, given instead of ``command``, ``device`` and ``summary`` (a model
     trained over several jobs)."""
     from dayzero.eval.signal import SIGNAL_CONTEXT, SIGNAL_SEED, signal_accuracy
 
@@ -27,8 +36,6 @@ def model_card(*, config, n_params: int, size_bytes: int, expert_format: str, ta
     if signal_rows:
         results["signal"] = signal_accuracy(signal_rows)
     kinds = ", ".join(f"{config.layer_types.count(k)} {k.upper()}" for k in dict.fromkeys(config.layer_types))
-    last = summary["history"][-1]["loss"] if summary.get("history") else float("nan")
-    rate = summary.get("tokens", 0) / max(summary.get("seconds", 0), 1e-9)
     lines = [
         "---",
         "library_name: dayzero",
@@ -48,9 +55,7 @@ def model_card(*, config, n_params: int, size_bytes: int, expert_format: str, ta
         "",
         "## Training",
         "",
-        training or (f"`{command}` on {device}: {summary['steps']} steps, {summary['tokens'] / 1e6:.1f}M tokens in "
-                     f"{summary['seconds']:.0f} s ({rate / 1e3:,.0f}K tokens/s); last logged loss on the answer "
-                     f"tokens {last:.4f}. How: `docs/training.md`."),
+        training or _training(command, device, summary),
         "",
         "## Held-out accuracy",
         "",
