@@ -65,6 +65,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "--init run whose indexers are trained)")
     ap.add_argument("--recall-share", type=float, default=None, metavar="F",
                     help="share of a step's tokens in recall prompts (default 0.4)")
+    ap.add_argument("--chat-share", type=float, default=None, metavar="F",
+                    help="share of instances in the chat format (default 0.2)")
+    ap.add_argument("--question-share", type=float, default=None, metavar="F",
+                    help="share of chat-format addition and subtraction asked in words, `What is 48213 + 3771?` "
+                         "(default 0.5)")
     ap.add_argument("--loss-parts", default=None, metavar="TASK=W,..",
                     help="tasks' parts of the loss relative to the others' (default 1 each), e.g. recall=3,copy=2")
     ap.add_argument("--loss-balance", default="task", choices=["task", "token"],
@@ -104,6 +109,9 @@ def check(args) -> None:
             raise ValueError(f"--loss-parts: positive weights of the tasks {', '.join(TASKS)}, got {args.loss_parts}")
     if args.sparse_from is not None and not 0 <= args.sparse_from <= 1:
         raise ValueError(f"--sparse-from must be in [0, 1], got {args.sparse_from}")
+    for flag, v in (("--chat-share", args.chat_share), ("--question-share", args.question_share)):
+        if v is not None and not 0 <= v <= 1:
+            raise ValueError(f"{flag} must be in [0, 1], got {v}")
     if args.copy_warmup is not None and not 0 <= args.copy_warmup <= 1:
         raise ValueError(f"--copy-warmup must be in [0, 1], got {args.copy_warmup}")
     if args.tasks is not None:
@@ -194,6 +202,8 @@ def main(argv=None) -> int:
                    loss_balance=args.loss_balance, loss_parts=args.loss_parts or {},
                    recall_min_pairs=data.recall_min_pairs if args.recall_min_pairs is None else args.recall_min_pairs,
                    recall_style=args.recall_style,
+                   chat_share=data.chat_share if args.chat_share is None else args.chat_share,
+                   question_share=data.question_share if args.question_share is None else args.question_share,
                    recall_questions=data.recall_questions if args.recall_questions is None else args.recall_questions)
     if args.tiny:
         data = replace(data, recall_min=64, recall_start=96, recall_max=160, max_digits=3, max_chars=8, sort_chars=6,

@@ -10,6 +10,7 @@ in its first half: more tokens back than a DSA top-k and many KDA chunks.
 from __future__ import annotations
 
 import random
+import re
 import string
 from dataclasses import dataclass
 from typing import Callable
@@ -143,6 +144,20 @@ def recall(r: random.Random, context_len: int = 2048, count: Callable[[str], int
     for i in r.sample(others, min(questions - 1, len(others))):
         answer += _question(style, entries[i][0]) + entries[i][1]
     return " ".join(filler) + question, answer
+
+
+QUESTION_TASKS = ("addition", "subtraction")
+_OPERATION = re.compile(r"^(\d+)([+-])(\d+)=$")
+
+
+def as_question(inst: Instance) -> Instance:
+    """An arithmetic instance asked as a person would ask it in a chat, ``What is 48213 + 3771?`` for
+    ``48213+3771=``, with the same answer; other tasks' instances unchanged."""
+    m = _OPERATION.match(inst.prompt) if inst.task in QUESTION_TASKS else None
+    if m is None:
+        return inst
+    a, op, b = m.groups()
+    return Instance(inst.task, f"What is {a} {op} {b}?", inst.answer)
 
 
 TASKS: dict[str, Callable[..., tuple[str, str]]] = {

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dayzero.eval.tasks import RECALL_STYLES, TASKS, Instance, instances
+from dayzero.eval.tasks import QUESTION_TASKS, RECALL_STYLES, TASKS, Instance, as_question, instances
 from dayzero.engine.tokenizer import chat_end_of_turn_ids
 
 IGNORE = -100  # target of a row whose next token is not an answer token
@@ -37,6 +37,9 @@ class DataConfig:
     recall_max: int = 2560
     recall_ramp: float = 0.5  # fraction of training over which the recall bound grows
     chat_share: float = 0.2
+    # of the chat-format addition and subtraction instances, the share asked in words ("What is 48213 + 3771?",
+    # dayzero.eval.tasks.as_question) instead of in the plain format's "48213+3771="
+    question_share: float = 0.5
     max_digits: int = 5
     max_chars: int = 24  # reversal
     sort_chars: int = 16
@@ -72,8 +75,8 @@ class DataConfig:
             raise ValueError("recall takes its share of tokens from recall_share, not from weights")
         if self.tokens < 64:
             raise ValueError(f"tokens per step must be at least 64, got {self.tokens}")
-        if not 0 <= self.recall_share < 1 or not 0 <= self.chat_share <= 1:
-            raise ValueError("recall_share must be in [0, 1) and chat_share in [0, 1]")
+        if not 0 <= self.recall_share < 1 or not 0 <= self.chat_share <= 1 or not 0 <= self.question_share <= 1:
+            raise ValueError("recall_share must be in [0, 1), chat_share and question_share in [0, 1]")
         if not 1 <= self.recall_min_pairs <= 8 or self.copy_min_words < 1:
             raise ValueError("recall_min_pairs must be in [1, 8] and copy_min_words at least 1")
         if self.recall_questions < 1:
@@ -224,7 +227,10 @@ class TaskStream:
         for task, w in c.weights_at(progress).items():
             k = max(1, int(rest * w / self._avg[task]))
             insts = instances(task, k, "train", seed=seed, **c.options(task))
-            seqs += self.enc.encode(insts, [r.random() < c.chat_share for _ in insts])
+            chat = [r.random() < c.chat_share for _ in insts]
+            if c.question_share > 0 and task in QUESTION_TASKS:
+                insts = [as_question(i) if ch and r.random() < c.question_share else i for i, ch in zip(insts, chat)]
+            seqs += self.enc.encode(insts, chat)
             groups += [task] * len(insts)
             tasks[task] = k
         ids, targets, lens, weights = pack(seqs, groups if c.loss_balance == "task" else None, c.loss_parts)

@@ -10,7 +10,7 @@ import torch
 
 from dayzero.engine.engine import DEFAULT_MODEL
 from dayzero.engine.tokenizer import load_tokenizer
-from dayzero.eval.tasks import instances
+from dayzero.eval.tasks import Instance, as_question, instances
 from dayzero.train.data import IGNORE, DataConfig, TaskStream, pack
 
 
@@ -64,7 +64,7 @@ def test_copies_dominate_the_first_part_of_training_then_the_configured_shares(t
 @pytest.mark.parametrize("bad", [dict(recall_min_pairs=0), dict(recall_min_pairs=9), dict(copy_min_words=0),
                                  dict(weights={"recall": 1.0}), dict(tokens=8), dict(copy_warmup=1.5),
                                  dict(copy_warmup_share=1.0), dict(recall_style="verse"),
-                                 dict(recall_questions=0)])
+                                 dict(recall_questions=0), dict(question_share=1.5), dict(chat_share=-0.1)])
 def test_bad_data_settings_are_refused(bad):
     with pytest.raises(ValueError):
         DataConfig(**bad)
@@ -102,3 +102,25 @@ def test_pack_weights_groups_equally():
         DataConfig(loss_parts={"recall": 0.0})
     with pytest.raises(ValueError, match="loss_parts"):
         DataConfig(loss_parts={"multiplication": 2.0})
+
+
+def test_arithmetic_asked_in_words_keeps_its_answer():
+    for inst in instances("addition", 20, "train", seed=3) + instances("subtraction", 20, "train", seed=3):
+        q = as_question(inst)
+        a, op, b = re.fullmatch(r"What is (\d+) ([+-]) (\d+)\?", q.prompt).groups()
+        assert q.answer == inst.answer == str(int(a) + int(b) if op == "+" else int(a) - int(b))
+        assert inst.prompt == f"{a}{op}{b}="
+    other = Instance("reversal", "reverse abc =", "cba")
+    assert as_question(other) is other
+
+
+def test_chat_arithmetic_comes_in_words_at_the_question_share(tokenizer):
+    worded = {}
+    for share in (0.0, 0.5, 1.0):
+        c = DataConfig(tokens=8192, chat_share=1.0, question_share=share, weights={"addition": 1.0}, recall_share=0.0)
+        step = TaskStream(c, tokenizer, seed=0).step(0, 1.0)
+        text = tokenizer.decode(step.ids.tolist())
+        n = step.tasks["addition"]
+        worded[share] = text.count("What is ") / n
+        assert text.count("<|user|>") == n  # every instance in the chat format
+    assert worded[0.0] == 0 and worded[1.0] == 1 and 0.3 < worded[0.5] < 0.7

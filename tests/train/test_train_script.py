@@ -90,11 +90,12 @@ def test_init_continues_from_a_checkpoint_with_mxfp4_experts(tmp_path):
     (["--copy-warmup", "1.5"], "--copy-warmup must be in"),
     (["--sparse-from", "-0.1"], "--sparse-from must be in"),
     (["--recall-share", "1"], "--recall-share must be in"),
+    (["--question-share", "2"], "--question-share must be in"),
     (["--loss-parts", "recall"], "--loss-parts takes TASK=WEIGHT"),
     (["--loss-parts", "recall=0"], "--loss-parts: positive weights"),
     (["--loss-parts", "poetry=2"], "--loss-parts: positive weights"),
 ], ids=["task", "minutes-zero", "minutes-negative", "steps", "tokens", "copy-warmup", "sparse-from", "recall-share",
-        "loss-parts-form", "loss-parts-zero", "loss-parts-task"])
+        "question-share", "loss-parts-form", "loss-parts-zero", "loss-parts-task"])
 def test_bad_options_name_the_option(tmp_path, argv, match):
     with pytest.raises(ValueError, match=match):
         _script().main(["--tiny", "--device", "cpu", "--out", str(tmp_path / "x"), *argv])
