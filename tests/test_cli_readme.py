@@ -35,4 +35,7 @@ def test_the_first_example_answers_as_the_readme_says():
     assert out[0].outputs[0].text == expected
     chat = llm.chat([{"role": "user", "content": content}], SamplingParams(max_tokens=8, temperature=0.0))
     assert chat[0].outputs[0].text == replied
+    assert chat[0].outputs[0].finish_reason == "stop"  # at the end of the assistant's turn
+    sort = llm.chat([{"role": "user", "content": "sort hello ="}], SamplingParams(max_tokens=30, temperature=0.0))
+    assert (sort[0].outputs[0].text, sort[0].outputs[0].finish_reason) == ("ehllo", "stop")
     assert expected == str(48213 + 3771)  # and the answer is right

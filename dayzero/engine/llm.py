@@ -1,6 +1,7 @@
 """``LLM``: offline generation through the engine (scheduler → flat batch → model → sampler)."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any, Sequence as Seq
 
@@ -10,6 +11,7 @@ from dayzero.engine.engine import EngineConfig
 from dayzero.engine.launch import start_engine
 from dayzero.engine.request import RequestOutput
 from dayzero.engine.sampling_params import SamplingParams
+from dayzero.engine.tokenizer import chat_end_of_turn_ids, with_end_of_turn
 from dayzero.multimodal.content import MediaPolicy, image_list, load_chat
 
 PromptType = str | dict[str, Any]
@@ -184,9 +186,20 @@ class LLM:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this checkpoint has no chat template")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        sampling_params = self._chat_params(sampling_params, len(convs))
         prompts = []
         for c in convs:
             rendered, images = load_chat(c, media or MediaPolicy())
             text = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
             prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _chat_params(self, sampling_params, n: int) -> list[SamplingParams]:
+        """Each conversation's parameters, stopping at the template's end-of-turn token as at EOS (the reply
+        ends with the assistant's turn, as the server's chat API ends it)."""
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * n if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        end = chat_end_of_turn_ids(self.tokenizer)
+        return [dataclasses.replace(p, stop_token_ids=with_end_of_turn(p.stop_token_ids, end, p.ignore_eos))
+                for p in params]

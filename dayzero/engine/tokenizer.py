@@ -48,6 +48,14 @@ def generation_eos_ids(path: str | Path, config_eos: tuple[int, ...], tokenizer)
     return ()
 
 
+def with_end_of_turn(stop_ids: list[int] | None, end_of_turn: tuple[int, ...], ignore_eos: bool) -> list[int] | None:
+    """A chat request's stop token ids: its own, then the template's end-of-turn tokens, which end generation as
+    EOS does (so ``ignore_eos`` keeps generating past them)."""
+    if not end_of_turn or ignore_eos:
+        return stop_ids
+    return list(stop_ids or []) + [t for t in end_of_turn if t not in (stop_ids or ())]
+
+
 def chat_end_of_turn_ids(tokenizer) -> tuple[int, ...]:
     """The special token the chat template closes an assistant turn with (``<|end|>``, ``<|im_end|>``,
     ``<|eot_id|>``, ...), as the template itself writes it: a conversation ending in an assistant message

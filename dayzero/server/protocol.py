@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from dayzero.engine.sampling_params import SamplingParams
+from dayzero.engine.tokenizer import with_end_of_turn
 from dayzero.multimodal import content
 from dayzero.multimodal.content import ImageRef
 from dayzero.server.errors import APIError, bad_request, param_of
@@ -104,9 +105,7 @@ def sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs: i
                     end_of_turn: tuple[int, ...] = ()) -> SamplingParams:
     """``logprobs``: None for none, else how many top alternatives to return beside the chosen token's.
     ``end_of_turn``: tokens that end generation as EOS does (so ``ignore_eos`` and ``min_tokens`` apply)."""
-    stop_ids = req.stop_token_ids
-    if end_of_turn and not req.ignore_eos:
-        stop_ids = list(stop_ids or []) + [t for t in end_of_turn if t not in (stop_ids or ())]
+    stop_ids = with_end_of_turn(req.stop_token_ids, end_of_turn, bool(req.ignore_eos))
 
     def pick(value, default):
         return default if value is None else value

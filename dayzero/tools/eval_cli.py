@@ -21,10 +21,11 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from dayzero.eval.modes import MODES, mode_names, run_mode
-from dayzero.eval.tasks import RECALL_STYLES, TASKS, Instance, instances
+from dayzero.eval.tasks import RECALL_STYLES, TASKS, Instance, as_question, instances
 from dayzero.tools.cli_options import Help, add_engine_options, engine_kwargs
 from dayzero.tools.progress import bar, note
 
+FORMATS = ("plain", "chat", "question")  # --format: "question" is chat with arithmetic asked in words
 DESCRIPTION = (
     "Exact-match accuracy per task on seeded held-out instances (the eval seed stream, never the training one): "
     "multi-digit addition and subtraction, string reversal and sorting, key-value recall from far back in filler "
@@ -45,6 +46,10 @@ def add_parser(sub) -> None:
                    help="recall pairs written `K=1234.` and asked with `K=`, one capital letter a key (letter, the "
                         "default), `abcd=1234.` asked with `abcd=` (assign), or as sentences, `The value of abcd is "
                         "1234.` (the formats of earlier training runs)")
+    e.add_argument("--format", default="plain", choices=FORMATS,
+                   help="how instances are asked: as plain completions (the training format, `48213+3771=`), as chat "
+                        "messages through the model's chat template, or as chat messages with arithmetic asked in "
+                        "words (`What is 48213 + 3771?`)")
     e.add_argument("--task-seed", type=int, default=0, help="which held-out instances (the eval stream's seed)")
     e.add_argument("--url", default=None, help="a running server, e.g. http://127.0.0.1:8000 (default: the engine "
                                                "in this process)")
@@ -102,20 +107,28 @@ def build(args, tokenizer) -> list[Instance]:
     for task in _task_names(args.tasks):
         out += instances(task, args.n, "eval", args.task_seed, max_digits=args.max_digits, context_len=args.context_len,
                          count=count, style=args.recall_style)
-    return out
+    return [as_question(i) for i in out] if args.format == "question" else out
+
+
+def chat_format(args) -> bool:
+    return getattr(args, "format", "plain") != "plain"
 
 
 def max_answer_tokens(inst: Instance) -> int:
     return len(inst.answer) + 8  # a token is at least one character; room for the newline that stops it
 
 
-def answers(llm, insts: list[Instance], progress: bool = False) -> list[str]:
+def answers(llm, insts: list[Instance], progress: bool = False, chat: bool = False) -> list[str]:
     """The engine's completions of ``insts``, as ``dayzero eval`` asks for them: greedy, up to the newline that
-    ends an answer, all in one ``generate`` (continuous batching)."""
+    ends an answer, all in one ``generate`` (continuous batching); with ``chat``, each prompt is a user message
+    through the model's chat template, and the reply ends at its end of turn."""
     from dayzero import SamplingParams
 
     params = [SamplingParams(max_tokens=max_answer_tokens(i), temperature=0.0, stop=["\n"]) for i in insts]
-    outs = llm.generate([i.prompt for i in insts], params, use_tqdm=progress)
+    if chat:
+        outs = llm.chat([[{"role": "user", "content": i.prompt}] for i in insts], params, use_tqdm=progress)
+    else:
+        outs = llm.generate([i.prompt for i in insts], params, use_tqdm=progress)
     return [o.outputs[0].text for o in outs]
 
 
@@ -128,7 +141,7 @@ def _in_process(args) -> tuple[list[Instance], list[str], str]:
         raise ValueError(f"{eng.path} has no tokenizer: the tasks are text")
     note(f"model {eng.path} on {eng.device} in {str(eng.dtype).removeprefix('torch.')}")
     insts = build(args, llm.tokenizer)  # recall prompts sized by the engine's own tokenizer
-    return insts, answers(llm, insts, sys.stderr.isatty()), str(eng.path)
+    return insts, answers(llm, insts, sys.stderr.isatty(), chat_format(args)), str(eng.path)
 
 
 def _over_http(args) -> tuple[list[Instance], list[str], str]:
@@ -145,17 +158,21 @@ def _over_http(args) -> tuple[list[Instance], list[str], str]:
     insts = build(args, load_tokenizer(path if path.is_dir() else path.parent))  # None: recall counts words
     progress = bar(len(insts), "eval", unit="req")
 
+    chat = chat_format(args)
+    route = "/v1/chat/completions" if chat else "/v1/completions"
+
     def one(inst: Instance) -> str:
-        body = {"model": model, "prompt": inst.prompt, "max_tokens": max_answer_tokens(inst), "temperature": 0.0,
-                "stop": ["\n"]}
+        body = {"model": model, "max_tokens": max_answer_tokens(inst), "temperature": 0.0, "stop": ["\n"]}
+        body.update({"messages": [{"role": "user", "content": inst.prompt}]} if chat else {"prompt": inst.prompt})
         try:
-            r = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=args.timeout)
+            r = httpx.post(url + route, json=body, headers=headers, timeout=args.timeout)
         except httpx.HTTPError as e:
             raise ValueError(f"--url {url}: a completion request failed: {type(e).__name__}: {e}") from None
         if r.status_code != 200:
             raise ValueError(f"--url {url}: a completion request failed with HTTP {r.status_code}: {r.text[:200]}")
         progress.update()
-        return r.json()["choices"][0]["text"]
+        choice = r.json()["choices"][0]
+        return (choice["message"]["content"] or "") if chat else choice["text"]
 
     with ThreadPoolExecutor(max(1, args.concurrency)) as pool:
         texts = list(pool.map(one, insts))
@@ -208,7 +225,8 @@ def _modes(args) -> int:
     runs = []
     for name in mode_names(args.modes):
         note(f"mode {name}: {MODES[name].what}")
-        runs.append(run_mode(MODES[name], base, insts, lambda llm, xs: answers(llm, xs, sys.stderr.isatty()),
+        runs.append(run_mode(MODES[name], base, insts,
+                             lambda llm, xs: answers(llm, xs, sys.stderr.isatty(), chat_format(args)),
                              max_answer_tokens, count))
     first = runs[0].texts
     table = [{"mode": r.mode.name, "what": r.mode.what, "engine": r.engine, "tasks": score(insts, r.texts),
@@ -240,8 +258,9 @@ def run(args) -> int:
         outputs = [{"task": i.task, "answer": i.answer, "output": t, "correct": correct(i, t),
                     "chars": chars_in_place(i, t)} for i, t in zip(insts, texts)]
         print(json.dumps({"target": target, "task_seed": args.task_seed, "context_len": args.context_len,
-                          "tasks": rows, "outputs": outputs}))
+                          "format": args.format, "tasks": rows, "outputs": outputs}))
         return 0
-    print(f"{target}: exact match, greedy, task seed {args.task_seed}")
+    asked = "" if args.format == "plain" else f", asked as {'chat messages' if args.format == 'chat' else 'questions in words'}"
+    print(f"{target}: exact match, greedy, task seed {args.task_seed}{asked}")
     print(table(rows))
     return 0

@@ -159,10 +159,12 @@ def server(tmp_path_factory):
     assert srv.stop() == 0, srv.log()
 
 
-def test_against_a_server_as_in_process(server, capsys):
+@pytest.mark.parametrize("fmt", ["plain", "question"])
+def test_against_a_server_as_in_process(server, capsys, fmt):
     """The same held-out instances through a running server's completions API (the bundled model, greedy) and
-    through the engine in this process score the same."""
-    common = ["--n", "3", "--tasks", "addition,sorting", "--json"]
+    through the engine in this process score the same; asked as chat messages (``--format question``: arithmetic
+    in words, through the chat template), the server's chat API and ``LLM.chat`` answer alike."""
+    common = ["--n", "3", "--tasks", "addition,sorting", "--format", fmt, "--json"]
     assert main(["eval", "--url", server.url, "--api-key", API_KEY, *common]) == 0
     remote = json.loads(capsys.readouterr().out)
     assert main(["eval", "--device", "cpu", *common]) == 0
@@ -170,7 +172,22 @@ def test_against_a_server_as_in_process(server, capsys):
     assert remote["target"].startswith(server.url)
     assert remote["tasks"] == local["tasks"]
     assert remote["outputs"] == local["outputs"] and len(local["outputs"]) == 6
+    assert remote["format"] == local["format"] == fmt
     server.wait_idle()
+
+
+def test_question_format_asks_arithmetic_in_words_and_leaves_other_tasks():
+    ns = type("Args", (), dict(tasks="addition,subtraction,reversal", n=4, task_seed=0, max_digits=5,
+                               context_len=256, recall_style="letter"))
+    plain = eval_cli.build(type("A", (ns,), {"format": "plain"})(), None)
+    asked = eval_cli.build(type("A", (ns,), {"format": "question"})(), None)
+    assert [i.answer for i in plain] == [i.answer for i in asked]
+    for p, q in zip(plain, asked):
+        if p.task == "reversal":
+            assert q == p
+        else:
+            a, op, b = re.fullmatch(r"(\d+)([+-])(\d+)=", p.prompt).groups()
+            assert q.prompt == f"What is {a} {op} {b}?"
 
 
 @pytest.mark.parametrize("argv,what", [
@@ -178,6 +195,7 @@ def test_against_a_server_as_in_process(server, capsys):
     (["--n", "0"], "--n"),
     (["--context-len", "8"], "--context-len"),
     (["--max-digits", "0"], "--max-digits"),
+    (["--format", "verse"], "--format"),
     (["--url", "127.0.0.1:8000"], "--url"),
     (["--modes", "fp32,fp64"], "--modes: unknown mode fp64"),
     (["--modes", "fp32,fp32"], "--modes: a mode named twice"),
