@@ -107,7 +107,7 @@ def build(args, tokenizer) -> list[Instance]:
     for task in _task_names(args.tasks):
         out += instances(task, args.n, "eval", args.task_seed, max_digits=args.max_digits, context_len=args.context_len,
                          count=count, style=args.recall_style)
-    return [as_question(i) for i in out] if args.format == "question" else out
+    return [as_question(i) for i in out] if getattr(args, "format", "plain") == "question" else out
 
 
 def chat_format(args) -> bool:

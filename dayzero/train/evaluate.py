@@ -15,7 +15,7 @@ def evaluate(path, n: int = 100, tasks=tuple(TASKS), context_len: int = 2048, ma
     checkpoint at ``path`` (``eval_cli.table`` prints them); ``engine`` goes to ``LLM`` (e.g. ``enforce_eager``,
     ``cache_memory_bytes``)."""
     args = SimpleNamespace(tasks=",".join(tasks), n=n, task_seed=task_seed, max_digits=max_digits,
-                           context_len=context_len, recall_style=recall_style, url=None)
+                           context_len=context_len, recall_style=recall_style, url=None, format="plain")
     eval_cli.check_options(args)
     with engine_session(model=str(path), device=device, **engine) as llm:
         insts = eval_cli.build(args, llm.tokenizer)
