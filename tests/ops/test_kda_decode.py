@@ -101,6 +101,20 @@ def test_refusals_leave_the_composition_to_run():
         step.kda_decode(**args(proj=proj[:, :-1]))
 
 
+def test_heads_split_into_programs_of_at_most_32_value_columns_at_any_batch():
+    for B in (1, 4, 32, 64, 512):
+        assert [D._splits(B, 16, K) for K in (16, 32, 64, 128)] == [1, 1, 2, 4]
+    case = _case(3, 128, 4, torch.float32, starts=list(range(SLOTS - 1)))  # every slot taken: 45 counters in use
+    assert D._splits(SLOTS - 1, 3, 128) == 4
+    want, got = _run(step.kda_decode, case, -5.0), _run(D.kda_decode, case, -5.0)
+    real = case[-1].state_slots
+    for w, o in zip(want[:2], got[:2]):
+        torch.testing.assert_close(o, w, rtol=1e-5, atol=1e-5)
+    for w, o in zip(want[2:], got[2:]):  # windows, states
+        torch.testing.assert_close(o[real], w[real], rtol=1e-5, atol=1e-5)
+    assert all(int(c.abs().sum()) == 0 for c in D._COUNTERS.values())
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_replays_of_a_captured_step_equal_eager_steps():
     """Three replays of one captured launch (heads split over 4 programs: the counters must be back at zero after

@@ -34,6 +34,7 @@ from dayzero.ops.triton_support import HAS_TRITON, next_pow2, pdl, tl, triton, t
 
 UP_MAX_ROWS = 4  # up to this many sequences the programs run the gates' up-projections themselves
 TARGET_PROGRAMS = 256  # split heads' value columns until a step has about this many programs
+MAX_COLUMNS = 32  # and hold at most this many value columns of a head's state a program (16 KB at K = 128)
 MAX_TAPS = 8
 
 if HAS_TRITON:
@@ -128,21 +129,29 @@ if HAS_TRITON:
 
 
 def _splits(B: int, H: int, K: int) -> int:
-    """Programs per head: enough (sequence, head, columns) programs to spread over the GPU, columns of 32 or more."""
-    nv = 1
+    """Programs per head: at most :data:`MAX_COLUMNS` value columns each, and more (down to 32) until the step
+    has about :data:`TARGET_PROGRAMS` (sequence, head, columns) programs. A program loads its columns, then
+    computes, then stores them: with a whole 64 KB head a program, two fit an SM and it idles while they
+    compute; smaller ones keep loads in flight beside the arithmetic."""
+    nv = max(1, K // MAX_COLUMNS)
     while nv * 2 * 32 <= K and B * H * nv < TARGET_PROGRAMS:
         nv *= 2
     return nv
 
 
-_COUNTERS: dict[tuple, torch.Tensor] = {}  # (device, the layer's state pool's address) -> its counters
+_COUNTERS: dict[tuple, torch.Tensor] = {}  # (device, the layer's state pool's address, rows, heads) -> counters
+
+
+def _counter_key(state_pool: torch.Tensor) -> tuple:
+    return state_pool.device, state_pool.data_ptr(), state_pool.shape[0], state_pool.shape[1]
 
 
 def _counters(state_pool: torch.Tensor) -> torch.Tensor:
-    key = (state_pool.device, state_pool.data_ptr())
+    key = _counter_key(state_pool)  # the shape too: a freed pool's address may come back as another's
     if key not in _COUNTERS:
-        # a head splits only while sequences x heads < TARGET_PROGRAMS (_splits), so that many counters always do
-        _COUNTERS[key] = torch.zeros(TARGET_PROGRAMS, dtype=torch.int32, device=state_pool.device)
+        # one per (sequence, head): a step's sequences each hold a slot of the pool, so rows x heads always do
+        _COUNTERS[key] = torch.zeros(state_pool.shape[0] * state_pool.shape[1], dtype=torch.int32,
+                                     device=state_pool.device)
     return _COUNTERS[key]
 
 
@@ -173,7 +182,7 @@ def refusal(proj, conv_weight, conv_pool, gate_up, A_log, dt_bias, lower_bound, 
         return "the gates' up-projections must be one contiguous [2, P, K] in the projection's dtype"
     if A_log.numel() != H or dt_bias.numel() != P or not (A_log.is_contiguous() and dt_bias.is_contiguous()):
         return "A_log must be H contiguous values and dt_bias P"
-    if _splits(proj.shape[0], H, K) > 1 and (state_pool.device, state_pool.data_ptr()) not in _COUNTERS:
+    if _splits(proj.shape[0], H, K) > 1 and _counter_key(state_pool) not in _COUNTERS:
         if state_pool.is_cuda and torch.cuda.is_current_stream_capturing():
             return "this layer's first call is inside a CUDA-graph capture (its counters are made eagerly)"
         _counters(state_pool)

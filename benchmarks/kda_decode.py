@@ -1,0 +1,94 @@
+"""One KDA layer's fused decode step (``kda_decode``'s one Triton launch: conv, gates, delta rule) replayed from a
+CUDA graph, for each split of a head's state over programs, against the memory roofline.
+
+    python benchmarks/kda_decode.py                          # H 16, K 128 (dayzero-small), batch 1 4 32 64
+    python benchmarks/kda_decode.py --batch 32 128 --splits 1 2 4 --json out.json
+
+The roofline is the bytes a step must move, the fp32 state read and written (B x H x K x K x 4 bytes, twice),
+plus the projection row read, the windows read and written and the output written, over the copy bandwidth
+measured in the same run. ``split`` is the value-column programs per head (``decode_kernels._splits`` picks
+one per batch size; ``*`` marks it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for benchmarks.* below
+from benchmarks.timing import copy_bandwidth, ms_per_replay  # noqa: E402
+from dayzero.engine.batch import ForwardBatch  # noqa: E402
+from dayzero.ops.kda import decode_kernels as D  # noqa: E402
+
+
+def inputs(B: int, H: int, K: int, W: int, device: str, context: int = 512):
+    """A decode step of B continuing sequences in slots 1..B, with dayzero-small's projection layout."""
+    g = torch.Generator().manual_seed(0)
+    P = H * K
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    starts = [context] * B
+    batch = ForwardBatch(torch.zeros(B, dtype=torch.int64, device=device),
+                         torch.full((B,), context, dtype=torch.int64, device=device), list(range(B + 1)), starts,
+                         [s + 1 for s in starts], torch.zeros(B, dtype=torch.int64, device=device),
+                         torch.zeros(B, 1, dtype=torch.int64, device=device), torch.arange(1, B + 1, device=device),
+                         torch.arange(B, device=device), 16)
+    proj = r(B, 3 * P + 2 * K + H).bfloat16().to(device)
+    conv_weight = (0.5 * r(3 * P, 1, W)).bfloat16().to(device)
+    conv_pool = r(B + 1, 3 * P, W - 1).bfloat16().to(device)
+    gate_up = (r(2, P, K) / K**0.5).bfloat16().to(device)
+    A_log, dt_bias = r(H).to(device), r(P).to(device)
+    state = (0.1 * r(B + 1, H, K, K)).to(device)
+    return (proj, conv_weight, conv_pool, gate_up, A_log, dt_bias, -5.0, K**-0.5, state, batch)
+
+
+def roofline_bytes(B: int, H: int, K: int, W: int) -> int:
+    P = H * K
+    return 2 * B * H * K * K * 4 + B * (3 * P + 2 * K + H) * 2 + 2 * B * 3 * P * (W - 1) * 2 + B * P * 2
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--conv", type=int, default=4, help="conv taps")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 32, 64])
+    ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("kda_decode.py times CUDA-graph replays: it needs a CUDA device")
+    H, K, W = args.heads, args.head_dim, args.conv
+    bw = copy_bandwidth("cuda")
+    print(f"{torch.cuda.get_device_name()}: copy {bw / 1e9:,.0f} GB/s; H {H}, K {K}, conv {W}")
+    print(f"{'batch':>5} {'split':>6} {'us':>8} {'GB/s':>7} {'of copy':>8} {'vs split 1':>10}")
+    rows, picked = [], D._splits
+    for B in args.batch:
+        first = None
+        for nv in args.splits:
+            if nv * 32 > K:
+                continue
+            D._splits = lambda b, h, k, nv=nv: nv  # noqa: E731
+            try:
+                ms = ms_per_replay(lambda a=inputs(B, H, K, W, "cuda"): D.kda_decode(*a), args.repeats)
+            finally:
+                D._splits = picked
+            if ms is None:
+                continue
+            first = first or ms
+            nbytes = roofline_bytes(B, H, K, W)
+            mark = "*" if picked(B, H, K) == nv else ""
+            print(f"{B:>5} {str(nv) + mark:>6} {ms * 1e3:>8.1f} {nbytes / (ms * 1e-3) / 1e9:>7,.0f} "
+                  f"{nbytes / (ms * 1e-3) / bw:>8.1%} {first / ms:>9.2f}x")
+            rows.append({"batch": B, "splits": nv, "chosen": bool(mark), "us": ms * 1e3, "bytes": nbytes,
+                         "of_copy": nbytes / (ms * 1e-3) / bw})
+    if args.json:
+        Path(args.json).write_text(json.dumps({"copy_bytes_per_s": bw, "rows": rows}, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
