@@ -101,9 +101,7 @@ def test_refusals_leave_the_composition_to_run():
         step.kda_decode(**args(proj=proj[:, :-1]))
 
 
-def test_heads_split_into_programs_of_at_most_32_value_columns_at_any_batch():
-    for B in (1, 4, 32, 64, 512):
-        assert [D._splits(B, 16, K) for K in (16, 32, 64, 128)] == [1, 1, 2, 4]
+def test_every_sequence_of_a_full_pool_splits_its_heads_with_counters_of_its_own():
     case = _case(3, 128, 4, torch.float32, starts=list(range(SLOTS - 1)))  # every slot taken: 45 counters in use
     assert D._splits(SLOTS - 1, 3, 128) == 4
     want, got = _run(step.kda_decode, case, -5.0), _run(D.kda_decode, case, -5.0)

@@ -34,7 +34,6 @@ from dayzero.ops.triton_support import HAS_TRITON, next_pow2, pdl, tl, triton, t
 
 UP_MAX_ROWS = 4  # up to this many sequences the programs run the gates' up-projections themselves
 TARGET_PROGRAMS = 256  # split heads' value columns until a step has about this many programs
-MAX_COLUMNS = 32  # and hold at most this many value columns of a head's state a program (16 KB at K = 128)
 MAX_TAPS = 8
 
 if HAS_TRITON:
@@ -129,11 +128,11 @@ if HAS_TRITON:
 
 
 def _splits(B: int, H: int, K: int) -> int:
-    """Programs per head: at most :data:`MAX_COLUMNS` value columns each, and more (down to 32) until the step
-    has about :data:`TARGET_PROGRAMS` (sequence, head, columns) programs. A program loads its columns, then
-    computes, then stores them: with a whole 64 KB head a program, two fit an SM and it idles while they
-    compute; smaller ones keep loads in flight beside the arithmetic."""
-    nv = max(1, K // MAX_COLUMNS)
+    """Programs per head: enough (sequence, head, columns) programs to spread over the GPU, columns of 32 or more.
+    A head stays whole once sequences x heads fill the device: on the H200 at 32 and 64 sequences (H 16, K 128)
+    splits of 2 and 4 took 1.2-1.4x the whole head's time (each split repeats the head's conv, norms and gate,
+    and reads its state in shorter rows; ``benchmarks/kda_decode.py``), where at one sequence 4 took 0.7x."""
+    nv = 1
     while nv * 2 * 32 <= K and B * H * nv < TARGET_PROGRAMS:
         nv *= 2
     return nv
