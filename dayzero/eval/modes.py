@@ -31,6 +31,12 @@ class Mode:
         """``base`` with this mode's settings; ``count(text)`` gives a prompt's tokens, ``max_tokens(inst)`` the
         tokens an answer may take (both sizing the tiny cache)."""
         out = {**base, **self.overrides}
+        if self.twice and out.get("num_prefix_snapshots") is None:
+            # room for every first-pass snapshot (the end of each prompt and every interval point): with fewer, the
+            # second pass, in the first one's order, finds each one evicted by those after it (least recently used
+            # order against a cyclic workload: 220 instances in 64 rows gave 16 of 9,432 prompt tokens)
+            interval = out.get("prefix_snapshot_interval") or 512
+            out["num_prefix_snapshots"] = sum(1 + count(i.prompt) // interval for i in insts)
         if self.tiny_cache:
             block = out.get("block_size") or 16
             longest = max(count(i.prompt) + max_tokens(i) for i in insts)

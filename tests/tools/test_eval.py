@@ -205,3 +205,16 @@ def test_bad_options_are_refused_with_the_option_named(argv, what, capsys):
     assert main(["eval", "--device", "cpu", *argv]) == 2
     err = capsys.readouterr().err
     assert what in err and err.count("\n") <= 2, err
+
+
+def test_the_prefix_mode_keeps_a_snapshot_of_every_first_pass_prompt():
+    """The second pass runs the first one's prompts in the same order: a snapshot pool smaller than the first pass's
+    snapshots would have each evicted (least recently used) before it is asked for again."""
+    from dayzero.eval.modes import MODES
+
+    insts = [T.Instance("addition", "1+1=", "2")] * 70 + [T.Instance("recall", "w " * 1100, "1234")] * 3
+    count = lambda text: len(text.split())  # noqa: E731
+    kw = MODES["prefix"].kwargs({"device": "cpu"}, insts, count, eval_cli.max_answer_tokens)
+    assert kw["num_prefix_snapshots"] == 70 + 3 * 3 and kw["enable_prefix_caching"]
+    assert MODES["prefix"].kwargs({"num_prefix_snapshots": 5}, insts, count, len)["num_prefix_snapshots"] == 5
+    assert "num_prefix_snapshots" not in MODES["bf16"].kwargs({}, insts, count, len)
