@@ -55,7 +55,7 @@ def model_card(*, config, n_params: int, size_bytes: int, expert_format: str, ta
         "",
         "## Training",
         "",
-        training or _training(command, device, summary),
+        (training or "").strip().removeprefix("## Training").strip() or _training(command, device, summary),
         "",
         "## Held-out accuracy",
         "",

@@ -116,3 +116,17 @@ def test_default_training_config_fits_16_mib_with_mxfp4_experts():
     tensors = checkpoint_tensors(new_model(config, "cpu"), config, "mxfp4")
     assert sum(t.numel() * t.element_size() for t in tensors.values()) <= 16 * 2**20
     assert any(name.endswith("w1_blocks") and t.dtype == torch.uint8 for name, t in tensors.items())
+
+
+def test_a_card_given_its_training_section_has_one_heading_for_it():
+    """``card_default.py --training FILE``: the section's text with or without its own heading."""
+    from dayzero.config.model_config import HybridConfig
+    from dayzero.engine.engine import DEFAULT_MODEL
+    from dayzero.train.card import model_card
+
+    config = HybridConfig.from_file(DEFAULT_MODEL / "config.json")
+    common = dict(config=config, n_params=1, size_bytes=1, expert_format="mxfp4", tasks=["addition"], rows=[],
+                  eval_setup={})
+    for text in ("Two jobs.", "## Training\n\nTwo jobs.\n"):
+        card = model_card(**common, training=text)
+        assert card.count("## Training") == 1 and "## Training\n\nTwo jobs.\n" in card
