@@ -88,9 +88,12 @@ def plan_cache(
     kv_cache_dtype: str = "auto",
     num_snapshots: int = 0,
     index_cache_dtype: str = "auto",
+    spare_snapshots: int = 0,
 ) -> CachePlan:
     """``num_snapshots``: state snapshots wanted for prefix caching; with a budget they get what is left once
-    one maximum-length sequence fits with every slot, down to none (they only save recomputation)."""
+    one maximum-length sequence fits with every slot, down to none (they only save recomputation).
+    ``spare_snapshots``: up to this many more, only from budget the blocks leave unused (they are capped at
+    what ``max_num_seqs`` sequences of ``max_model_len`` tokens could hold)."""
     per_block = math.ceil(block_size * sum(s.bytes_per_token(kv_cache_dtype, block_size, index_cache_dtype) for s in specs if isinstance(s, PagedSpec)))
     per_slot = sum(s.bytes_per_seq() for s in specs if isinstance(s, StateSpec))
     blocks_per_seq = -(-max_model_len // block_size) if per_block else 0
@@ -115,6 +118,9 @@ def plan_cache(
         slots = max(1, room // max(per_slot, 1) - 1)
         spare = budget_bytes - (slots + 1) * per_slot
     cap = 1 + max_num_seqs * blocks_per_seq
-    num_blocks = min(cap, spare // per_block) if per_block else 1
-    return CachePlan(block_size, max(int(num_blocks), 2), int(min(slots, max_num_seqs)), per_block, per_slot,
-                     num_snapshots=int(snaps))
+    num_blocks = max(int(min(cap, spare // per_block) if per_block else 1), 2)
+    slots = int(min(slots, max_num_seqs))
+    if per_slot and spare_snapshots > 0:  # memory the capped blocks leave: more snapshots, never fewer blocks
+        unused = budget_bytes - num_blocks * per_block - (slots + 1 + snaps) * per_slot
+        snaps += max(0, min(spare_snapshots, unused // per_slot))
+    return CachePlan(block_size, num_blocks, slots, per_block, per_slot, num_snapshots=int(snaps))

@@ -58,6 +58,8 @@ def attach_host_tier(runner, cache: CacheManager, plan: CachePlan, host_bytes: i
     cache.attach_host_tier(HostCopies(runner.block_tensors, runner.state_tensors, blocks, snaps))
     return replace(plan, host_blocks=int(blocks), host_snapshots=int(snaps))
 
+SPARE_SNAPSHOTS_PER_SEAT = 3  # default prefix-cache snapshots beyond one a seat, from memory blocks leave unused
+
 
 def _agree(agree, plan, uses_blocks: bool, uses_slots: bool, align: int, snapshots: int):
     """One cache plan for every rank of a job: the fewest blocks, slots and snapshots, block and slot accounting
@@ -94,7 +96,8 @@ def assemble(model, device: torch.device, dtype: torch.dtype, *, block_size: int
     allocated) and the prefill scratch (:func:`prefill_scratch_bytes`, plus ``extra_scratch_bytes``: the vision
     encoder's); the plan records both. With
     ``prefix_caching``, models that keep per-sequence states get ``num_snapshots`` state snapshots (default one
-    per sequence seat) taken every ``snapshot_interval`` tokens, and ``host_cache_bytes`` of pinned host memory
+    per sequence seat, and up to :data:`SPARE_SNAPSHOTS_PER_SEAT` more a seat from budget the capped blocks
+    leave) taken every ``snapshot_interval`` tokens, and ``host_cache_bytes`` of pinned host memory
     keep what the device evicts (:func:`attach_host_tier`).
 
     ``agree(values)``, given to each rank of a multi-process engine, returns each value's smallest over the
@@ -130,8 +133,11 @@ def assemble(model, device: torch.device, dtype: torch.dtype, *, block_size: int
             budget_bytes = agree([budget_bytes])[0]
     uses_slots = any(isinstance(s, StateSpec) for s in runner.specs)
     snapshots = (max_num_seqs if num_snapshots is None else num_snapshots) if prefix_caching and uses_slots else 0
+    # by default up to SPARE_SNAPSHOTS_PER_SEAT more per seat where memory would otherwise go unused: a workload
+    # that comes back to more distinct prompts than seats would find each snapshot evicted before its next turn
+    spare = SPARE_SNAPSHOTS_PER_SEAT * max_num_seqs if snapshots and num_snapshots is None else 0
     plan = plan_cache(runner.specs, block_size, max_model_len, max_num_seqs, budget_bytes, num_cache_blocks,
-                      kv_cache_dtype, snapshots, index_cache_dtype)
+                      kv_cache_dtype, snapshots, index_cache_dtype, spare_snapshots=spare)
     plan = replace(plan, scratch_bytes=scratch)
     # a paged row that stands for m tokens (compressed entries) is complete only at multiples of m
     strides = [m for s in runner.specs if isinstance(s, PagedSpec) for m in s.strides.values()]

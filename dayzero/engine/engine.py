@@ -65,7 +65,7 @@ class EngineConfig:
     cuda_graph_prefill_tokens: int = 2048
     enable_prefix_caching: bool = True  # reuse the cached blocks (and state snapshots) of a shared prefix
     prefix_snapshot_interval: int = 512  # tokens between state snapshots (models with per-sequence states)
-    num_prefix_snapshots: int | None = None  # state snapshots kept (default: one per sequence seat)
+    num_prefix_snapshots: int | None = None  # snapshots kept (default: a seat's, up to 4 from spare memory)
     num_threads: int | None = None  # torch's CPU threads; None: fewer than torch's default when the machine is loaded
     # overlap each step's host work with the next step on the device (see step); None: on for CUDA devices
     async_scheduling: bool | None = None

@@ -147,7 +147,8 @@ def add_engine_options(p) -> None:
     e.add_argument("--prefix-snapshot-interval", type=int, default=512, metavar="T",
                    help="tokens between state snapshots of models with per-sequence states")
     e.add_argument("--num-prefix-snapshots", type=int, default=None, metavar="N",
-                   help="state snapshots kept (default: one per sequence seat)")
+                   help="state snapshots kept (default: one per sequence seat, and up to three more a seat "
+                        "from cache memory the blocks leave unused)")
     e.add_argument("--host-cache-gib", type=float, default=0.0, metavar="GIB",
                    help="pinned host memory for the prefix-cache blocks and snapshots the device evicts")
     d = p.add_argument_group("parallelism (one process per rank: started here, or the ranks of a torchrun job)")

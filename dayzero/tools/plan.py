@@ -275,7 +275,8 @@ def predict_allocation(model: str | None, dtype: str, context: int, batch: int, 
                        snapshots: int | None = None) -> dict[str, float]:
     """Weights and cache bytes of one device of pipeline stage ``stage`` of ``layout`` (what the engine allocates
     there for ``batch`` sequences of ``context`` tokens, with ``snapshots`` prefix-cache state snapshots: by
-    default one per sequence, as the engine keeps), from the same terms every layout's plan is built from."""
+    default one per sequence, which the engine keeps first; it adds up to three more a sequence only from budget
+    its capped blocks leave unused), from the same terms every layout's plan is built from."""
     info = load(model, FORMAT_TORCH[dtype])
     block_size = block_size_of(info, block_size)
     cfg = PlanConfig(batch=batch, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size, workspace_slots=1)

@@ -20,7 +20,8 @@ L, B = 256, 2  # the cache the engine plans: B sequences of L tokens
 def allocate_rank(state: ParallelState, path: str, out_dir: str) -> None:
     seqs = B // state.dp_size  # attention data parallelism: each replica holds its share of the sequences
     engine = LLMEngine(EngineConfig(model=path, device="cpu", dtype="float32", max_num_seqs=seqs, max_model_len=L,
-                                    cache_memory_bytes=1 << 40, num_threads=1), state)
+                                    cache_memory_bytes=1 << 40, num_threads=1,
+                                    num_prefix_snapshots=seqs), state)  # one a sequence, as the plan predicts
     weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     cache = sum(t.numel() * t.element_size() for _, layer in engine.runner.layers for t in layer.cache.values())
     torch.save({"weights": weights + engine.expert_workspace.nbytes, "cache": cache},

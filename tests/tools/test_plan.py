@@ -41,8 +41,9 @@ def test_device_table_and_custom_devices():
 
 def test_prediction_matches_a_real_load_of_the_tiny_model(tiny_ckpt_no_tokenizer):
     L, B = 512, 4
+    # one snapshot a sequence, as predicted (the default would add spare ones from this roomy budget)
     llm = LLM(str(tiny_ckpt_no_tokenizer), device="cpu", dtype="float32", max_num_seqs=B, max_model_len=L,
-              cache_memory_bytes=1 << 40)
+              cache_memory_bytes=1 << 40, num_prefix_snapshots=B)
     weights, cache = _allocated(llm.engine.model, llm.engine.runner.layers)
     pred = predict_allocation(str(tiny_ckpt_no_tokenizer), "fp32", L, B)
     assert pred["weights"] == pytest.approx(weights, rel=0.10)
@@ -58,7 +59,8 @@ def test_prediction_matches_a_real_load_with_mxfp4_experts(tmp_path):
     dst = tmp_path / "mxfp4"
     quantize_checkpoint(src, dst, "mxfp4", progress=False)
     L, B = 256, 2
-    llm = LLM(str(dst), device="cpu", dtype="float32", max_num_seqs=B, max_model_len=L, cache_memory_bytes=1 << 40)
+    llm = LLM(str(dst), device="cpu", dtype="float32", max_num_seqs=B, max_model_len=L, cache_memory_bytes=1 << 40,
+              num_prefix_snapshots=B)  # as predicted
     eng = llm.engine
     weights, cache = _allocated(eng.model, eng.runner.layers)
     pred = predict_allocation(str(dst), "fp32", L, B)
