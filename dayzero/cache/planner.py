@@ -23,6 +23,7 @@ class CacheMemoryError(RuntimeError):
 
 
 DEFAULT_BLOCK_SIZE = 16
+SPARE_SNAPSHOTS_PER_SEAT = 3  # default prefix-cache snapshots beyond one a seat, from memory blocks leave unused
 MAX_AUTO_BLOCK_SIZE = 256
 
 

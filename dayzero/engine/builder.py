@@ -11,7 +11,7 @@ import torch
 
 from dayzero.cache.host_tier import HostCopies
 from dayzero.cache.manager import CacheManager
-from dayzero.cache.planner import CachePlan, auto_block_size, available_memory, plan_cache
+from dayzero.cache.planner import SPARE_SNAPSHOTS_PER_SEAT, CachePlan, auto_block_size, available_memory, plan_cache
 from dayzero.cache.spec import PagedSpec, StateSpec
 from dayzero.engine.model_runner import ModelRunner
 from dayzero.ops.indexer.triton_indexer import scratch_bytes as indexer_scratch_bytes
@@ -58,9 +58,6 @@ def attach_host_tier(runner, cache: CacheManager, plan: CachePlan, host_bytes: i
     cache.attach_host_tier(HostCopies(runner.block_tensors, runner.state_tensors, blocks, snaps))
     return replace(plan, host_blocks=int(blocks), host_snapshots=int(snaps))
 
-SPARE_SNAPSHOTS_PER_SEAT = 3  # default prefix-cache snapshots beyond one a seat, from memory blocks leave unused
-
-
 def _agree(agree, plan, uses_blocks: bool, uses_slots: bool, align: int, snapshots: int):
     """One cache plan for every rank of a job: the fewest blocks, slots and snapshots, block and slot accounting
     where any rank needs it, the coarsest alignment. A rank without paged (state) layers does not limit the
@@ -96,8 +93,8 @@ def assemble(model, device: torch.device, dtype: torch.dtype, *, block_size: int
     allocated) and the prefill scratch (:func:`prefill_scratch_bytes`, plus ``extra_scratch_bytes``: the vision
     encoder's); the plan records both. With
     ``prefix_caching``, models that keep per-sequence states get ``num_snapshots`` state snapshots (default one
-    per sequence seat, and up to :data:`SPARE_SNAPSHOTS_PER_SEAT` more a seat from budget the capped blocks
-    leave) taken every ``snapshot_interval`` tokens, and ``host_cache_bytes`` of pinned host memory
+    per sequence seat, and up to :data:`~dayzero.cache.planner.SPARE_SNAPSHOTS_PER_SEAT` more a seat from
+    budget the capped blocks leave) taken every ``snapshot_interval`` tokens, and ``host_cache_bytes`` of pinned host memory
     keep what the device evicts (:func:`attach_host_tier`).
 
     ``agree(values)``, given to each rank of a multi-process engine, returns each value's smallest over the

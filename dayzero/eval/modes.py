@@ -35,7 +35,9 @@ class Mode:
             # room for every first-pass snapshot (the end of each prompt and every interval point): with fewer, the
             # second pass, in the first one's order, finds each one evicted by those after it (least recently used
             # order against a cyclic workload: 220 instances in 64 rows gave 16 of 9,432 prompt tokens)
-            interval = out.get("prefix_snapshot_interval") or 512
+            from dayzero.engine.engine import EngineConfig
+
+            interval = out.get("prefix_snapshot_interval") or EngineConfig.prefix_snapshot_interval
             out["num_prefix_snapshots"] = sum(1 + count(i.prompt) // interval for i in insts)
         if self.tiny_cache:
             block = out.get("block_size") or 16

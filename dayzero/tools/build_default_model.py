@@ -85,7 +85,8 @@ def _is_high_precision(name: str) -> bool:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--config", default=str(CONFIGS / "dayzero-default.json"))
-    ap.add_argument("--out", required=True, help="directory to write (the bundled model in dayzero/assets/default is the trained one)")
+    ap.add_argument("--out", required=True,
+                    help="directory to write (the bundled model in dayzero/assets/default is the trained one)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     with open(args.config) as f:

@@ -99,6 +99,7 @@ def add_engine_options(p) -> None:
     """Every ``EngineConfig`` field but ``model``, as ``--field-name`` (``--threads`` for ``num_threads``)."""
     from dayzero.cache.quant import KV_CACHE_DTYPES
     from dayzero.config.model_config import DTYPES
+    from dayzero.cache.planner import SPARE_SNAPSHOTS_PER_SEAT
     from dayzero.quant.workspace import COMPUTE, FUSED_ROWS_PER_EXPERT
 
     e = p.add_argument_group("engine (the LLM(...) keyword arguments of the same names)")
@@ -147,8 +148,8 @@ def add_engine_options(p) -> None:
     e.add_argument("--prefix-snapshot-interval", type=int, default=512, metavar="T",
                    help="tokens between state snapshots of models with per-sequence states")
     e.add_argument("--num-prefix-snapshots", type=int, default=None, metavar="N",
-                   help="state snapshots kept (default: one per sequence seat, and up to three more a seat "
-                        "from cache memory the blocks leave unused)")
+                   help=f"state snapshots kept (default: one per sequence seat, and up to "
+                        f"{SPARE_SNAPSHOTS_PER_SEAT} more a seat from cache memory the blocks leave unused)")
     e.add_argument("--host-cache-gib", type=float, default=0.0, metavar="GIB",
                    help="pinned host memory for the prefix-cache blocks and snapshots the device evicts")
     d = p.add_argument_group("parallelism (one process per rank: started here, or the ranks of a torchrun job)")

@@ -25,7 +25,8 @@ from dayzero.eval.tasks import RECALL_STYLES, TASKS, Instance, as_question, inst
 from dayzero.tools.cli_options import Help, add_engine_options, engine_kwargs
 from dayzero.tools.progress import bar, note
 
-FORMATS = ("plain", "chat", "question")  # --format: "question" is chat with arithmetic asked in words
+# --format: how the instances are asked (its words in the table's title); "question" is chat with arithmetic in words
+FORMATS = {"plain": "", "chat": ", asked as chat messages", "question": ", asked as questions in words"}
 DESCRIPTION = (
     "Exact-match accuracy per task on seeded held-out instances (the eval seed stream, never the training one): "
     "multi-digit addition and subtraction, string reversal and sorting, key-value recall from far back in filler "
@@ -46,7 +47,7 @@ def add_parser(sub) -> None:
                    help="recall pairs written `K=1234.` and asked with `K=`, one capital letter a key (letter, the "
                         "default), `abcd=1234.` asked with `abcd=` (assign), or as sentences, `The value of abcd is "
                         "1234.` (the formats of earlier training runs)")
-    e.add_argument("--format", default="plain", choices=FORMATS,
+    e.add_argument("--format", default="plain", choices=list(FORMATS),
                    help="how instances are asked: as plain completions (the training format, `48213+3771=`), as chat "
                         "messages through the model's chat template, or as chat messages with arithmetic asked in "
                         "words (`What is 48213 + 3771?`)")
@@ -107,11 +108,11 @@ def build(args, tokenizer) -> list[Instance]:
     for task in _task_names(args.tasks):
         out += instances(task, args.n, "eval", args.task_seed, max_digits=args.max_digits, context_len=args.context_len,
                          count=count, style=args.recall_style)
-    return [as_question(i) for i in out] if getattr(args, "format", "plain") == "question" else out
+    return [as_question(i) for i in out] if args.format == "question" else out
 
 
 def chat_format(args) -> bool:
-    return getattr(args, "format", "plain") != "plain"
+    return args.format != "plain"
 
 
 def max_answer_tokens(inst: Instance) -> int:
@@ -260,7 +261,6 @@ def run(args) -> int:
         print(json.dumps({"target": target, "task_seed": args.task_seed, "context_len": args.context_len,
                           "format": args.format, "tasks": rows, "outputs": outputs}))
         return 0
-    asked = "" if args.format == "plain" else f", asked as {'chat messages' if args.format == 'chat' else 'questions in words'}"
-    print(f"{target}: exact match, greedy, task seed {args.task_seed}{asked}")
+    print(f"{target}: exact match, greedy, task seed {args.task_seed}{FORMATS[args.format]}")
     print(table(rows))
     return 0

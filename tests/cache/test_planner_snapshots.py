@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 
 from dayzero import LLM
-from dayzero.cache.planner import plan_cache
+from dayzero.cache.planner import SPARE_SNAPSHOTS_PER_SEAT, plan_cache
 from dayzero.cache.spec import PagedSpec, StateSpec
-from dayzero.engine.builder import SPARE_SNAPSHOTS_PER_SEAT
 
 # 16-token blocks of 64 bytes a token (1,024 bytes a block), 4,096 bytes a state slot
 SPECS = [PagedSpec({"k": ((32,), torch.bfloat16)}), StateSpec({"s": ((1024,), torch.float32)})]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from types import SimpleNamespace
 
 import pytest
 
@@ -177,10 +178,10 @@ def test_against_a_server_as_in_process(server, capsys, fmt):
 
 
 def test_question_format_asks_arithmetic_in_words_and_leaves_other_tasks():
-    ns = type("Args", (), dict(tasks="addition,subtraction,reversal", n=4, task_seed=0, max_digits=5,
-                               context_len=256, recall_style="letter"))
-    plain = eval_cli.build(type("A", (ns,), {"format": "plain"})(), None)
-    asked = eval_cli.build(type("A", (ns,), {"format": "question"})(), None)
+    common = dict(tasks="addition,subtraction,reversal", n=4, task_seed=0, max_digits=5, context_len=256,
+                  recall_style="letter")
+    plain = eval_cli.build(SimpleNamespace(**common, format="plain"), None)
+    asked = eval_cli.build(SimpleNamespace(**common, format="question"), None)
     assert [i.answer for i in plain] == [i.answer for i in asked]
     for p, q in zip(plain, asked):
         if p.task == "reversal":
