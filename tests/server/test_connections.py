@@ -103,10 +103,24 @@ def test_connections_past_the_cap_with_requests_in_progress_get_a_503(srv):
     ok(srv)
 
 
+def refusal(r: httpx.Response) -> bool:
+    return r.status_code == 503 and r.json()["error"]["code"] == "too_many_connections"
+
+
+def refused_or(request) -> httpx.Response | None:
+    """The response, or None where the server closed the connection before answering: past its lingering
+    allowance a refusal closes at once, and a request it never read makes that close a reset. Both are
+    clean refusals a client retries."""
+    try:
+        return request()
+    except (httpx.ReadError, httpx.RemoteProtocolError, httpx.ConnectError):
+        return None
+
+
 def test_a_flood_of_connections_without_a_key_is_refused_cleanly(srv):
     """Hundreds of connections (keyless requests, garbage, nothing at all) against a cap of 8: each gets an
     answer (401, 400, 503, 408) or a clean close, never a hang. Meanwhile /health and a real request get a
-    200, or a clean 503 that a retry gets past; after the flood everything is as before."""
+    200, or a clean 503 or close that a retry gets past; after the flood everything is as before."""
     flood: list[socket.socket] = []
     kinds = [b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n", b"NOT HTTP AT ALL\r\n\r\n", b""]
     done = threading.Event()
@@ -125,11 +139,12 @@ def test_a_flood_of_connections_without_a_key_is_refused_cleanly(srv):
     t.start()
     health = []
     while not done.is_set():
-        r = httpx.get(srv.url + "/health", timeout=5)
-        assert r.status_code == 200 or (r.status_code == 503 and r.json()["error"]["code"] == "too_many_connections")
-        health.append(r.status_code)
+        r = refused_or(lambda: httpx.get(srv.url + "/health", timeout=5))
+        assert r is None or r.status_code == 200 or refusal(r)
+        health.append(r)
     deadline = time.monotonic() + 30
-    while (r := srv.post("/v1/completions", {"model": MODEL, "prompt": "real", "max_tokens": 4})).status_code == 503:
+    while (r := refused_or(lambda: srv.post("/v1/completions", {"model": MODEL, "prompt": "real", "max_tokens": 4}))) \
+            is None or refusal(r):
         assert time.monotonic() < deadline
     assert r.status_code == 200, r.text
     t.join(60)
