@@ -10,6 +10,7 @@ Each token goes to top-k experts drawn uniformly at random (fixed seed); rows = 
 (``moe_permute``). Weights are random MXFP4 codes, and the other formats hold the same values: bf16 (dequantised),
 FP8 ``BlockScaled`` (E2M1 codes are exact in e4m3), packed ``PackedMXFP4`` read by the kernels (``fused``).
 Variants: ``triton-bf16``, ``grouped_mm-bf16`` (torch, where it runs), ``triton-fp8`` (BlockScaled),
+``triton-fp8tile`` / ``-fp8tile-a8`` (DeepSeek's 128x128-tile FP8; a8: FP8 activations, FP8 x FP8 dots),
 ``triton-mxfp4`` (fused), ``convert`` (``ExpertWorkspace`` converting one layer MXFP4 -> FP8, timed alone) and
 ``reference`` (the per-expert loop, small token counts only); for steps of at most ``direct_max_pairs`` pairs
 also the whole routed op (expert outputs weighted and summed per token): ``direct-bf16`` / ``-fp8`` / ``-mxfp4``
@@ -33,15 +34,19 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for benchmarks.* below
-from benchmarks.timing import ceilings, timer  # noqa: E402
+from benchmarks.timing import ceilings, fp8_matmul_rate, timer  # noqa: E402
 
 FORMATS = ("triton-bf16", "grouped_mm-bf16", "triton-fp8", "triton-mxfp4", "convert", "reference", "direct-bf16",
-           "direct-fp8", "direct-mxfp4", "sorted-bf16")
-BYTES_PER_WEIGHT = {"bf16": 2.0, "fp8": 1 + 4 / 32, "mxfp4": 0.5 + 1 / 32}
+           "direct-fp8", "direct-mxfp4", "sorted-bf16", "triton-fp8tile", "triton-fp8tile-a8", "direct-fp8tile",
+           "direct-fp8tile-a8")
+TILE_BYTES = 1 + 4 / 128**2
+BYTES_PER_WEIGHT = {"bf16": 2.0, "fp8": 1 + 4 / 32, "mxfp4": 0.5 + 1 / 32, "fp8_tile": TILE_BYTES, "fp8_tile_a8": TILE_BYTES}
 
 
 def layer(E: int, L: int, I: int, device: str, seed: int = 0):
-    """Random MXFP4 experts (w1 [E, 2I, L], w2 [E, L, I]) and the same values as bf16 and BlockScaled FP8."""
+    """Random MXFP4 experts (w1 [E, 2I, L], w2 [E, L, I]) and the same values as bf16 and BlockScaled FP8; the
+    bf16 values quantised to DeepSeek's 128x128-tile FP8 (``TileScaled``, without and with FP8 activations)."""
+    from dayzero.quant.fp8 import TileScaled, quantize_fp8_blocks
     from dayzero.quant.mxfp4 import dequantize_mxfp4
     from dayzero.quant.workspace import BlockScaled, PackedMXFP4
 
@@ -56,7 +61,11 @@ def layer(E: int, L: int, I: int, device: str, seed: int = 0):
             bf16[e] = dequantize_mxfp4(blocks[e], scales[e], torch.bfloat16)
             fp8[e] = dequantize_mxfp4(blocks[e], torch.full_like(scales[e], 127), torch.float32).to(fp8.dtype)
         scale = torch.exp2(scales.float() - 127)
-        out[name] = {"bf16": bf16, "fp8": BlockScaled(fp8, scale), "mxfp4": PackedMXFP4(blocks, scales)}
+        tile8, tile_s = torch.empty_like(fp8), torch.empty(E, -(-n // 128), -(-k // 128), device=device)
+        for e in range(E):
+            tile8[e], tile_s[e] = quantize_fp8_blocks(bf16[e])
+        out[name] = {"bf16": bf16, "fp8": BlockScaled(fp8, scale), "mxfp4": PackedMXFP4(blocks, scales),
+                     "fp8_tile": TileScaled(tile8, tile_s), "fp8_tile_a8": TileScaled(tile8, tile_s, fp8_activations=True)}
     return out
 
 
@@ -80,7 +89,8 @@ def whole_op_variants(w, routing, formats) -> dict:
 
     x, ids, weights = routing
     out = {}
-    for name, fmt in (("direct-bf16", "bf16"), ("direct-fp8", "fp8"), ("direct-mxfp4", "mxfp4")):
+    for name, fmt in (("direct-bf16", "bf16"), ("direct-fp8", "fp8"), ("direct-mxfp4", "mxfp4"),
+                      ("direct-fp8tile", "fp8_tile"), ("direct-fp8tile-a8", "fp8_tile_a8")):
         w1, w2 = w["w1"][fmt], w["w2"][fmt]
         if name in formats and D.refusal(x, ids, weights, w1, w2) is None:
             out[name] = fmt, lambda w1=w1, w2=w2: D.moe_experts_direct(x, ids, weights, w1, w2)
@@ -97,7 +107,8 @@ def variants(w, xs, offsets, formats, ref_ok: bool, routing=None):
     from dayzero.ops.moe import triton_moe as T
 
     out = whole_op_variants(w, routing, formats) if routing is not None else {}
-    for name, fmt in (("triton-bf16", "bf16"), ("triton-fp8", "fp8"), ("triton-mxfp4", "mxfp4")):
+    for name, fmt in (("triton-bf16", "bf16"), ("triton-fp8", "fp8"), ("triton-mxfp4", "mxfp4"),
+                      ("triton-fp8tile", "fp8_tile"), ("triton-fp8tile-a8", "fp8_tile_a8")):
         w1, w2 = w["w1"][fmt], w["w2"][fmt]
         if name in formats and T.refusal(xs, offsets, w1, w2) is None:
             out[name] = fmt, lambda w1=w1, w2=w2: T.moe_experts_grouped(xs, offsets, w1, w2)
@@ -156,13 +167,13 @@ def tune(args, w, E, L, I, timed, table: dict) -> None:
             print(f"tune {fmt:>6} E{E} L{L} I{I} rows {xs.shape[0]:>6}: {ms:8.3f} ms  up {best.up}  down {best.down}")
 
 
-HEADER = f"{'variant':>16} {'tokens':>6} {'rows':>6} {'hit':>4} {'ms':>9} {'TFLOP/s':>8} {'%peak':>6} {'GB/s':>7} {'%copy':>6}"
+HEADER = f"{'variant':>18} {'tokens':>6} {'rows':>6} {'hit':>4} {'ms':>9} {'TFLOP/s':>8} {'%peak':>6} {'GB/s':>7} {'%copy':>6}"
 
 
 def row(name, E, L, I, ms, weight_bytes, flop, bw, flops, tokens=None, rows=None, hit=None) -> dict:
     """One table row: printed, and returned for the JSON report."""
     f, b = flop / (ms * 1e-3), weight_bytes / (ms * 1e-3)
-    print(f"{name:>16} {tokens or '-':>6} {rows or '-':>6} {hit or E:>4} {ms:>9.3f} "
+    print(f"{name:>18} {tokens or '-':>6} {rows or '-':>6} {hit or E:>4} {ms:>9.3f} "
           + (f"{f / 1e12:>8.2f} {f / flops:>6.1%} " if flop else f"{'-':>8} {'-':>6} ") + f"{b / 1e9:>7.0f} {b / bw:>6.1%}")
     return dict(variant=name, experts=E, L=L, I=I, tokens=tokens, rows=rows, hit=hit, ms=ms, tflops=f / 1e12,
                 peak=f / flops, gbs=b / 1e9, copy=b / bw)
@@ -184,7 +195,7 @@ def bench_layer(args, w, E: int, L: int, I: int, timed, bw: float, flops: float)
             out.append(row("convert", E, L, I, timed(convert_fn(w, args.device)), moved, 0, bw, flops))
         except torch.OutOfMemoryError:  # the conversion's fp32 / int64 temporaries of a whole layer
             out.append(dict(variant="convert", experts=E, L=L, I=I, error="out of memory"))
-            print(f"{'convert':>16}  out of memory")
+            print(f"{'convert':>18}  out of memory")
     return out
 
 
@@ -224,9 +235,11 @@ def main(argv=None) -> dict:
 
     timed = timer(args.device, args.repeats)
     bw, flops = ceilings(args.device, args.small)
+    fp8_flops = None if args.small else fp8_matmul_rate(args.device)
     device_name = T.device_name(torch.device(args.device))
     print(f"{device_name}: copy {bw / 1e9:.0f} GB/s, matmul {flops / 1e12:.1f} TFLOP/s "
-          f"({'fp32' if args.device == 'cpu' else 'bf16'})")
+          f"({'fp32' if args.device == 'cpu' else 'bf16'})"
+          + (f", FP8 matmul {fp8_flops / 1e12:.1f} TFLOP/s (cuBLAS, %peak stays of bf16)" if fp8_flops else ""))
     path = Path(args.tune_out) if args.tune_out else T.CONFIGS
     table = json.loads(path.read_text()).get("configs", {}) if args.tune and path.exists() else {}
     rows = []
@@ -241,7 +254,8 @@ def main(argv=None) -> dict:
             del w
             if args.device != "cpu":
                 torch.cuda.empty_cache()
-    report = {"args": vars(args), "device": device_name, "copy_bytes_s": bw, "matmul_flops": flops, "rows": rows}
+    report = {"args": vars(args), "device": device_name, "copy_bytes_s": bw, "matmul_flops": flops,
+              "fp8_matmul_flops": fp8_flops, "rows": rows}
     if args.tune:
         write_table(path, device_name, table)
         report["configs"] = table

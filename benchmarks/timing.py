@@ -64,3 +64,20 @@ def ceilings(device: str, small: bool = False) -> tuple[float, float]:
     cuda = torch.device(device).type == "cuda"
     x = torch.randn(n, n, device=device, dtype=torch.bfloat16 if cuda else torch.float32)
     return copy_bandwidth(device, small), 2 * n**3 / (ms_per_call(lambda: x @ x, 5, device) * 1e-3)
+
+
+def fp8_matmul_rate(device: str) -> float | None:
+    """FLOP/s of an 8192³ e4m3 x e4m3 matmul through ``torch._scaled_mm`` (cuBLAS's FP8 tensor-core GEMM) measured
+    now, or None where the device has no FP8 GEMM."""
+    if torch.device(device).type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+        return None
+    n = 8192
+    a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()  # column-major, as cuBLAS takes it
+    one = torch.ones((), device=device)
+    try:
+        fn = lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # noqa: E731
+        return 2 * n**3 / (ms_per_call(fn, 5, device) * 1e-3)
+    except (RuntimeError, AttributeError) as exc:
+        print(f"  (no FP8 GEMM to measure: {str(exc).splitlines()[0][:100]})")
+        return None

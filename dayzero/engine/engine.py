@@ -57,6 +57,9 @@ class EngineConfig:
     index_cache_dtype: str = "auto"  # the indexer keys' cache: "auto" (as kv_cache_dtype) or one of the same kinds
     expert_compute: str = "auto"  # packed MXFP4 experts: "auto" (per step) | "bf16" | "fp8" workspace | "fused"
     high_precision_layers: tuple[int, ...] = ()  # layers whose packed experts are dequantised once at load
+    # block-FP8 routed experts multiply activations quantised to e4m3 per token and 128 channels (the checkpoint's
+    # dynamic activation scheme, DeepSeek's inference recipe) on FP8 tensor cores; off: the activations enter exactly
+    fp8_activations: bool = False
     enforce_eager: bool = False  # True: no CUDA graphs, every step runs eagerly
     cuda_graph_sizes: tuple[int, ...] | None = None  # decode batch sizes captured (default 1, 2, 4, 8, 16, .. max_num_seqs)
     cuda_graph_max_len: int = 8192  # decode steps whose longest sequence is longer run eagerly
@@ -245,6 +248,11 @@ class LLMEngine:
                 unpack_experts(mlp, self.dtype)
         self.expert_workspace = ExpertWorkspace(config.expert_compute, self.device)
         self.packed_moe_layers = attach_workspace(self.model, self.expert_workspace)
+        fp8_layers = [m for m in self.model.modules() if isinstance(m, MoE) and m.fp8]
+        for m in fp8_layers:
+            m.fp8_activations = config.fp8_activations
+        if config.fp8_activations and not fp8_layers:
+            log.warning("fp8_activations: the model has no block-FP8 routed experts; nothing changes")
 
     # --- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,

@@ -31,6 +31,9 @@ class LLM:
     Packed MXFP4 experts are converted per layer into one shared workspace in ``expert_compute`` ("bf16" or
     "fp8"), read packed by the expert kernels ("fused", no workspace), or per step ("auto", the default: packed
     for steps of few rows per expert such as decode, a bf16 workspace for large prefill steps); ``high_precision_layers`` lists layers whose experts are instead dequantised once at load.
+    ``fp8_activations``: block-FP8 routed experts (DeepSeek's 128×128 tiles) multiply activations quantised to
+    e4m3 per token and 128 channels, on FP8 tensor cores (the checkpoint's dynamic activation scheme); off by
+    default (the activations enter exactly).
     ``load_format="dummy"`` gives random weights from the config alone (``model`` may then be a config file).
     On CUDA, decode steps run as CUDA graphs captured at load for the batch sizes ``cuda_graph_sizes`` (default
     1, 2, 4, 8, 16, 24, .. ``max_num_seqs``) and contexts up to ``cuda_graph_max_len`` tokens, and prefill and
@@ -69,6 +72,7 @@ class LLM:
         kv_cache_dtype: str = "auto",
         index_cache_dtype: str = "auto",
         expert_compute: str = "auto",
+        fp8_activations: bool = False,
         high_precision_layers: tuple[int, ...] | list[int] = (),
         load_format: str = "auto",
         enforce_eager: bool = False,
@@ -96,7 +100,8 @@ class LLM:
             model=model, device=device, dtype=dtype, block_size=block_size, num_cache_blocks=num_cache_blocks,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             seed=seed, cache_memory_bytes=cache_memory_bytes, kv_cache_dtype=kv_cache_dtype,
-            index_cache_dtype=index_cache_dtype, expert_compute=expert_compute, high_precision_layers=tuple(high_precision_layers), load_format=load_format,
+            index_cache_dtype=index_cache_dtype, expert_compute=expert_compute, fp8_activations=fp8_activations,
+            high_precision_layers=tuple(high_precision_layers), load_format=load_format,
             enforce_eager=enforce_eager, cuda_graph_sizes=cuda_graph_sizes, cuda_graph_max_len=cuda_graph_max_len,
             cuda_graph_prefill_tokens=cuda_graph_prefill_tokens, cache_memory_fraction=cache_memory_fraction, num_threads=num_threads,
             enable_prefix_caching=enable_prefix_caching, prefix_snapshot_interval=prefix_snapshot_interval,

@@ -102,6 +102,7 @@ class MoE(nn.Module):
             self.w1 = nn.Parameter(torch.empty(E, rows, L))  # [E, 2I, L]: gate rows then up rows
             self.w2 = nn.Parameter(torch.empty(E, L, I))  # [E, L, I]
         self.fp8 = spec.expert_format == "fp8_block"
+        self.fp8_activations = False  # the engine's choice: FP8 x FP8 expert products (TileScaled.fp8_activations)
         if self.fp8:  # DeepSeek block FP8: e4m3 weights + fp32 scale_inv per 128×128 tile, kept in FP8
             if I % 128:
                 raise ValueError(f"block-FP8 experts need the expert width to be a multiple of 128, got {I}")
@@ -288,7 +289,8 @@ class MoE(nn.Module):
             self.workspace.prefetch(self.next_moe, rows)
             return w1, w2
         if self.fp8:
-            return TileScaled(self.w1, self.w1_scale_inv), TileScaled(self.w2, self.w2_scale_inv)
+            a8 = self.fp8_activations
+            return TileScaled(self.w1, self.w1_scale_inv, a8), TileScaled(self.w2, self.w2_scale_inv, a8)
         return self.w1, self.w2
 
     def _shared_in_up_projection(self, fused: dict) -> bool:

@@ -131,6 +131,9 @@ def add_engine_options(p) -> None:
                    help="packed MXFP4 experts: the workspace format they are converted into (bf16 | fp8), read "
                         "packed by the expert kernels (fused), or per step (auto: packed for steps of at most "
                         f"{FUSED_ROWS_PER_EXPERT} rows per expert, a bf16 workspace above)")
+    e.add_argument("--fp8-activations", action="store_true",
+                   help="block-FP8 routed experts multiply activations quantised to e4m3 per token and 128 channels, "
+                        "on FP8 tensor cores (the checkpoint's dynamic activation scheme; default: exact activations)")
     e.add_argument("--high-precision-layers", type=int, nargs="+", default=(), metavar="I",
                    help="layers whose packed experts are dequantised once at load")
     e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly")

@@ -28,8 +28,10 @@ def compile_kernel(kernel, types: dict, constants: dict, num_warps: int, num_sta
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
-def compile_pair(fmt: int, act: int, bm: int, bn: int, bk: int, warps: int, stages: int, L=2048, I=512):
-    common = dict(L=L, I=I, FMT=fmt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, E_POW2=64, DOT_F32=False, PRECISION=None)
+def compile_pair(fmt: int, act: int, bm: int, bn: int, bk: int, warps: int, stages: int, act_fp8: bool = False,
+                 L=2048, I=512):
+    common = dict(L=L, I=I, FMT=fmt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, E_POW2=64, DOT_F32=False,
+                  PRECISION=None, ACT_FP8=act_fp8)
     ptrs = {"offs_ptr": "*i32", "w_ptr": WEIGHT[fmt], "ws_ptr": SCALE[fmt], "b_ptr": "*fp32"}
     gather = fmt in (0, 3)  # tokens read through the pair order (the engine's path), else rows already sorted
     up = compile_kernel(K.moe_up_kernel, {**ptrs, "x_ptr": "*bf16", "ord_ptr": "*i64", "h_ptr": "*bf16",
@@ -41,10 +43,16 @@ def compile_pair(fmt: int, act: int, bm: int, bn: int, bk: int, warps: int, stag
     return up, down
 
 
-CASES = [  # (FMT, ACT, BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): every format, every activation, small and big tiles
+CASES = [  # (FMT, ACT, BLOCK_M, BLOCK_N, BLOCK_K, warps, stages[, FP8 activations]): every format, every
+    # activation, small and big tiles; TILE weights with FP8 activations
     (0, 0, 16, 64, 128, 4, 4), (1, 2, 16, 64, 128, 4, 4), (2, 1, 32, 64, 128, 4, 4), (3, 0, 16, 64, 128, 4, 4),
-    (0, 0, 128, 64, 64, 8, 3), (3, 2, 64, 128, 64, 4, 3),
+    (0, 0, 128, 64, 64, 8, 3), (3, 2, 64, 128, 64, 4, 3), (1, 0, 16, 64, 128, 4, 4, True), (1, 0, 128, 64, 128, 8, 3, True),
 ]
+
+
+def fp8_dot(ttgir: str) -> bool:
+    """Whether a dot of the compiled kernel takes e4m3 operands (FP8 tensor cores)."""
+    return any("dot" in line and "f8E4M3FN" in line for line in ttgir.splitlines())
 
 
 def main() -> int:
@@ -52,9 +60,13 @@ def main() -> int:
         for name, k in zip(("up", "down"), compile_pair(*case)):
             ttgir = k.asm["ttgir"]
             pipelined = "async_copy_global_to_local" in ttgir
-            print(f"{name:>4} {case}: shared {k.metadata.shared} B, pipelined {pipelined}")
+            fp8 = fp8_dot(ttgir)
+            print(f"{name:>4} {case}: shared {k.metadata.shared} B, pipelined {pipelined}, FP8 dot {fp8}")
             if not pipelined:
                 print("  the K loop's loads were not pipelined", file=sys.stderr)
+                return 1
+            if fp8 != (len(case) > 7 and case[7]):
+                print("  FP8 activations and an FP8 dot go together", file=sys.stderr)
                 return 1
     return 0
 

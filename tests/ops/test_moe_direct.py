@@ -76,13 +76,22 @@ def test_plain_bf16_matches_reference(activation):
     run(2, 4, 8, 64, 32, activation, dtype=torch.bfloat16, bias=True)
 
 
-@pytest.mark.parametrize("fmt,L,I", [("fp8_tile", 160, 96), ("fp8_block", 64, 32), ("mxfp4", 96, 64)])
+@pytest.mark.parametrize("fmt,L,I", [("fp8_tile", 160, 96), ("fp8_block", 64, 32), ("mxfp4", 96, 64),
+                                     ("fp8_tile_a8", 160, 96)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_quantised_weights_match_reference(fmt, L, I, dtype):
     """fp8_tile at L=160, I=96 crosses 128-tiles along n (gate/up rows) and k; K steps of 32 make MXFP4 and the
-    32-block FP8 take several scale blocks."""
-    run(2, 2, 5, L, I, "silu", fmt, dtype, bias=True, block=((16, 32), (8, 32)))
+    32-block FP8 take several scale blocks; FP8 activations take K steps of one 128-wide group (the last one
+    partial)."""
+    block = ((16, 128), (8, 128)) if fmt == "fp8_tile_a8" else ((16, 32), (8, 32))
+    run(2, 2, 5, L, I, "silu", fmt, dtype, bias=True, block=block)
     run(1, 3, 5, L, I, "swiglu_oai", fmt, dtype)
+
+
+def test_fp8_activations_refuse_k_steps_other_than_one_group():
+    x, ids, weights, w1, w2, _, _ = case(1, 2, 4, 256, 64, fmt="fp8_tile_a8")
+    with pytest.raises(ValueError, match="K steps of 128"):
+        D.moe_experts_direct(x, ids, weights, w1, w2, block=((8, 64), (8, 128)))
 
 
 def test_repeated_experts_and_one_token_choosing_one_twice():
@@ -164,7 +173,7 @@ def test_cuda_op_takes_the_direct_path_for_few_pairs_and_the_sort_for_many(monke
 
 
 @cuda
-@pytest.mark.parametrize("fmt", ["plain", "fp8_tile", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["plain", "fp8_tile", "mxfp4", "fp8_tile_a8"])
 @pytest.mark.parametrize("T,L,I", [(1, 512, 512), (4, 512, 512), (2, 2048, 768), (1, 7168, 2048)], ids=str)
 def test_realistic_shapes_bf16_on_the_gpu(T, L, I, fmt):
     """At the default block sizes: against the sorted path (same roundings, so close), and against the fp32

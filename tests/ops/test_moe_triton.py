@@ -51,8 +51,8 @@ def to_format(w: torch.Tensor, fmt: str, dtype: torch.dtype):
     """Stacked [E, n, k] fp32 weights in the format the kernels read."""
     if fmt == "plain":
         return w.to(dtype)
-    if fmt == "fp8_tile":
-        return TileScaled(*quantize_fp8_blocks(w))
+    if fmt in ("fp8_tile", "fp8_tile_a8"):  # a8: FP8 activations too
+        return TileScaled(*quantize_fp8_blocks(w), fp8_activations=fmt == "fp8_tile_a8")
     if fmt == "fp8_block":
         blocks = w.unflatten(-1, (-1, 32))  # [E, n, k/32, 32]
         scale = (blocks.abs().amax(-1) / 448.0).clamp(min=1e-12)
@@ -134,16 +134,18 @@ def test_tokens_read_through_the_pair_order_equal_the_gathered_rows(fmt, dtype):
     torch.testing.assert_close(moe_cuda.grouped_mlp(x, offsets, w1, w2, order=order, top_k=k), got)
 
 
-@pytest.mark.parametrize("fmt,L,I", [("fp8_tile", 160, 96), ("fp8_block", 64, 32), ("mxfp4", 64, 32)])
+@pytest.mark.parametrize("fmt,L,I", [("fp8_tile", 160, 96), ("fp8_block", 64, 32), ("mxfp4", 64, 32),
+                                     ("fp8_tile_a8", 160, 96)])
 @pytest.mark.parametrize("activation,bias,limit", [("silu", False, None), ("relu2", True, None), ("swiglu_oai", True, None)],
                          ids=lambda v: str(v))
 def test_quantised_weights_match_reference(fmt, L, I, activation, bias, limit):
     """Reference and kernels see the same quantised weights: only the dequantisation in the K loop is tested.
-    fp8_tile at L=160, I=96 crosses 128-tile boundaries along both n (gate/up rows) and k."""
+    fp8_tile at L=160, I=96 crosses 128-tile boundaries along both n (gate/up rows) and k; with FP8 activations
+    the last K step's quantisation group is a partial one (160 = 128 + 32, 96 < 128)."""
     run([5, 0, 19], 2, L, I, activation, fmt, bias=bias, limit=limit)
 
 
-@pytest.mark.parametrize("fmt", ["fp8_tile", "fp8_block", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["fp8_tile", "fp8_block", "mxfp4", "fp8_tile_a8"])
 def test_quantised_weights_bf16(fmt):
     run([3, 18, 0, 1], 1, 64, 64, "silu", fmt, dtype=torch.bfloat16, config=None)
 
@@ -228,7 +230,7 @@ def uniform_counts(N: int, E: int, seed: int) -> list[int]:
 
 
 @cuda
-@pytest.mark.parametrize("fmt", ["plain", "fp8_tile", "fp8_block", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["plain", "fp8_tile", "fp8_block", "mxfp4", "fp8_tile_a8"])
 @pytest.mark.parametrize("N", [1, 37, 512, 4096])
 def test_gpu_realistic_shapes(fmt, N):
     counts = uniform_counts(N, 64, seed=N)

@@ -14,7 +14,9 @@ one real row, the inverse of the sort and the weighted gather) are mostly fixed 
   as the sorted path rounds its rows, and summed in slot order (the same result from run to run).
 
 Each program is a GEMV over its weight rows (fp32 products summed along K, no tensor-core tile to fill with
-one row); weights are read in their stored format through the grouped kernels' ``weight_rows``. Nothing is
+one row); weights are read in their stored format through the grouped kernels' ``weight_rows``. With FP8
+activations (``TileScaled.fp8_activations``) each 128-wide K step of a row goes through e4m3 and back first:
+the values the grouped kernels' FP8 dot multiplies. Nothing is
 read on the host and the grid comes from shapes alone, so a CUDA graph captures it. An expert hit by several
 pairs is read once per pair, so the path pays off while pairs are at most about the expert count
 (:func:`direct_max_pairs`); longer steps keep the sort.
@@ -26,7 +28,7 @@ import functools
 import torch
 
 from dayzero.ops.moe import triton_moe
-from dayzero.ops.triton_support import HAS_TRITON, next_pow2, pdl, tl, triton
+from dayzero.ops.triton_support import DOT_F32, HAS_TRITON, next_pow2, pdl, tl, triton
 from dayzero.quant.fp8 import TILE
 
 if HAS_TRITON:
@@ -57,7 +59,8 @@ if HAS_TRITON:
                           L: tl.constexpr, I: tl.constexpr, s_xm, s_we, s_wn, s_wk, s_se, s_sn, s_sk, s_be, s_bn,
                           FMT: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
                           HAS_LIMIT: tl.constexpr, HAS_LOAD: tl.constexpr, TOP_K: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, E_POW2: tl.constexpr, PDL: tl.constexpr):
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, E_POW2: tl.constexpr, PDL: tl.constexpr,
+                          ACT_FP8: tl.constexpr = False, ROUND_FIRST: tl.constexpr = False):
         # x: [T, L] (unit column stride); ids: [T*k]; w1: [E, r*I, L]; h: [T*k, I]; grid: T*k x cdiv(I, BLOCK_N)
         grid_dependency(PDL)
         p = tl.program_id(0).to(tl.int64)
@@ -71,6 +74,7 @@ if HAS_TRITON:
         for k0 in range(0, L, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             v = tl.load(x_ptr + t * s_xm + k, mask=k < L, other=0.0).to(tl.float32)
+            v = tl.reshape(K.fake_quantize_rows(tl.reshape(v, (1, BLOCK_K)), ACT_FP8, ROUND_FIRST), (BLOCK_K,))
             acc_a = _gemv(acc_a, v, w_ptr, ws_ptr, e, cols, col_ok, k0, L, s_we, s_wn, s_wk, s_se, s_sn, s_sk,
                           FMT, BLOCK_N, BLOCK_K)
             if GATED:
@@ -91,7 +95,8 @@ if HAS_TRITON:
     def _direct_down_kernel(h_ptr, ids_ptr, wt_ptr, w_ptr, ws_ptr, b_ptr, y_ptr,
                             L: tl.constexpr, I: tl.constexpr, s_we, s_wn, s_wk, s_se, s_sn, s_sk, s_be, s_bn, s_ym,
                             FMT: tl.constexpr, HAS_BIAS: tl.constexpr, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+                            ACT_FP8: tl.constexpr = False, ROUND_FIRST: tl.constexpr = False):
         # h: [T*k, I]; ids, wt: [T*k]; w2: [E, L, I]; y: [T, L]; grid: T x cdiv(L, BLOCK_N)
         # The program's rows are (slot j, column n) for all k slots at once, so the k experts' weights are read
         # in one go rather than one expert after another: R = K_POW2 * BLOCK_N rows, r = j * BLOCK_N + c.
@@ -112,7 +117,7 @@ if HAS_TRITON:
             k = k0 + tl.arange(0, BLOCK_K)
             v = tl.load(h_ptr + p[:, None] * I + k[None, :], mask=ok[:, None] & (k[None, :] < I), other=0.0)
             w = K.weight_rows(w_ptr, ws_ptr, w_row, s_row, ok, k0, I, s_wk, s_sk, FMT, R, BLOCK_K, tl.float32)
-            part = tl.sum(w * v.to(tl.float32), 1)
+            part = tl.sum(w * K.fake_quantize_rows(v.to(tl.float32), ACT_FP8, ROUND_FIRST), 1)
             if FMT == K.TILE:  # one scale per 128x128 tile, constant over this K step (BLOCK_K divides 128)
                 part *= tl.load(ws_ptr + s_row + (k0 // 128) * s_sk, mask=ok, other=0.0)
             acc += part
@@ -141,31 +146,35 @@ def _programs_wanted(device: torch.device) -> int:
     return 8
 
 
-def _k_step(rows: int, depth: int, fmt: str, elems: int = TILE_ELEMS) -> int:
+def _k_step(rows: int, depth: int, fmt: str, elems: int = TILE_ELEMS, act_fp8: bool = False) -> int:
     """K step for ``rows`` weight rows a program holds: as long as fits ``elems`` (32 to 512; at most one 128-tile
-    for quantised weights, see :data:`PLAIN`)."""
+    for quantised weights, see :data:`PLAIN`; exactly one 128-wide group of FP8 activations)."""
+    if act_fp8:
+        return TILE
     bk = max(32, min(elems // rows, next_pow2(depth), 512))
     return bk if fmt in PLAIN else min(bk, TILE)
 
 
-def blocks(rows: int, width: int, depth: int, want: int, fmt: str) -> tuple[int, int]:
+def blocks(rows: int, width: int, depth: int, want: int, fmt: str, act_fp8: bool = False) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K) of the first kernel, ``rows`` GEMVs of ``width`` outputs over ``depth`` inputs: column
     blocks as wide as leaves about ``want`` programs (4 to 64 columns), then the K step (:func:`_k_step`)."""
     bn = 64
     while bn > 4 and rows * -(-width // bn) < want:
         bn //= 2
     bn = min(bn, next_pow2(width))
-    return bn, _k_step(bn, depth, fmt)
+    return bn, _k_step(bn, depth, fmt, act_fp8=act_fp8)
 
 
-def down_blocks(tokens: int, top_k: int, width: int, depth: int, want: int, fmt: str) -> tuple[int, int]:
+def down_blocks(tokens: int, top_k: int, width: int, depth: int, want: int, fmt: str,
+                act_fp8: bool = False) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K) of the second kernel, whose programs hold the rows of all k slots (k_pow2 · BLOCK_N of
-    them, at most 256): column blocks as wide as leaves about ``want`` programs, down to one column."""
+    them, at most 256, or 64 with the 128-wide K steps of FP8 activations): column blocks as wide as leaves about
+    ``want`` programs, down to one column."""
     kp = next_pow2(top_k)
-    bn = max(1, min(64, 256 // kp, next_pow2(width)))
+    bn = max(1, min(64, (64 if act_fp8 else 256) // kp, next_pow2(width)))
     while bn > 1 and tokens * -(-width // bn) < want:
         bn //= 2
-    return bn, _k_step(kp * bn, depth, fmt, 2 * TILE_ELEMS)
+    return bn, _k_step(kp * bn, depth, fmt, 2 * TILE_ELEMS, act_fp8)
 
 
 def refusal(x, ids, weights, w1, w2, activation: str = "silu", b1=None, b2=None, limit=None,
@@ -202,9 +211,12 @@ def moe_experts_direct(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     gated = activation != "relu2"
     fmt = triton_moe.format_key(w1, w2)
     want = _programs_wanted(x.device)
-    (bn1, bk1), (bn2, bk2) = block or (blocks(T * k, I, L, want, fmt), down_blocks(T, k, L, I, want, fmt))
+    a1, a2 = triton_moe.fp8_activations(w1), triton_moe.fp8_activations(w2)
+    (bn1, bk1), (bn2, bk2) = block or (blocks(T * k, I, L, want, fmt, a1), down_blocks(T, k, L, I, want, fmt, a2))
     if fmt not in PLAIN and max(bk1, bk2) > TILE:
         raise ValueError(f"{fmt} weights take K steps of at most {TILE}, not {max(bk1, bk2)} (see PLAIN)")
+    if (a1 and bk1 != TILE) or (a2 and bk2 != TILE):
+        raise ValueError(f"FP8 activations take K steps of {TILE} (one quantisation group), not {bk1} / {bk2}")
     flat_ids = ids.reshape(-1).contiguous()
     h = triton_moe.new_buffer(T * k, I, x)
     act = {"silu": K.SILU, "relu2": K.RELU2, "swiglu_oai": K.SWIGLU_OAI}[activation].value
@@ -215,12 +227,14 @@ def moe_experts_direct(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
         0.0 if limit is None else float(limit), E, L, I, x.stride(0), *st, *ss,
         *((0, 0) if b1 is None else b1.stride()),
         FMT=f, ACT=act, GATED=gated, HAS_BIAS=b1 is not None, HAS_LIMIT=limit is not None, HAS_LOAD=load is not None,
-        TOP_K=k, BLOCK_N=bn1, BLOCK_K=bk1, E_POW2=next_pow2(E), num_warps=4, **pdl(x))
+        TOP_K=k, BLOCK_N=bn1, BLOCK_K=bk1, E_POW2=next_pow2(E), ACT_FP8=a1, ROUND_FIRST=DOT_F32,
+        num_warps=4, **pdl(x))
 
     f, data, scale, st, ss = triton_moe.weight_operand(w2)
     wt = weights.reshape(-1).float().contiguous()
     _direct_down_kernel[(T, triton.cdiv(L, bn2))](
         h, flat_ids, wt, data, scale, h if b2 is None else b2, y, L, I, *st, *ss,
         *((0, 0) if b2 is None else b2.stride()), y.stride(0),
-        FMT=f, HAS_BIAS=b2 is not None, TOP_K=k, K_POW2=next_pow2(k), BLOCK_N=bn2, BLOCK_K=bk2, num_warps=8, **pdl(h))
+        FMT=f, HAS_BIAS=b2 is not None, TOP_K=k, K_POW2=next_pow2(k), BLOCK_N=bn2, BLOCK_K=bk2, ACT_FP8=a2,
+        ROUND_FIRST=DOT_F32, num_warps=8, **pdl(h))
     return y

@@ -18,6 +18,7 @@ import torch
 
 from dayzero.ops.activation.reference import relu2, silu_and_mul, swiglu_oai
 from dayzero.ops.registry import call, register
+from dayzero.quant.fp8 import quantize_activations
 
 # activation name -> (function on the w1 output, rows of w1 per intermediate channel)
 _ACTIVATIONS = {
@@ -44,13 +45,16 @@ def _activation(name: str, w1: torch.Tensor, w2: torch.Tensor, limit: float | No
     return fn
 
 
-def _mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, act, b1=None, b2=None) -> torch.Tensor:
-    """One expert or dense MLP in fp32: ``w2 · act(w1 · x + b1) + b2``."""
+def _mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, act, b1=None, b2=None,
+         fp8_x: bool = False, fp8_h: bool = False) -> torch.Tensor:
+    """One expert or dense MLP in fp32: ``w2 · act(w1 · x + b1) + b2``; ``fp8_x`` / ``fp8_h`` take the input of
+    the first / second product through FP8 first (:func:`quantize_activations`)."""
     # x: [N, D] fp32; w1: [r*I, D]; w2: [D, I] -> [N, D] fp32
-    h = x @ w1.float().t()
+    h = (quantize_activations(x) if fp8_x else x) @ w1.float().t()
     if b1 is not None:
         h = h + b1.float()
-    y = act(h) @ w2.float().t()
+    h = act(h)
+    y = (quantize_activations(h) if fp8_h else h) @ w2.float().t()
     return y if b2 is None else y + b2.float()
 
 
@@ -197,8 +201,13 @@ def grouped_mlp(xs: torch.Tensor, offsets: torch.Tensor, w1, w2, activation: str
     for e, (start, end) in enumerate(zip([0] + ends, ends)):
         if end > start:
             ys[start:end] = _mlp(xs[start:end].float(), w1[e], w2[e], act,
-                                 None if b1 is None else b1[e], None if b2 is None else b2[e])
+                                 None if b1 is None else b1[e], None if b2 is None else b2[e],
+                                 _fp8_activations(w1), _fp8_activations(w2))
     return ys.to(xs.dtype)
+
+
+def _fp8_activations(w) -> bool:
+    return getattr(w, "fp8_activations", False)
 
 
 @register("moe_unpermute")

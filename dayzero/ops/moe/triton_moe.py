@@ -8,7 +8,9 @@ reference keeps it fp32: differences of the order of bf16 rounding. Accumulation
 The tile schedule is derived from ``offsets`` inside the kernels (``triton_moe_kernels``); the grid is the
 bound ``cdiv(N, BLOCK_M) + min(E, N)`` row tiles times the column tiles, from shapes alone, so the op runs
 inside CUDA-graph capture and a replay with other offsets is correct. Weights are read as stored: plain
-tensors, ``TileScaled`` / ``BlockScaled`` FP8 and ``PackedMXFP4``, dequantised in the K loop.
+tensors, ``TileScaled`` / ``BlockScaled`` FP8 and ``PackedMXFP4``, dequantised in the K loop; ``TileScaled``
+weights with ``fp8_activations`` multiply activations quantised to e4m3 per row and 128-wide K step, on FP8
+tensor cores.
 
 Block sizes come from ``triton_moe_configs.json`` (written by ``benchmarks/moe_layer.py --tune``, keyed by
 weight format, E, L, I and a row-count bucket, read once) or else from a heuristic on rows per expert.
@@ -188,6 +190,8 @@ def refusal(xs, offsets, w1, w2, activation: str = "silu", b1=None, b2=None, lim
     cap = torch.cuda.get_device_capability(xs.device) if xs.device.type == "cuda" else None
     if cap is not None and cap < (8, 0):
         return f"the Triton expert kernels need compute capability 8.0 or newer (bf16 dots), the device has {cap[0]}.{cap[1]}"
+    if cap is not None and cap < (8, 9) and (fp8_activations(w1) or fp8_activations(w2)):
+        return f"FP8 activations need FP8 tensor cores (compute capability 8.9 or newer), the device has {cap[0]}.{cap[1]}"
     if xs.dim() != 2 or xs.dtype not in PLAIN_DTYPES:
         return f"xs must be [N, L] in bf16, fp16 or fp32, got {tuple(xs.shape)} {xs.dtype}"
     for name, w in (("w1", w1), ("w2", w2)):
@@ -228,9 +232,20 @@ def weight_operand(w):
     return K.PLAIN.value, w, w, w.stride(), (0, 0, 0)
 
 
-def _fit(c: KernelConfig, fmt: int) -> KernelConfig:
-    """Clamp BLOCK_K to what a format needs: whole 32-blocks (BLOCK, MXFP4), within one 128-tile (TILE)."""
-    bk = min(c.block_k, TILE) if fmt == K.TILE.value else max(c.block_k, BLOCK) if fmt != K.PLAIN.value else c.block_k
+def fp8_activations(w) -> bool:
+    """Whether the product with ``w`` quantises its activations to FP8 (``TileScaled.fp8_activations``)."""
+    return isinstance(w, TileScaled) and w.fp8_activations
+
+
+def _fit(c: KernelConfig, fmt: int, act_fp8: bool = False) -> KernelConfig:
+    """Clamp BLOCK_K to what a format needs: whole 32-blocks (BLOCK, MXFP4), within one 128-tile (TILE), exactly
+    one 128-wide activation group (FP8 activations)."""
+    if act_fp8:
+        bk = TILE
+    elif fmt == K.TILE.value:
+        bk = min(c.block_k, TILE)
+    else:
+        bk = max(c.block_k, BLOCK) if fmt != K.PLAIN.value else c.block_k
     return KernelConfig(c.block_m, c.block_n, bk, c.num_warps, c.num_stages, c.group_m)
 
 
@@ -268,7 +283,7 @@ def moe_experts_grouped(xs: torch.Tensor, offsets: torch.Tensor, w1, w2, activat
     act = {"silu": K.SILU, "relu2": K.RELU2, "swiglu_oai": K.SWIGLU_OAI}[activation].value
 
     fmt, data, scale, st, ss = weight_operand(w1)
-    c = _fit(cfg.up, fmt)
+    c = _fit(cfg.up, fmt, fp8_activations(w1))
     m_tiles = row_tiles(N, E, c.block_m)
     K.moe_up_kernel[(m_tiles * -(-I // c.block_n),)](
         xs, offsets if order is None else order, offsets, data, scale, xs if b1 is None else b1, h,
@@ -277,14 +292,15 @@ def moe_experts_grouped(xs: torch.Tensor, offsets: torch.Tensor, w1, w2, activat
         FMT=fmt, ACT=act, GATED=gated, HAS_BIAS=b1 is not None, HAS_LIMIT=limit is not None,
         GATHER=order is not None, TOP_K=top_k,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, num_warps=c.num_warps,
-        num_stages=c.num_stages, **common, **pdl(xs))
+        num_stages=c.num_stages, ACT_FP8=fp8_activations(w1), **common, **pdl(xs))
 
     fmt, data, scale, st, ss = weight_operand(w2)
-    c = _fit(cfg.down, fmt)
+    c = _fit(cfg.down, fmt, fp8_activations(w2))
     m_tiles = row_tiles(N, E, c.block_m)
     K.moe_down_kernel[(m_tiles * -(-L // c.block_n),)](
         h, offsets, data, scale, h if b2 is None else b2, y, N, m_tiles, L, I, E,
         h.stride(0), *st, *ss, *((0, 0) if b2 is None else b2.stride()), y.stride(0),
         FMT=fmt, HAS_BIAS=b2 is not None, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-        GROUP_M=c.group_m, num_warps=c.num_warps, num_stages=c.num_stages, **common, **pdl(h))
+        GROUP_M=c.group_m, num_warps=c.num_warps, num_stages=c.num_stages, ACT_FP8=fp8_activations(w2), **common,
+        **pdl(h))
     return y

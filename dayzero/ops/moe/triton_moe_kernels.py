@@ -8,9 +8,12 @@ kernel's idle programs zero the padding rows past ``offsets[-1]`` instead, so ev
 
 Weights are read in their stored format and dequantised in the K loop, never copied whole:
 ``PLAIN`` (bf16/fp16/fp32), ``TILE`` (e4m3 with one fp32 scale per 128x128 tile: the tile scale is constant
-over a BLOCK_K step, so it multiplies the partial product and the codes enter the dot exactly), ``BLOCK``
+over a BLOCK_K step, so it multiplies the partial product and the codes enter the dot exactly; with ACT_FP8
+the activations of each 128-wide K step are quantised to e4m3 per row as they are loaded and the dot is FP8 x
+FP8, the row scales multiplying the partial product with the tile's), ``BLOCK``
 (e4m3 with one fp32 scale per 32 weights along K) and ``MXFP4`` (E2M1 nibble pairs with E8M0 scales per 32).
-The dots take operands in the activations' dtype (bf16 tensor cores on a GPU) and accumulate in fp32.
+The dots take operands in the activations' dtype (bf16 tensor cores on a GPU), or e4m3 with ACT_FP8, and accumulate
+in fp32.
 
 L and I are constexpr: the K loops get constant trip counts (and one compile per layer shape), and Triton's
 interpreter (numpy 2.4) cannot ``range()`` over runtime ints. N stays a runtime argument, unspecialised, so a
@@ -115,18 +118,58 @@ def weight_tile(w_ptr, s_ptr, e, n, n_ok, k0, K, s_we, s_wn, s_wk, s_se, s_sn, s
 
 
 @triton.jit
-def _mma(acc, x, w_ptr, s_ptr, e, n, n_ok, k0, K, s_we, s_wn, s_wk, s_se, s_sn, s_sk,
+def _round_e4m3(z):
+    """fp32 z (|z| <= 448) rounded to the nearest e4m3 value, ties to even, in fp32 arithmetic: Triton's
+    interpreter casts fp32 to e4m3 without carrying a rounded-up mantissa into the exponent (31.9 becomes 16),
+    so there the values are rounded first and the cast only changes their type."""
+    e = ((z.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # the exponent of |z|
+    ulp = ((tl.maximum(e, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)  # e4m3: 3 mantissa bits, 2^-9 least
+    return ((z / ulp + 12582912.0) - 12582912.0) * ulp  # 1.5 * 2^23: an fp32 add rounds to an integer, ties even
+
+
+@triton.jit
+def quantize_rows(x, ACT_FP8: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    """With ACT_FP8, a K step of activations [BLOCK_M, BLOCK_K] (BLOCK_K = 128, one group) as e4m3 codes and
+    each row's scale amax / 448 (``quantize_activations``); else x unchanged and scales of 1. ROUND_FIRST: under
+    Triton's interpreter (:func:`_round_e4m3`)."""
+    if ACT_FP8:
+        xf = x.to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(xf), 1), 1e-10)  # [BLOCK_M]
+        z = xf * (448.0 / amax)[:, None]
+        if ROUND_FIRST:
+            z = _round_e4m3(z)
+        q, s = z.to(tl.float8e4nv), amax / 448.0
+    else:
+        q, s = x, tl.full((x.shape[0],), 1.0, tl.float32)
+    return q, s
+
+
+@triton.jit
+def fake_quantize_rows(v, ACT_FP8: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    """With ACT_FP8, fp32 rows [R, 128] through e4m3 and back (:func:`quantize_rows`); else v."""
+    if ACT_FP8:
+        q, s = quantize_rows(v, ACT_FP8, ROUND_FIRST)
+        v = q.to(tl.float32) * s[:, None]
+    return v
+
+
+@triton.jit
+def _mma(acc, x, sx, w_ptr, s_ptr, e, n, n_ok, k0, K, s_we, s_wn, s_wk, s_se, s_sn, s_sk,
          FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
-         PRECISION: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_N] += x [BLOCK_M, BLOCK_K] @ W[e, n, k0:k0+BLOCK_K]^T, in fp32."""
+         PRECISION: tl.constexpr, ACT_FP8: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] += x [BLOCK_M, BLOCK_K] @ W[e, n, k0:k0+BLOCK_K]^T, in fp32. With ACT_FP8 (TILE
+    weights only) x holds e4m3 codes with row scales ``sx`` (:func:`quantize_rows`) and the dot is FP8 x FP8."""
     w = weight_tile(w_ptr, s_ptr, e, n, n_ok, k0, K, s_we, s_wn, s_wk, s_se, s_sn, s_sk,
                      FMT, BLOCK_N, BLOCK_K, x.dtype)
     a, b = x, tl.trans(w)  # b: [BLOCK_K, BLOCK_N]
-    if DOT_F32:  # Triton's interpreter multiplies 16-bit dot operands wrongly
+    if DOT_F32:  # Triton's interpreter multiplies 16-bit and 8-bit dot operands wrongly
         a, b = a.to(tl.float32), b.to(tl.float32)
     if FMT == TILE:  # one scale per 128x128 tile: constant over this K step (BLOCK_K divides 128)
         s = tl.load(s_ptr + e * s_se + (n // 128) * s_sn + (k0 // 128) * s_sk, mask=n_ok, other=0.0)
-        acc += tl.dot(a, b, input_precision=PRECISION) * s[None, :]
+        if ACT_FP8:
+            acc += tl.dot(a, b, input_precision=PRECISION) * sx[:, None] * s[None, :]
+        else:
+            acc += tl.dot(a, b, input_precision=PRECISION) * s[None, :]
     else:
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
     return acc
@@ -156,7 +199,7 @@ def moe_up_kernel(x_ptr, ord_ptr, offs_ptr, w_ptr, ws_ptr, b_ptr, h_ptr, limit, 
                   FMT: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
                   HAS_LIMIT: tl.constexpr, GATHER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, E_POW2: tl.constexpr,
-                  DOT_F32: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+                  DOT_F32: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr, ACT_FP8: tl.constexpr = False):
     """h[rows, cols] = act(x[rows] @ w1[e]^T + b1[e]) for one row tile of expert e and BLOCK_N columns of I.
 
     Gated activations keep two accumulators, gate rows ``cols`` and up rows ``I + cols`` of w1, so h is
@@ -182,11 +225,12 @@ def moe_up_kernel(x_ptr, ord_ptr, offs_ptr, w_ptr, ws_ptr, b_ptr, h_ptr, limit, 
             k = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + src[:, None] * s_xm + k[None, :] * s_xk,
                         mask=row_ok[:, None] & (k[None, :] < L), other=0.0)  # [BLOCK_M, BLOCK_K]
-            acc_a = _mma(acc_a, x, w_ptr, ws_ptr, ex, cols, col_ok, k0, L, s_we, s_wn, s_wk, s_se, s_sn, s_sk,
-                         FMT, BLOCK_N, BLOCK_K, DOT_F32, PRECISION)
+            x, sx = quantize_rows(x, ACT_FP8, DOT_F32)
+            acc_a = _mma(acc_a, x, sx, w_ptr, ws_ptr, ex, cols, col_ok, k0, L, s_we, s_wn, s_wk, s_se, s_sn,
+                         s_sk, FMT, BLOCK_N, BLOCK_K, DOT_F32, PRECISION, ACT_FP8)
             if GATED:
-                acc_b = _mma(acc_b, x, w_ptr, ws_ptr, ex, cols + I, col_ok, k0, L, s_we, s_wn, s_wk, s_se, s_sn,
-                             s_sk, FMT, BLOCK_N, BLOCK_K, DOT_F32, PRECISION)
+                acc_b = _mma(acc_b, x, sx, w_ptr, ws_ptr, ex, cols + I, col_ok, k0, L, s_we, s_wn, s_wk, s_se,
+                             s_sn, s_sk, FMT, BLOCK_N, BLOCK_K, DOT_F32, PRECISION, ACT_FP8)
         if HAS_BIAS:
             acc_a += tl.load(b_ptr + ex * s_be + cols * s_bn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             if GATED:
@@ -201,7 +245,7 @@ def moe_down_kernel(h_ptr, offs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, m_tiles, L:
                     s_hm, s_we, s_wn, s_wk, s_se, s_sn, s_sk, s_be, s_bn, s_ym,
                     FMT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, E_POW2: tl.constexpr, DOT_F32: tl.constexpr,
-                    PRECISION: tl.constexpr, PDL: tl.constexpr):
+                    PRECISION: tl.constexpr, PDL: tl.constexpr, ACT_FP8: tl.constexpr = False):
     """y[rows, cols] = h[rows] @ w2[e]^T + b2[e] for one row tile of expert e and BLOCK_N columns of L.
 
     The programs past the real tiles share the zeroing of the padding rows offsets[-1]:N between them."""
@@ -228,8 +272,9 @@ def moe_down_kernel(h_ptr, offs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, m_tiles, L:
         for k0 in range(0, I, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             h = tl.load(h_ptr + rows[:, None] * s_hm + k[None, :], mask=row_ok[:, None] & (k[None, :] < I), other=0.0)
-            acc = _mma(acc, h, w_ptr, ws_ptr, ex, cols, col_ok, k0, I, s_we, s_wn, s_wk, s_se, s_sn, s_sk,
-                       FMT, BLOCK_N, BLOCK_K, DOT_F32, PRECISION)
+            h, sh = quantize_rows(h, ACT_FP8, DOT_F32)
+            acc = _mma(acc, h, sh, w_ptr, ws_ptr, ex, cols, col_ok, k0, I, s_we, s_wn, s_wk, s_se, s_sn, s_sk,
+                       FMT, BLOCK_N, BLOCK_K, DOT_F32, PRECISION, ACT_FP8)
         if HAS_BIAS:
             acc += tl.load(b_ptr + ex * s_be + cols * s_bn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + rows[:, None] * s_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
