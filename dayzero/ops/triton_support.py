@@ -129,12 +129,22 @@ def rows_view(t: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def paged_pool_refusal(pool, what: str) -> str | None:
+def paged_pool_refusal(pool, what: str, quantised: bool = False) -> str | None:
     """Why a Triton kernel cannot read the paged pool ``pool`` ([num_blocks, block_size, width] of ``what``
-    rows), or None: quantised pools, other dtypes, and fp32 pools on a GPU (the kernels' fp32 IEEE dots spill
-    registers there) are left to the PyTorch paths."""
+    rows), or None: other dtypes, and fp32 pools on a GPU (the kernels' fp32 IEEE dots spill registers there)
+    are left to the PyTorch paths. Quantised pools (fp8 / int8 codes) are read by kernels that take ``quantised``
+    ones, with one scale per token row (:func:`pool_operands`); per-channel scales are not."""
     if not isinstance(pool, torch.Tensor):
-        return f"quantised {what} pools are read by the PyTorch path"
+        if not quantised:
+            return f"quantised {what} pools are read by the PyTorch path"
+        if getattr(pool, "per_channel", True) or len(getattr(pool, "row", ())) != 1:
+            return f"quantised {what} pools with per-channel scales are read by the PyTorch path"
+        data, scale = pool.data, pool.scale
+        if data.stride(-1) != 1 or scale.stride(-1) != 1 or scale.shape != data.shape[:2]:
+            return f"the quantised {what} pool's codes and per-token scales must have contiguous rows"
+        if pool.out_dtype == torch.float32 and data.device.type == "cuda":
+            return f"quantised {what} pools of an fp32 model: the kernel's fp32 (IEEE) dots spill registers on the GPU"
+        return None
     if pool.dim() != 3 or pool.stride(-1) != 1:
         return f"the {what} pool must be [num_blocks, block_size, width] with contiguous rows"
     if pool.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -142,6 +152,20 @@ def paged_pool_refusal(pool, what: str) -> str | None:
     if pool.dtype == torch.float32 and pool.device.type == "cuda":
         return f"fp32 {what} pools: the kernel's fp32 (IEEE) dots spill registers on the GPU; the PyTorch path runs them"
     return None
+
+
+def pool_operands(pool) -> tuple[torch.Tensor, torch.Tensor, bool, torch.dtype]:
+    """(rows [num_blocks, block_size, width], per-token scales [num_blocks, block_size], quantised, the dtype the
+    rows are read in) of a plain or quantised paged pool (:func:`paged_pool_refusal` with ``quantised`` passed):
+    a plain pool's scales are the pool itself, never read. The scale of a quantised row factors out of every dot
+    with it, so kernels multiply the codes (exact in bf16) and scale the products."""
+    if isinstance(pool, torch.Tensor):
+        return pool, pool, False, pool.dtype
+    return pool.data, pool.scale, True, pool.out_dtype
+
+
+if HAS_TRITON:
+    TORCH_TO_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 def next_pow2(n: int) -> int:

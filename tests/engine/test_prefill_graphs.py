@@ -191,3 +191,22 @@ def test_replayed_decode_and_prefill_give_the_plain_engines_tokens(family, tmp_p
     got = [o.outputs[0].token_ids for o in replayed.generate(ps, sp)]
     assert prefill.replays >= 1 and decode.replays >= 4
     assert got == want
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "dayzero_hybrid"])
+@pytest.mark.parametrize("kv", ["fp8", "int8"])
+def test_quantised_cache_prefill_is_replayed(family, kv, tmp_path, tiny_ckpt, monkeypatch):
+    """FP8 / INT8 KV caches (the latent rows and the indexer keys): the MLA and indexer kernels read the codes
+    and their per-token scales on the device, so a prefill step captures (it used to read host lengths in the
+    reference and run eagerly) and gives the eager engine's greedy tokens, with the same cache."""
+    monkeypatch.setattr(registry, "platform_of", lambda device: "cuda")
+    path = _family_dir(family, tmp_path, tiny_ckpt)
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    plain = _engine(path, max_num_batched_tokens=64, kv_cache_dtype=kv)
+    ps = prompts(4, plain.engine.model_config.vocab_size, 7)
+    want = [o.outputs[0].token_ids for o in plain.generate(ps, sp)]
+    replayed = _engine(path, max_num_batched_tokens=64, kv_cache_dtype=kv)
+    graphs = with_replayed_prefill(replayed, [64], [32])
+    got = [o.outputs[0].token_ids for o in replayed.generate(ps, sp)]
+    assert graphs.replays >= 1
+    assert got == want

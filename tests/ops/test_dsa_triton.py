@@ -5,10 +5,16 @@ in a CUDA graph. Pools hold NaN wherever no sequence owns a row, and ±inf/NaN i
 sequence's last (reused) block, so a kernel that reads a row it must not read fails."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 import dayzero.ops  # noqa: F401  (registers the ops)
+from dayzero.cache.quant import QuantPagedPool
 from dayzero.cache.rows import read_rows, slots_of
 from dayzero.engine.batch import ForwardBatch
 from dayzero.ops.attention import cuda as attn_dev
@@ -53,6 +59,21 @@ def poisoned_pool(batch: ForwardBatch, row: tuple[int, ...], seed: int, dtype, n
     return pool.to(dtype).to(DEV)
 
 
+def quantised_pool(plain: torch.Tensor, kind: str, out_dtype) -> QuantPagedPool:
+    """``plain``'s rows quantised per token (fp8 / int8 codes, one scale a row), as the cache writes them; where
+    ``plain`` holds no finite row (no sequence owns it, or a stale row) the codes are NaN (fp8) or 127 and the
+    scale is inf: a kernel that reads such a row fails."""
+    nb, bs, width = plain.shape
+    pool = QuantPagedPool(nb, bs, (width,), kind, False, plain.device, out_dtype)
+    flat = plain.view(-1, width).float()
+    live = flat.isfinite().all(-1)
+    pool.write(live.nonzero().squeeze(-1), flat[live])
+    dead = (~live).view(nb, bs)
+    pool.data.view(torch.uint8)[dead] = 0x7F  # NaN in e4m3, 127 in int8
+    pool.scale[dead] = float("inf")
+    return pool
+
+
 def decode_step(case: str, seed: int = 0) -> ForwardBatch:
     bs, starts = CASES[case]
     return make_batch(starts, [1] * len(starts), bs, seed=seed)
@@ -91,6 +112,45 @@ def test_indexer_decode_scores_equal_the_torch_gather(case, block_n, heads, dtyp
     assert out is scores and torch.equal(out.isinf(), ref.isinf()) and not out.isnan().any()
     finite = ref.isfinite()
     close(out[finite], ref[finite], TOL[dtype])
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("case", ["bs4-edges", "bs16-long"])
+def test_indexer_reads_quantised_keys(case, dtype, kind):
+    """fp8 / int8 key pools (``index_cache_dtype``): the kernels score the codes and scale each key's score, as
+    the PyTorch path scores the dequantised keys; the varlen form too."""
+    batch = on_device(decode_step(case, seed=21), DEV)
+    Hi, Di = 6, 32
+    k = quantised_pool(poisoned_pool(batch, (Di,), 22, torch.float32), kind, dtype)
+    q, w = randn(batch.num_seqs, Hi, Di, seed=23, dtype=dtype), randn(batch.num_seqs, Hi, seed=24, scale=Hi**-0.5)
+    if dtype == torch.float32 and DEV == "cuda":
+        assert "fp32 model" in triton_indexer.refusal(q, w, k)
+        return
+    assert triton_indexer.refusal(q, w, k) is None
+    out = triton_indexer.decode_scores(q, w, k, batch.block_tables, batch.positions, batch.block_size)
+    ref = idx_dev.decode_scores_torch(q, w, k, batch)
+    assert torch.equal(out.isinf(), ref.isinf()) and not out.isnan().any()
+    close(out[ref.isfinite()], ref[ref.isfinite()], TOL[dtype])
+
+    batch, seq = prefill_step(4)
+    k = quantised_pool(poisoned_pool(batch, (Di,), 25, torch.float32), kind, dtype)
+    T = batch.num_tokens
+    q, w = randn(T, Hi, Di, seed=26, dtype=dtype), randn(T, Hi, seed=27)
+    scores = torch.full((T, batch.key_width), float("nan"), device=DEV)
+    triton_indexer.varlen_scores(q, w, k, batch.block_tables, seq, batch.positions, 4, scores, block_m=16, block_n=16)
+    for b in range(batch.num_seqs):
+        rows, n = batch.rows(b), batch.seq_lens[b]
+        ref = idx_ref.indexer_scores(q[rows], w[rows], read_rows(k, batch.key_slots(b)), batch.positions[rows])
+        assert torch.equal(scores[rows, :n].isinf(), ref.isinf()) and (scores[rows, n:] == float("-inf")).all()
+        close(scores[rows, :n][ref.isfinite()], ref[ref.isfinite()], TOL[dtype])
+
+
+def test_per_channel_quantised_pools_are_refused():
+    batch = on_device(decode_step("bs4-edges"), DEV)
+    pool = QuantPagedPool(num_blocks_of(batch), 4, (16,), "int8", True, DEV, torch.bfloat16)
+    q, w = randn(batch.num_seqs, 2, 16, seed=1, dtype=torch.bfloat16), randn(batch.num_seqs, 2, seed=2)
+    assert "per-channel" in triton_indexer.refusal(q, w, pool)
 
 
 @pytest.mark.parametrize("topk", [3, 8, 64])
@@ -214,6 +274,40 @@ def latent_attention(q_abs, lat, batch, R, scale, sinks, selection):
     return attn_dev._attend(q_abs[:, None], rows[:, :, None], rows[:, :, None, :R], ok, scale, sinks)[:, 0]
 
 
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "topk5"])
+def test_mla_reads_quantised_latent_rows(sparse, dtype, kind):
+    """fp8 / int8 latent pools (``kv_cache_dtype``): decode rows through the op against its PyTorch path (which
+    dequantises the rows), split and not; then a mixed step's prefill rows through the kernel against the
+    reference over the same dequantised pool."""
+    batch = on_device(decode_step("bs4-edges", seed=61), DEV)
+    H = 20
+    qn, qp, plain, kv_b, V = mla_inputs(batch, H, dtype, seed=62)
+    lat = quantised_pool(plain.float(), kind, dtype)
+    s, sel = randn(H, seed=63), causal_selection(batch, 5, 64) if sparse else None
+    if dtype == torch.float32 and DEV == "cuda":
+        assert "fp32 model" in triton_mla.refusal(torch.zeros(batch.num_seqs, H, 32, device=DEV), lat, sel)
+        return
+    assert triton_mla.refusal(torch.zeros(batch.num_seqs, H, 32, device=DEV), lat, sel) is None
+    out = attn_dev.paged_mla_rows(qn, qp, lat, kv_b, V, batch, 0.3, s, sel)
+    close(out, attn_dev.paged_mla_decode_torch(qn, qp, lat, kv_b, V, batch, 0.3, s, sel), TOL[dtype])
+    q_abs = randn(batch.num_seqs, H, 32, seed=65)
+    o = triton_mla.mla_decode(q_abs, lat, batch.block_tables, batch.positions, batch.block_size, 24, 0.3, s, sel,
+                              splits=3)
+    close(o, latent_attention(q_abs, lat, batch, 24, 0.3, s, sel), TOL[dtype])
+
+    batch, _ = prefill_step(4)
+    T = batch.num_tokens
+    qn, qp = randn(T, H, 8, seed=66, dtype=dtype), randn(T, H, 8, seed=67, dtype=dtype)
+    lat = quantised_pool(poisoned_pool(batch, (32,), 68, torch.float32), kind, dtype)
+    sel = causal_selection(batch, 5, 69) if sparse else None
+    assert attn_dev._mla_verify(qn, qp, lat, kv_b, V, batch, 0.3, s, sel) is None
+    out = attn_dev.paged_mla_rows(qn, qp, lat, kv_b, V, batch, 0.3, s, sel)
+    ref = attn_ref.paged_mla(qn.float(), qp.float(), lat, kv_b.float(), V, batch, 0.3, s, sel)
+    close(out.float(), ref.float(), TOL[dtype])
+
+
 @pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
 def test_mla_reads_only_valid_selected_keys(sinks):
     """Entries past the row's position (stale rows: ±inf/NaN) and -1 entries count for nothing; a row that
@@ -317,11 +411,14 @@ def long_step(starts: list[int], bs: int, seed: int) -> ForwardBatch:
 
 
 @gpu
+@pytest.mark.parametrize("pool", ["bf16", "fp8", "int8"])
 @pytest.mark.parametrize("heads", [32, 64], ids=["Hi32", "Hi64"])
 @pytest.mark.parametrize("bs", [16, 64])
-def test_gpu_indexer_decode_at_real_shapes(heads, bs):
+def test_gpu_indexer_decode_at_real_shapes(heads, bs, pool):
     batch = long_step([8191, 2047, 5000], bs, seed=30)
     k = poisoned_pool(batch, (128,), 31, torch.bfloat16)
+    if pool != "bf16":
+        k = quantised_pool(k.float(), pool, torch.bfloat16)
     q = randn(3, heads, 128, seed=32, dtype=torch.bfloat16)
     w = randn(3, heads, seed=33, scale=(heads * 128) ** -0.5)
     ref = idx_dev.decode_scores_torch(q, w, k, batch)
@@ -336,14 +433,17 @@ def test_gpu_indexer_decode_at_real_shapes(heads, bs):
 
 
 @gpu
+@pytest.mark.parametrize("pool", ["bf16", "fp8", "int8"])
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "topk2048"])
 @pytest.mark.parametrize("H", [16, 64, 128])
-def test_gpu_mla_decode_at_real_shapes(H, sparse):
+def test_gpu_mla_decode_at_real_shapes(H, sparse, pool):
     batch = long_step([8191, 3000, 0, 2047], 64, seed=34)
     R, P, N, V = 512, 64, 128, 128
     qn, qp = randn(4, H, N, seed=35, dtype=torch.bfloat16), randn(4, H, P, seed=36, dtype=torch.bfloat16)
     kv_b = randn(H * (N + V), R, seed=37, dtype=torch.bfloat16, scale=R**-0.5)
     lat = poisoned_pool(batch, (R + P,), 38, torch.bfloat16)
+    if pool != "bf16":
+        lat = quantised_pool(lat.float(), pool, torch.bfloat16)
     s = randn(H, seed=39)
     sel = causal_selection(batch, 2048, 40) if sparse else None
     out = attn_dev.paged_mla_rows(qn, qp, lat, kv_b, V, batch, (N + P) ** -0.5, s, sel)
@@ -389,3 +489,14 @@ def test_gpu_decode_step_replays_in_a_cuda_graph():
         assert torch.equal(chosen.sort(-1).values, idx_dev.paged_indexer_topk_decode(
             q, w, k, static, topk, torch.empty_like(sel)).sort(-1).values)
         close(replayed, attn_dev.paged_mla_rows(qn, qp, lat, kv_b, V, static, 0.1, None, sel), 1e-3)
+
+
+def test_kernels_compile_for_hopper_without_a_gpu():
+    """The indexer, MLA and paged GQA kernels over bf16, fp8 and int8 pools through Triton's sm90 front end,
+    layouts and ptxas: catches what the interpreter accepts and a GPU build does not (a dtype returned from a jit
+    function)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "tests.ops.attention_triton_aot"], capture_output=True, text=True, env=env,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("pool): shared") == 12, proc.stdout

@@ -165,6 +165,43 @@ def test_tile_config_depends_on_shapes_only():
     assert triton_paged.tile_config(30, 4, 3, 24, 40, block_m=3, block_n=20) == (4, 4, 32, 4)
 
 
+def quantised(plain: torch.Tensor, kind: str, per_channel: bool, out_dtype) -> QuantPagedPool:
+    """``plain``'s rows written into a quantised pool as the cache writes them (keys: scales per channel per
+    block; values: per token row); rows no sequence owns get NaN codes (fp8) or 127, and per-token scales inf."""
+    nb, bs, *row = plain.shape
+    pool = QuantPagedPool(nb, bs, tuple(row), kind, per_channel, plain.device, out_dtype)
+    flat = plain.reshape(nb * bs, *row).float()
+    live = flat.flatten(1).isfinite().all(-1)
+    pool.write(live.nonzero().squeeze(-1), flat[live])
+    dead = (~live).view(nb, bs)
+    pool.data.view(torch.uint8)[dead] = 0x7F  # NaN in e4m3, 127 in int8
+    if not per_channel:
+        pool.scale[dead] = float("inf")
+    return pool
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("name", ["mixed", "decode-pad", "mixed-bs16"])
+def test_quantised_pools_equal_the_reference(name, dtype, kind):
+    """FP8 / INT8 KV caches: keys dequantised with their blocks' channel scales as they are loaded, values' row
+    scales folded into the softmax weights; against the reference over the same pools (which dequantises the rows
+    it gathers), with a window and sinks too."""
+    batch = step(name, 3)
+    heads = HEADS["G2"]
+    q, k, v = inputs(batch, heads, torch.float32, 7)
+    kq, vq = quantised(k, kind, True, dtype), quantised(v, kind, False, dtype)
+    q = q.to(dtype)
+    dev = on_device(batch, DEV)
+    if dtype == torch.float32 and DEV == "cuda":
+        assert "fp32 model" in triton_paged.refusal(q, kq, vq)
+        return
+    assert triton_paged.refusal(q, kq, vq) is None
+    for sinks, window in ((None, None), (randn(heads[0], seed=8), 3)):
+        out = kernel(q, kq, vq, dev, heads[2] ** -0.5, sinks, window)
+        close(out, attn_ref.paged_attention(q, kq, vq, dev, heads[2] ** -0.5, sinks, window), TOL[dtype])
+
+
 def test_refusal_names_its_reason(monkeypatch):
     batch = step("decode")
     q, k, v = inputs(batch, HEADS["G2"], torch.bfloat16, 10)

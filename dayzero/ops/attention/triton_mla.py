@@ -23,7 +23,9 @@ the table); other rows are never loaded (masked loads), since a stale row of a r
 
 The number of splits is chosen on the host from shapes only (rows, heads, key-list length), never from a
 device value: both kernels run inside captured CUDA graphs. Dots run in the pool's dtype on the tensor cores
-(q~ is cast to it), with fp32 accumulation; fp32 pools use IEEE fp32 dots.
+(q~ is cast to it), with fp32 accumulation; fp32 pools use IEEE fp32 dots. A quantised pool (``kv_cache_dtype``
+fp8 / int8: codes with one scale per token row) is read as its codes, exact in the model's dtype, which the dots
+take; a row's scale multiplies its scores and, folded into the softmax weights, its value.
 """
 from __future__ import annotations
 
@@ -31,8 +33,8 @@ import math
 
 import torch
 
-from dayzero.ops.triton_support import (DOT_F32, HAS_TRITON, next_pow2, paged_pool_refusal, pdl, tl, triton,
-                                        triton_refusal)
+from dayzero.ops.triton_support import (DOT_F32, HAS_TRITON, next_pow2, paged_pool_refusal, pdl, pool_operands, tl,
+                                        triton, triton_refusal)
 
 # Heads x keys per tile, and warps: at R=512 this compiles for sm_90 to 252 registers a thread and no spills
 # (M=16 runs on mma.sync; 64 heads would reach wgmma but spill). Not tuned on a GPU yet.
@@ -45,15 +47,16 @@ MAX_RANK = 1024  # R + P up to this
 LOG2E = 1.4426950408889634
 
 if HAS_TRITON:
-    from dayzero.ops.triton_support import grid_dependency, softmax_out
+    from dayzero.ops.triton_support import TORCH_TO_TL, grid_dependency, softmax_out
 
     @triton.jit
-    def _split_kernel(q_ptr, lat_ptr, table_ptr, seq_ptr, pos_ptr, sel_ptr, o_ptr, ml_ptr, sink_ptr, H, num_keys,
-                      key_width, keys_per_split, qk_scale, s_qb, s_qh, s_lb, s_lr, s_tb, s_sb, s_ob, s_oh, s_os,
-                      R: tl.constexpr, P: tl.constexpr, PAGE: tl.constexpr, SPARSE: tl.constexpr, HAS_SEQ: tl.constexpr,
-                      FINAL: tl.constexpr, HAS_SINK: tl.constexpr,
+    def _split_kernel(q_ptr, lat_ptr, ls_ptr, table_ptr, seq_ptr, pos_ptr, sel_ptr, o_ptr, ml_ptr, sink_ptr, H,
+                      num_keys, key_width, keys_per_split, qk_scale, s_qb, s_qh, s_lb, s_lr, s_lsb, s_tb, s_sb, s_ob, s_oh,
+                      s_os, R: tl.constexpr, P: tl.constexpr, PAGE: tl.constexpr, SPARSE: tl.constexpr,
+                      HAS_SEQ: tl.constexpr, FINAL: tl.constexpr, HAS_SINK: tl.constexpr,
                       BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                      DOT_F32: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+                      DOT_F32: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr, QUANT: tl.constexpr,
+                      DT: tl.constexpr):
         grid_dependency(PDL)
         b = tl.program_id(0).to(tl.int64)  # partial offsets b * H * S * R may pass 2^31
         split = tl.program_id(1)
@@ -62,7 +65,8 @@ if HAS_TRITON:
         offs_r = tl.arange(0, BLOCK_R)
         offs_p = tl.arange(0, BLOCK_P)
         r_ok, p_ok = offs_r < R, offs_p < P
-        dt = lat_ptr.dtype.element_ty  # the dots' operand dtype: q~ and p are rounded to it
+        # the dots' operand dtype: q~ and p are rounded to it (the model's dtype for quantised codes, exact in it)
+        dt = DT if QUANT else lat_ptr.dtype.element_ty
         q_row = q_ptr + b * s_qb + offs_h[:, None] * s_qh
         q_c = tl.load(q_row + offs_r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0).to(dt)  # [BH, BR]
         q_p = tl.load(q_row + R + offs_p[None, :], mask=h_ok[:, None] & p_ok[None, :], other=0.0).to(dt)  # [BH, BP]
@@ -94,17 +98,25 @@ if HAS_TRITON:
             row = lat_ptr + blk * s_lb + (kp % PAGE).to(tl.int64) * s_lr  # [BN] row pointers
             kc = tl.load(row[:, None] + offs_r[None, :], mask=valid[:, None] & r_ok[None, :], other=0.0)  # [BN, BR]
             kr = tl.load(row[:, None] + R + offs_p[None, :], mask=valid[:, None] & p_ok[None, :], other=0.0)
-            if DOT_F32:
+            if DOT_F32:  # (the interpreter also casts int8 codes to bf16 wrongly; to fp32 they are exact)
                 kc, kr = kc.to(tl.float32), kr.to(tl.float32)
+            elif QUANT:
+                kc, kr = kc.to(dt), kr.to(dt)
             s = tl.dot(q_c, tl.trans(kc), input_precision=PRECISION)
             s += tl.dot(q_p, tl.trans(kr), input_precision=PRECISION)  # [BH, BN] fp32
+            if QUANT:  # a row's scale factors out of its score and of its value: q.(c s) = (q.c) s, p (c s) = (p s) c
+                sc = tl.load(ls_ptr + blk * s_lsb + kp % PAGE, mask=valid, other=0.0).to(tl.float32)  # [BN]
+                s = s * sc[None, :]
             s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: any finite shift gives p = 0
             alpha = tl.exp2(m - m_use)
             p = tl.exp2(s - m_use[:, None])  # [BH, BN]
             l = l * alpha + tl.sum(p, axis=1)
-            p_dot = p.to(dt)
+            if QUANT:
+                p_dot = (p * sc[None, :]).to(dt)
+            else:
+                p_dot = p.to(dt)
             if DOT_F32:
                 p_dot = p_dot.to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p_dot, kc, input_precision=PRECISION)  # value = c
@@ -156,11 +168,12 @@ def refusal(q_abs: torch.Tensor, latent_pool, selection: torch.Tensor | None = N
 def rows_refusal(like: torch.Tensor, q_abs_shape, latent_pool, selection: torch.Tensor | None = None) -> str | None:
     """:func:`refusal` from the absorbed query's shape alone (``like``: any tensor on its device), so that a
     verifier can answer before q~ is computed."""
-    why = triton_refusal(like) or paged_pool_refusal(latent_pool, "latent")
+    why = triton_refusal(like) or paged_pool_refusal(latent_pool, "latent", quantised=True)
     if why is not None:
         return why
-    if len(q_abs_shape) != 3 or q_abs_shape[-1] != latent_pool.shape[-1]:
-        return f"q_abs {tuple(q_abs_shape)} does not match latent rows of width {latent_pool.shape[-1]}"
+    width = pool_operands(latent_pool)[0].shape[-1]
+    if len(q_abs_shape) != 3 or q_abs_shape[-1] != width:
+        return f"q_abs {tuple(q_abs_shape)} does not match latent rows of width {width}"
     if q_abs_shape[-1] > MAX_RANK:
         return f"latent rows of {q_abs_shape[-1]} values exceed the kernel's {MAX_RANK}"
     if selection is not None and (selection.dim() != 2 or selection.shape[0] != q_abs_shape[0]):
@@ -207,16 +220,17 @@ def mla_decode(q_abs: torch.Tensor, latent_pool: torch.Tensor, block_tables: tor
     part_o = out[:, :, None] if final else torch.empty(B, H, S, R, dtype=torch.float32, device=q_abs.device)
     part_ml = out if final else torch.empty(B, H, S, 2, dtype=torch.float32, device=q_abs.device)  # (max, sum)
     sel = selection if selection is not None else positions  # any pointer: never read when dense
-    precision = "ieee" if latent_pool.dtype == torch.float32 else "tf32"
+    lat, lat_scale, quant, dtype = pool_operands(latent_pool)
+    precision = "ieee" if dtype == torch.float32 else "tf32"
     BR, BP = max(16, next_pow2(R)), max(16, next_pow2(P))
     _split_kernel[(B, S, triton.cdiv(H, BLOCK_H))](
-        q_abs, latent_pool, block_tables, positions if seq_of_row is None else seq_of_row, positions, sel, part_o,
+        q_abs, lat, lat_scale, block_tables, positions if seq_of_row is None else seq_of_row, positions, sel, part_o,
         part_ml, sinks if sinks is not None else part_ml, H, num_keys, key_width, per_split,
-        scale * LOG2E, q_abs.stride(0), q_abs.stride(1), latent_pool.stride(0), latent_pool.stride(1),
+        scale * LOG2E, q_abs.stride(0), q_abs.stride(1), lat.stride(0), lat.stride(1), lat_scale.stride(0),
         block_tables.stride(0), sel.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
         R=R, P=P, PAGE=block_size, SPARSE=selection is not None, HAS_SEQ=seq_of_row is not None, FINAL=final,
-        HAS_SINK=sinks is not None, BLOCK_H=BLOCK_H, BLOCK_R=BR, BLOCK_P=BP,
-        BLOCK_N=BLOCK_N, DOT_F32=DOT_F32, PRECISION=precision, num_warps=NUM_WARPS, num_stages=2, **pdl(q_abs))
+        HAS_SINK=sinks is not None, BLOCK_H=BLOCK_H, BLOCK_R=BR, BLOCK_P=BP, BLOCK_N=BLOCK_N, DOT_F32=DOT_F32,
+        PRECISION=precision, QUANT=quant, DT=TORCH_TO_TL[dtype], num_warps=NUM_WARPS, num_stages=2, **pdl(q_abs))
     if final:
         return out
     BRM = min(BR, MERGE_BLOCK_R)

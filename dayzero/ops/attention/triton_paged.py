@@ -32,6 +32,10 @@ two sequences' tiles (at most B of them) has no row and stores nothing. The grid
 (T, B, Hkv, H), so the call can be captured in a CUDA graph and replayed with other positions, tables and
 ``cu_seqlens`` of the same shapes. (No row -> sequence map is needed; ``seq_of_row`` is accepted and unused.)
 
+Quantised pools (``kv_cache_dtype`` fp8 / int8, as the cache writes them: keys with one scale per channel per
+block, values one per token row) are dequantised as they are loaded: a key tile's codes times its blocks'
+channel scales; a value row's scale folds into its softmax weight, and its codes (exact in bf16) enter the dot.
+
 Dots run in the pool's dtype on the tensor cores (q and the softmax weights are cast to it), with fp32
 accumulation; fp32 pools use IEEE fp32 dots (the interpreter, or a direct call: on a GPU ``refusal`` leaves fp32
 pools to the PyTorch paths, see ``paged_pool_refusal``). Head dims need not be powers of two (masked columns).
@@ -57,17 +61,19 @@ MIN_M, MAX_M, MAX_M_WIDE = 16, 128, 64
 BLOCK_N, BLOCK_N_WIDE = 64, 32
 
 if HAS_TRITON:
-    from dayzero.ops.triton_support import grid_dependency, softmax_out
+    from dayzero.ops.triton_support import TORCH_TO_TL, grid_dependency, softmax_out
 
     @triton.jit
-    def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, cu_ptr, pos_ptr, sink_ptr,
+    def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, table_ptr, cu_ptr, pos_ptr, sink_ptr,
                                 B, G, key_width, window, qk_scale,
-                                s_qt, s_qh, s_kb, s_kr, s_kh, s_vb, s_vr, s_vh, s_ot, s_oh, s_tb,
+                                s_qt, s_qh, s_kb, s_kr, s_kh, s_vb, s_vr, s_vh, s_ksb, s_ksh, s_vsb, s_vsr, s_ot,
+                                s_oh, s_tb,
                                 DQK: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
                                 HAS_WINDOW: tl.constexpr, HAS_SINK: tl.constexpr,
                                 BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                                DOT_F32: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+                                DOT_F32: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+                                QUANT: tl.constexpr, DT: tl.constexpr):
         grid_dependency(PDL)
         pid = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -97,7 +103,8 @@ if HAS_TRITON:
         d_ok = offs_d < DQK
         dv_ok = offs_dv < DV
 
-        dt = k_ptr.dtype.element_ty  # the dots' operand dtype: q and p are rounded to it
+        # the dots' operand dtype: q and p are rounded to it (quantised pools: the model's dtype)
+        dt: tl.constexpr = DT if QUANT else k_ptr.dtype.element_ty
         q = tl.load(q_ptr + rows[:, None] * s_qt + heads[:, None] * s_qh + offs_d[None, :],
                     mask=m_ok[:, None] & d_ok[None, :], other=0.0).to(dt)  # [M, BD]
         if DOT_F32:
@@ -125,6 +132,12 @@ if HAS_TRITON:
             off = (offs_n % PAGE).to(tl.int64)
             k = tl.load(k_head + (blk * s_kb + off * s_kr)[:, None] + offs_d[None, :],
                         mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BN, BD]
+            if QUANT:  # codes times their block's per-channel scales: dequantised as they are loaded
+                ksc = tl.load(ks_ptr + kvh.to(tl.int64) * s_ksh + (blk * s_ksb)[:, None] + offs_d[None, :],
+                              mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+                k = k.to(tl.float32) * ksc.to(tl.float32)
+                if not DOT_F32:
+                    k = k.to(dt)
             if DOT_F32:
                 k = k.to(tl.float32)
             x = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [M, BN] fp32
@@ -139,7 +152,12 @@ if HAS_TRITON:
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(v_head + (blk * s_vb + off * s_vr)[:, None] + offs_dv[None, :],
                         mask=n_ok[:, None] & dv_ok[None, :], other=0.0)  # [BN, BDV]
-            p_dot = p.to(dt)
+            if QUANT:  # a value row's scale folds into its softmax weight: p (v s) = (p s) v
+                vsc = tl.load(vs_ptr + blk * s_vsb + off * s_vsr + kvh, mask=n_ok, other=0.0).to(tl.float32)
+                p_dot = (p * vsc[None, :]).to(dt)
+                v = v.to(tl.float32 if DOT_F32 else dt)  # (the interpreter casts int8 to bf16 wrongly)
+            else:
+                p_dot = p.to(dt)
             if DOT_F32:
                 v, p_dot = v.to(tl.float32), p_dot.to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p_dot, v, input_precision=PRECISION)
@@ -151,37 +169,57 @@ if HAS_TRITON:
                  o.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & dv_ok[None, :])
 
 
-def _pool_refusal(pool, what: str) -> str | None:
-    """``paged_pool_refusal`` for a [num_blocks, block_size, Hkv, D] pool (judged on one head's 3-d view)."""
+def _pool_refusal(pool, what: str, per_channel: bool) -> str | None:
+    """``paged_pool_refusal`` for a [num_blocks, block_size, Hkv, D] pool (judged on one head's 3-d view); a
+    quantised one must keep its scales as the cache writes them: keys per channel per block ([num_blocks, Hkv,
+    D]), values per token row ([num_blocks, block_size, Hkv])."""
     if isinstance(pool, torch.Tensor):
         if pool.dim() != 4:
             return f"the {what} pool must be [num_blocks, block_size, Hkv, D], not {tuple(pool.shape)}"
-        pool = pool[:, :, 0]
-    return paged_pool_refusal(pool, what)
+        return paged_pool_refusal(pool[:, :, 0], what)
+    data, scale = getattr(pool, "data", None), getattr(pool, "scale", None)
+    if data is None or data.dim() != 4 or getattr(pool, "per_channel", None) is not per_channel:
+        return f"quantised {what} pools with {'per-token' if per_channel else 'per-channel'} scales are read by the PyTorch path"
+    want = (data.shape[0], *data.shape[2:]) if per_channel else data.shape[:3]
+    if data.stride(-1) != 1 or tuple(scale.shape) != tuple(want) or not scale.is_contiguous():
+        return f"the quantised {what} pool's codes and scales must be contiguous, the scales {tuple(want)}"
+    if pool.out_dtype == torch.float32 and data.device.type == "cuda":
+        return f"quantised {what} pools of an fp32 model: the kernel's fp32 (IEEE) dots spill registers on the GPU"
+    return None
+
+
+def _operands(pool) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
+    """(codes or rows [num_blocks, block_size, Hkv, D], scales (a plain pool: itself, never read), dtype read in)."""
+    if isinstance(pool, torch.Tensor):
+        return pool, pool, pool.dtype
+    return pool.data, pool.scale, pool.out_dtype
 
 
 def refusal(q: torch.Tensor, k_pool, v_pool, sinks: torch.Tensor | None = None,
             window: int | None = None) -> str | None:
     """Why :func:`paged_attention` cannot run ``q`` [T, H, Dqk] over these pools, or None when it can."""
-    why = triton_refusal(q) or _pool_refusal(k_pool, "key") or _pool_refusal(v_pool, "value")
+    why = triton_refusal(q) or _pool_refusal(k_pool, "key", True) or _pool_refusal(v_pool, "value", False)
     if why is not None:
         return why
+    if isinstance(k_pool, torch.Tensor) != isinstance(v_pool, torch.Tensor):
+        return "one of the key and value pools is quantised, the other not"
     if q.dim() != 3:
         return f"q {tuple(q.shape)} is not [T, H, Dqk]"
+    (k, _, k_dtype), (v, _, v_dtype) = _operands(k_pool), _operands(v_pool)
     H, Dqk = q.shape[1:]
-    nb, bs, Hkv, Dk = k_pool.shape
-    Dv = v_pool.shape[3]
-    if tuple(v_pool.shape[:3]) != (nb, bs, Hkv):
-        return f"key pool {tuple(k_pool.shape)} and value pool {tuple(v_pool.shape)} differ in blocks or heads"
+    nb, bs, Hkv, Dk = k.shape
+    Dv = v.shape[3]
+    if tuple(v.shape[:3]) != (nb, bs, Hkv):
+        return f"key pool {tuple(k.shape)} and value pool {tuple(v.shape)} differ in blocks or heads"
     if Dk != Dqk:
         return f"q heads of {Dqk} do not match key rows of {Dk}"
     if Hkv == 0 or H % Hkv:
         return f"{H} query heads are not a multiple of {Hkv} kv heads"
     if max(Dqk, Dv) > MAX_HEAD_DIM:
         return f"head dims {Dqk} / {Dv} exceed the kernel's {MAX_HEAD_DIM}"
-    if not (q.dtype == k_pool.dtype == v_pool.dtype):
-        return f"dtypes differ: q {q.dtype}, key pool {k_pool.dtype}, value pool {v_pool.dtype}"
-    if q.device != k_pool.device or q.device != v_pool.device:
+    if not (q.dtype == k_dtype == v_dtype):
+        return f"dtypes differ: q {q.dtype}, key pool {k_dtype}, value pool {v_dtype}"
+    if q.device != k.device or q.device != v.device:
         return "q and the pools are on different devices"
     if sinks is not None and tuple(sinks.shape) != (H,):
         return f"sinks {tuple(sinks.shape)} are not [{H}]"
@@ -217,6 +255,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     ``seq_of_row`` is accepted for the batch-wide ops' calling convention and not needed (the tiles find their
     sequences in ``cu_seqlens``); ``block_m`` / ``block_n`` override the tile sizes (tests)."""
     T, H, Dqk = q.shape
+    (k_pool, k_scale, dtype), (v_pool, v_scale, _) = _operands(k_pool), _operands(v_pool)
+    quant = k_pool is not k_scale
     Hkv, Dv = v_pool.shape[2], v_pool.shape[3]
     G = H // Hkv
     B = cu_seqlens.shape[0] - 1
@@ -238,14 +278,16 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     # The value columns are padded to at least the key columns: with fewer (e.g. Dqk 40 / Dv 24 -> 64 / 32),
     # Triton 3.6 was seen to miscompile the bf16/fp16 wgmma path on an H200 (M >= 64 with 4 warps: wrong rows).
     bdv = max(16, next_pow2(Dv), bd)
-    precision = "ieee" if k_pool.dtype == torch.float32 else "tf32"
+    precision = "ieee" if dtype == torch.float32 else "tf32"
     grid = (triton.cdiv(T, bm) + B, Hkv, triton.cdiv(G, bg))
+    ks = (k_scale.stride(0), k_scale.stride(1), v_scale.stride(0), v_scale.stride(1)) if quant else (0, 0, 0, 0)
     _paged_attention_kernel[grid](
-        q, k_pool, v_pool, out, block_tables, cu_seqlens, positions, sinks if sinks is not None else q,
-        B, G, key_width, 0 if window is None else window, scale * LOG2E,
+        q, k_pool, v_pool, k_scale, v_scale, out, block_tables, cu_seqlens, positions,
+        sinks if sinks is not None else q, B, G, key_width, 0 if window is None else window, scale * LOG2E,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-        v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), out.stride(0), out.stride(1), block_tables.stride(0),
-        DQK=Dqk, DV=Dv, PAGE=block_size, HAS_WINDOW=window is not None, HAS_SINK=sinks is not None,
-        BLOCK_M=bm, BLOCK_G=bg, BLOCK_N=bn, BLOCK_D=bd, BLOCK_DV=bdv,
-        DOT_F32=DOT_F32, PRECISION=precision, num_warps=warps, num_stages=2, **pdl(q))
+        v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), *ks, out.stride(0), out.stride(1),
+        block_tables.stride(0), DQK=Dqk, DV=Dv, PAGE=block_size, HAS_WINDOW=window is not None,
+        HAS_SINK=sinks is not None, BLOCK_M=bm, BLOCK_G=bg, BLOCK_N=bn, BLOCK_D=bd, BLOCK_DV=bdv,
+        DOT_F32=DOT_F32, PRECISION=precision, QUANT=quant, DT=TORCH_TO_TL[dtype], num_warps=warps, num_stages=2,
+        **pdl(q))
     return out

@@ -2,7 +2,9 @@
 
     score[t, s] = sum_h weights[t, h] * ReLU(q[t, h] . k[s])      for s <= pos[t], else -inf
 
-(``reference.py``'s math; q and the weights already carry RoPE and every scale.) Both kernels gather the keys
+(``reference.py``'s math; q and the weights already carry RoPE and every scale.) A quantised pool (fp8 / int8
+codes, one scale per key: ``index_cache_dtype``) is read as codes, exact in the model's dtype, and since the
+ReLU commutes with a positive factor each key's scale multiplies its finished score. Both kernels gather the keys
 of a tile of positions through the sequence's block table (slot = block_id * block_size + row) with masked
 loads, so a row past the query's position is never read: a stale row of a reused block may hold inf/NaN.
 
@@ -22,8 +24,11 @@ from __future__ import annotations
 
 import torch
 
-from dayzero.ops.triton_support import (DOT_F32, HAS_TRITON, next_pow2, paged_pool_refusal, pdl, tl, triton,
-                                        triton_refusal)
+from dayzero.ops.triton_support import (DOT_F32, HAS_TRITON, next_pow2, paged_pool_refusal, pdl, pool_operands, tl,
+                                        triton, triton_refusal)
+
+if HAS_TRITON:
+    from dayzero.ops.triton_support import TORCH_TO_TL
 
 # Keys per decode program: 128 halves the query re-reads (q is [Hi, Di], as large as 64 keys) once that still
 # makes about two waves of an H200's 132 SMs; 64 otherwise. A shape choice, fixed for a captured graph.
@@ -43,11 +48,22 @@ if HAS_TRITON:
     from dayzero.ops.triton_support import grid_dependency
 
     @triton.jit
-    def _decode_scores_kernel(q_ptr, w_ptr, k_ptr, table_ptr, pos_ptr, out_ptr, key_width,
-                              s_qb, s_qh, s_wb, s_kb, s_kr, s_tb, s_ob,
+    def _key_tile(k_ptr, row, offs_d, valid, d_ok, QUANT: tl.constexpr, DT: tl.constexpr, DOT_F32: tl.constexpr):
+        """The key rows at element offsets ``row`` [BN] as [BN, BD] for the dots: in the pool's dtype, or for
+        quantised codes (exact in bf16) in the model's dtype ``DT``, the dtype the query is rounded to."""
+        k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
+        if DOT_F32:  # (the interpreter also casts int8 codes to bf16 wrongly; to fp32 they are exact)
+            k = k.to(tl.float32)
+        elif QUANT:
+            k = k.to(DT)
+        return k
+
+    @triton.jit
+    def _decode_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, table_ptr, pos_ptr, out_ptr, key_width,
+                              s_qb, s_qh, s_wb, s_kb, s_kr, s_sb, s_tb, s_ob,
                               HI: tl.constexpr, DI: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr,
                               BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
-                              PRECISION: tl.constexpr, PDL: tl.constexpr):
+                              PRECISION: tl.constexpr, PDL: tl.constexpr, QUANT: tl.constexpr, DT: tl.constexpr):
         grid_dependency(PDL)
         b = tl.program_id(0).to(tl.int64)
         n0 = tl.program_id(1) * BLOCK_N
@@ -60,10 +76,8 @@ if HAS_TRITON:
         if n0 <= pos:  # a tile past the query's position has no key to score
             blk = tl.load(table_ptr + b * s_tb + offs_n // PAGE, mask=valid, other=0).to(tl.int64)
             row = blk * s_kb + (offs_n % PAGE).to(tl.int64) * s_kr  # [BN] element offsets of the key rows
-            k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
-            dt = k.dtype  # q is rounded to the pool's dtype for the dot
-            if DOT_F32:
-                k = k.to(tl.float32)
+            k = _key_tile(k_ptr, row, offs_d, valid, d_ok, QUANT, DT, DOT_F32)
+            dt: tl.constexpr = DT if QUANT else k_ptr.dtype.element_ty  # q is rounded to it for the dots
             for h0 in tl.static_range(0, HI, BLOCK_H):
                 offs_h = h0 + tl.arange(0, BLOCK_H)
                 h_ok = offs_h < HI
@@ -72,14 +86,16 @@ if HAS_TRITON:
                 w = tl.load(w_ptr + b * s_wb + offs_h, mask=h_ok, other=0.0).to(tl.float32)  # [BH]
                 logits = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BH, BN] fp32
                 acc += tl.sum(tl.maximum(logits, 0.0) * w[:, None], axis=0)
+            if QUANT:  # ReLU(x * scale) = scale * ReLU(x): a key's scale multiplies its whole score
+                acc *= tl.load(ks_ptr + blk * s_sb + offs_n % PAGE, mask=valid, other=0.0).to(tl.float32)
         tl.store(out_ptr + b * s_ob + offs_n, tl.where(valid, acc, float("-inf")), mask=offs_n < key_width)
 
     @triton.jit
-    def _varlen_scores_kernel(q_ptr, w_ptr, k_ptr, table_ptr, seq_ptr, pos_ptr, out_ptr, T, key_width,
-                              s_qt, s_qh, s_wt, s_kb, s_kr, s_tb, s_ot,
+    def _varlen_scores_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, table_ptr, seq_ptr, pos_ptr, out_ptr, T, key_width,
+                              s_qt, s_qh, s_wt, s_kb, s_kr, s_sb, s_tb, s_ot,
                               HI: tl.constexpr, DI: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
                               BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
-                              PRECISION: tl.constexpr, PDL: tl.constexpr):
+                              PRECISION: tl.constexpr, PDL: tl.constexpr, QUANT: tl.constexpr, DT: tl.constexpr):
         grid_dependency(PDL)
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         n0 = tl.program_id(1) * BLOCK_N
@@ -100,16 +116,17 @@ if HAS_TRITON:
                 valid = (offs_n <= last) & (offs_n < key_width)
                 blk = tl.load(table_ptr + s.to(tl.int64) * s_tb + offs_n // PAGE, mask=valid, other=0).to(tl.int64)
                 row = blk * s_kb + (offs_n % PAGE).to(tl.int64) * s_kr
-                k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
-                dt = k.dtype
-                if DOT_F32:
-                    k = k.to(tl.float32)
+                k = _key_tile(k_ptr, row, offs_d, valid, d_ok, QUANT, DT, DOT_F32)
+                dt: tl.constexpr = DT if QUANT else k_ptr.dtype.element_ty
                 part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for h in range(HI):
                     q = tl.load(q_ptr + offs_m[:, None].to(tl.int64) * s_qt + h * s_qh + offs_d[None, :],
                                 mask=mine[:, None] & d_ok[None, :], other=0.0).to(dt).to(k.dtype)  # [BM, BD]
                     w = tl.load(w_ptr + offs_m * s_wt + h, mask=mine, other=0.0).to(tl.float32)  # [BM]
                     part += tl.maximum(tl.dot(q, tl.trans(k), input_precision=PRECISION), 0.0) * w[:, None]
+                if QUANT:  # as in the decode kernel: the key's scale multiplies its score
+                    sc = tl.load(ks_ptr + blk * s_sb + offs_n % PAGE, mask=valid, other=0.0).to(tl.float32)
+                    part *= sc[None, :]
                 acc = tl.where(mine[:, None], part, acc)
             s += 1
         causal = (offs_n[None, :] <= pos[:, None]) & (offs_n[None, :] < key_width)
@@ -119,19 +136,24 @@ if HAS_TRITON:
 
 def refusal(q: torch.Tensor, weights: torch.Tensor, k_pool) -> str | None:
     """Why the Triton indexer cannot score ``q`` [T, Hi, Di] against ``k_pool``, or None when it can."""
-    why = triton_refusal(q) or paged_pool_refusal(k_pool, "indexer-key")
+    why = triton_refusal(q) or paged_pool_refusal(k_pool, "indexer-key", quantised=True)
     if why is not None:
         return why
-    if q.dim() != 3 or q.shape[-1] != k_pool.shape[-1] or weights.shape != q.shape[:2]:
-        return f"q {tuple(q.shape)} / weights {tuple(weights.shape)} do not match keys of width {k_pool.shape[-1]}"
+    width = pool_operands(k_pool)[0].shape[-1]
+    if q.dim() != 3 or q.shape[-1] != width or weights.shape != q.shape[:2]:
+        return f"q {tuple(q.shape)} / weights {tuple(weights.shape)} do not match keys of width {width}"
     Hi, Di = q.shape[1:]
     if Hi > MAX_HEADS or Di > MAX_DIM:
         return f"Hi={Hi} / Di={Di} exceed the kernel's {MAX_HEADS} heads / {MAX_DIM} dims"
     return None
 
 
-def _precision(pool: torch.Tensor) -> str:
-    return "ieee" if pool.dtype == torch.float32 else "tf32"  # tf32 is unused for 16-bit operands
+def _pool_args(pool) -> tuple[tuple, dict]:
+    """The kernels' pool arguments (codes, scales, their strides) and constexprs for a plain or quantised pool."""
+    rows, scales, quant, dtype = pool_operands(pool)
+    precision = "ieee" if dtype == torch.float32 else "tf32"  # tf32 is unused for 16-bit operands
+    return ((rows, scales), (rows.stride(0), rows.stride(1), scales.stride(0)),
+            dict(PRECISION=precision, QUANT=quant, DT=TORCH_TO_TL[dtype]))
 
 
 def decode_scores(q: torch.Tensor, weights: torch.Tensor, k_pool: torch.Tensor, block_tables: torch.Tensor,
@@ -152,11 +174,12 @@ def decode_scores(q: torch.Tensor, weights: torch.Tensor, k_pool: torch.Tensor, 
     if block_n is None:
         wide = B * triton.cdiv(key_width, DECODE_BLOCK_N) >= TARGET_PROGRAMS
         block_n = DECODE_BLOCK_N if wide else DECODE_BLOCK_N_SMALL
+    pools, strides, flags = _pool_args(k_pool)
     _decode_scores_kernel[(B, triton.cdiv(key_width, block_n))](
-        q, weights, k_pool, block_tables, positions, scores, key_width,
-        q.stride(0), q.stride(1), weights.stride(0), k_pool.stride(0), k_pool.stride(1), block_tables.stride(0),
+        q, weights, *pools, block_tables, positions, scores, key_width,
+        q.stride(0), q.stride(1), weights.stride(0), *strides, block_tables.stride(0),
         scores.stride(0), HI=Hi, DI=Di, PAGE=block_size, BLOCK_H=BH, BLOCK_D=max(16, next_pow2(Di)),
-        BLOCK_N=block_n, DOT_F32=DOT_F32, PRECISION=_precision(k_pool), num_warps=8 if block_n > 64 else 4, **pdl(q))
+        BLOCK_N=block_n, DOT_F32=DOT_F32, num_warps=8 if block_n > 64 else 4, **flags, **pdl(q))
     return scores
 
 
@@ -229,11 +252,12 @@ def varlen_scores(q: torch.Tensor, weights: torch.Tensor, k_pool: torch.Tensor, 
     if T == 0 or key_width == 0:
         return scores
     q, weights, block_tables = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, weights, block_tables))
+    pools, strides, flags = _pool_args(k_pool)
     _varlen_scores_kernel[(triton.cdiv(T, block_m), triton.cdiv(key_width, block_n))](
-        q, weights, k_pool, block_tables, seq_of_row, positions, scores, T, key_width,
-        q.stride(0), q.stride(1), weights.stride(0), k_pool.stride(0), k_pool.stride(1), block_tables.stride(0),
+        q, weights, *pools, block_tables, seq_of_row, positions, scores, T, key_width,
+        q.stride(0), q.stride(1), weights.stride(0), *strides, block_tables.stride(0),
         scores.stride(0), HI=Hi, DI=Di, PAGE=block_size, BLOCK_M=block_m, BLOCK_D=max(16, next_pow2(Di)),
-        BLOCK_N=block_n, DOT_F32=DOT_F32, PRECISION=_precision(k_pool), num_warps=8, **pdl(q))
+        BLOCK_N=block_n, DOT_F32=DOT_F32, num_warps=8, **flags, **pdl(q))
     return scores
 
 
