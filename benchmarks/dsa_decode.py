@@ -6,7 +6,8 @@ sparse MLA for the prompt's last chunk of rows.
     python benchmarks/dsa_decode.py --config configs/dayzero-2.8t.json --contexts 8192 32768 131072 --batch 1 8
     python benchmarks/dsa_decode.py --device cpu --small      # smoke test through Triton's interpreter
 
-Shapes (H, R, P, N, V, Hi, Di, top-k) come from the config; bf16 pools, every sequence ``context`` tokens long,
+Shapes (H, R, P, N, V, Hi, Di, top-k) come from the config; bf16 pools (``--cache fp8`` / ``int8``: the decode
+pools quantised as an FP8 / INT8 KV cache stores them, codes and a scale a row), every sequence ``context`` tokens long,
 its blocks scattered at random over the pool. Each implementation runs ``--repeats`` times after a warm-up,
 timed with CUDA events. The roofline of a step is the bytes it must read over the copy bandwidth measured in
 the same run: the indexer reads every key whole (Di x 2 B a key), sparse MLA only the selected latent rows
@@ -47,6 +48,28 @@ def decode_batch(B: int, context: int, bs: int, device: str, g: torch.Generator)
                         [context] * B, slots, tables, rows, rows, bs)
 
 
+def quantised(pool: torch.Tensor, kind: str):
+    """A bf16 pool [num_blocks, block_size, width] as the cache would store it with ``kv_cache_dtype`` ``kind``:
+    the pool itself for bf16, else fp8 / int8 codes with one scale per row (``QuantPagedPool``), filled block
+    by block (no whole-pool fp32 temporary)."""
+    if kind == "bf16":
+        return pool
+    from dayzero.cache.quant import QuantPagedPool
+    nb, bs, width = pool.shape
+    q = QuantPagedPool(nb, bs, (width,), kind, False, pool.device, pool.dtype)
+    for b0 in range(0, nb, 4096):
+        rows = pool[b0:b0 + 4096].float()
+        s = q._scale_of(rows.abs().amax(-1))
+        q.data[b0:b0 + 4096] = q._quant(rows, s[..., None])
+        q.scale[b0:b0 + 4096] = s.to(q.scale.dtype)
+    return q
+
+
+def row_bytes(width: int, kind: str) -> int:
+    """Bytes the kernels read for one pool row: bf16 values, or one-byte codes and a bf16 scale."""
+    return 2 * width if kind == "bf16" else width + 2
+
+
 def shapes(args) -> dict:
     with open(args.config) as f:
         cfg = json.load(f)
@@ -62,8 +85,8 @@ def bench_decode(s: dict, B: int, context: int, args, bw: float, g: torch.Genera
     batch = decode_batch(B, context, bs, dev, g)
     nb = int(batch.block_tables.shape[0] * batch.block_tables.shape[1]) + 1
     rnd = lambda *shape, scale=1.0: (torch.randn(*shape, generator=g) * scale).to(bf16).to(dev)  # noqa: E731
-    k_pool = rnd(nb, bs, s["Di"])
-    lat_pool = rnd(nb, bs, s["R"] + s["P"])
+    k_pool = quantised(rnd(nb, bs, s["Di"]), args.cache)
+    lat_pool = quantised(rnd(nb, bs, s["R"] + s["P"]), args.cache)
     q, w = rnd(B, s["Hi"], s["Di"]), (torch.randn(B, s["Hi"], generator=g) * (s["Hi"] * s["Di"]) ** -0.5).to(dev)
     qn, qp = rnd(B, s["H"], s["N"]), rnd(B, s["H"], s["P"])
     kv_b = rnd(s["H"] * (s["N"] + s["V"]), s["R"], scale=s["R"] ** -0.5)
@@ -99,8 +122,8 @@ def bench_decode(s: dict, B: int, context: int, args, bw: float, g: torch.Genera
                                                  mla(sel, True)), r),
         }
     keys = min(topk, context)
-    bytes_ = {"indexer": B * context * s["Di"] * 2, "sparse_mla": B * keys * (s["R"] + s["P"]) * 2,
-              "dense_mla": B * context * (s["R"] + s["P"]) * 2}
+    key, lat = row_bytes(s["Di"], args.cache), row_bytes(s["R"] + s["P"], args.cache)
+    bytes_ = {"indexer": B * context * key, "sparse_mla": B * keys * lat, "dense_mla": B * context * lat}
     roof = {k: v / bw * 1e3 for k, v in bytes_.items()}
     return {"batch": B, "context": context, "ms": t, "bytes": bytes_, "roofline_ms": roof,
             "step_roofline_ms": roof["indexer"] + roof["sparse_mla"]}
@@ -194,6 +217,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--small", action="store_true", help="tiny shapes and contexts (a smoke test)")
+    ap.add_argument("--cache", default="bf16", choices=["bf16", "fp8", "int8"],
+                    help="the decode pools' storage (kv_cache_dtype; fp8 / int8: codes and one scale a row)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.small:
@@ -206,7 +231,8 @@ def main(argv=None) -> dict:
     g = torch.Generator().manual_seed(0)
     bw = copy_bandwidth(args.device)
     print(f"{args.config}{' (small)' if args.small else ''}: H {s['H']}, R {s['R']}, P {s['P']}, Hi {s['Hi']}, "
-          f"Di {s['Di']}, top-{s['topk']}, block {args.block_size}, bf16; copy bandwidth {bw / 1e9:.0f} GB/s")
+          f"Di {s['Di']}, top-{s['topk']}, block {args.block_size}, bf16, {args.cache} decode pools; copy bandwidth "
+          f"{bw / 1e9:.0f} GB/s")
     head = (f"{'ctx':>7} {'B':>3} | {'scores':>7} {'topk':>7} {'1-stage':>7} {'indexer':>8} {'sparse':>7} {'step':>7} {'idx %':>6} "
             f"{'roof':>7} {'of roof':>7} | {'dense':>7} {'roof':>7} {'of roof':>7} | {'torch step':>10} "
             f"{'torch dense':>11} {'speedup':>7}")

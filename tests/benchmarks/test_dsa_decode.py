@@ -19,3 +19,15 @@ def test_table_at_tiny_shapes(tmp_path):
     m = p["mla"]
     assert m["rows"] == 16 and m["ms"] > 0 and 0 < m["selected_keys"] <= 16 * r["shapes"]["topk"]
     assert (tmp_path / "dsa.json").exists()
+
+
+@pytest.mark.parametrize("cache", ["fp8", "int8"])
+def test_quantised_decode_pools(cache):
+    """``--cache fp8 / int8``: the decode pools as a quantised KV cache stores them; a row's bytes are its codes
+    and a bf16 scale."""
+    r = main(["--device", "cpu", "--small", "--config", "configs/dayzero-small.json", "--contexts", "40",
+              "--batch", "1", "--prefill-tokens", "0", "--cache", cache])
+    (d,) = r["decode"]
+    assert all(v > 0 for v in d["ms"].values())
+    s = r["shapes"]
+    assert d["bytes"]["dense_mla"] == 40 * (s["R"] + s["P"] + 2) and d["bytes"]["indexer"] == 40 * (s["Di"] + 2)

@@ -16,7 +16,8 @@ def test_table_at_tiny_sizes(tmp_path):
     out = tmp_path / "moe.json"
     report = main(["--device", "cpu", "--small", "--tokens", "1", "4", "--repeats", "1", "--json", str(out)])
     names = {r["variant"] for r in report["rows"]}
-    assert {"triton-bf16", "triton-fp8", "triton-mxfp4", "convert", "reference"} <= names  # no grouped_mm on a CPU
+    assert {"triton-bf16", "triton-fp8", "triton-mxfp4", "convert", "reference", "triton-fp8tile",
+            "triton-fp8tile-a8", "direct-fp8tile-a8"} <= names  # no grouped_mm on a CPU
     for r in report["rows"]:
         assert r["ms"] > 0 and r["gbs"] >= 0, r
     assert json.loads(out.read_text())["rows"] == report["rows"]
