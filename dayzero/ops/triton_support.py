@@ -57,6 +57,16 @@ if HAS_TRITON:
         if HAS_SINK:
             denom += tl.exp2(sink - m_all)
         return acc * (wgt / tl.maximum(denom, 1.1754943508222875e-38))[:, None]
+
+    @triton.jit
+    def round_e4m3(z):
+        """fp32 z (|z| <= 448) rounded to the nearest e4m3 value, ties to even, in fp32 arithmetic: Triton's
+        interpreter casts fp32 to e4m3 without carrying a rounded-up mantissa into the exponent (31.9 becomes 16),
+        so kernels that cast under it round first and the cast only changes the type."""
+        e = tl.maximum(((z.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # |z|'s exponent, e4m3's least
+        ulp = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits: steps of 2^(e-3)
+        inv = ((3 - e + 127) << 23).to(tl.float32, bitcast=True)  # powers of two: both products are exact
+        return ((z * inv + 12582912.0) - 12582912.0) * ulp  # 1.5 * 2^23: an fp32 add rounds to an integer, ties even
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DOT_F32 = INTERPRET
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dayzero.ops.triton_support import grid_dependency
+from dayzero.ops.triton_support import grid_dependency, round_e4m3
 
 # weight formats (FMT) and activations (ACT): constexpr globals, the only kind a kernel may read
 PLAIN, TILE, BLOCK, MXFP4 = map(tl.constexpr, range(4))
@@ -118,26 +118,16 @@ def weight_tile(w_ptr, s_ptr, e, n, n_ok, k0, K, s_we, s_wn, s_wk, s_se, s_sn, s
 
 
 @triton.jit
-def _round_e4m3(z):
-    """fp32 z (|z| <= 448) rounded to the nearest e4m3 value, ties to even, in fp32 arithmetic: Triton's
-    interpreter casts fp32 to e4m3 without carrying a rounded-up mantissa into the exponent (31.9 becomes 16),
-    so there the values are rounded first and the cast only changes their type."""
-    e = ((z.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # the exponent of |z|
-    ulp = ((tl.maximum(e, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)  # e4m3: 3 mantissa bits, 2^-9 least
-    return ((z / ulp + 12582912.0) - 12582912.0) * ulp  # 1.5 * 2^23: an fp32 add rounds to an integer, ties even
-
-
-@triton.jit
 def quantize_rows(x, ACT_FP8: tl.constexpr, ROUND_FIRST: tl.constexpr):
     """With ACT_FP8, a K step of activations [BLOCK_M, BLOCK_K] (BLOCK_K = 128, one group) as e4m3 codes and
     each row's scale amax / 448 (``quantize_activations``); else x unchanged and scales of 1. ROUND_FIRST: under
-    Triton's interpreter (:func:`_round_e4m3`)."""
+    Triton's interpreter (``round_e4m3``)."""
     if ACT_FP8:
         xf = x.to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(xf), 1), 1e-10)  # [BLOCK_M]
         z = xf * (448.0 / amax)[:, None]
         if ROUND_FIRST:
-            z = _round_e4m3(z)
+            z = round_e4m3(z)
         q, s = z.to(tl.float8e4nv), amax / 448.0
     else:
         q, s = x, tl.full((x.shape[0],), 1.0, tl.float32)
