@@ -246,13 +246,15 @@ class LLMEngine:
             mlp = getattr(layers[i], "mlp", None)
             if isinstance(mlp, MoE) and mlp.packed:
                 unpack_experts(mlp, self.dtype)
-        self.expert_workspace = ExpertWorkspace(config.expert_compute, self.device)
+        self.expert_workspace = ExpertWorkspace(config.expert_compute, self.device,
+                                                fp8_activations=config.fp8_activations)
         self.packed_moe_layers = attach_workspace(self.model, self.expert_workspace)
         fp8_layers = [m for m in self.model.modules() if isinstance(m, MoE) and m.fp8]
         for m in fp8_layers:
             m.fp8_activations = config.fp8_activations
-        if config.fp8_activations and not fp8_layers:
-            log.warning("fp8_activations: the model has no block-FP8 routed experts; nothing changes")
+        if config.fp8_activations and not fp8_layers and not (self.packed_moe_layers and self.expert_workspace.tiles):
+            log.warning("fp8_activations: the model has no block-FP8 routed experts and no MXFP4 experts converted "
+                        "into an FP8 workspace (expert_compute auto or fp8); nothing changes")
 
     # --- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,

@@ -56,6 +56,8 @@ MODES: dict[str, Mode] = {m.name: m for m in (
          {"expert_compute": "bf16"}),
     Mode("fp8-workspace", "packed MXFP4 experts converted into an FP8 workspace", {"expert_compute": "fp8"}),
     Mode("fused-mxfp4", "packed MXFP4 experts read by the expert kernels themselves", {"expert_compute": "fused"}),
+    Mode("fp8-activations", "packed MXFP4 experts in an FP8 workspace of 128x128 tiles, multiplied by activations "
+                            "rounded to FP8", {"expert_compute": "fp8", "fp8_activations": True}),
     Mode("kv-fp8", "the paged cache in FP8 (e4m3, scaled)", {"kv_cache_dtype": "fp8"}),
     Mode("kv-int8", "the paged cache in INT8 (scaled)", {"kv_cache_dtype": "int8"}),
     Mode("chunk16", "chunked prefill: 16 tokens a step", {"max_num_batched_tokens": 16, "max_num_seqs": 16}),

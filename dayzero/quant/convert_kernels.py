@@ -7,6 +7,10 @@ looks each code's value up in the 16-entry E2M1 table and scales it. The PyTorch
 builds int64 indices and fp32 temporaries for the whole layer, about 20 bytes of traffic per weight where this
 moves 0.53 in and 1–2 out.
 
+With FP8 activations the FP8 workspace keeps one scale per 128x128 tile (``workspace.tile_shift``): a third
+kernel, one program per tile, shifts each block's values by its scale's distance from the tile's largest and
+casts them to e4m3.
+
 The E8M0 scale is built from its bits in both (2^(s-127); 0xFF is NaN). Products below fp32's normal range (a
 scale byte of 0, 2^-127, that no checkpoint uses) may flush to zero.
 """
@@ -14,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from dayzero.ops.triton_support import HAS_TRITON, pdl, tl, triton, triton_refusal
+from dayzero.ops.triton_support import DOT_F32, HAS_TRITON, pdl, tl, triton, triton_refusal
 from dayzero.quant.mxfp4 import e4m3_pair_table, fp4_lut
 
 GROUPS_PER_PROGRAM = 256  # 32-value blocks: 4 KiB of packed codes in, 8,192 values out
@@ -58,6 +62,41 @@ if HAS_TRITON:
         tl.store(scale_out_ptr + g, tl.where(s == 255, float("nan"), bits.to(tl.float32, bitcast=True)), mask=ok)
 
 
+if HAS_TRITON:
+    from dayzero.ops.triton_support import round_e4m3
+
+    @triton.jit
+    def _fp8_tiles_kernel(blocks_ptr, scales_ptr, out_ptr, scale_out_ptr, lut_ptr, N, G, NT, KT,
+                          ROUND_FIRST: tl.constexpr, PDL: tl.constexpr):
+        """FP8 workspace in 128x128 tiles (``workspace.tile_shift``): one program per tile of one expert. Its 128
+        rows x 4 blocks of scales give the tile's largest m; each block's values (the 16-entry table) times
+        2^(s - m + 6) are cast to e4m3 (exact within 14 binades of m), and 2^(m - 133) is the tile's scale."""
+        grid_dependency(PDL)
+        pid = tl.program_id(0)
+        kt = pid % KT
+        nt = (pid // KT) % NT
+        e = (pid // (KT * NT)).to(tl.int64)
+        r = nt * 128 + tl.arange(0, 128)
+        g = kt * 4 + tl.arange(0, 4)
+        ok = (r[:, None] < N) & (g[None, :] < G)  # [128, 4] 32-blocks of the tile
+        blk = (e * N + r.to(tl.int64))[:, None] * G + g[None, :]
+        s = tl.load(scales_ptr + blk, mask=ok, other=0).to(tl.int32)
+        m = tl.max(tl.max(s, 1), 0)
+        f = ((tl.maximum(s - m + 6, -126) + 127) << 23).to(tl.float32, bitcast=True)  # 2^(s - m + 6)
+        j = tl.arange(0, 16)
+        byte = tl.load(blocks_ptr + blk[:, :, None] * 16 + j[None, None, :], mask=ok[:, :, None], other=0).to(tl.int32)
+        pair = tl.join(tl.load(lut_ptr + (byte & 15)), tl.load(lut_ptr + (byte >> 4)))  # [128, 4, 16, 2]
+        v = tl.reshape(pair * f[:, :, None, None], (128, 128))
+        if ROUND_FIRST:  # under the interpreter (values past 14 binades below m round)
+            v = round_e4m3(v)
+        col = kt * 128 + tl.arange(0, 128)
+        out = out_ptr + (e * N + r.to(tl.int64))[:, None] * (G * 32) + col[None, :]
+        tl.store(out, v.to(tl.float8e4nv), mask=(r[:, None] < N) & (col[None, :] < G * 32))
+        bits = tl.where(m >= 7, (m - 6) << 23, 1 << (tl.minimum(m, 6) + 16))  # 2^(m - 133), subnormal below m = 7
+        inv = tl.where(m == 255, float("nan"), bits.to(tl.float32, bitcast=True))
+        tl.store(scale_out_ptr + pid, inv)
+
+
 def convert_refusal(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, scale_out) -> str | None:
     why = triton_refusal(blocks)
     if why is not None:
@@ -82,3 +121,13 @@ def convert_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
     elif n:
         _bf16_kernel[(triton.cdiv(n, GROUPS_PER_PROGRAM),)](blocks, scales, out, n, fp4_lut(blocks.device),
                                                             GROUPS=GROUPS_PER_PROGRAM, num_warps=4, **pdl(blocks))
+
+
+def convert_mxfp4_tiles(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor) -> None:
+    """Unpack [E, N, K/32, 16] codes into e4m3 ``out`` [E, N, K] and one fp32 scale per 128x128 tile
+    ``scale_out`` [E, ceil(N/128), ceil(K/128)], as ``workspace._convert_tiles_torch`` does."""
+    E, N, G = scales.shape
+    NT, KT = -(-N // 128), -(-G // 4)
+    if E * NT * KT:
+        _fp8_tiles_kernel[(E * NT * KT,)](blocks, scales, out, scale_out, fp4_lut(blocks.device), N, G, NT, KT,
+                                         ROUND_FIRST=DOT_F32, num_warps=8, **pdl(blocks))

@@ -4,7 +4,10 @@ MoE layers whose experts are stored packed (4.25 bits per weight) never hold the
 Before a layer's experts run, :meth:`ExpertWorkspace.acquire` converts that layer's experts into buffers
 that every MoE layer reuses, in BF16 or in FP8 (E4M3 codes with one power-of-two scale per 32-element
 block: every E2M1 value times its E8M0 scale is exactly an E4M3 value times that scale, so the FP8
-workspace is lossless and half the size of the BF16 one). On CUDA the workspace keeps two slots and a
+workspace is lossless and half the size of the BF16 one). With FP8 activations the FP8 workspace keeps one
+scale per 128x128 tile instead (:func:`tile_shift`: lossless while a tile's block scales span at most 14
+binades), the layout whose products the expert kernels run FP8 x FP8, and ``auto`` converts large steps into
+it rather than into BF16. On CUDA the workspace keeps two slots and a
 side stream: while layer i computes from one slot, :meth:`prefetch` converts layer i+1 into the other.
 
 With ``compute="fused"`` nothing is converted: :meth:`acquire` hands out the packed weights themselves
@@ -27,7 +30,8 @@ from __future__ import annotations
 
 import torch
 
-from dayzero.quant.convert_kernels import convert_mxfp4, convert_refusal
+from dayzero.quant.convert_kernels import convert_mxfp4, convert_refusal, convert_mxfp4_tiles
+from dayzero.quant.fp8 import TILE, TileScaled
 from dayzero.quant.mxfp4 import BLOCK, dequantize_mxfp4, e4m3_pair_table, fp4_lut
 
 COMPUTE = ("auto", "bf16", "fp8", "fused")
@@ -78,12 +82,41 @@ class PackedMXFP4:
         return dequantize_mxfp4(self.blocks, self.scales, torch.float32)
 
 
-def _convert(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor | None) -> None:
-    """Unpack [E, N, K/32, 16] codes into ``out`` [E, N, K] (bf16 values, or fp8 codes with ``scale_out``):
-    the Triton kernel where it runs, else in PyTorch."""
+def _convert(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor | None,
+             tiles: bool = False) -> None:
+    """Unpack [E, N, K/32, 16] codes into ``out`` [E, N, K] (bf16 values, or fp8 codes with ``scale_out`` per
+    32-block, or per 128x128 tile with ``tiles``): the Triton kernel where it runs, else in PyTorch."""
     if convert_refusal(blocks, scales, out, scale_out) is None:
-        return convert_mxfp4(blocks, scales, out, scale_out)
-    _convert_torch(blocks, scales, out, scale_out)
+        return (convert_mxfp4_tiles if tiles else convert_mxfp4)(blocks, scales, out, scale_out)
+    (_convert_tiles_torch if tiles else _convert_torch)(blocks, scales, out, scale_out)
+
+
+def tile_shift(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 scales [E, N, K/32] -> (each 32-block's shift into its 128x128 tile, int32 [E, N, K/32]; the tiles'
+    scale_inv, fp32 [E, ceil(N/128), ceil(K/128)]). A tile's scale is 2^(m - 133) for its largest scale byte m
+    (2^(m-127) / 64), and a block of scale byte s holds its E2M1 values times 2^(s - m + 6): at most 6 * 64 =
+    384, and exact in e4m3 while s is within 14 of m (its smallest value, 0.5 * 2^(s - m + 6), down to 2^-9);
+    blocks further below round to e4m3's subnormals or zero, by less than 2^-16 of the tile's largest value. A
+    0xFF (NaN) scale makes its whole tile NaN."""
+    E, N, G = scales.shape
+    nt, kt = -(-N // TILE), -(-G // (TILE // BLOCK))
+    padded = torch.zeros(E, nt * TILE, kt * (TILE // BLOCK), dtype=torch.int32, device=scales.device)
+    padded[:, :N, :G] = scales.to(torch.int32)
+    m = padded.view(E, nt, TILE, kt, TILE // BLOCK).amax(dim=(2, 4))  # [E, nt, kt]
+    inv = torch.ldexp(torch.ones_like(m, dtype=torch.float32), m - 133)
+    inv = torch.where(m == 255, torch.full_like(inv, float("nan")), inv)
+    per_block = m.repeat_interleave(TILE, 1).repeat_interleave(TILE // BLOCK, 2)[:, :N, :G]
+    return scales.to(torch.int32) - per_block + 6, inv
+
+
+def _convert_tiles_torch(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor) -> None:
+    """Unpack [E, N, K/32, 16] codes into e4m3 ``out`` [E, N, K] with one fp32 ``scale_out`` per 128x128 tile
+    [E, ceil(N/128), ceil(K/128)] (:func:`tile_shift`)."""
+    lut = fp4_lut(blocks.device)
+    vals = torch.stack((lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]), dim=-1).flatten(-2)  # [E, N, G, 32]
+    shift, inv = tile_shift(scales)
+    out.copy_(torch.ldexp(vals, shift[..., None]).flatten(-2).to(out.dtype))
+    scale_out.copy_(inv)
 
 
 def _convert_torch(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor | None) -> None:
@@ -100,10 +133,14 @@ def _convert_torch(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor
 
 class ExpertWorkspace:
     def __init__(self, compute: str = "auto", device: torch.device | str = "cpu", slots: int | None = None,
-                 fused_rows: float = FUSED_ROWS_PER_EXPERT):
+                 fused_rows: float = FUSED_ROWS_PER_EXPERT, fp8_activations: bool = False):
         if compute not in COMPUTE:
             raise ValueError(f"expert_compute must be one of {list(COMPUTE)}, got {compute!r}")
         self.compute, self.device, self.fused_rows = compute, torch.device(device), fused_rows
+        # FP8 activations: the converted experts are FP8 with one scale per 128x128 tile (TileScaled), multiplied
+        # FP8 x FP8; "auto" converts large steps into them instead of bf16
+        self.tiles = fp8_activations and compute in ("fp8", "auto")
+        self.fp8 = compute == "fp8" or self.tiles
         self.fused = compute == "fused"  # no slots: the kernels read the packed weights
         self.num_slots = 0 if self.fused else slots or (2 if self.device.type == "cuda" else 1)
         self._slots: list[dict[str, torch.Tensor]] = [{} for _ in range(self.num_slots)]
@@ -131,14 +168,17 @@ class ExpertWorkspace:
 
     def _buffers(self, slot: dict, name: str, shape: tuple[int, ...]):
         numel = shape[0] * shape[1] * shape[2]
+        scale_shape = ((shape[0], -(-shape[1] // TILE), -(-shape[2] // TILE)) if self.tiles
+                       else (*shape[:-1], shape[-1] // BLOCK))
+        scales = scale_shape[0] * scale_shape[1] * scale_shape[2]
         have = slot.get(name)
-        if have is None or have.numel() < numel:
-            dtype = torch.float8_e4m3fn if self.compute == "fp8" else torch.bfloat16
-            slot[name] = torch.empty(numel, dtype=dtype, device=self.device)
-            if self.compute == "fp8":
-                slot[name + "_scale"] = torch.empty(numel // BLOCK, dtype=torch.float32, device=self.device)
+        if have is None or have.numel() < numel or (self.fp8 and slot[name + "_scale"].numel() < scales):
+            dtype = torch.float8_e4m3fn if self.fp8 else torch.bfloat16
+            slot[name] = torch.empty(max(numel, 0 if have is None else have.numel()), dtype=dtype, device=self.device)
+            if self.fp8:
+                slot[name + "_scale"] = torch.empty(scales, dtype=torch.float32, device=self.device)
         data = slot[name][:numel].view(shape)
-        scale = slot[name + "_scale"][: numel // BLOCK].view(*shape[:-1], shape[-1] // BLOCK) if self.compute == "fp8" else None
+        scale = slot[name + "_scale"][:scales].view(scale_shape) if self.fp8 else None
         return data, scale
 
     @property
@@ -156,7 +196,7 @@ class ExpertWorkspace:
         for name in ("w1", "w2"):
             blocks, scales = getattr(layer, f"{name}_blocks"), getattr(layer, f"{name}_scales")
             data, scale = self._buffers(slot, name, (*blocks.shape[:-2], blocks.shape[-2] * BLOCK))
-            _convert(blocks, scales, data, scale)
+            _convert(blocks, scales, data, scale, self.tiles)
         self._owner[i] = layer
         self.conversions += 1
 
@@ -165,7 +205,10 @@ class ExpertWorkspace:
         for name in ("w1", "w2"):
             blocks = getattr(layer, f"{name}_blocks")
             data, scale = self._buffers(self._slots[i], name, (*blocks.shape[:-2], blocks.shape[-2] * BLOCK))
-            out.append(BlockScaled(data, scale) if scale is not None else data)
+            if self.tiles:
+                out.append(TileScaled(data, scale, fp8_activations=True))
+            else:
+                out.append(BlockScaled(data, scale) if scale is not None else data)
         return tuple(out)
 
     def acquire(self, layer, rows_per_expert: float | None = None):

@@ -55,7 +55,23 @@ def fp8_dot(ttgir: str) -> bool:
     return any("dot" in line and "f8E4M3FN" in line for line in ttgir.splitlines())
 
 
+def compile_tile_conversion():
+    """The MXFP4 -> FP8 tile workspace conversion kernel (``convert_kernels._fp8_tiles_kernel``)."""
+    from dayzero.quant.convert_kernels import _fp8_tiles_kernel
+
+    types = {"blocks_ptr": "*u8", "scales_ptr": "*u8", "out_ptr": "*fp8e4nv", "scale_out_ptr": "*fp32",
+             "lut_ptr": "*fp32", "N": "i32", "G": "i32", "NT": "i32", "KT": "i32"}
+    names = list(_fp8_tiles_kernel.arg_names)
+    constants = {"ROUND_FIRST": False, "PDL": False}
+    signature = {n: "constexpr" if n in constants else types[n] for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n.endswith("_ptr")}
+    return triton.compile(ASTSource(_fp8_tiles_kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=8, num_stages=1))
+
+
 def main() -> int:
+    k = compile_tile_conversion()
+    print(f"tile conversion: shared {k.metadata.shared} B")
     for case in CASES:
         for name, k in zip(("up", "down"), compile_pair(*case)):
             ttgir = k.asm["ttgir"]

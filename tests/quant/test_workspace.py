@@ -308,3 +308,71 @@ def test_workspace_in_a_cuda_graph_replays_like_eager(compute):
         step()  # eager steps after a replay convert again
         graph.replay()
         torch.testing.assert_close(captured, eager, **tol)
+
+
+def _tile_case(E=2, N=200, K=320, spread=None, seed=3):
+    """Packed MXFP4 [E, N, K/32, 16] codes and scales; ``spread``: scale bytes drawn from 127 +- spread."""
+    g = torch.Generator().manual_seed(seed)
+    blocks, scales = quantize_mxfp4(torch.randn(E, N, K, generator=g))
+    if spread is not None:
+        scales = torch.randint(127 - spread, 128 + spread, scales.shape, generator=g, dtype=torch.int32).to(torch.uint8)
+    return blocks, scales
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_fp8_tiles_hold_the_mxfp4_values_exactly(impl):
+    """The FP8-activation workspace (one scale per 128x128 tile): codes times the tile scale give the MXFP4 values
+    exactly while a tile's block scales span at most 14 binades (edge tiles: N, K not multiples of 128), and
+    the Triton kernel (Triton's interpreter on a CPU) writes the PyTorch form's bytes."""
+    from dayzero.quant import convert_kernels, workspace
+    from dayzero.quant.fp8 import TileScaled
+
+    blocks, scales = _tile_case(spread=7)
+    E, N, G = scales.shape
+    out = torch.full((E, N, G * 32), float("nan")).to(torch.float8_e4m3fn)
+    inv = torch.full((E, 2, 3), float("nan"))
+    if impl == "triton":
+        pytest.importorskip("triton")
+        assert convert_kernels.convert_refusal(blocks, scales, out, inv) is None
+        convert_kernels.convert_mxfp4_tiles(blocks, scales, out, inv)
+        want, want_inv = torch.empty_like(out), torch.empty_like(inv)
+        workspace._convert_tiles_torch(blocks, scales, want, want_inv)
+        assert torch.equal(out.view(torch.uint8), want.view(torch.uint8)) and torch.equal(inv, want_inv)
+    else:
+        workspace._convert_tiles_torch(blocks, scales, out, inv)
+    tiled = TileScaled(out, inv)
+    for e in range(E):
+        assert torch.equal(tiled[e], dequantize_mxfp4(blocks[e], scales[e], torch.float32))
+
+
+def test_fp8_tiles_past_14_binades_round_below_the_tiles_largest_and_nan_poisons_a_tile():
+    from dayzero.quant import workspace
+    from dayzero.quant.fp8 import TileScaled
+
+    blocks, scales = _tile_case(E=1, N=128, K=128, spread=20, seed=4)
+    out, inv = torch.empty(1, 128, 128, dtype=torch.float8_e4m3fn), torch.empty(1, 1, 1)
+    workspace._convert_tiles_torch(blocks, scales, out, inv)
+    want = dequantize_mxfp4(blocks[0], scales[0], torch.float32)
+    err = (TileScaled(out, inv)[0] - want).abs().max()
+    assert 0 < err <= want.abs().max() * 2**-16
+    scales[0, 5, 2] = 0xFF
+    workspace._convert_tiles_torch(blocks, scales, out, inv)
+    assert inv.isnan().all()
+
+
+def test_fp8_activation_workspace_products(mx_ckpts):
+    """An engine with FP8 activations converts MXFP4 experts into the tile-scaled workspace (``expert_compute``
+    fp8, and auto for large steps), whose products take FP8-rounded activations: close to the exact workspace's
+    logits, not equal to them."""
+    _, packed, _, _ = mx_ckpts
+    kw = dict(device="cpu", dtype="float32", num_cache_blocks=64, expert_compute="fp8")
+    exact, a8 = LLM(str(packed), **kw), LLM(str(packed), fp8_activations=True, **kw)
+    ws = a8.engine.expert_workspace
+    assert ws.tiles and not exact.engine.expert_workspace.tiles
+    moe = a8.engine.packed_moe_layers[0]
+    w1, _ = ws.acquire(moe)
+    assert w1.fp8_activations and w1.scale_inv.shape[-2:] == (-(-w1.shape[1] // 128), -(-w1.shape[2] // 128))
+    ids = list(range(1, 40))
+    lo, la = (run_chunks(llm.engine, ids, [len(ids)]) for llm in (exact, a8))
+    rel = ((la - lo).norm() / lo.norm()).item()
+    assert 1e-6 < rel < 5e-2, rel
