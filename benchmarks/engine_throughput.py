@@ -227,6 +227,8 @@ def run_baseline(args, settings: str | None = None) -> dict | None:
         cmd.append("--async-scheduling" if args.async_scheduling else "--no-async-scheduling")
     if args.expert_compute:
         cmd += ["--expert-compute", args.expert_compute]
+    if args.fp8_activations:
+        cmd.append("--fp8-activations")
     env = dict(os.environ)
     if args.baseline:  # the earlier package first on the path, the rest kept (kernel packages: fla)
         path = (os.path.abspath(args.baseline), os.environ.get("PYTHONPATH", ""))
@@ -264,6 +266,9 @@ def main() -> None:
                     help="overlap each step's host work with the next step (default: the engine's, on for CUDA)")
     ap.add_argument("--expert-compute", default=None, choices=list(COMPUTE),
                     help="packed MXFP4 experts: the workspace format they are converted into, or read packed")
+    ap.add_argument("--fp8-activations", action="store_true",
+                    help="FP8 routed experts multiply activations rounded to FP8 (block-FP8, or MXFP4 through the FP8 "
+                         "tile workspace)")
     ap.add_argument("--compare-async", action="store_true",
                     help="the baseline is this version without overlapped steps; this run overlaps them")
     ap.add_argument("--baseline-env", action="append", default=[], metavar="K=V[,K=V]",
@@ -284,6 +289,8 @@ def main() -> None:
         extra["async_scheduling"] = args.async_scheduling
     if args.expert_compute:
         extra["expert_compute"] = args.expert_compute
+    if args.fp8_activations:
+        extra["fp8_activations"] = True
     llm = LLM(args.config, device=args.device, dtype=args.dtype, load_format="dummy", max_num_seqs=max(args.batch),
               max_num_batched_tokens=max(args.batch) * args.prompt_len, max_model_len=args.prompt_len + args.decode + 1,
               **extra)
