@@ -149,9 +149,9 @@ def test_grouped_mlp_validates_offsets():
 def fp8_experts(kind, E, rows, cols, seed):
     """(container, its dequantised fp32 weight [E, rows, cols]) for TileScaled or BlockScaled storage."""
     w = torch.randn(E, rows, cols, generator=torch.Generator().manual_seed(seed)) / cols**0.5
-    if kind == "tile":
+    if kind in ("tile", "tile-a8"):  # a8: the products take FP8-rounded activations
         w8, scale_inv = quantize_fp8_blocks(w)  # [E, rows, cols], [E, ceil(rows/128), ceil(cols/128)]
-        c = TileScaled(w8, scale_inv)
+        c = TileScaled(w8, scale_inv, fp8_activations=kind == "tile-a8")
     else:  # 32-element blocks with power-of-two scales, as the FP8 workspace holds them
         scale = torch.exp2(torch.randint(-3, 3, (E, rows, cols // 32), generator=torch.Generator().manual_seed(seed)).float())
         c = BlockScaled((w * 4).to(torch.float8_e4m3fn), scale)
@@ -159,7 +159,7 @@ def fp8_experts(kind, E, rows, cols, seed):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("weights_kind", ["fp32", "tile", "block"])
+@pytest.mark.parametrize("weights_kind", ["fp32", "tile", "block", "tile-a8"])
 @pytest.mark.parametrize("activation,limit", ACTIVATIONS, ids=["silu", "silu-clamp", "relu2", "swiglu_oai"])
 def test_masked_fallback_equals_reference(weights_kind, activation, limit, dtype):
     E, k, T, D, inter = 6, 2, 19, 64, 32  # fp8 blocks need widths of whole 32-blocks
