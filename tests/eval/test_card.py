@@ -47,8 +47,9 @@ def test_fp32_scores_exactly_the_cards_numbers(card, subset):
     assert _accuracy("fp32", subset, **FAST) == card
 
 
-# (the bf16 workspace and the FP8 KV cache passed too when this was written; CI runs one of each family)
-@pytest.mark.parametrize("mode", ["bf16", "fp8-workspace", "kv-int8"])
+# (the bf16 workspace and the FP8 KV cache passed too when this was written; CI runs one of each family, and the
+# FP8 activations of the tile workspace)
+@pytest.mark.parametrize("mode", ["bf16", "fp8-workspace", "fp8-activations", "kv-int8"])
 def test_other_precisions_score_within_two_points_of_the_card(mode, card, subset):
     got = _accuracy(mode, subset, **FAST)
     sizes = dict(SIGNAL_TASKS)
