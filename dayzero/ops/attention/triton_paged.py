@@ -49,8 +49,8 @@ import math
 
 import torch
 
-from dayzero.ops.triton_support import (DOT_F32, HAS_TRITON, next_pow2, paged_pool_refusal, pdl, tl, triton,
-                                        triton_refusal)
+from dayzero.ops.triton_support import (DOT_F32, HAS_TRITON, next_pow2, paged_pool_refusal, pdl, pool_operands, tl,
+                                        triton, triton_refusal)
 
 MAX_HEAD_DIM = 256  # Dqk and Dv up to this
 LOG2E = 1.4426950408889634
@@ -188,13 +188,6 @@ def _pool_refusal(pool, what: str, per_channel: bool) -> str | None:
     return None
 
 
-def _operands(pool) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
-    """(codes or rows [num_blocks, block_size, Hkv, D], scales (a plain pool: itself, never read), dtype read in)."""
-    if isinstance(pool, torch.Tensor):
-        return pool, pool, pool.dtype
-    return pool.data, pool.scale, pool.out_dtype
-
-
 def refusal(q: torch.Tensor, k_pool, v_pool, sinks: torch.Tensor | None = None,
             window: int | None = None) -> str | None:
     """Why :func:`paged_attention` cannot run ``q`` [T, H, Dqk] over these pools, or None when it can."""
@@ -205,7 +198,7 @@ def refusal(q: torch.Tensor, k_pool, v_pool, sinks: torch.Tensor | None = None,
         return "one of the key and value pools is quantised, the other not"
     if q.dim() != 3:
         return f"q {tuple(q.shape)} is not [T, H, Dqk]"
-    (k, _, k_dtype), (v, _, v_dtype) = _operands(k_pool), _operands(v_pool)
+    (k, _, _, k_dtype), (v, _, _, v_dtype) = pool_operands(k_pool), pool_operands(v_pool)
     H, Dqk = q.shape[1:]
     nb, bs, Hkv, Dk = k.shape
     Dv = v.shape[3]
@@ -255,8 +248,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     ``seq_of_row`` is accepted for the batch-wide ops' calling convention and not needed (the tiles find their
     sequences in ``cu_seqlens``); ``block_m`` / ``block_n`` override the tile sizes (tests)."""
     T, H, Dqk = q.shape
-    (k_pool, k_scale, dtype), (v_pool, v_scale, _) = _operands(k_pool), _operands(v_pool)
-    quant = k_pool is not k_scale
+    (k_pool, k_scale, quant, dtype), (v_pool, v_scale, _, _) = pool_operands(k_pool), pool_operands(v_pool)
     Hkv, Dv = v_pool.shape[2], v_pool.shape[3]
     G = H // Hkv
     B = cu_seqlens.shape[0] - 1
