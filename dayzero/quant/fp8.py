@@ -63,3 +63,9 @@ class TileScaled:
 
     def __getitem__(self, e: int) -> torch.Tensor:
         return dequantize_fp8_blocks(self.data[e], self.scale_inv[e], torch.float32)
+
+
+def takes_fp8_activations(w) -> bool:
+    """Whether a product with expert weights ``w`` rounds its activations to FP8 first: only
+    :class:`TileScaled` weights made with ``fp8_activations``; every other format multiplies them exactly."""
+    return isinstance(w, TileScaled) and w.fp8_activations

@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from dayzero.ops.moe import direct_kernels, permute_kernels, triton_moe, unpermute_kernels
-from dayzero.ops.moe.reference import _activation, _fp8_activations, _mlp, permute, unpermute
+from dayzero.ops.moe.reference import _activation, _mlp, permute, unpermute
 from dayzero.ops.registry import register
-from dayzero.quant.fp8 import TileScaled
+from dayzero.quant.fp8 import TileScaled, takes_fp8_activations
 from dayzero.quant.workspace import BlockScaled, PackedMXFP4
 
 log = logging.getLogger("dayzero.ops")
@@ -84,7 +84,7 @@ def masked_grouped_mlp(xs: torch.Tensor, offsets: torch.Tensor, w1, w2, activati
     ys = torch.zeros(N, w2.shape[-2], dtype=torch.float32, device=xs.device)  # [N, L]
     for e in range(E):
         y = _mlp(x, w1[e], w2[e], act, None if b1 is None else b1[e], None if b2 is None else b2[e],
-                 _fp8_activations(w1), _fp8_activations(w2))
+                 takes_fp8_activations(w1), takes_fp8_activations(w2))
         ys = torch.where(expert == e, y, ys)  # where, not a product: other experts' rows may overflow here
     return ys.to(xs.dtype)
 

@@ -29,7 +29,7 @@ import torch
 
 from dayzero.ops.moe import triton_moe
 from dayzero.ops.triton_support import DOT_F32, HAS_TRITON, next_pow2, pdl, tl, triton
-from dayzero.quant.fp8 import TILE
+from dayzero.quant.fp8 import TILE, takes_fp8_activations
 
 if HAS_TRITON:
     from dayzero.ops.moe import triton_moe_kernels as K
@@ -211,7 +211,7 @@ def moe_experts_direct(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     gated = activation != "relu2"
     fmt = triton_moe.format_key(w1, w2)
     want = _programs_wanted(x.device)
-    a1, a2 = triton_moe.fp8_activations(w1), triton_moe.fp8_activations(w2)
+    a1, a2 = takes_fp8_activations(w1), takes_fp8_activations(w2)
     (bn1, bk1), (bn2, bk2) = block or (blocks(T * k, I, L, want, fmt, a1), down_blocks(T, k, L, I, want, fmt, a2))
     if fmt not in PLAIN and max(bk1, bk2) > TILE:
         raise ValueError(f"{fmt} weights take K steps of at most {TILE}, not {max(bk1, bk2)} (see PLAIN)")

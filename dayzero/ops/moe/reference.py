@@ -18,7 +18,7 @@ import torch
 
 from dayzero.ops.activation.reference import relu2, silu_and_mul, swiglu_oai
 from dayzero.ops.registry import call, register
-from dayzero.quant.fp8 import quantize_activations
+from dayzero.quant.fp8 import quantize_activations, takes_fp8_activations
 
 # activation name -> (function on the w1 output, rows of w1 per intermediate channel)
 _ACTIVATIONS = {
@@ -202,12 +202,8 @@ def grouped_mlp(xs: torch.Tensor, offsets: torch.Tensor, w1, w2, activation: str
         if end > start:
             ys[start:end] = _mlp(xs[start:end].float(), w1[e], w2[e], act,
                                  None if b1 is None else b1[e], None if b2 is None else b2[e],
-                                 _fp8_activations(w1), _fp8_activations(w2))
+                                 takes_fp8_activations(w1), takes_fp8_activations(w2))
     return ys.to(xs.dtype)
-
-
-def _fp8_activations(w) -> bool:
-    return getattr(w, "fp8_activations", False)
 
 
 @register("moe_unpermute")

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from dayzero.ops.triton_support import DOT_F32, HAS_TRITON, next_pow2, pdl, triton_refusal
-from dayzero.quant.fp8 import TILE, TileScaled
+from dayzero.quant.fp8 import TILE, TileScaled, takes_fp8_activations
 from dayzero.quant.mxfp4 import BLOCK
 from dayzero.quant.workspace import BlockScaled, PackedMXFP4
 
@@ -190,7 +190,7 @@ def refusal(xs, offsets, w1, w2, activation: str = "silu", b1=None, b2=None, lim
     cap = torch.cuda.get_device_capability(xs.device) if xs.device.type == "cuda" else None
     if cap is not None and cap < (8, 0):
         return f"the Triton expert kernels need compute capability 8.0 or newer (bf16 dots), the device has {cap[0]}.{cap[1]}"
-    if cap is not None and cap < (8, 9) and (fp8_activations(w1) or fp8_activations(w2)):
+    if cap is not None and cap < (8, 9) and (takes_fp8_activations(w1) or takes_fp8_activations(w2)):
         return f"FP8 activations need FP8 tensor cores (compute capability 8.9 or newer), the device has {cap[0]}.{cap[1]}"
     if xs.dim() != 2 or xs.dtype not in PLAIN_DTYPES:
         return f"xs must be [N, L] in bf16, fp16 or fp32, got {tuple(xs.shape)} {xs.dtype}"
@@ -230,11 +230,6 @@ def weight_operand(w):
     if isinstance(w, PackedMXFP4):  # bytes of a row are contiguous: k-byte stride 1 (checked by refusal)
         return K.MXFP4.value, w.blocks, w.scales, (*w.blocks.stride()[:2], 1), w.scales.stride()
     return K.PLAIN.value, w, w, w.stride(), (0, 0, 0)
-
-
-def fp8_activations(w) -> bool:
-    """Whether the product with ``w`` quantises its activations to FP8 (``TileScaled.fp8_activations``)."""
-    return isinstance(w, TileScaled) and w.fp8_activations
 
 
 def _fit(c: KernelConfig, fmt: int, act_fp8: bool = False) -> KernelConfig:
@@ -283,7 +278,7 @@ def moe_experts_grouped(xs: torch.Tensor, offsets: torch.Tensor, w1, w2, activat
     act = {"silu": K.SILU, "relu2": K.RELU2, "swiglu_oai": K.SWIGLU_OAI}[activation].value
 
     fmt, data, scale, st, ss = weight_operand(w1)
-    c = _fit(cfg.up, fmt, fp8_activations(w1))
+    c = _fit(cfg.up, fmt, takes_fp8_activations(w1))
     m_tiles = row_tiles(N, E, c.block_m)
     K.moe_up_kernel[(m_tiles * -(-I // c.block_n),)](
         xs, offsets if order is None else order, offsets, data, scale, xs if b1 is None else b1, h,
@@ -292,15 +287,15 @@ def moe_experts_grouped(xs: torch.Tensor, offsets: torch.Tensor, w1, w2, activat
         FMT=fmt, ACT=act, GATED=gated, HAS_BIAS=b1 is not None, HAS_LIMIT=limit is not None,
         GATHER=order is not None, TOP_K=top_k,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, num_warps=c.num_warps,
-        num_stages=c.num_stages, ACT_FP8=fp8_activations(w1), **common, **pdl(xs))
+        num_stages=c.num_stages, ACT_FP8=takes_fp8_activations(w1), **common, **pdl(xs))
 
     fmt, data, scale, st, ss = weight_operand(w2)
-    c = _fit(cfg.down, fmt, fp8_activations(w2))
+    c = _fit(cfg.down, fmt, takes_fp8_activations(w2))
     m_tiles = row_tiles(N, E, c.block_m)
     K.moe_down_kernel[(m_tiles * -(-L // c.block_n),)](
         h, offsets, data, scale, h if b2 is None else b2, y, N, m_tiles, L, I, E,
         h.stride(0), *st, *ss, *((0, 0) if b2 is None else b2.stride()), y.stride(0),
         FMT=fmt, HAS_BIAS=b2 is not None, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-        GROUP_M=c.group_m, num_warps=c.num_warps, num_stages=c.num_stages, ACT_FP8=fp8_activations(w2), **common,
+        GROUP_M=c.group_m, num_warps=c.num_warps, num_stages=c.num_stages, ACT_FP8=takes_fp8_activations(w2), **common,
         **pdl(h))
     return y
