@@ -34,7 +34,8 @@ class CacheHandle:
 
 class CacheManager:
     def __init__(self, block_size: int, num_blocks: int, num_slots: int, uses_blocks: bool = True, uses_slots: bool = True,
-                 prefix_caching: bool = False, snapshot_interval: int = 512, num_snapshots: int = 0, align: int | None = None):
+                 prefix_caching: bool = False, snapshot_interval: int = 512, num_snapshots: int = 0, align: int | None = None,
+                 snapshot_policy: str = "adaptive"):
         self.block_size = block_size
         self.uses_blocks, self.uses_slots = uses_blocks, uses_slots
         self.blocks = BlockPool(num_blocks)
@@ -45,7 +46,8 @@ class CacheManager:
         self.align = math.lcm(block_size, align or block_size)
         self.interval = -(-max(snapshot_interval, 1) // self.align) * self.align
         # snapshot rows follow the slots (1 .. num_slots) and the null slot 0 in every state tensor
-        self.snapshots = SnapshotPool(num_slots + 1, num_snapshots if self.prefix_caching and uses_slots else 0)
+        self.snapshots = SnapshotPool(num_slots + 1, num_snapshots if self.prefix_caching and uses_slots else 0,
+                                      snapshot_policy)
         self.pending_restores: list[tuple[int, int]] = []  # (snapshot row, slot) to copy before the next forward
         self.queried_tokens = self.hit_tokens = 0
         self.copies = None  # the host tier, once attached: empty tiers until then
@@ -115,6 +117,8 @@ class CacheManager:
         k = len(blocks) // step * step  # whole aligned units only
         row = None
         if self.uses_slots:  # the last snapshot at or before the shared blocks
+            top = len(hashes) // step * step
+            self.snapshots.observe([hashes[j - 1] for j in range(top, 0, -step)])
             while k > 0 and (row := self._find_snapshot(hashes[k - 1])) is None:
                 k -= step
         self.blocks.release(blocks[k:])  # past the last aligned unit (or snapshot): cached, unheld again
@@ -181,18 +185,24 @@ class CacheManager:
 
     def chunk_end(self, start: int, n: int, prompt_len: int) -> int:
         """How many of ``n`` tokens from position ``start`` the next chunk may take: a chunk that reaches a
-        snapshot point (every ``interval`` tokens, and the last aligned point of the prompt), where the states
+        snapshot point (every ``interval`` tokens, and the prompt's own point, :meth:`_prompt_point`), where the states
         are copied out, stops at the prompt's point if it reaches it, else at the last interval point it reaches;
         one that reaches none takes all ``n``. So a long prompt
         is prefilled in steps of the whole token budget (rounded down to the interval) with a snapshot after
         each, not in steps of one interval."""
         if not (self.prefix_caching and self.uses_slots):
             return n
-        prompt_end = prompt_len // self.align * self.align
+        prompt_end = self._prompt_point(prompt_len)
         if start < prompt_end <= start + n:  # the prompt's own snapshot first (a recomputed sequence goes on)
             return prompt_end - start
         end = (start + n) // self.interval * self.interval  # the last interval point in reach
         return end - start if end > start else n
+
+    def _prompt_point(self, prompt_len: int) -> int:
+        """A prompt's own snapshot point: its last aligned point short of its end, the furthest that the same
+        prompt again (which computes at least its last token) can resume from, and that a longer prompt
+        starting with it (the conversation's next turn) can too."""
+        return (prompt_len - 1) // self.align * self.align
 
     def commit(self, seq_id: int, token_ids: list[int], num_computed: int, prompt_len: int,
                extra_keys=None) -> tuple[int, int] | None:
@@ -209,7 +219,7 @@ class CacheManager:
         for i in range(h.registered, full):
             self.blocks.register(h.blocks[i], self._key(hashes, i))
         h.registered = max(h.registered, full)
-        at_point = num_computed % self.interval == 0 or num_computed == prompt_len // self.align * self.align
+        at_point = num_computed % self.interval == 0 or num_computed == self._prompt_point(prompt_len)
         if not (self.uses_slots and h.slot is not None and num_computed > 0 and num_computed % self.align == 0 and at_point):
             return None
         row = self.snapshots.take(hashes[num_computed // self.block_size - 1])

@@ -68,11 +68,21 @@ def test_without_states_any_block_of_the_shared_prefix(length, want):
     assert cm.match(1, list(range(length))) == want  # at least one token is left to compute
 
 
-@pytest.mark.parametrize("length,want", [(5, 0), (8, 0), (9, 8), (17, 16), (24, 16), (25, 24), (35, 32), (40, 36)])
+@pytest.mark.parametrize("length,want", [(5, 0), (8, 0), (9, 8), (17, 16), (24, 16), (25, 24), (35, 32), (37, 36),
+                                         (40, 36)])
 def test_with_states_only_up_to_the_last_snapshot(length, want):
     cm = manager(states=True)
-    run(cm, 0, list(range(36)), 36)  # snapshots at 8, 16, 24, 32 (every 8) and 36 (the prompt's aligned end)
+    run(cm, 0, list(range(37)), 37)  # snapshots at 8, 16, 24, 32 (every 8) and 36 (the prompt's own point)
     assert cm.match(1, list(range(length))) == want
+
+
+@pytest.mark.parametrize("length", [24, 25, 27])
+def test_the_same_prompt_again_resumes_from_its_own_snapshot(length):
+    """The prompt's own point is the last aligned one short of its end: a prompt of whole blocks, asked again,
+    resumes a block before its end (the snapshot at its end could never be used: a token is always computed)."""
+    cm = CacheManager(4, 64, 4, prefix_caching=True, snapshot_interval=512, num_snapshots=4)
+    run(cm, 0, list(range(length)), length)
+    assert cm.match(1, list(range(length))) == (length - 1) // 4 * 4
 
 
 def test_the_least_recent_snapshot_goes_first():

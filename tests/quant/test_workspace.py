@@ -151,14 +151,14 @@ def test_one_workspace_shared_and_memory_accounting(mx_ckpts):
 
 def test_auto_converts_for_a_long_prefill_and_not_for_decode(mx_ckpts):
     """The engine's default: a 400-token prefill step (133 rows per expert: 400 tokens x top-2 / 6 experts)
-    converts each packed layer once; the decode steps after it (1 row) convert nothing; the output is the
-    dequantised dense model's."""
+    converts each packed layer once; the steps after it (the prompt's last token, then decode: 1 row) convert
+    nothing; the output is the dequantised dense model's."""
     _, packed, ref, _ = mx_ckpts
     kw = dict(device="cpu", dtype="float32", num_cache_blocks=64, max_num_batched_tokens=512)
     llm = LLM(str(packed), **kw)
     eng = llm.engine
     assert eng.expert_workspace.compute == "auto"
-    toks = [5 + (i * 7) % 90 for i in range(400)]
+    toks = [5 + (i * 7) % 90 for i in range(401)]  # the prefix cache's snapshot point ends the first step at 400
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     ours = llm.generate([{"prompt_token_ids": toks}], sp)[0].outputs[0].token_ids
     assert eng.expert_workspace.conversions == len(eng.packed_moe_layers)  # the prefill step's, none after

@@ -1,0 +1,105 @@
+"""Which snapshot the pool evicts: least recently used for conversations, as the bimodal rule would when prompts
+come back in a cycle longer than the pool, whichever would have resumed more."""
+from __future__ import annotations
+
+import pytest
+
+from dayzero.cache.prefix import DUEL_LIMIT, SnapshotPool
+
+
+def ask(pool: SnapshotPool, key: bytes) -> bool:
+    """A new sequence's lookup of ``key``; on a miss it computes the prefix and snapshots it."""
+    pool.observe([key])
+    if pool.find(key) is not None:
+        return True
+    pool.take(key)
+    return False
+
+
+def cycle_hits(policy: str, count: int = 16, distinct: int = 48, passes: int = 4) -> list[int]:
+    pool = SnapshotPool(1, count, policy)
+    keys = [b"prompt %d" % i for i in range(distinct)]
+    return [sum(ask(pool, k) for k in keys) for _ in range(passes)]
+
+
+def test_a_cycle_longer_than_the_pool_keeps_part_of_it():
+    assert cycle_hits("lru") == [0, 0, 0, 0]  # every snapshot is evicted just before it is asked for
+    first, second, *later = cycle_hits("adaptive")
+    # the first pass has no hits to score the rules by, the second moves the pool to the bimodal copy's content;
+    # from then on most of the 16 rows hit (one churns, and one new snapshot in 32 displaces an old one)
+    assert first == 0 and all(h >= 12 for h in later)
+
+
+def conversation_hits(pool: SnapshotPool, users: int = 8, turns: int = 10) -> int:
+    """Each user's turn resumes from the snapshot at the end of its previous prompt, and takes a new one."""
+    hits = 0
+    for t in range(turns):
+        for u in range(users):
+            prev, nxt = b"user %d turn %d" % (u, t), b"user %d turn %d" % (u, t + 1)
+            pool.observe([prev])
+            hits += pool.find(prev) is not None
+            pool.take(nxt)
+    return hits
+
+
+@pytest.mark.parametrize("after_a_cycle", [False, True])
+def test_conversations_stay_least_recently_used(after_a_cycle):
+    lru, adaptive = SnapshotPool(1, 16, "lru"), SnapshotPool(1, 16, "adaptive")
+    if after_a_cycle:
+        for pool in (lru, adaptive):
+            for _ in range(2):
+                for i in range(48):
+                    ask(pool, b"prompt %d" % i)
+        assert adaptive.bimodal and not lru.bimodal
+    got, want = conversation_hits(adaptive), conversation_hits(lru)
+    assert want == 72  # every turn after the first
+    # it follows LRU from the start, or switches back within a turn of users once the score turns
+    assert got == want if not after_a_cycle else got >= want - 2 * DUEL_LIMIT
+    assert not adaptive.bimodal
+
+
+def test_the_lookup_scores_the_longest_prefix_each_rule_would_hold():
+    pool = SnapshotPool(1, 2, "adaptive")
+    pool.take(b"a")
+    pool.observe([b"c", b"b", b"a"])  # both copies hold only a: no preference
+    assert pool.score == 0
+    for key in (b"b", b"c", b"d"):
+        pool.take(key)  # LRU holds c, d; bimodal keeps a and the latest churn, d
+    pool.observe([b"c", b"a"])
+    assert pool.score == 1 and not pool.bimodal  # LRU would have resumed from c, further than a
+    pool.observe([b"e", b"a"])
+    pool.observe([b"f", b"a"])  # only the bimodal copy holds a
+    assert pool.score == -1 and pool.bimodal
+    pool.find(b"d")  # d used again: c is the least recently used
+    pool.take(b"g")  # the bimodal copy now holds a and g: of the rows it no longer holds, c goes first
+    assert set(pool.rows) == {b"d", b"g"}
+
+
+def test_an_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="adaptive"):
+        SnapshotPool(1, 4, "fifo")
+
+
+def test_cycled_prompts_through_the_engine_hit_and_give_the_uncached_output(tiny_ckpt):
+    """Twelve distinct prompts asked three times over, one at a time, through four snapshot rows: the adaptive
+    pool resumes some of them from snapshots where LRU resumes none, and both give the uncached tokens and
+    log-probabilities."""
+    import torch
+
+    from dayzero import LLM, SamplingParams
+
+    prompts = [torch.randint(3, 200, (24,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(12)]
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=1)
+    runs = {}
+    for name, kw in {"off": dict(enable_prefix_caching=False), "lru": dict(prefix_snapshot_policy="lru"),
+                     "adaptive": {}}.items():
+        engine = LLM(str(tiny_ckpt), device="cpu", dtype="float32", load_format="dummy", block_size=4,
+                     max_num_seqs=1, max_model_len=64, num_cache_blocks=256, num_prefix_snapshots=4, **kw)
+        outs = [engine.generate([{"prompt_token_ids": p}], sp)[0].outputs[0] for _ in range(3) for p in prompts]
+        runs[name] = ([o.token_ids for o in outs], [o.logprobs for o in outs],
+                      engine.engine.cache_usage()["prefix_hit_tokens"])
+    assert runs["off"][2] == runs["lru"][2] == 0  # every snapshot evicted just before its prompt came back
+    assert runs["adaptive"][2] >= 2 * 20  # at least two of the 24 repeats resumed from a 20-token snapshot
+    for name in ("lru", "adaptive"):
+        assert runs[name][0] == runs["off"][0]
+        torch.testing.assert_close(torch.tensor(runs[name][1]), torch.tensor(runs["off"][1]), rtol=1e-5, atol=1e-5)
