@@ -36,7 +36,7 @@ def dequantize_fp8_blocks(w8: torch.Tensor, scale_inv: torch.Tensor, dtype: torc
 
 def quantize_activations(x: torch.Tensor, group: int = TILE) -> torch.Tensor:
     """x [.., K] through FP8 and back, in fp32: each row's ``group`` consecutive values share the scale
-    amax / 448 (they are multiplied by its reciprocal) and are rounded to e4m3 (DeepSeek-V3's dynamic activation scheme, ``activation_scheme:
+    s = amax / 448, and x / s is rounded to e4m3 (DeepSeek-V3's dynamic activation scheme, ``activation_scheme:
     "dynamic"``). What an FP8 x FP8 product of :class:`TileScaled` weights multiplies."""
     K = x.shape[-1]
     g = -(-K // group)
@@ -44,7 +44,10 @@ def quantize_activations(x: torch.Tensor, group: int = TILE) -> torch.Tensor:
     padded[..., :K] = x.float()
     groups = padded.unflatten(-1, (g, group))
     amax = groups.abs().amax(-1, keepdim=True).clamp(min=1e-10)
-    q = (groups * (FP8_MAX / amax)).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * (amax / FP8_MAX)
+    # tensor-by-tensor divisions, correctly rounded on every device (a Python-number divisor may become a product
+    # with its reciprocal), as the kernels divide: near-ties of the e4m3 rounding then go the same way everywhere
+    scale = amax / torch.full_like(amax, FP8_MAX)
+    q = (groups / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * scale
     return q.flatten(-2)[..., :K]
 
 

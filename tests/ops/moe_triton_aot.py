@@ -34,12 +34,14 @@ def compile_pair(fmt: int, act: int, bm: int, bn: int, bk: int, warps: int, stag
                   PRECISION=None, ACT_FP8=act_fp8)
     ptrs = {"offs_ptr": "*i32", "w_ptr": WEIGHT[fmt], "ws_ptr": SCALE[fmt], "b_ptr": "*fp32"}
     gather = fmt in (0, 3)  # tokens read through the pair order (the engine's path), else rows already sorted
-    up = compile_kernel(K.moe_up_kernel, {**ptrs, "x_ptr": "*bf16", "ord_ptr": "*i64", "h_ptr": "*bf16",
-                                          "limit": "fp32"},
+    act = "*fp8e4nv" if act_fp8 else "*bf16"  # FP8 activations: e4m3 codes and fp32 scales per 128 columns
+    scales = "*fp32" if act_fp8 else "*bf16"
+    up = compile_kernel(K.moe_up_kernel, {**ptrs, "x_ptr": act, "xs_ptr": scales, "ord_ptr": "*i64",
+                                          "h_ptr": "*bf16", "limit": "fp32"},
                         {**common, "ACT": act, "GATED": act != K.RELU2.value, "HAS_BIAS": True, "HAS_LIMIT": act == 0,
                          "GATHER": gather, "TOP_K": 8}, warps, stages)
-    down = compile_kernel(K.moe_down_kernel, {**ptrs, "h_ptr": "*bf16", "y_ptr": "*bf16"}, {**common, "HAS_BIAS": True},
-                          warps, stages)
+    down = compile_kernel(K.moe_down_kernel, {**ptrs, "h_ptr": act, "hs_ptr": scales, "y_ptr": "*bf16"},
+                          {**common, "HAS_BIAS": True}, warps, stages)
     return up, down
 
 
@@ -69,9 +71,17 @@ def compile_tile_conversion():
                           options=dict(num_warps=8, num_stages=1))
 
 
+def compile_activation_quantizer(K_: int = 2048):
+    """The FP8 activation quantiser the grouped GEMMs read from (``quantize_groups_kernel``)."""
+    return compile_kernel(K.quantize_groups_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
+                          {"K": K_, "BLOCK_R": 32, "ROUND_FIRST": False, "PDL": False}, 4, 1)
+
+
 def main() -> int:
     k = compile_tile_conversion()
     print(f"tile conversion: shared {k.metadata.shared} B")
+    k = compile_activation_quantizer()
+    print(f"activation quantiser: shared {k.metadata.shared} B")
     for case in CASES:
         for name, k in zip(("up", "down"), compile_pair(*case)):
             ttgir = k.asm["ttgir"]

@@ -260,3 +260,23 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     proc = subprocess.run([sys.executable, "-m", "tests.ops.moe_triton_aot"], capture_output=True, text=True, env=env,
                           cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("R,K_", [(1, 64), (37, 160), (64, 256), (0, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_quantiser_rounds_like_the_reference(R, K_, dtype):
+    """The codes and scales the GEMMs with FP8 activations read, against ``quantize_activations``: a partial last
+    group (160 = 128 + 32), rows past a block of 32, a row of zeros, a strided input."""
+    from dayzero.quant.fp8 import quantize_activations
+
+    g = torch.Generator(DEV).manual_seed(3)
+    wide = (torch.randn(R, 2 * K_, generator=g, device=DEV) * torch.exp(torch.randn(R, 1, generator=g, device=DEV)))
+    x = wide[:, ::2].to(dtype)  # every other column: a column stride of 2
+    if R > 1:
+        x[1] = 0
+    q, s = T.quantize_groups(x)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (R, K_) and s.shape == (R, -(-K_ // 128))
+    got = (q.float().unflatten(-1, (-1, 128)) if K_ % 128 == 0 else
+           torch.nn.functional.pad(q.float(), (0, -K_ % 128)).unflatten(-1, (-1, 128))) * s[..., None]
+    want = quantize_activations(x.float())
+    assert torch.equal(got.flatten(-2)[:, :K_], want)

@@ -277,25 +277,41 @@ def moe_experts_grouped(xs: torch.Tensor, offsets: torch.Tensor, w1, w2, activat
     common = dict(E_POW2=next_pow2(E), DOT_F32=DOT_F32, PRECISION="ieee" if xs.dtype == torch.float32 else None)
     act = {"silu": K.SILU, "relu2": K.RELU2, "swiglu_oai": K.SWIGLU_OAI}[activation].value
 
+    a1, a2 = takes_fp8_activations(w1), takes_fp8_activations(w2)
+    x, sx = quantize_groups(xs) if a1 else (xs, xs)
     fmt, data, scale, st, ss = weight_operand(w1)
-    c = _fit(cfg.up, fmt, takes_fp8_activations(w1))
+    c = _fit(cfg.up, fmt, a1)
     m_tiles = row_tiles(N, E, c.block_m)
     K.moe_up_kernel[(m_tiles * -(-I // c.block_n),)](
-        xs, offsets if order is None else order, offsets, data, scale, xs if b1 is None else b1, h,
+        x, sx, offsets if order is None else order, offsets, data, scale, xs if b1 is None else b1, h,
         0.0 if limit is None else float(limit), N, m_tiles, L, I, E,
-        *xs.stride(), *st, *ss, *((0, 0) if b1 is None else b1.stride()), h.stride(0),
+        *x.stride(), sx.stride(0), *st, *ss, *((0, 0) if b1 is None else b1.stride()), h.stride(0),
         FMT=fmt, ACT=act, GATED=gated, HAS_BIAS=b1 is not None, HAS_LIMIT=limit is not None,
         GATHER=order is not None, TOP_K=top_k,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, num_warps=c.num_warps,
-        num_stages=c.num_stages, ACT_FP8=takes_fp8_activations(w1), **common, **pdl(xs))
+        num_stages=c.num_stages, ACT_FP8=a1, **common, **pdl(xs))
 
+    hq, sh = quantize_groups(h) if a2 else (h, h)
     fmt, data, scale, st, ss = weight_operand(w2)
-    c = _fit(cfg.down, fmt, takes_fp8_activations(w2))
+    c = _fit(cfg.down, fmt, a2)
     m_tiles = row_tiles(N, E, c.block_m)
     K.moe_down_kernel[(m_tiles * -(-L // c.block_n),)](
-        h, offsets, data, scale, h if b2 is None else b2, y, N, m_tiles, L, I, E,
-        h.stride(0), *st, *ss, *((0, 0) if b2 is None else b2.stride()), y.stride(0),
+        hq, sh, offsets, data, scale, h if b2 is None else b2, y, N, m_tiles, L, I, E,
+        hq.stride(0), sh.stride(0), *st, *ss, *((0, 0) if b2 is None else b2.stride()), y.stride(0),
         FMT=fmt, HAS_BIAS=b2 is not None, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-        GROUP_M=c.group_m, num_warps=c.num_warps, num_stages=c.num_stages, ACT_FP8=takes_fp8_activations(w2), **common,
-        **pdl(h))
+        GROUP_M=c.group_m, num_warps=c.num_warps, num_stages=c.num_stages, ACT_FP8=a2, **common, **pdl(h))
     return y
+
+
+def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows x [R, K] as e4m3 codes [R, K] and fp32 scales [R, cdiv(K, 128)], one per row per 128 columns
+    (``quantize_activations``' rounding): the FP8 activations the grouped GEMMs read."""
+    R, Kdim = x.shape
+    q = torch.empty(R, Kdim, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(R, -(-Kdim // TILE), dtype=torch.float32, device=x.device)
+    if R:
+        block_r = 32
+        K.quantize_groups_kernel[(-(-R // block_r), s.shape[1])](
+            x, q, s, R, Kdim, *x.stride(), q.stride(0), s.stride(0), BLOCK_R=block_r, ROUND_FIRST=DOT_F32,
+            num_warps=4, **pdl(x))
+    return q, s

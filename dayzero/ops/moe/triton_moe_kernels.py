@@ -8,12 +8,12 @@ kernel's idle programs zero the padding rows past ``offsets[-1]`` instead, so ev
 
 Weights are read in their stored format and dequantised in the K loop, never copied whole:
 ``PLAIN`` (bf16/fp16/fp32), ``TILE`` (e4m3 with one fp32 scale per 128x128 tile: the tile scale is constant
-over a BLOCK_K step, so it multiplies the partial product and the codes enter the dot exactly; with ACT_FP8
-the activations of each 128-wide K step are quantised to e4m3 per row as they are loaded and the dot is FP8 x
-FP8, the row scales multiplying the partial product with the tile's), ``BLOCK``
+over a BLOCK_K step, so it multiplies the partial product and the codes enter the dot exactly), ``BLOCK``
 (e4m3 with one fp32 scale per 32 weights along K) and ``MXFP4`` (E2M1 nibble pairs with E8M0 scales per 32).
-The dots take operands in the activations' dtype (bf16 tensor cores on a GPU), or e4m3 with ACT_FP8, and accumulate
-in fp32.
+The dots take operands in the activations' dtype (bf16 tensor cores on a GPU) and accumulate in fp32. With
+ACT_FP8 (TILE weights) the activations arrive as e4m3 codes with one scale per row per 128 columns, written by
+``quantize_groups_kernel`` before each GEMM, and the dot is FP8 x FP8 with both operands read from memory; the
+row and tile scales multiply the partial product of each 128-wide K step.
 
 L and I are constexpr: the K loops get constant trip counts (and one compile per layer shape), and Triton's
 interpreter (numpy 2.4) cannot ``range()`` over runtime ints. N stays a runtime argument, unspecialised, so a
@@ -119,16 +119,19 @@ def weight_tile(w_ptr, s_ptr, e, n, n_ok, k0, K, s_we, s_wn, s_wk, s_se, s_sn, s
 
 @triton.jit
 def quantize_rows(x, ACT_FP8: tl.constexpr, ROUND_FIRST: tl.constexpr):
-    """With ACT_FP8, a K step of activations [BLOCK_M, BLOCK_K] (BLOCK_K = 128, one group) as e4m3 codes and
-    each row's scale amax / 448 (``quantize_activations``); else x unchanged and scales of 1. ROUND_FIRST: under
+    """With ACT_FP8, a K step of activations [BLOCK_M, BLOCK_K] (BLOCK_K = 128, one group) as e4m3 codes
+    x / s and each row's scale s = amax / 448 (``quantize_activations``, bit for bit); else x unchanged and
+    scales of 1. ROUND_FIRST: under
     Triton's interpreter (``round_e4m3``)."""
     if ACT_FP8:
         xf = x.to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(xf), 1), 1e-10)  # [BLOCK_M]
-        z = xf * (448.0 / amax)[:, None]
+        # correctly rounded divisions, as torch's tensor ones: a near-tie must round the same way in both
+        s = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+        z = tl.minimum(tl.maximum(tl.math.div_rn(xf, s[:, None]), -448.0), 448.0)
         if ROUND_FIRST:
             z = round_e4m3(z)
-        q, s = z.to(tl.float8e4nv), amax / 448.0
+        q = z.to(tl.float8e4nv)
     else:
         q, s = x, tl.full((x.shape[0],), 1.0, tl.float32)
     return q, s
@@ -141,6 +144,32 @@ def fake_quantize_rows(v, ACT_FP8: tl.constexpr, ROUND_FIRST: tl.constexpr):
         q, s = quantize_rows(v, ACT_FP8, ROUND_FIRST)
         v = q.to(tl.float32) * s[:, None]
     return v
+
+
+@triton.jit
+def group_scales(s_ptr, rows, s_sm, row_ok, k0, BLOCK_M: tl.constexpr, ACT_FP8: tl.constexpr):
+    """With ACT_FP8, the scales [BLOCK_M] of ``rows``' activation codes in the 128-wide K step at k0; else ones."""
+    if ACT_FP8:
+        s = tl.load(s_ptr + rows * s_sm + k0 // 128, mask=row_ok, other=0.0)
+    else:
+        s = tl.full((BLOCK_M,), 1.0, tl.float32)
+    return s
+
+
+@triton.jit(do_not_specialize=["R"])
+def quantize_groups_kernel(x_ptr, q_ptr, s_ptr, R, K: tl.constexpr, s_xm, s_xk, s_qm, s_sm, BLOCK_R: tl.constexpr,
+                           ROUND_FIRST: tl.constexpr, PDL: tl.constexpr):
+    """Rows x [R, K] as e4m3 codes q [R, K] and one scale (amax / 448) per row per 128 columns s [R, cdiv(K,
+    128)], as :func:`quantize_rows` quantises a K step: what the expert GEMMs with FP8 activations read, so
+    their dots take both operands from memory. Grid: cdiv(R, BLOCK_R) x cdiv(K, 128)."""
+    grid_dependency(PDL)
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    k = tl.program_id(1) * 128 + tl.arange(0, 128)
+    ok = (rows < R)[:, None] & (k < K)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * s_xm + k[None, :] * s_xk, mask=ok, other=0.0)
+    q, s = quantize_rows(x, True, ROUND_FIRST)
+    tl.store(q_ptr + rows[:, None] * s_qm + k[None, :], q, mask=ok)
+    tl.store(s_ptr + rows * s_sm + tl.program_id(1), s, mask=rows < R)
 
 
 @triton.jit
@@ -184,8 +213,8 @@ def activate(a, b, limit, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["N", "m_tiles", "limit"])
-def moe_up_kernel(x_ptr, ord_ptr, offs_ptr, w_ptr, ws_ptr, b_ptr, h_ptr, limit, N, m_tiles, L: tl.constexpr,
-                  I: tl.constexpr, E, s_xm, s_xk, s_we, s_wn, s_wk, s_se, s_sn, s_sk, s_be, s_bn, s_hm,
+def moe_up_kernel(x_ptr, xs_ptr, ord_ptr, offs_ptr, w_ptr, ws_ptr, b_ptr, h_ptr, limit, N, m_tiles, L: tl.constexpr,
+                  I: tl.constexpr, E, s_xm, s_xk, s_xsm, s_we, s_wn, s_wk, s_se, s_sn, s_sk, s_be, s_bn, s_hm,
                   FMT: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
                   HAS_LIMIT: tl.constexpr, GATHER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, E_POW2: tl.constexpr,
@@ -194,7 +223,8 @@ def moe_up_kernel(x_ptr, ord_ptr, offs_ptr, w_ptr, ws_ptr, b_ptr, h_ptr, limit, 
 
     Gated activations keep two accumulators, gate rows ``cols`` and up rows ``I + cols`` of w1, so h is
     written [N, I] and never [N, 2I]. h is stored in the dtype of its pointer (the activations' dtype). With
-    GATHER, x holds the tokens and sorted row r is token ord[r] // TOP_K."""
+    GATHER, x holds the tokens and sorted row r is token ord[r] // TOP_K. With ACT_FP8, x holds e4m3 codes and
+    xs their scales per 128 columns (``quantize_groups_kernel``)."""
     # x: [N, L] (GATHER: [T, L]); w1: [E, r*I, L]; b1: [E, r*I]; h: [N, I]; grid: m_tiles x cdiv(I, BLOCK_N)
     grid_dependency(PDL)
     pid_m, pid_n = _swizzle(tl.program_id(0), m_tiles, tl.cdiv(I, BLOCK_N), GROUP_M)
@@ -215,7 +245,7 @@ def moe_up_kernel(x_ptr, ord_ptr, offs_ptr, w_ptr, ws_ptr, b_ptr, h_ptr, limit, 
             k = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + src[:, None] * s_xm + k[None, :] * s_xk,
                         mask=row_ok[:, None] & (k[None, :] < L), other=0.0)  # [BLOCK_M, BLOCK_K]
-            x, sx = quantize_rows(x, ACT_FP8, DOT_F32)
+            sx = group_scales(xs_ptr, src, s_xsm, row_ok, k0, BLOCK_M, ACT_FP8)
             acc_a = _mma(acc_a, x, sx, w_ptr, ws_ptr, ex, cols, col_ok, k0, L, s_we, s_wn, s_wk, s_se, s_sn,
                          s_sk, FMT, BLOCK_N, BLOCK_K, DOT_F32, PRECISION, ACT_FP8)
             if GATED:
@@ -231,14 +261,15 @@ def moe_up_kernel(x_ptr, ord_ptr, offs_ptr, w_ptr, ws_ptr, b_ptr, h_ptr, limit, 
 
 
 @triton.jit(do_not_specialize=["N", "m_tiles"])
-def moe_down_kernel(h_ptr, offs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, m_tiles, L: tl.constexpr, I: tl.constexpr, E,
-                    s_hm, s_we, s_wn, s_wk, s_se, s_sn, s_sk, s_be, s_bn, s_ym,
+def moe_down_kernel(h_ptr, hs_ptr, offs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, m_tiles, L: tl.constexpr, I: tl.constexpr,
+                    E, s_hm, s_hsm, s_we, s_wn, s_wk, s_se, s_sn, s_sk, s_be, s_bn, s_ym,
                     FMT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, E_POW2: tl.constexpr, DOT_F32: tl.constexpr,
                     PRECISION: tl.constexpr, PDL: tl.constexpr, ACT_FP8: tl.constexpr = False):
     """y[rows, cols] = h[rows] @ w2[e]^T + b2[e] for one row tile of expert e and BLOCK_N columns of L.
 
-    The programs past the real tiles share the zeroing of the padding rows offsets[-1]:N between them."""
+    The programs past the real tiles share the zeroing of the padding rows offsets[-1]:N between them. With
+    ACT_FP8, h holds e4m3 codes and hs their scales per 128 columns."""
     # h: [N, I]; w2: [E, L, I]; b2: [E, L]; y: [N, L]; grid: m_tiles (a bound) x cdiv(L, BLOCK_N) programs
     grid_dependency(PDL)
     pid_m, pid_n = _swizzle(tl.program_id(0), m_tiles, tl.cdiv(L, BLOCK_N), GROUP_M)
@@ -262,7 +293,7 @@ def moe_down_kernel(h_ptr, offs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, m_tiles, L:
         for k0 in range(0, I, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             h = tl.load(h_ptr + rows[:, None] * s_hm + k[None, :], mask=row_ok[:, None] & (k[None, :] < I), other=0.0)
-            h, sh = quantize_rows(h, ACT_FP8, DOT_F32)
+            sh = group_scales(hs_ptr, rows, s_hsm, row_ok, k0, BLOCK_M, ACT_FP8)
             acc = _mma(acc, h, sh, w_ptr, ws_ptr, ex, cols, col_ok, k0, I, s_we, s_wn, s_wk, s_se, s_sn, s_sk,
                        FMT, BLOCK_N, BLOCK_K, DOT_F32, PRECISION, ACT_FP8)
         if HAS_BIAS:
