@@ -73,15 +73,21 @@ def case(counts, pad, L, I, activation, fmt="plain", dtype=torch.float32, bias=F
     return xs, offsets, w1, w2, b1, b2
 
 
-def check(out, ref, dtype, rows):
+# FP8 activations in bf16: the kernels hold h between the GEMMs in bf16, the reference in fp32, and a rounding to
+# bf16 moves about 1 in 32 of the e4m3 roundings after it by a whole e4m3 step (6-12% of that term): on the H200
+# 2.8-2.9% of the largest output at most (a misread scale or tile is off by far more)
+TOL_A8 = {torch.float32: 1e-4, torch.bfloat16: 6e-2}
+
+
+def check(out, ref, dtype, rows, tol=TOL):
     """Real rows within the dtype's tolerance of the reference; padding rows zero."""
     assert out.dtype == ref.dtype and out.shape == ref.shape
     assert torch.isfinite(out).all()
     o, r = out[:rows].float(), ref[:rows].float()
     if rows:
         scale = r.abs().max().clamp(min=1e-6)
-        assert (o - r).abs().max() / scale < TOL[dtype], f"max-abs error {(o - r).abs().max() / scale:.2e}"
-        assert (o - r).norm() / r.norm().clamp(min=1e-6) < TOL[dtype]
+        assert (o - r).abs().max() / scale < tol[dtype], f"max-abs error {(o - r).abs().max() / scale:.2e}"
+        assert (o - r).norm() / r.norm().clamp(min=1e-6) < tol[dtype]
     assert (out[rows:] == 0).all()
 
 
@@ -89,7 +95,8 @@ def run(counts, pad, L, I, activation, fmt="plain", dtype=torch.float32, bias=Fa
     xs, offsets, w1, w2, b1, b2 = case(counts, pad, L, I, activation, fmt, dtype, bias, seed)
     assert T.refusal(xs, offsets, w1, w2, activation, b1, b2, limit) is None
     out = T.moe_experts_grouped(xs, offsets, w1, w2, activation, b1, b2, limit, config=config)
-    check(out, reference.grouped_mlp(xs, offsets, w1, w2, activation, b1, b2, limit), dtype, sum(counts))
+    check(out, reference.grouped_mlp(xs, offsets, w1, w2, activation, b1, b2, limit), dtype, sum(counts),
+          TOL_A8 if fmt == "fp8_tile_a8" else TOL)
 
 
 ACTS = [("silu", False, None), ("silu", True, None), ("silu", False, 0.7), ("relu2", True, None),
