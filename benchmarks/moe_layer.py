@@ -130,7 +130,7 @@ def convert_fn(w, device: str):
     return lambda: (ws.invalidate(), ws.acquire(moe))
 
 
-def tune_grid(rows: int, E: int, small: bool):
+def tune_grid(rows: int, E: int, small: bool, fp8: bool = False):
     """Candidate kernel configs: row tiles near the rows per expert, a few (BLOCK_N, BLOCK_K, warps, stages)."""
     from dayzero.ops.moe import triton_moe as T
     from dayzero.ops.triton_support import next_pow2
@@ -138,6 +138,8 @@ def tune_grid(rows: int, E: int, small: bool):
     top = max(16, 2 * next_pow2(-(-rows // E)))
     bms = [b for b in (16, 32, 64, 128) if b <= top][-2:]
     rest = [(64, 128, 4, 4), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4)]
+    if fp8:  # FP8 x FP8 dots: K steps are 128 (one activation group) whatever is asked; wider and deeper tiles
+        rest = [(64, 128, 4, 4), (128, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 8, 5)]
     return [T.KernelConfig(bm, *r) for bm in bms for r in (rest[:2] if small else rest)]
 
 
@@ -145,7 +147,7 @@ def tune(args, w, E, L, I, timed, table: dict) -> None:
     """Coordinate descent per format and token count: best first-kernel config, then best second-kernel one."""
     from dayzero.ops.moe import triton_moe as T
 
-    for fmt in ("bf16", "fp8", "mxfp4"):
+    for fmt in args.tune_formats:
         w1, w2 = w["w1"][fmt], w["w2"][fmt]
         entry = table.setdefault(T.table_key(T.format_key(w1, w2), E, L, I), {})
         for tokens in args.tokens:
@@ -155,7 +157,7 @@ def tune(args, w, E, L, I, timed, table: dict) -> None:
             best = T.default_config(xs.shape[0], E)
             for part in ("up", "down"):
                 scores = []
-                for c in tune_grid(xs.shape[0], E, args.small):
+                for c in tune_grid(xs.shape[0], E, args.small, fmt == "fp8_tile_a8"):
                     cfg = T.Config(c, best.down) if part == "up" else T.Config(best.up, c)
                     try:
                         scores.append((timed(lambda: T.moe_experts_grouped(xs, offsets, w1, w2, config=cfg)), cfg))
@@ -212,6 +214,9 @@ def parse(argv):
     ap.add_argument("--small", action="store_true", help="tiny sizes (CPU smoke test under TRITON_INTERPRET=1)")
     ap.add_argument("--tune", action="store_true", help="tune the Triton block sizes and write the table")
     ap.add_argument("--tune-out", default=None, help="table to write (default: the one the kernels read)")
+    ap.add_argument("--tune-formats", nargs="+", default=["bf16", "fp8", "mxfp4"],
+                    choices=["bf16", "fp8", "mxfp4", "fp8_tile", "fp8_tile_a8"],
+                    help="weight formats to tune (fp8: 32-blocks; fp8_tile: 128x128 tiles; _a8: FP8 activations)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.small:

@@ -76,8 +76,12 @@ def test_the_lookup_scores_the_longest_prefix_each_rule_would_hold():
 
 
 def test_an_unknown_policy_is_refused():
+    from dayzero.engine.engine import EngineConfig
+
     with pytest.raises(ValueError, match="adaptive"):
         SnapshotPool(1, 4, "fifo")
+    with pytest.raises(ValueError, match="prefix_snapshot_policy must be one of"):
+        EngineConfig(device="cpu", prefix_snapshot_policy="fifo")
 
 
 def test_cycled_prompts_through_the_engine_hit_and_give_the_uncached_output(tiny_ckpt):

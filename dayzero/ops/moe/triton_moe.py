@@ -124,8 +124,8 @@ def config_for(fmt: str, rows: int, num_experts: int, L: int, I: int, gated: boo
 
 def weight_format(w) -> str | None:
     """Name of the stored format of stacked expert weights (the tuning table's key), None if unknown."""
-    if isinstance(w, TileScaled):
-        return "fp8_tile"
+    if isinstance(w, TileScaled):  # with FP8 activations a kernel of its own (FP8 x FP8 dots): its own tiles
+        return "fp8_tile_a8" if w.fp8_activations else "fp8_tile"
     if isinstance(w, BlockScaled):
         return "fp8_block"
     if isinstance(w, PackedMXFP4):
