@@ -132,4 +132,6 @@ def test_steps_in_parts_give_the_whole_steps_outputs(model_path):
         assert got_tokens == tokens
         assert len(got_logits) == len(logits)
         for a, b in zip(got_logits, logits):
-            assert ((a - b).norm() / b.norm()).item() <= RTOL
+            assert a.shape == b.shape  # a step that only brings prompts to a snapshot point samples no row
+            if b.numel():
+                assert ((a - b).norm() / b.norm()).item() <= RTOL
