@@ -1,14 +1,15 @@
-"""Distinct prompts that come back in the same order, more of them than the prefix cache keeps snapshots for:
-the snapshot pool's eviction policies side by side in one run.
+"""Distinct prompts that come back in the same order, more of them than the prefix cache keeps: the eviction
+policies of its snapshots and blocks side by side in one run.
 
     python benchmarks/prompt_cycle.py --device cpu --prompts 48 --passes 4 --num-snapshots 16
+    python benchmarks/prompt_cycle.py --device cpu --num-cache-blocks 300 --num-snapshots 64   # blocks run short
 
 Each pass sends every prompt once, ``--max-num-seqs`` at a time in the same order (an evaluation harness
 rerunning its set, a fleet of agents with fixed instructions polled in turn). With least-recently-used eviction
-a cycle longer than the pool finds each snapshot evicted just before its prompt comes back; the adaptive policy
-(``dayzero.cache.prefix``) notices that bimodal insertion would have resumed more and keeps part of the cycle.
-Per setting: prompt tokens taken from the cache in each pass, TTFT p50 and the total time; greedy outputs are
-checked to be equal to the uncached run's.
+a cycle longer than the pool finds each snapshot (or block) evicted just before its prompt comes back; the
+adaptive policy (``dayzero.cache.eviction``) notices that bimodal insertion would have resumed more and keeps
+part of the cycle. Per setting: prompt tokens taken from the cache in each pass, TTFT p50 and the total time;
+greedy outputs are checked to be equal to the uncached run's.
 """
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ def run(llm: LLM, prompts: list[list[int]], passes: int, reply: int) -> dict:
         ttft += [first[r] - start[r] for r in start]
         hits.append(eng.stats()["prefix_hit_tokens"] - before)
     return {"seconds": time.perf_counter() - t0, "hit_tokens": hits, "ttft_p50_ms": 1e3 * statistics.median(ttft),
-            "snapshots_evicted": eng.cache.snapshots.num_evicted, "outputs": outputs}
+            "snapshots_evicted": eng.cache.snapshots.num_evicted, "blocks_evicted": eng.cache.blocks.num_evicted,
+            "outputs": outputs}
 
 
 def main(argv=None) -> dict:
@@ -62,8 +64,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     settings = {"off": dict(enable_prefix_caching=False),
-                "lru": dict(prefix_snapshot_policy="lru", num_prefix_snapshots=args.num_snapshots),
-                "adaptive": dict(prefix_snapshot_policy="adaptive", num_prefix_snapshots=args.num_snapshots)}
+                "lru": dict(prefix_eviction_policy="lru", num_prefix_snapshots=args.num_snapshots),
+                "adaptive": dict(prefix_eviction_policy="adaptive", num_prefix_snapshots=args.num_snapshots)}
     results, asked = {}, 0
     longest = args.prompt_len[1] + args.reply_len + 1
     # the blocks the engine would cap at (max_num_seqs sequences) keep only the last few prompts' prefixes
@@ -88,10 +90,11 @@ def main(argv=None) -> dict:
           f"{results['off']['device']}; greedy outputs "
           f"equal: {same}")
     print(f"{'policy':>9} " + " ".join(f"{f'pass {p + 1} hit':>11}" for p in range(args.passes))
-          + f" {'all passes':>11} {'evicted':>8} {'TTFT p50 ms':>12} {'total s':>8}")
+          + f" {'all passes':>11} {'snapshots evicted':>17} {'blocks evicted':>14} {'TTFT p50 ms':>12} {'total s':>8}")
     for name, r in results.items():
         print(f"{name:>9} " + " ".join(f"{h / asked:>11.1%}" for h in r["hit_tokens"])
-              + f" {sum(r['hit_tokens']) / (asked * args.passes):>11.1%} {r['snapshots_evicted']:>8}"
+              + f" {sum(r['hit_tokens']) / (asked * args.passes):>11.1%} {r['snapshots_evicted']:>17}"
+              f" {r['blocks_evicted']:>14}"
               f" {r['ttft_p50_ms']:>12.1f} {r['seconds']:>8.2f}")
     report = {"args": vars(args), "results": results, "greedy_equal": same}
     if args.json:

@@ -52,7 +52,7 @@ def test_engine_options_reach_llm(monkeypatch, capsys):
             "--expert-compute", "fp8", "--fp8-activations",
             "--high-precision-layers", "0", "2", "--enforce-eager", "--cuda-graph-sizes", "1", "4",
             "--cuda-graph-max-len", "512", "--cuda-graph-prefill-tokens", "256", "--no-enable-prefix-caching", "--prefix-snapshot-interval", "256",
-            "--num-prefix-snapshots", "5", "--prefix-snapshot-policy", "lru", "--async-scheduling", "--host-cache-gib", "1.5", "--tp", "2", "--ep", "2",
+            "--num-prefix-snapshots", "5", "--prefix-eviction-policy", "lru", "--async-scheduling", "--host-cache-gib", "1.5", "--tp", "2", "--ep", "2",
             "--pp", "2", "--dp", "3", "--pp-micro-batches", "3", "--num-redundant-experts", "4", "--eplb-interval", "100",
             "--distributed-host", "10.0.0.1", "--distributed-port", "29555"]
     assert cli.main(argv) == 1  # the fake LLM stops the run
@@ -63,7 +63,7 @@ def test_engine_options_reach_llm(monkeypatch, capsys):
                    "expert_compute": "fp8",
                    "high_precision_layers": [0, 2], "enforce_eager": True, "cuda_graph_sizes": [1, 4],
                    "cuda_graph_max_len": 512, "cuda_graph_prefill_tokens": 256, "enable_prefix_caching": False, "prefix_snapshot_interval": 256,
-                   "num_prefix_snapshots": 5, "prefix_snapshot_policy": "lru", "async_scheduling": True, "host_cache_gib": 1.5, "tp": 2, "ep": 2,
+                   "num_prefix_snapshots": 5, "prefix_eviction_policy": "lru", "async_scheduling": True, "host_cache_gib": 1.5, "tp": 2, "ep": 2,
                    "pp": 2, "dp": 3, "pp_micro_batches": 3, "num_redundant_experts": 4, "eplb_interval": 100,
                    "distributed_host": "10.0.0.1", "distributed_port": 29555}
 

@@ -4,18 +4,24 @@ later request may reuse. Block 0 is the null block, never handed out (padding in
 A full block whose tokens are known is registered under the hash of its prefix (:mod:`dayzero.cache.prefix`).
 When its last user releases it, it is not freed but kept, evictable, in least-recently-used order: a new
 request with the same prefix takes it back (``acquire``) instead of computing it again. Allocation takes free
-blocks first and evicts the least recently used cached ones only when none is left, so a block that some
-sequence holds (reference count > 0) is never evicted.
+blocks first and evicts a cached one only when none is left, so a block that some sequence holds (reference
+count > 0) is never evicted: the least recently used, or with ``policy="adaptive"`` the least recently used
+that the leading rule of :class:`~dayzero.cache.eviction.EvictionDuel` would no longer hold.
 """
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 
+from dayzero.cache.eviction import POLICIES, EvictionDuel
+
 
 class BlockPool:
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, policy: str = "lru"):
         if num_blocks < 2:
             raise ValueError(f"num_cache_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
+        if policy not in POLICIES:
+            raise ValueError(f"block eviction policy must be one of {POLICIES}, got {policy!r}")
+        self.duel = EvictionDuel(num_blocks - 1) if policy == "adaptive" else None
         self.num_blocks = num_blocks
         self.ref_cnt = [0] * num_blocks
         self.free = deque(range(1, num_blocks))
@@ -41,8 +47,9 @@ class BlockPool:
         for _ in range(n):
             if self.free:
                 i = self.free.popleft()
-            else:  # the least recently used cached block nobody holds
-                i, _ = self.evictable.popitem(last=False)
+            else:  # a cached block nobody holds: the least recently used (or as the duel says)
+                i = next(iter(self.evictable)) if self.duel is None else self.duel.victim(self.evictable, self.hash_of.get)
+                del self.evictable[i]
                 key = self.hash_of.pop(i)
                 del self.cached[key]
                 self.num_evicted += 1
@@ -75,6 +82,13 @@ class BlockPool:
         if prefix_hash not in self.cached and block not in self.hash_of:
             self.cached[prefix_hash] = block
             self.hash_of[block] = prefix_hash
+            if self.duel is not None:
+                self.duel.insert(prefix_hash)
+
+    def observe(self, keys: list[bytes]) -> None:
+        """A new sequence's lookup of its blocks' keys, first block first (scores the eviction rules)."""
+        if self.duel is not None:
+            self.duel.observe_leading(keys)
 
     def lookup(self, prefix_hash: bytes) -> int | None:
         return self.cached.get(prefix_hash)

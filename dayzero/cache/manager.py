@@ -35,10 +35,10 @@ class CacheHandle:
 class CacheManager:
     def __init__(self, block_size: int, num_blocks: int, num_slots: int, uses_blocks: bool = True, uses_slots: bool = True,
                  prefix_caching: bool = False, snapshot_interval: int = 512, num_snapshots: int = 0, align: int | None = None,
-                 snapshot_policy: str = "adaptive"):
+                 eviction_policy: str = "adaptive"):
         self.block_size = block_size
         self.uses_blocks, self.uses_slots = uses_blocks, uses_slots
-        self.blocks = BlockPool(num_blocks)
+        self.blocks = BlockPool(num_blocks, eviction_policy if prefix_caching else "lru")
         self.slots = SlotPool(num_slots)
         self.handles: dict[int, CacheHandle] = {}
         # prefix caching needs blocks to name prefixes by; with states it needs somewhere to keep snapshots
@@ -47,7 +47,7 @@ class CacheManager:
         self.interval = -(-max(snapshot_interval, 1) // self.align) * self.align
         # snapshot rows follow the slots (1 .. num_slots) and the null slot 0 in every state tensor
         self.snapshots = SnapshotPool(num_slots + 1, num_snapshots if self.prefix_caching and uses_slots else 0,
-                                      snapshot_policy)
+                                      eviction_policy)
         self.pending_restores: list[tuple[int, int]] = []  # (snapshot row, slot) to copy before the next forward
         self.queried_tokens = self.hit_tokens = 0
         self.copies = None  # the host tier, once attached: empty tiers until then
@@ -105,6 +105,7 @@ class CacheManager:
         bs, step = self.block_size, self.align // self.block_size
         h = CacheHandle()
         hashes = block_hashes(token_ids, bs, (len(token_ids) - 1) // bs // step * step, h.hashes, extra_keys)
+        self.blocks.observe([self._key(hashes, j) for j in range(len(hashes))])
         blocks = []  # each taken as found: fetching one from the host tier may evict an unheld block
         for j in range(len(hashes)):
             key = self._key(hashes, j)

@@ -11,21 +11,19 @@ no per-token rows to share: its state after token p is a function of all tokens 
 out, a *snapshot*, at block-aligned points (every ``interval`` tokens, and at the last aligned point short of each
 prompt), keyed by the prefix hash there. A request resumes from the last snapshot at or before the prefix it
 shares, never beyond it; the scheduler ends prefill chunks at snapshot points so that the state exists there.
-Snapshots live in extra rows of the state tensors (after the slots), least recently used evicted first.
+Snapshots live in extra rows of the state tensors (after the slots).
 
-Which snapshot to evict adapts to the workload (``policy="adaptive"``): least recently used suits
-conversations, whose next turn asks for the snapshot just taken, but a workload that comes back to more distinct
-prompts than the pool holds, in the same order, finds every snapshot evicted just before it is asked for.
-Bimodal insertion (Qureshi et al., ISCA 2007: new entries go in at the evicting end, one in 32 at the other)
-keeps part of such a cycle. Two key-only copies of the pool, one per rule, see the same snapshots and lookups and
-are scored by which would have resumed the longer prefix; the pool evicts first what the leading copy no
-longer holds, so its content follows that rule's.
+Which snapshot to evict adapts to the workload (``policy="adaptive"``, :mod:`dayzero.cache.eviction`): least
+recently used for conversations, as bimodal insertion would when prompts come back in a cycle longer than the
+pool, whichever would have resumed more.
 """
 from __future__ import annotations
 
 import hashlib
 from array import array
 from collections import OrderedDict
+
+from dayzero.cache.eviction import POLICIES, EvictionDuel
 
 
 def block_hashes(token_ids, block_size: int, num_blocks: int, known: list[bytes], extra_keys=None) -> list[bytes]:
@@ -44,49 +42,10 @@ def block_hashes(token_ids, block_size: int, num_blocks: int, known: list[bytes]
     return known
 
 
-BIMODAL_EVERY = 32  # the bimodal rule inserts one snapshot in this many as most recently used
-DUEL_LIMIT = 8  # where the score between the two rules saturates: lookups it takes to switch back
-
-
-class _Shadow:
-    """The keys a pool of ``capacity`` rows would hold under one insertion rule, without the rows."""
-
-    def __init__(self, capacity: int, bimodal: bool):
-        self.capacity, self.bimodal = capacity, bimodal
-        self.keys: OrderedDict[bytes, None] = OrderedDict()  # least recently used first
-        self.inserts = 0
-
-    def insert(self, key: bytes) -> None:
-        if key in self.keys:
-            self.keys.move_to_end(key)
-            return
-        if len(self.keys) >= self.capacity:
-            self.keys.popitem(last=False)
-        self.keys[key] = None
-        if not insert_recent(self.bimodal, self.inserts):
-            self.keys.move_to_end(key, last=False)
-        self.inserts += 1
-
-    def longest(self, candidates: list[bytes]) -> int:
-        """How many candidates (longest prefix first) from the one it holds to the end; 0 if none (it is touched)."""
-        for i, key in enumerate(candidates):
-            if key in self.keys:
-                self.keys.move_to_end(key)
-                return len(candidates) - i
-        return 0
-
-
-def insert_recent(bimodal: bool, inserts: int) -> bool:
-    """Whether the ``inserts``-th new entry goes in as most recently used (always under LRU)."""
-    return not bimodal or inserts % BIMODAL_EVERY == 0
-
-
-POLICIES = ("adaptive", "lru")
-
-
 class SnapshotPool:
     """Rows ``first .. first + count - 1`` of every state tensor, each holding the states after one prefix;
-    ``policy`` "lru" evicts the least recently used, "adaptive" also chooses where a new one goes (above)."""
+    ``policy`` "lru" evicts the least recently used, "adaptive" as :class:`~dayzero.cache.eviction.EvictionDuel`
+    says."""
 
     def __init__(self, first: int, count: int, policy: str = "lru"):
         if policy not in POLICIES:
@@ -96,21 +55,13 @@ class SnapshotPool:
         self.rows: OrderedDict[bytes, int] = OrderedDict()  # prefix hash -> row; least recently used first
         self.num_evicted = 0
         self.on_evict = None  # (row, prefix hash) -> None, called before an evicted row is reused
-        self.adaptive = policy == "adaptive" and count > 0
-        self.shadows = (_Shadow(count, False), _Shadow(count, True)) if self.adaptive else ()
-        self.score = 0  # > 0: the LRU copy matched more; < 0: the bimodal one
-
-    @property
-    def bimodal(self) -> bool:
-        """Whether the bimodal rule is ahead: eviction then follows its copy."""
-        return self.score < 0
+        self.duel = EvictionDuel(count) if policy == "adaptive" and count > 0 else None
 
     def observe(self, candidates: list[bytes]) -> None:
         """A lookup of a new sequence's snapshot points, longest prefix first: score the two rules by which
         copy holds the longer one. Call before :meth:`find`."""
-        if self.adaptive and candidates:
-            lru, bimodal = (s.longest(candidates) for s in self.shadows)
-            self.score = max(-DUEL_LIMIT, min(DUEL_LIMIT, self.score + (lru > bimodal) - (bimodal > lru)))
+        if self.duel is not None:
+            self.duel.observe_longest(candidates)
 
     def find(self, prefix_hash: bytes) -> int | None:
         row = self.rows.get(prefix_hash)
@@ -123,31 +74,21 @@ class SnapshotPool:
         prefix already has one (or the pool has no rows)."""
         if self.count == 0:
             return None
-        for shadow in self.shadows:
-            shadow.insert(prefix_hash)
+        if self.duel is not None:
+            self.duel.insert(prefix_hash)
         if prefix_hash in self.rows:
             self.rows.move_to_end(prefix_hash)
             return None
         if self.free:
             row = self.free.pop()
         else:
-            old = self._victim()
+            old = next(iter(self.rows)) if self.duel is None else self.duel.victim(self.rows, lambda k: k)
             row = self.rows.pop(old)
             self.num_evicted += 1
             if self.on_evict is not None:
                 self.on_evict(row, old)
         self.rows[prefix_hash] = row
         return row
-
-    def _victim(self) -> bytes:
-        """The snapshot to evict: the least recently used one that the leading rule's copy no longer holds (so
-        the pool's content moves toward that copy's), else the least recently used."""
-        if self.adaptive:
-            keep = self.shadows[self.bimodal].keys
-            for key in self.rows:
-                if key not in keep:
-                    return key
-        return next(iter(self.rows))
 
     def __len__(self) -> int:
         return len(self.rows)

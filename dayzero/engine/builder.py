@@ -81,7 +81,7 @@ def assemble(model, device: torch.device, dtype: torch.dtype, *, block_size: int
              memory_fraction: float = 0.5, num_cache_blocks: int | None = None, kv_cache_dtype: str = "auto",
              cuda_graphs: bool = False, cuda_graph_sizes: list[int] | None = None,
              cuda_graph_max_len: int = 8192, cuda_graph_prefill_tokens: int = 2048, prefix_caching: bool = False,
-             snapshot_interval: int = 512, snapshot_policy: str = "adaptive",
+             snapshot_interval: int = 512, eviction_policy: str = "adaptive",
              num_snapshots: int | None = None, index_cache_dtype: str = "auto", host_cache_bytes: int = 0,
              extra_scratch_bytes: int = 0, agree=None) -> Assembled:
     """Plan and allocate the cache, build the runner and cache manager, and (``cuda_graphs`` on a CUDA device)
@@ -94,8 +94,8 @@ def assemble(model, device: torch.device, dtype: torch.dtype, *, block_size: int
     encoder's); the plan records both. With
     ``prefix_caching``, models that keep per-sequence states get ``num_snapshots`` state snapshots (default one
     per sequence seat, and up to :data:`~dayzero.cache.planner.SPARE_SNAPSHOTS_PER_SEAT` more a seat from
-    budget the capped blocks leave) taken every ``snapshot_interval`` tokens and evicted by ``snapshot_policy``
-    (:class:`~dayzero.cache.prefix.SnapshotPool`), and ``host_cache_bytes`` of pinned host memory
+    budget the capped blocks leave) taken every ``snapshot_interval`` tokens, cached blocks and snapshots evicted
+    by ``eviction_policy`` (:mod:`dayzero.cache.eviction`), and ``host_cache_bytes`` of pinned host memory
     keep what the device evicts (:func:`attach_host_tier`).
 
     ``agree(values)``, given to each rank of a multi-process engine, returns each value's smallest over the
@@ -146,7 +146,7 @@ def assemble(model, device: torch.device, dtype: torch.dtype, *, block_size: int
     runner.allocate_cache(plan)
     cache = CacheManager(block_size, plan.num_blocks, plan.num_slots, uses_blocks=uses_blocks, uses_slots=uses_slots,
                          prefix_caching=prefix_caching, snapshot_interval=snapshot_interval,
-                         num_snapshots=plan.num_snapshots, align=align, snapshot_policy=snapshot_policy)
+                         num_snapshots=plan.num_snapshots, align=align, eviction_policy=eviction_policy)
     if host_cache_bytes and cache.prefix_caching:
         plan = attach_host_tier(runner, cache, plan, host_cache_bytes)
     max_seqs = min(max_num_seqs, plan.num_slots)

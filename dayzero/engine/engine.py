@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from dayzero.cache.prefix import POLICIES as SNAPSHOT_POLICIES
+from dayzero.cache.eviction import POLICIES as EVICTION_POLICIES
 from dayzero.cache.quant import KV_CACHE_DTYPES
 from dayzero.config.model_config import DTYPES
 from dayzero.distributed import SINGLE, ParallelState
@@ -70,9 +70,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse the cached blocks (and state snapshots) of a shared prefix
     prefix_snapshot_interval: int = 512  # tokens between state snapshots (models with per-sequence states)
     num_prefix_snapshots: int | None = None  # snapshots kept (default: a seat's, up to 4 from spare memory)
-    # which snapshot goes when the pool is full: "adaptive" (LRU, or bimodal insertion when prompts come back
-    # in cycles longer than the pool, whichever would have hit more) or "lru"
-    prefix_snapshot_policy: str = "adaptive"
+    # which cached block or snapshot goes when its pool is full: "adaptive" (LRU, or as bimodal insertion would
+    # when prompts come back in cycles longer than the pool, whichever would have resumed more) or "lru"
+    prefix_eviction_policy: str = "adaptive"
     num_threads: int | None = None  # torch's CPU threads; None: fewer than torch's default when the machine is loaded
     # overlap each step's host work with the next step on the device (see step); None: on for CUDA devices
     async_scheduling: bool | None = None
@@ -143,9 +143,9 @@ class EngineConfig:
         if self.num_prefix_snapshots is not None and (not isinstance(self.num_prefix_snapshots, int)
                                                       or self.num_prefix_snapshots < 0):
             raise ValueError(f"num_prefix_snapshots must be an int >= 0 or None, got {self.num_prefix_snapshots!r}")
-        if self.prefix_snapshot_policy not in SNAPSHOT_POLICIES:
-            raise ValueError(f"prefix_snapshot_policy must be one of {SNAPSHOT_POLICIES}, "
-                             f"got {self.prefix_snapshot_policy!r}")
+        if self.prefix_eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(f"prefix_eviction_policy must be one of {EVICTION_POLICIES}, "
+                             f"got {self.prefix_eviction_policy!r}")
         if isinstance(self.host_cache_gib, bool) or not isinstance(self.host_cache_gib, (int, float)) \
                 or not 0 <= self.host_cache_gib < float("inf"):
             raise ValueError(f"host_cache_gib must be a number >= 0, got {self.host_cache_gib!r}")
@@ -217,7 +217,7 @@ class LLMEngine:
             cuda_graph_max_len=config.cuda_graph_max_len, cuda_graph_prefill_tokens=config.cuda_graph_prefill_tokens,
             prefix_caching=config.enable_prefix_caching,
             snapshot_interval=config.prefix_snapshot_interval, num_snapshots=config.num_prefix_snapshots,
-            snapshot_policy=config.prefix_snapshot_policy,
+            eviction_policy=config.prefix_eviction_policy,
             index_cache_dtype=config.index_cache_dtype, host_cache_bytes=int(config.host_cache_gib * 2**30),
             extra_scratch_bytes=encoder,  # the vision encoder's calls and cache
             # ranks of one job must plan the same cache (their schedulers take the same decisions)

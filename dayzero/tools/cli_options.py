@@ -100,7 +100,7 @@ def add_engine_options(p) -> None:
     from dayzero.cache.quant import KV_CACHE_DTYPES
     from dayzero.config.model_config import DTYPES
     from dayzero.cache.planner import SPARE_SNAPSHOTS_PER_SEAT
-    from dayzero.cache.prefix import POLICIES as SNAPSHOT_POLICIES
+    from dayzero.cache.eviction import POLICIES as EVICTION_POLICIES
     from dayzero.quant.workspace import COMPUTE, FUSED_ROWS_PER_EXPERT
 
     e = p.add_argument_group("engine (the LLM(...) keyword arguments of the same names)")
@@ -154,10 +154,10 @@ def add_engine_options(p) -> None:
     e.add_argument("--num-prefix-snapshots", type=int, default=None, metavar="N",
                    help=f"state snapshots kept (default: one per sequence seat, and up to "
                         f"{SPARE_SNAPSHOTS_PER_SEAT} more a seat from cache memory the blocks leave unused)")
-    e.add_argument("--prefix-snapshot-policy", choices=SNAPSHOT_POLICIES, default="adaptive",
-                   help="which state snapshot goes when the pool is full: LRU, or as bimodal insertion would when "
-                        "prompts come back in cycles longer than the pool, whichever would have resumed more "
-                        "(adaptive); or always LRU")
+    e.add_argument("--prefix-eviction-policy", choices=EVICTION_POLICIES, default="adaptive",
+                   help="which cached block or state snapshot goes when its pool is full: LRU, or as bimodal "
+                        "insertion would when prompts come back in cycles longer than the pool, whichever would "
+                        "have resumed more (adaptive); or always LRU")
     e.add_argument("--host-cache-gib", type=float, default=0.0, metavar="GIB",
                    help="pinned host memory for the prefix-cache blocks and snapshots the device evicts")
     d = p.add_argument_group("parallelism (one process per rank: started here, or the ranks of a torchrun job)")

@@ -1,10 +1,11 @@
-"""Which snapshot the pool evicts: least recently used for conversations, as the bimodal rule would when prompts
-come back in a cycle longer than the pool, whichever would have resumed more."""
+"""Which snapshot or cached block the pools evict: least recently used for conversations, as the bimodal rule
+would when prompts come back in a cycle longer than the pool, whichever would have resumed more."""
 from __future__ import annotations
 
 import pytest
 
-from dayzero.cache.prefix import DUEL_LIMIT, SnapshotPool
+from dayzero.cache.eviction import DUEL_LIMIT
+from dayzero.cache.prefix import SnapshotPool
 
 
 def ask(pool: SnapshotPool, key: bytes) -> bool:
@@ -50,26 +51,26 @@ def test_conversations_stay_least_recently_used(after_a_cycle):
             for _ in range(2):
                 for i in range(48):
                     ask(pool, b"prompt %d" % i)
-        assert adaptive.bimodal and not lru.bimodal
+        assert adaptive.duel.bimodal and lru.duel is None
     got, want = conversation_hits(adaptive), conversation_hits(lru)
     assert want == 72  # every turn after the first
     # it follows LRU from the start, or switches back within a turn of users once the score turns
     assert got == want if not after_a_cycle else got >= want - 2 * DUEL_LIMIT
-    assert not adaptive.bimodal
+    assert not adaptive.duel.bimodal
 
 
 def test_the_lookup_scores_the_longest_prefix_each_rule_would_hold():
     pool = SnapshotPool(1, 2, "adaptive")
     pool.take(b"a")
     pool.observe([b"c", b"b", b"a"])  # both copies hold only a: no preference
-    assert pool.score == 0
+    assert pool.duel.score == 0
     for key in (b"b", b"c", b"d"):
         pool.take(key)  # LRU holds c, d; bimodal keeps a and the latest churn, d
     pool.observe([b"c", b"a"])
-    assert pool.score == 1 and not pool.bimodal  # LRU would have resumed from c, further than a
+    assert pool.duel.score == 1 and not pool.duel.bimodal  # LRU would have resumed from c, further than a
     pool.observe([b"e", b"a"])
     pool.observe([b"f", b"a"])  # only the bimodal copy holds a
-    assert pool.score == -1 and pool.bimodal
+    assert pool.duel.score == -1 and pool.duel.bimodal
     pool.find(b"d")  # d used again: c is the least recently used
     pool.take(b"g")  # the bimodal copy now holds a and g: of the rows it no longer holds, c goes first
     assert set(pool.rows) == {b"d", b"g"}
@@ -80,14 +81,15 @@ def test_an_unknown_policy_is_refused():
 
     with pytest.raises(ValueError, match="adaptive"):
         SnapshotPool(1, 4, "fifo")
-    with pytest.raises(ValueError, match="prefix_snapshot_policy must be one of"):
-        EngineConfig(device="cpu", prefix_snapshot_policy="fifo")
+    with pytest.raises(ValueError, match="prefix_eviction_policy must be one of"):
+        EngineConfig(device="cpu", prefix_eviction_policy="fifo")
 
 
-def test_cycled_prompts_through_the_engine_hit_and_give_the_uncached_output(tiny_ckpt):
-    """Twelve distinct prompts asked three times over, one at a time, through four snapshot rows: the adaptive
-    pool resumes some of them from snapshots where LRU resumes none, and both give the uncached tokens and
-    log-probabilities."""
+@pytest.mark.parametrize("blocks,snapshots", [(256, 4), (40, 64)], ids=["few-snapshots", "few-blocks"])
+def test_cycled_prompts_through_the_engine_hit_and_give_the_uncached_output(tiny_ckpt, blocks, snapshots):
+    """Twelve distinct prompts asked three times over, one at a time, through four snapshot rows (or 39 blocks,
+    for 72 blocks of prompts): the adaptive pools resume some of them where LRU resumes none, and both give the
+    uncached tokens and log-probabilities."""
     import torch
 
     from dayzero import LLM, SamplingParams
@@ -95,15 +97,56 @@ def test_cycled_prompts_through_the_engine_hit_and_give_the_uncached_output(tiny
     prompts = [torch.randint(3, 200, (24,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(12)]
     sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=1)
     runs = {}
-    for name, kw in {"off": dict(enable_prefix_caching=False), "lru": dict(prefix_snapshot_policy="lru"),
+    for name, kw in {"off": dict(enable_prefix_caching=False), "lru": dict(prefix_eviction_policy="lru"),
                      "adaptive": {}}.items():
         engine = LLM(str(tiny_ckpt), device="cpu", dtype="float32", load_format="dummy", block_size=4,
-                     max_num_seqs=1, max_model_len=64, num_cache_blocks=256, num_prefix_snapshots=4, **kw)
+                     max_num_seqs=1, max_model_len=64, num_cache_blocks=blocks, num_prefix_snapshots=snapshots, **kw)
         outs = [engine.generate([{"prompt_token_ids": p}], sp)[0].outputs[0] for _ in range(3) for p in prompts]
         runs[name] = ([o.token_ids for o in outs], [o.logprobs for o in outs],
                       engine.engine.cache_usage()["prefix_hit_tokens"])
-    assert runs["off"][2] == runs["lru"][2] == 0  # every snapshot evicted just before its prompt came back
+    assert runs["off"][2] == runs["lru"][2] == 0  # everything evicted just before its prompt came back
     assert runs["adaptive"][2] >= 2 * 20  # at least two of the 24 repeats resumed from a 20-token snapshot
     for name in ("lru", "adaptive"):
         assert runs[name][0] == runs["off"][0]
         torch.testing.assert_close(torch.tensor(runs[name][1]), torch.tensor(runs["off"][1]), rtol=1e-5, atol=1e-5)
+
+
+def prompt_through(pool, keys: list[bytes]) -> int:
+    """A sequence of these block keys: takes the cached ones from the first on, computes and registers the rest,
+    then releases all; returns the blocks it found cached."""
+    pool.observe(keys)
+    held = []
+    for key in keys:
+        block = pool.lookup(key)
+        if block is None:
+            break
+        pool.acquire(block)
+        held.append(block)
+    new = pool.allocate(len(keys) - len(held))
+    for block, key in zip(new, keys[len(held):]):
+        pool.register(block, key)
+    pool.release(held + new)
+    return len(held)
+
+
+def test_cached_blocks_of_a_cycle_longer_than_the_pool():
+    """96 blocks of prompts through 40: LRU finds none of them again; the adaptive pool, from the third pass on,
+    a third; and a conversation afterwards gets within two turns of users of LRU's hits."""
+    from dayzero.cache.block_pool import BlockPool
+
+    prompts = [[b"p%d-%d" % (p, j) for j in range(8)] for p in range(12)]
+    hits = {}
+    for policy in ("lru", "adaptive"):
+        pool = BlockPool(41, policy)
+        hits[policy] = [sum(prompt_through(pool, keys) for keys in prompts) for _ in range(4)]
+        chats = [[b"u%d-0" % u] for u in range(4)]
+        total = 0
+        for _ in range(10):
+            for u, keys in enumerate(chats):
+                keys.append(b"u%d-%d" % (u, len(keys)))
+                total += prompt_through(pool, keys)
+        hits[policy].append(total)
+        assert pool.num_used == 0 and pool.num_free == 40  # nothing held, nothing lost
+    assert hits["lru"][:4] == [0, 0, 0, 0]
+    assert hits["adaptive"][:2] == [0, 0] and min(hits["adaptive"][2:4]) >= 24
+    assert hits["adaptive"][4] >= hits["lru"][4] - 2 * 4 * 8  # two turns of four users, at most 8 blocks each
