@@ -105,10 +105,10 @@ class CacheManager:
         bs, step = self.block_size, self.align // self.block_size
         h = CacheHandle()
         hashes = block_hashes(token_ids, bs, (len(token_ids) - 1) // bs // step * step, h.hashes, extra_keys)
-        self.blocks.observe([self._key(hashes, j) for j in range(len(hashes))])
+        keys = [self._key(hashes, j) for j in range(len(hashes))]
+        self.blocks.observe(keys)
         blocks = []  # each taken as found: fetching one from the host tier may evict an unheld block
-        for j in range(len(hashes)):
-            key = self._key(hashes, j)
+        for key in keys:
             b = self.blocks.lookup(key)
             if b is not None:
                 self.blocks.acquire(b)

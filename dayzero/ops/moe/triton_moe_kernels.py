@@ -118,30 +118,24 @@ def weight_tile(w_ptr, s_ptr, e, n, n_ok, k0, K, s_we, s_wn, s_wk, s_se, s_sn, s
 
 
 @triton.jit
-def quantize_rows(x, ACT_FP8: tl.constexpr, ROUND_FIRST: tl.constexpr):
-    """With ACT_FP8, a K step of activations [BLOCK_M, BLOCK_K] (BLOCK_K = 128, one group) as e4m3 codes
-    x / s and each row's scale s = amax / 448 (``quantize_activations``, bit for bit); else x unchanged and
-    scales of 1. ROUND_FIRST: under
-    Triton's interpreter (``round_e4m3``)."""
-    if ACT_FP8:
-        xf = x.to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(xf), 1), 1e-10)  # [BLOCK_M]
-        # correctly rounded divisions, as torch's tensor ones: a near-tie must round the same way in both
-        s = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
-        z = tl.minimum(tl.maximum(tl.math.div_rn(xf, s[:, None]), -448.0), 448.0)
-        if ROUND_FIRST:
-            z = round_e4m3(z)
-        q = z.to(tl.float8e4nv)
-    else:
-        q, s = x, tl.full((x.shape[0],), 1.0, tl.float32)
-    return q, s
+def quantize_rows(x, ROUND_FIRST: tl.constexpr):
+    """Activations [R, 128] (one group a row) as e4m3 codes x / s and each row's scale s = amax / 448
+    (``quantize_activations``, bit for bit). ROUND_FIRST: under Triton's interpreter (``round_e4m3``)."""
+    xf = x.to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(xf), 1), 1e-10)  # [R]
+    # correctly rounded divisions, as torch's tensor ones: a near-tie must round the same way in both
+    s = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+    z = tl.minimum(tl.maximum(tl.math.div_rn(xf, s[:, None]), -448.0), 448.0)
+    if ROUND_FIRST:
+        z = round_e4m3(z)
+    return z.to(tl.float8e4nv), s
 
 
 @triton.jit
 def fake_quantize_rows(v, ACT_FP8: tl.constexpr, ROUND_FIRST: tl.constexpr):
     """With ACT_FP8, fp32 rows [R, 128] through e4m3 and back (:func:`quantize_rows`); else v."""
     if ACT_FP8:
-        q, s = quantize_rows(v, ACT_FP8, ROUND_FIRST)
+        q, s = quantize_rows(v, ROUND_FIRST)
         v = q.to(tl.float32) * s[:, None]
     return v
 
@@ -160,14 +154,14 @@ def group_scales(s_ptr, rows, s_sm, row_ok, k0, BLOCK_M: tl.constexpr, ACT_FP8: 
 def quantize_groups_kernel(x_ptr, q_ptr, s_ptr, R, K: tl.constexpr, s_xm, s_xk, s_qm, s_sm, BLOCK_R: tl.constexpr,
                            ROUND_FIRST: tl.constexpr, PDL: tl.constexpr):
     """Rows x [R, K] as e4m3 codes q [R, K] and one scale (amax / 448) per row per 128 columns s [R, cdiv(K,
-    128)], as :func:`quantize_rows` quantises a K step: what the expert GEMMs with FP8 activations read, so
+    128)], by :func:`quantize_rows`: what the expert GEMMs with FP8 activations read, so
     their dots take both operands from memory. Grid: cdiv(R, BLOCK_R) x cdiv(K, 128)."""
     grid_dependency(PDL)
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     k = tl.program_id(1) * 128 + tl.arange(0, 128)
     ok = (rows < R)[:, None] & (k < K)[None, :]
     x = tl.load(x_ptr + rows[:, None] * s_xm + k[None, :] * s_xk, mask=ok, other=0.0)
-    q, s = quantize_rows(x, True, ROUND_FIRST)
+    q, s = quantize_rows(x, ROUND_FIRST)
     tl.store(q_ptr + rows[:, None] * s_qm + k[None, :], q, mask=ok)
     tl.store(s_ptr + rows * s_sm + tl.program_id(1), s, mask=rows < R)
 
@@ -177,7 +171,7 @@ def _mma(acc, x, sx, w_ptr, s_ptr, e, n, n_ok, k0, K, s_we, s_wn, s_wk, s_se, s_
          FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
          PRECISION: tl.constexpr, ACT_FP8: tl.constexpr):
     """acc [BLOCK_M, BLOCK_N] += x [BLOCK_M, BLOCK_K] @ W[e, n, k0:k0+BLOCK_K]^T, in fp32. With ACT_FP8 (TILE
-    weights only) x holds e4m3 codes with row scales ``sx`` (:func:`quantize_rows`) and the dot is FP8 x FP8."""
+    weights only) x holds e4m3 codes with row scales ``sx`` (``quantize_groups_kernel``) and the dot is FP8 x FP8."""
     w = weight_tile(w_ptr, s_ptr, e, n, n_ok, k0, K, s_we, s_wn, s_wk, s_se, s_sn, s_sk,
                      FMT, BLOCK_N, BLOCK_K, x.dtype)
     a, b = x, tl.trans(w)  # b: [BLOCK_K, BLOCK_N]
