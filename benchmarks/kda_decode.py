@@ -2,12 +2,14 @@
 CUDA graph, for each split of a head's state over programs, against the memory roofline.
 
     python benchmarks/kda_decode.py                          # H 16, K 128 (dayzero-small), batch 1 4 32 64
-    python benchmarks/kda_decode.py --batch 32 128 --splits 1 2 4 --json out.json
+    python benchmarks/kda_decode.py --batch 32 128 --splits 1 2 4 --chunk-cols 128 32 --json out.json
 
 The roofline is the bytes a step must move, the fp32 state read and written (B x H x K x K x 4 bytes, twice),
 plus the projection row read, the windows read and written and the output written, over the copy bandwidth
 measured in the same run. ``split`` is the value-column programs per head (``decode_kernels._splits`` picks
-one per batch size; ``*`` marks it).
+one per batch size), ``chunk`` the columns a program updates at a time, the next chunk loading meanwhile
+(``decode_kernels.CHUNK_COLS``; a chunk of all of a program's columns is the kernel without the pipeline); ``*``
+marks what the engine runs; "vs first" is against the batch's first row.
 """
 from __future__ import annotations
 
@@ -56,6 +58,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--conv", type=int, default=4, help="conv taps")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 32, 64])
     ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--chunk-cols", type=int, nargs="+", default=[128, 64, 32, 16],
+                    help="value columns a program updates at a time (decode_kernels.CHUNK_COLS)")
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -64,27 +68,31 @@ def main(argv=None) -> list[dict]:
     H, K, W = args.heads, args.head_dim, args.conv
     bw = copy_bandwidth("cuda")
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e9:,.0f} GB/s; H {H}, K {K}, conv {W}")
-    print(f"{'batch':>5} {'split':>6} {'us':>8} {'GB/s':>7} {'of copy':>8} {'vs split 1':>10}")
-    rows, picked = [], D._splits
+    print(f"{'batch':>5} {'split':>6} {'chunk':>6} {'us':>8} {'GB/s':>7} {'of copy':>8} {'vs first':>9}")
+    rows, picked, picked_chunk, cols = [], D._splits, D._chunk, D.CHUNK_COLS
     for B in args.batch:
         first = None
         for nv in args.splits:
             if nv * 32 > K:
                 continue
-            D._splits = lambda b, h, k, nv=nv: nv  # noqa: E731
-            try:
-                ms = ms_per_replay(lambda a=inputs(B, H, K, W, "cuda"): D.kda_decode(*a), args.repeats)
-            finally:
-                D._splits = picked
-            if ms is None:
-                continue
-            first = first or ms
-            nbytes = roofline_bytes(B, H, K, W)
-            mark = "*" if picked(B, H, K) == nv else ""
-            print(f"{B:>5} {str(nv) + mark:>6} {ms * 1e3:>8.1f} {nbytes / (ms * 1e-3) / 1e9:>7,.0f} "
-                  f"{nbytes / (ms * 1e-3) / bw:>8.1%} {first / ms:>9.2f}x")
-            rows.append({"batch": B, "splits": nv, "chosen": bool(mark), "us": ms * 1e3, "bytes": nbytes,
-                         "of_copy": nbytes / (ms * 1e-3) / bw})
+            for chunk in args.chunk_cols:
+                if chunk > K // nv:
+                    continue
+                D._splits = lambda b, h, k, nv=nv: nv  # noqa: E731
+                D.CHUNK_COLS = chunk
+                try:
+                    ms = ms_per_replay(lambda a=inputs(B, H, K, W, "cuda"): D.kda_decode(*a), args.repeats)
+                finally:
+                    D._splits, D.CHUNK_COLS = picked, cols
+                if ms is None:
+                    continue
+                first = first or ms
+                nbytes = roofline_bytes(B, H, K, W)
+                mark = "*" if picked(B, H, K) == nv and picked_chunk(K // nv) == chunk else ""
+                print(f"{B:>5} {nv:>6} {str(chunk) + mark:>6} {ms * 1e3:>8.1f} {nbytes / (ms * 1e-3) / 1e9:>7,.0f} "
+                      f"{nbytes / (ms * 1e-3) / bw:>8.1%} {first / ms:>8.2f}x")
+                rows.append({"batch": B, "splits": nv, "chunk_cols": chunk, "chosen": bool(mark), "us": ms * 1e3,
+                             "bytes": nbytes, "of_copy": nbytes / (ms * 1e-3) / bw})
     if args.json:
         Path(args.json).write_text(json.dumps({"copy_bytes_per_s": bw, "rows": rows}, indent=1))
     return rows

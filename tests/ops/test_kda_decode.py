@@ -2,8 +2,8 @@
 apart (conv, the gates' up-projections, the delta rule) its output, its output gate, and the same windows and
 states in the pools: continuing and fresh sequences, padding rows of a captured step, the safe gate's lower bound
 and the plain one, the up-projections in the kernel and as a GEMM first, a head's state whole in one program and
-split over 2 and 4 by value columns (q's and k's windows then written by the last program of the head); slots the
-step does not own keep their bytes."""
+split over 2 and 4 by value columns (q's and k's windows then written by the last program of the head), a
+program's columns in one chunk or several; slots the step does not own keep their bytes."""
 from __future__ import annotations
 
 import pytest
@@ -47,6 +47,24 @@ def _run(fn, case, lower):
 @pytest.mark.parametrize("lower", [None, -5.0])
 @pytest.mark.parametrize("up", [True, False], ids=["up_in_kernel", "up_as_gemm"])
 def test_the_kernel_gives_the_composition(H, K, W, dtype, lower, up, monkeypatch):
+    _check(H, K, W, dtype, lower, up, monkeypatch)
+    assert D._splits(4, H, K) == {16: 1, 32: 1, 64: 2, 128: 4}[K]  # heads split by columns
+
+
+@pytest.mark.parametrize("H,K,W,splits,cols", [(2, 16, 4, 1, 8), (3, 32, 2, 1, 8), (1, 64, 5, 2, 16),
+                                               (2, 128, 3, 1, 32), (1, 128, 4, 2, 16)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("up", [True, False], ids=["up_in_kernel", "up_as_gemm"])
+def test_columns_in_chunks_give_the_composition(H, K, W, splits, cols, dtype, up, monkeypatch):
+    """A program's value columns through the delta rule several chunks in turn, the next chunk's state and
+    windows read before the current one's update: whole heads and heads split by columns."""
+    monkeypatch.setattr(D, "CHUNK_COLS", cols)
+    monkeypatch.setattr(D, "_splits", lambda B, H, K: splits)
+    assert K // splits // cols >= 2
+    _check(H, K, W, dtype, -5.0, up, monkeypatch)
+
+
+def _check(H, K, W, dtype, lower, up, monkeypatch):
     if not up:
         monkeypatch.setattr(D, "UP_MAX_ROWS", 0)
     case = _case(H, K, W, dtype, starts=[5, 0, 9, 2], pad_rows=1 if up else 0)
@@ -65,7 +83,6 @@ def test_the_kernel_gives_the_composition(H, K, W, dtype, lower, up, monkeypatch
     for before, after in ((case[2], got[2]), (case[6], got[3])):
         torch.testing.assert_close(after[others], before[others], rtol=0, atol=0, equal_nan=True)
     assert not torch.equal(got[3][real], case[6][real])
-    assert D._splits(len(batch.state_slots), H, K) == {16: 1, 32: 1, 64: 2, 128: 4}[K]  # heads split by columns
     assert all(int(c.abs().sum()) == 0 for c in D._COUNTERS.values())  # put back for the next launch / replay
 
 

@@ -4,11 +4,13 @@ A program reads its head's q, k and v channels and the gate inputs from the sequ
 short conv over its slot's windows (zero for a fresh sequence), multiplies the forget gate's low-rank input by its
 head's rows of the up-projection (and the output gate's by its value columns' rows: the output gate is written
 for the gated norm), activates the gate and beta, L2-normalises q and k and runs the delta rule on its
-[K, V / NV] columns of the head's state, held in registers: read once (as zero for a fresh sequence, so no
-launch zeroes the slot first), decayed, updated and written back in place. Columns of the state are
-independent, so a head's NV programs split it without exchanging anything; NV grows as the step's
-sequences x heads fall below the GPU's width (at batch 1 a head's 64 KB state read by one program would take
-longer than the four kernels it replaces).
+[K, V / NV] columns of the head's state: read once (as zero for a fresh sequence, so no launch zeroes the slot
+first), decayed, updated and written back in place, :data:`CHUNK_COLS` columns at a time, the next chunk's
+state and v windows loading while the current one is updated (on the H200 chunks of 64 took a whole head's
+step at 32 and 64 sequences 0.88-0.89x the time of holding all 128 columns at once; chunks of 32 took
+1.07-1.11x). Columns of the state are independent, so a head's NV programs split it without exchanging
+anything; NV grows as the step's sequences x heads fall below the GPU's width (at batch 1 a head's 64 KB state
+read by one program would take longer than the four kernels it replaces).
 
 The windows: a program owns its value columns' v windows; q's and k's are read whole by all NV programs of the
 head, so the last of them to arrive (a counter per (sequence, head), bumped once by each at its end, with
@@ -34,6 +36,7 @@ from dayzero.ops.triton_support import HAS_TRITON, next_pow2, pdl, tl, triton, t
 
 UP_MAX_ROWS = 4  # up to this many sequences the programs run the gates' up-projections themselves
 TARGET_PROGRAMS = 256  # split heads' value columns until a step has about this many programs
+CHUNK_COLS = 64  # a program's value columns go through the delta rule this many at a time, the next one loading
 MAX_TAPS = 8
 
 if HAS_TRITON:
@@ -58,8 +61,9 @@ if HAS_TRITON:
     @triton.jit
     def _kda_decode_kernel(proj_ptr, s_proj, cw_ptr, win_ptr, s_wslot, s_wchan, up_ptr, f_ptr, s_f, og_ptr,
                            a_ptr, dtb_ptr, state_ptr, s_state, o_ptr, slot_ptr, fresh_ptr, count_ptr, P, scale,
-                           lower, K: tl.constexpr, NV: tl.constexpr, BV: tl.constexpr, W: tl.constexpr,
-                           BW: tl.constexpr, UP: tl.constexpr, LOWER: tl.constexpr, PDL: tl.constexpr):
+                           lower, K: tl.constexpr, NV: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
+                           W: tl.constexpr, BW: tl.constexpr, UP: tl.constexpr, LOWER: tl.constexpr,
+                           PDL: tl.constexpr):
         grid_dependency(PDL)
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
@@ -69,16 +73,18 @@ if HAS_TRITON:
         slot = tl.load(slot_ptr + b).to(tl.int64)
         fresh = tl.load(fresh_ptr + b) != 0
         i = tl.arange(0, K)
-        jv = tl.program_id(2) * BV + tl.arange(0, BV)  # this program's value columns
+        j0 = tl.program_id(2) * BV  # this program's first value column; its BV columns go in chunks of BC
+        jc = tl.arange(0, BC)
         row = proj_ptr + b * s_proj
         gates = row + 3 * P  # [f_a | g_a | b]
         win = win_ptr + slot * s_wslot
-        hk, hv = h * K + i, h * K + jv  # the head's channels within a group of P
-        # every load that does not depend on another first, so their latencies overlap: the state's columns, the
-        # gates' weights and inputs, then the conv's windows
-        sp = state_ptr + slot * s_state + h * K * K + i[:, None] * K + jv[None, :]  # [K, BV] of the [K, V] state
-        S = tl.load(sp)
+        hk = h * K + i  # the head's channels within a group of P
+        rows = state_ptr + slot * s_state + h * K * K + i[:, None] * K  # the head's [K, V] state, by rows
+        # every load that does not depend on another first, so their latencies overlap: the state's first chunk
+        # of columns, the gates' weights and inputs, then the conv's windows
+        S = tl.load(rows + (j0 + jc)[None, :])
         if UP:  # the head's rows of the forget gate's up-projection, this program's rows of the output gate's
+            hv = h * K + j0 + tl.arange(0, BV)
             wf = tl.load(up_ptr + hk[:, None] * K + i[None, :])
             wg = tl.load(up_ptr + P * K + hv[:, None] * K + i[None, :])
             fa = tl.load(gates + i).to(tl.float32)
@@ -90,8 +96,8 @@ if HAS_TRITON:
         beta = tl.sigmoid(tl.load(gates + 2 * K + h).to(tl.float32))
         q, wq = _conv_step(row, cw_ptr, win, s_wchan, hk, fresh, W, BW)
         k, wk = _conv_step(row, cw_ptr, win, s_wchan, P + hk, fresh, W, BW)
-        v, wv = _conv_step(row, cw_ptr, win, s_wchan, 2 * P + hv, fresh, W, BW)
-        q, k, v = q.to(dt).to(tl.float32), k.to(dt).to(tl.float32), v.to(dt).to(tl.float32)
+        v, wv = _conv_step(row, cw_ptr, win, s_wchan, 2 * P + h * K + j0 + jc, fresh, W, BW)
+        q, k = q.to(dt).to(tl.float32), k.to(dt).to(tl.float32)
 
         if UP:
             f = tl.sum(wf.to(tl.float32) * fa[None, :], 1).to(dt).to(tl.float32)
@@ -104,18 +110,32 @@ if HAS_TRITON:
             g = -a * softplus(x)
         q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale
         k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
-        S = tl.where(fresh, 0.0, S) * tl.exp(g)[:, None]
-        err = v - tl.sum(S * k[:, None], 0)  # v - S^T k
-        S += (beta * k)[:, None] * err[None, :]
-        tl.store(sp, S)
-        tl.store(o_ptr + (b * H + h) * K + jv, tl.sum(S * q[:, None], 0).to(o_ptr.dtype.element_ty))
-
-        # the new windows, last: this program's v columns are its own; q's and k's are read by every program of
-        # the head, so the last of them to arrive writes those
+        decay = tl.exp(g)[:, None]
         col = tl.arange(0, BW)
         keep = (col < W - 1)[None, :]
-        tl.debug_barrier()  # every thread has read the old windows before any is written
-        tl.store(win + (2 * P + hv)[:, None] * s_wchan + col[None, :], wv.to(wdt), mask=keep)
+        # the delta rule a chunk of columns at a time (columns are independent): the next chunk's state and v
+        # window are asked for before this one's arithmetic, so a program's memory traffic overlaps its work and
+        # it holds two chunks, not the head's whole state
+        for c in tl.static_range(BV // BC):
+            j = j0 + c * BC + jc
+            if c + 1 < BV // BC:
+                S_next = tl.load(rows + (j + BC)[None, :])
+                v_next, wv_next = _conv_step(row, cw_ptr, win, s_wchan, 2 * P + h * K + j + BC, fresh, W, BW)
+            v = v.to(dt).to(tl.float32)
+            S = tl.where(fresh, 0.0, S) * decay
+            err = v - tl.sum(S * k[:, None], 0)  # v - S^T k
+            S += (beta * k)[:, None] * err[None, :]
+            tl.store(rows + j[None, :], S)
+            tl.store(o_ptr + (b * H + h) * K + j, tl.sum(S * q[:, None], 0).to(o_ptr.dtype.element_ty))
+            # the chunk's new v windows: these columns are this program's own; every thread has read their old
+            # windows (in the iteration before, or above) before any is written
+            tl.debug_barrier()
+            tl.store(win + (2 * P + h * K + j)[:, None] * s_wchan + col[None, :], wv.to(wdt), mask=keep)
+            if c + 1 < BV // BC:
+                S, v, wv = S_next, v_next, wv_next
+
+        # q's and k's new windows, last: they are read by every program of the head, so the last of them to
+        # arrive writes them
         if NV > 1:
             done = tl.atomic_add(count_ptr + b * H + h, 1, sem="acq_rel")  # after this program's reads
             if done == NV - 1:
@@ -136,6 +156,11 @@ def _splits(B: int, H: int, K: int) -> int:
     while nv * 2 * 32 <= K and B * H * nv < TARGET_PROGRAMS:
         nv *= 2
     return nv
+
+
+def _chunk(bv: int) -> int:
+    """Value columns a program updates at a time, of its ``bv``: :data:`CHUNK_COLS`, or all of them if fewer."""
+    return min(bv, CHUNK_COLS)
 
 
 _COUNTERS: dict[tuple, torch.Tensor] = {}  # (device, the layer's state pool's address, rows, heads) -> counters
@@ -206,6 +231,6 @@ def kda_decode(proj, conv_weight, conv_pool, gate_up, A_log, dt_bias, lower_boun
             proj, proj.stride(0), conv_weight, conv_pool, conv_pool.stride(0), conv_pool.stride(1), gate_up, f,
             f.stride(0), og, A_log, dt_bias, state_pool, state_pool.stride(0), o, batch.state_slots, batch.fresh,
             _counters(state_pool) if nv > 1 else batch.fresh, P, float(scale), float(lower_bound or 0.0), K=K,
-            NV=nv, BV=K // nv, W=W, BW=next_pow2(W - 1), UP=up, LOWER=lower_bound is not None,
+            NV=nv, BV=K // nv, BC=_chunk(K // nv), W=W, BW=next_pow2(W - 1), UP=up, LOWER=lower_bound is not None,
             num_warps=8 if K >= 64 else 4, **pdl(proj))
     return o, og
