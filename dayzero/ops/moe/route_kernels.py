@@ -1,10 +1,7 @@
 """Group-limited sigmoid (or sqrt-softplus) routing as one Triton kernel per step: one program per token
 scores its experts, ranks the groups by the sum of their two best biased scores, keeps ``topk_group`` of
-them and picks the ``top_k`` best experts inside (the reference issues about twenty kernels: sigmoid, two
-top-k's, scatter, mask, gather, the normalisation). Up to :data:`RANK_MAX` experts every expert's rank is counted
-against all the others at once, in its group and among the kept groups, and an expert of rank < top_k is
-written at its rank: a handful of reductions, where picking by repeated arg-max (kept for wider routers)
-chains about fifty. Same math as ``reference.route``:
+them and picks the ``top_k`` best experts inside, by repeated arg-max (the reference issues about twenty
+kernels: sigmoid, two top-k's, scatter, mask, gather, the normalisation). Same math as ``reference.route``:
 fp32, the bias only steers the selection, weights renormalised over the chosen experts and scaled. Experts
 come out best first; exact ties between scores may pick a different expert than ``torch.topk``.
 
@@ -23,36 +20,23 @@ if HAS_TRITON:
 
 MAX_K = 32
 MAX_GROUPS = 32
-RANK_MAX = 256  # up to this many experts (rounded up to a power of two) a token's are ranked by pairwise counts
-RANK_TILE = 4096  # comparisons a step of those counts (FB experts against all: a [RANK_TILE / E, E] tile)
 
 if HAS_TRITON:
     @triton.jit
     def _route_kernel(logits_ptr, bias_ptr, w_ptr, id_ptr, E, scale, GS: tl.constexpr,
                       SQRT_SOFTPLUS: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
                       G: tl.constexpr, TOPG: tl.constexpr, K: tl.constexpr, BE: tl.constexpr, BG: tl.constexpr,
-                      FB: tl.constexpr, PDL: tl.constexpr):
+                      PDL: tl.constexpr):
         grid_dependency(PDL)
         route_token(logits_ptr, bias_ptr, w_ptr, id_ptr, tl.program_id(0).to(tl.int64), E, scale, GS,
-                    SQRT_SOFTPLUS, HAS_BIAS, NORM, G, TOPG, K, BE, BG, FB)
+                    SQRT_SOFTPLUS, HAS_BIAS, NORM, G, TOPG, K, BE, BG)
 
     @triton.jit
     def route_token(logits_ptr, bias_ptr, w_ptr, id_ptr, t, E, scale, GS: tl.constexpr,
                     SQRT_SOFTPLUS: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-                    G: tl.constexpr, TOPG: tl.constexpr, K: tl.constexpr, BE: tl.constexpr, BG: tl.constexpr,
-                    FB: tl.constexpr):
-        """Token t's routing: its E logits read from row t, its K weights and ids written to rows t, best first;
-        FB > 0: by rank (:func:`_route_by_rank`, FB experts counted against all at a time), else by arg-max."""
-        if FB > 0:
-            _route_by_rank(logits_ptr, bias_ptr, w_ptr, id_ptr, t, E, scale, GS, SQRT_SOFTPLUS, HAS_BIAS, NORM, G,
-                           TOPG, K, BE, BG, FB)
-        else:
-            _route_by_argmax(logits_ptr, bias_ptr, w_ptr, id_ptr, t, E, scale, GS, SQRT_SOFTPLUS, HAS_BIAS, NORM, G,
-                             TOPG, K, BE, BG)
-
-    @triton.jit
-    def _scores(logits_ptr, bias_ptr, t, e, E, SQRT_SOFTPLUS: tl.constexpr, HAS_BIAS: tl.constexpr):
-        """Experts e's scores s (fp32) and selection scores (s + bias; -inf past E)."""
+                    G: tl.constexpr, TOPG: tl.constexpr, K: tl.constexpr, BE: tl.constexpr, BG: tl.constexpr):
+        """Token t's routing: its E logits read from row t, its K weights and ids written to rows t."""
+        e = tl.arange(0, BE)
         valid = e < E
         x = tl.load(logits_ptr + t * E + e, mask=valid, other=0.0).to(tl.float32)
         if SQRT_SOFTPLUS:
@@ -62,62 +46,7 @@ if HAS_TRITON:
         sel = s
         if HAS_BIAS:
             sel = sel + tl.load(bias_ptr + e, mask=valid, other=0.0).to(tl.float32)
-        return s, tl.where(valid, sel, float("-inf"))
-
-    @triton.jit
-    def _beats(a, ia, b, ib):
-        """[len(a), len(b)]: whether a[f] ranks before b[e], higher or equal with the lower index (ranks unique)."""
-        return (a[:, None] > b[None, :]) | ((a[:, None] == b[None, :]) & (ia[:, None] < ib[None, :]))
-
-    @triton.jit
-    def _route_by_rank(logits_ptr, bias_ptr, w_ptr, id_ptr, t, E, scale, GS: tl.constexpr,
-                       SQRT_SOFTPLUS: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, G: tl.constexpr,
-                       TOPG: tl.constexpr, K: tl.constexpr, BE: tl.constexpr, BG: tl.constexpr, FB: tl.constexpr):
-        """Every expert's rank counted against every other (FB of them at a time): a few reductions in all,
-        where picking by arg-max chains one per pick. An expert of rank < K among the kept groups' is written at
-        its rank."""
-        e = tl.arange(0, BE)
-        s, sel = _scores(logits_ptr, bias_ptr, t, e, E, SQRT_SOFTPLUS, HAS_BIAS)
-        grp = e // GS
-        gi = tl.arange(0, BG)
-        if G > 1:
-            inner = tl.zeros((BE,), dtype=tl.int32)  # each expert's rank within its group
-            for f0 in tl.static_range(0, BE, FB):
-                f = f0 + tl.arange(0, FB)
-                sel_f = _scores(logits_ptr, bias_ptr, t, f, E, SQRT_SOFTPLUS, HAS_BIAS)[1]
-                same = (f // GS)[:, None] == grp[None, :]
-                inner += tl.sum(tl.where(_beats(sel_f, f, sel, e) & same, 1, 0), 0)
-            best2 = tl.where(inner < 2, sel, 0.0)  # a group's score: its two best (its one, for groups of one)
-            gscore = tl.sum(tl.where(gi[:, None] == grp[None, :], best2[None, :], 0.0), 1)
-            gscore = tl.where(gi < G, gscore, float("-inf"))
-            keep = (tl.sum(tl.where(_beats(gscore, gi, gscore, gi), 1, 0), 0) < TOPG) & (gi < G)
-            kept = tl.sum(tl.where((gi[:, None] == grp[None, :]) & keep[:, None], 1, 0), 0) > 0
-        else:
-            kept = e < E
-        rank = tl.zeros((BE,), dtype=tl.int32)  # among the kept groups' experts
-        for f0 in tl.static_range(0, BE, FB):
-            f = f0 + tl.arange(0, FB)
-            sel_f = _scores(logits_ptr, bias_ptr, t, f, E, SQRT_SOFTPLUS, HAS_BIAS)[1]
-            if G > 1:
-                kept_f = tl.sum(tl.where(((f // GS)[:, None] == gi[None, :]) & keep[None, :], 1, 0), 1) > 0
-            else:
-                kept_f = f < E
-            rank += tl.sum(tl.where(_beats(sel_f, f, sel, e) & kept_f[:, None], 1, 0), 0)
-        chosen = kept & (rank < K)
-        ws = tl.where(chosen, s, 0.0)
-        if NORM:
-            ws = ws / (tl.sum(ws, axis=0) + 1e-20)
-        tl.store(id_ptr + t * K + rank, e.to(tl.int64), mask=chosen)
-        tl.store(w_ptr + t * K + rank, ws * scale, mask=chosen)
-
-    @triton.jit
-    def _route_by_argmax(logits_ptr, bias_ptr, w_ptr, id_ptr, t, E, scale, GS: tl.constexpr,
-                         SQRT_SOFTPLUS: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-                         G: tl.constexpr, TOPG: tl.constexpr, K: tl.constexpr, BE: tl.constexpr, BG: tl.constexpr):
-        """Groups ranked by repeated arg-max, then the K best experts picked one at a time: ~50 chained
-        reductions, but no [E, E] comparisons (wide routers)."""
-        e = tl.arange(0, BE)
-        s, sel = _scores(logits_ptr, bias_ptr, t, e, E, SQRT_SOFTPLUS, HAS_BIAS)
+        sel = tl.where(valid, sel, float("-inf"))
         if G > 1:
             grp = e // GS
             gi = tl.arange(0, BG)
@@ -180,19 +109,15 @@ def route(logits: torch.Tensor, top_k: int, kind: str = "sigmoid", correction_bi
     ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
     if T:
         bias = correction_bias if correction_bias is not None else logits
-        constants = route_constants(E, top_k, kind, correction_bias, n_group, topk_group, norm_topk_prob)
-        # one warp for 64 experts ranked, and up to 256 picked by arg-max (a token's ~50 reductions stay within
-        # warp shuffles); four share the wider rank counts
-        warps = 1 if constants["BE"] <= 64 or (constants["FB"] == 0 and E <= 256) else 4
-        _route_kernel[(T,)](logits, bias, weights, ids, E, float(routed_scaling_factor), **constants,
-                            num_warps=warps, **pdl(logits))
+        # one warp up to 256 experts: a token's ~50 arg-max / max reductions stay within warp shuffles
+        _route_kernel[(T,)](logits, bias, weights, ids, E, float(routed_scaling_factor),
+                            **route_constants(E, top_k, kind, correction_bias, n_group, topk_group, norm_topk_prob),
+                            num_warps=1 if E <= 256 else 4, **pdl(logits))
     return weights, ids
 
 
 def route_constants(E: int, top_k: int, kind: str, correction_bias, n_group: int, topk_group: int,
                     norm_topk_prob: bool) -> dict:
     """:func:`route_token`'s compile-time arguments."""
-    BE = next_pow2(E)
     return dict(GS=E // n_group, SQRT_SOFTPLUS=kind == "sqrtsoftplus", HAS_BIAS=correction_bias is not None,
-                NORM=norm_topk_prob, G=n_group, TOPG=topk_group, K=top_k, BE=BE, BG=next_pow2(n_group),
-                FB=max(1, min(BE, RANK_TILE // BE)) if BE <= RANK_MAX else 0)
+                NORM=norm_topk_prob, G=n_group, TOPG=topk_group, K=top_k, BE=next_pow2(E), BG=next_pow2(n_group))

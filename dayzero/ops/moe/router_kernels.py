@@ -30,7 +30,7 @@ if HAS_TRITON:
                        scale, HAS_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, GS: tl.constexpr, SQRT_SOFTPLUS: tl.constexpr,
                        HAS_BIAS: tl.constexpr, NORM: tl.constexpr, G: tl.constexpr, TOPG: tl.constexpr,
-                       K: tl.constexpr, BE: tl.constexpr, BG: tl.constexpr, FB: tl.constexpr, PDL: tl.constexpr):
+                       K: tl.constexpr, BE: tl.constexpr, BG: tl.constexpr, PDL: tl.constexpr):
         # x: [M, D]; w: [E, D]; logits: [M, E] fp32 scratch; count: one int32, zero between launches
         grid_dependency(PDL)
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -54,7 +54,7 @@ if HAS_TRITON:
             tl.atomic_xchg(count_ptr, 0)
             for t in range(0, M):
                 route_token(logits_ptr, bias_ptr, wout_ptr, id_ptr, t, E, scale, GS, SQRT_SOFTPLUS, HAS_BIAS, NORM,
-                            G, TOPG, K, BE, BG, FB)
+                            G, TOPG, K, BE, BG)
 
 
 def candidates(rows: int, experts: int, dim: int) -> list[K.Block]:
