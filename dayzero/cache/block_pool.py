@@ -21,13 +21,13 @@ class BlockPool:
             raise ValueError(f"num_cache_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
         if policy not in POLICIES:
             raise ValueError(f"block eviction policy must be one of {POLICIES}, got {policy!r}")
-        self.duel = EvictionDuel(num_blocks - 1) if policy == "adaptive" else None
         self.num_blocks = num_blocks
         self.ref_cnt = [0] * num_blocks
         self.free = deque(range(1, num_blocks))
         self.cached: dict[bytes, int] = {}  # prefix hash -> block holding that prefix's last block of rows
         self.hash_of: dict[int, bytes] = {}  # the inverse, for the blocks registered
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; least recently used first
+        self.duel = EvictionDuel(num_blocks - 1, self.cached.__contains__) if policy == "adaptive" else None
         self.num_evicted = 0
         self.on_evict = None  # (block, prefix hash) -> None, called before an evicted block is handed out
 
@@ -48,16 +48,26 @@ class BlockPool:
             if self.free:
                 i = self.free.popleft()
             else:  # a cached block nobody holds: the least recently used (or as the duel says)
-                i = next(iter(self.evictable)) if self.duel is None else self.duel.victim(self.evictable, self.hash_of.get)
+                i = self._lru() if self.duel is None else self.duel.victim(self._unheld, self._lru)
                 del self.evictable[i]
                 key = self.hash_of.pop(i)
                 del self.cached[key]
+                if self.duel is not None:
+                    self.duel.forget(key)
                 self.num_evicted += 1
                 if self.on_evict is not None:
                     self.on_evict(i, key)
             self.ref_cnt[i] = 1
             ids.append(i)
         return ids
+
+    def _lru(self) -> int:
+        return next(iter(self.evictable))
+
+    def _unheld(self, key: bytes) -> int | None:
+        """The cached block of ``key`` if nobody holds it."""
+        block = self.cached.get(key)
+        return block if block in self.evictable else None
 
     def incref(self, ids: list[int]) -> None:
         for i in ids:
@@ -76,19 +86,21 @@ class BlockPool:
                     self.free.append(i)
 
     # --- prefix caching --------------------------------------------------------------------------------
-    def register(self, block: int, prefix_hash: bytes) -> None:
+    def register(self, block: int, prefix_hash: bytes, group=None) -> None:
         """``block`` (held, full) holds the rows of the prefix ``prefix_hash``; the first block registered for a
-        prefix is the one reused (a later duplicate stays private)."""
+        prefix is the one reused (a later duplicate stays private). ``group``: the sequence whose blocks these
+        are, kept or dropped together by the eviction rules."""
         if prefix_hash not in self.cached and block not in self.hash_of:
             self.cached[prefix_hash] = block
             self.hash_of[block] = prefix_hash
             if self.duel is not None:
-                self.duel.insert(prefix_hash)
+                self.duel.insert(prefix_hash, group, touch=False)
 
-    def observe(self, keys: list[bytes]) -> None:
-        """A new sequence's lookup of its blocks' keys, first block first (scores the eviction rules)."""
+    def observe(self, keys: list[bytes], group=None) -> None:
+        """A new sequence's (``group``'s) lookup of its blocks' keys, first block first (scores the eviction
+        rules)."""
         if self.duel is not None:
-            self.duel.observe_leading(keys)
+            self.duel.observe_leading(keys, group)
 
     def lookup(self, prefix_hash: bytes) -> int | None:
         return self.cached.get(prefix_hash)

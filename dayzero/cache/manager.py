@@ -106,7 +106,7 @@ class CacheManager:
         h = CacheHandle()
         hashes = block_hashes(token_ids, bs, (len(token_ids) - 1) // bs // step * step, h.hashes, extra_keys)
         keys = [self._key(hashes, j) for j in range(len(hashes))]
-        self.blocks.observe(keys)
+        self.blocks.observe(keys, seq_id)
         blocks = []  # each taken as found: fetching one from the host tier may evict an unheld block
         for key in keys:
             b = self.blocks.lookup(key)
@@ -218,7 +218,7 @@ class CacheManager:
         full = min(num_computed // self.align * self.align // self.block_size, len(h.blocks))
         hashes = block_hashes(token_ids, self.block_size, full, h.hashes, extra_keys)
         for i in range(h.registered, full):
-            self.blocks.register(h.blocks[i], self._key(hashes, i))
+            self.blocks.register(h.blocks[i], self._key(hashes, i), group=seq_id)
         h.registered = max(h.registered, full)
         at_point = num_computed % self.interval == 0 or num_computed == self._prompt_point(prompt_len)
         if not (self.uses_slots and h.slot is not None and num_computed > 0 and num_computed % self.align == 0 and at_point):

@@ -55,7 +55,7 @@ class SnapshotPool:
         self.rows: OrderedDict[bytes, int] = OrderedDict()  # prefix hash -> row; least recently used first
         self.num_evicted = 0
         self.on_evict = None  # (row, prefix hash) -> None, called before an evicted row is reused
-        self.duel = EvictionDuel(count) if policy == "adaptive" and count > 0 else None
+        self.duel = EvictionDuel(count, self.rows.__contains__) if policy == "adaptive" and count > 0 else None
 
     def observe(self, candidates: list[bytes]) -> None:
         """A lookup of a new sequence's snapshot points, longest prefix first: score the two rules by which
@@ -82,8 +82,11 @@ class SnapshotPool:
         if self.free:
             row = self.free.pop()
         else:
-            old = next(iter(self.rows)) if self.duel is None else self.duel.victim(self.rows, lambda k: k)
+            lru = lambda: next(iter(self.rows))  # noqa: E731
+            old = lru() if self.duel is None else self.duel.victim(lambda k: k if k in self.rows else None, lru)
             row = self.rows.pop(old)
+            if self.duel is not None:
+                self.duel.forget(old)
             self.num_evicted += 1
             if self.on_evict is not None:
                 self.on_evict(row, old)

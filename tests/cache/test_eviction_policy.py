@@ -111,10 +111,10 @@ def test_cycled_prompts_through_the_engine_hit_and_give_the_uncached_output(tiny
         torch.testing.assert_close(torch.tensor(runs[name][1]), torch.tensor(runs["off"][1]), rtol=1e-5, atol=1e-5)
 
 
-def prompt_through(pool, keys: list[bytes]) -> int:
-    """A sequence of these block keys: takes the cached ones from the first on, computes and registers the rest,
-    then releases all; returns the blocks it found cached."""
-    pool.observe(keys)
+def prompt_through(pool, keys: list[bytes], group=None) -> int:
+    """A sequence (``group``) of these block keys: takes the cached ones from the first on, computes and
+    registers the rest, then releases all; returns the blocks it found cached."""
+    pool.observe(keys, group)
     held = []
     for key in keys:
         block = pool.lookup(key)
@@ -124,7 +124,7 @@ def prompt_through(pool, keys: list[bytes]) -> int:
         held.append(block)
     new = pool.allocate(len(keys) - len(held))
     for block, key in zip(new, keys[len(held):]):
-        pool.register(block, key)
+        pool.register(block, key, group)
     pool.release(held + new)
     return len(held)
 
@@ -150,3 +150,22 @@ def test_cached_blocks_of_a_cycle_longer_than_the_pool():
     assert hits["lru"][:4] == [0, 0, 0, 0]
     assert hits["adaptive"][:2] == [0, 0] and min(hits["adaptive"][2:4]) >= 24
     assert hits["adaptive"][4] >= hits["lru"][4] - 2 * 4 * 8  # two turns of four users, at most 8 blocks each
+
+
+@pytest.mark.parametrize("prompts,blocks,capacity,least", [(48, 8, 120, 96), (48, 10, 299, 250)], ids=str)
+def test_whole_prompts_of_a_cycle_stay_as_many_as_the_pool_holds(prompts, blocks, capacity, least):
+    """Prompts of several blocks each, cycled through a pool of a quarter or 60% of them: from the third pass on
+    the adaptive pool finds at least ``least`` blocks a pass, most of what its ``capacity`` can hold, because the
+    bimodal rule keeps or drops a sequence's blocks together and the pool evicts what that rule dropped however
+    many kept blocks come before it in least-recently-used order (here up to 120). The keys the copies dropped
+    are only ever ones the pool still caches."""
+    from dayzero.cache.block_pool import BlockPool
+
+    keys = [[b"p%d-%d" % (p, j) for j in range(blocks)] for p in range(prompts)]
+    pool, seq = BlockPool(capacity + 1, "adaptive"), iter(range(10**6))
+    hits = [sum(prompt_through(pool, k, next(seq)) for k in keys) for _ in range(5)]
+    assert hits[0] == 0 and min(hits[2:]) >= least, hits
+    assert pool.duel.bimodal and pool.num_used == 0
+    for copy in pool.duel.copies:
+        assert set(copy.dropped) <= set(pool.cached)
+        assert not set(copy.dropped) & set(copy.keys)
