@@ -41,7 +41,7 @@ def kernels(pool: str):
         HI=64, DI=128, PAGE=64, BLOCK_H=64, BLOCK_D=128, BLOCK_N=128, **common), 8)
     yield "indexer varlen", compile_kernel(X._varlen_scores_kernel, ptrs, dict(
         HI=64, DI=128, PAGE=64, BLOCK_M=64, BLOCK_D=128, BLOCK_N=64, **common), 8)
-    ptrs = {"q_ptr": "*bf16", "lat_ptr": rows, "ls_ptr": scales, "sel_ptr": "*i64", "o_ptr": "*fp32",
+    ptrs = {"q_ptr": "*bf16", "qp_ptr": "*bf16", "lat_ptr": rows, "ls_ptr": scales, "sel_ptr": "*i64", "o_ptr": "*fp32",
             "ml_ptr": "*fp32", "sink_ptr": "*fp32"}
     yield "mla split", compile_kernel(M._split_kernel, ptrs, dict(
         R=512, P=64, PAGE=64, SPARSE=True, HAS_SEQ=False, FINAL=False, HAS_SINK=True, BLOCK_H=M.BLOCK_H,

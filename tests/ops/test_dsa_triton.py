@@ -265,6 +265,13 @@ def test_mla_decode_equals_the_torch_path(case, sparse, sinks, heads_splits, dty
                               splits=splits)
     assert o.shape == (batch.num_seqs, H, R) and o.dtype == torch.float32
     close(o, latent_attention(q_abs, lat, batch, R, scale, s, sel), TOL[dtype])
+    # q~'s rope columns given apart, its latent ones as a strided view, o_lat written in bf16: the same values
+    # up to that rounding (the layer's form: no concatenation, no cast after)
+    q_lat = q_abs[..., :R].transpose(0, 1).contiguous().transpose(0, 1)  # no rope columns after its rows
+    apart = triton_mla.mla_decode(q_lat, lat, batch.block_tables, batch.positions, batch.block_size, R, scale, s,
+                                  sel, splits=splits, q_pe=q_abs[..., R:].clone(), out_dtype=torch.bfloat16)
+    assert apart.dtype == torch.bfloat16
+    close(apart.float(), o, TOL[torch.bfloat16])
 
 
 def latent_attention(q_abs, lat, batch, R, scale, sinks, selection):

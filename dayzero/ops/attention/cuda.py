@@ -133,13 +133,14 @@ def _mla_rows(q_nope, q_pe, latent_cache, kv_b_weight, v_head_dim, batch, scale,
     ct = q_nope.dtype if use_triton else torch.float32
     # the absorbed query q~ = [q_nope W_UK | q_pe], one shared latent key/value head
     q_lat = torch.einsum("bhn,hnr->bhr", q_nope.to(ct), w[:, :N].to(ct))
-    q_abs = torch.cat((q_lat, q_pe.to(ct)), dim=-1)  # [B, H, R+P]
-    if use_triton:
+    if use_triton:  # the kernel reads q~'s two parts apart and writes o_lat in ct: no concatenation, no cast
         seq_of_row = None if batch.is_decode else batch.seq_of_row  # prefill rows read their sequence's table
-        o_lat = triton_mla.mla_decode(q_abs, latent_cache, batch.block_tables, batch.positions, batch.block_size,
-                                      R, scale, sinks, selection, seq_of_row=seq_of_row)  # [T, H, R] fp32
+        o_lat = triton_mla.mla_decode(q_lat, latent_cache, batch.block_tables, batch.positions, batch.block_size,
+                                      R, scale, sinks, selection, seq_of_row=seq_of_row, q_pe=q_pe.to(ct),
+                                      out_dtype=ct)  # [T, H, R]
     else:
         assert batch.is_decode, "prefill rows without the Triton kernel are the reference's (the verifier says so)"
+        q_abs = torch.cat((q_lat, q_pe.to(ct)), dim=-1)  # [B, H, R+P]
         if selection is None:
             kp, ok = key_positions(batch)
         else:

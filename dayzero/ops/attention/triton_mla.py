@@ -3,8 +3,8 @@ rows and for the rows of prefill chunks alike (each query row attends on its own
 its position, its own selection).
 
 The latent pool holds one shared key/value head per token, ``[c (R) | k_pe (P)]``: the key is the whole row,
-the value its first R columns. For the absorbed query q~ = [q_nope W_UK | q_pe] ([B, H, R+P], computed in
-torch by ``paged_mla_rows``) every head h of decode row b gets
+the value its first R columns. For the absorbed query q~ = [q_nope W_UK | q_pe] ([B, H, R+P], its two parts
+computed in torch by ``paged_mla_rows`` and read apart) every head h of decode row b gets
 
     o_lat[b, h] = sum_j softmax_j(scale * q~[b, h] . lat_j) c_j      (fp32; a sink adds e^sink to the sum)
 
@@ -18,7 +18,8 @@ the table); other rows are never loaded (masked loads), since a stale row of a r
   so exp2), and writes them as partials. The latent tile is loaded once as [keys, R] + [keys, P] (R=512 and
   P=64 in the real model, so R+P=576 needs no padding to 1024) and serves as both the key and the value.
 - merge kernel: one program per (row, head, slice of R) rescales the splits' partials to their common max, adds
-  the sink to the denominator and writes o_lat [B, H, R] fp32. With one split (every prefill row: there are
+  the sink to the denominator and writes o_lat [B, H, R] (fp32, or the model's dtype for the product that
+  follows). With one split (every prefill row: there are
   rows enough to fill the device) the split kernel normalises and writes o_lat itself, with no partials.
 
 The number of splits is chosen on the host from shapes only (rows, heads, key-list length), never from a
@@ -50,8 +51,9 @@ if HAS_TRITON:
     from dayzero.ops.triton_support import TORCH_TO_TL, grid_dependency, softmax_out
 
     @triton.jit
-    def _split_kernel(q_ptr, lat_ptr, ls_ptr, table_ptr, seq_ptr, pos_ptr, sel_ptr, o_ptr, ml_ptr, sink_ptr, H,
-                      num_keys, key_width, keys_per_split, qk_scale, s_qb, s_qh, s_lb, s_lr, s_lsb, s_tb, s_sb, s_ob, s_oh,
+    def _split_kernel(q_ptr, qp_ptr, lat_ptr, ls_ptr, table_ptr, seq_ptr, pos_ptr, sel_ptr, o_ptr, ml_ptr, sink_ptr,
+                      H, num_keys, key_width, keys_per_split, qk_scale, s_qb, s_qh, s_qpb, s_qph, s_lb, s_lr, s_lsb,
+                      s_tb, s_sb, s_ob, s_oh,
                       s_os, R: tl.constexpr, P: tl.constexpr, PAGE: tl.constexpr, SPARSE: tl.constexpr,
                       HAS_SEQ: tl.constexpr, FINAL: tl.constexpr, HAS_SINK: tl.constexpr,
                       BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -67,9 +69,10 @@ if HAS_TRITON:
         r_ok, p_ok = offs_r < R, offs_p < P
         # the dots' operand dtype: q~ and p are rounded to it (the model's dtype for quantised codes, exact in it)
         dt = DT if QUANT else lat_ptr.dtype.element_ty
-        q_row = q_ptr + b * s_qb + offs_h[:, None] * s_qh
+        q_row = q_ptr + b * s_qb + offs_h[:, None] * s_qh  # q~'s latent columns, and its rope ones apart
+        qp_row = qp_ptr + b * s_qpb + offs_h[:, None] * s_qph
         q_c = tl.load(q_row + offs_r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0).to(dt)  # [BH, BR]
-        q_p = tl.load(q_row + R + offs_p[None, :], mask=h_ok[:, None] & p_ok[None, :], other=0.0).to(dt)  # [BH, BP]
+        q_p = tl.load(qp_row + offs_p[None, :], mask=h_ok[:, None] & p_ok[None, :], other=0.0).to(dt)  # [BH, BP]
         if DOT_F32:
             q_c, q_p = q_c.to(tl.float32), q_p.to(tl.float32)
         pos = tl.load(pos_ptr + b)
@@ -125,7 +128,7 @@ if HAS_TRITON:
         if FINAL:  # one split: normalise here (the sink joins the denominator) and write o_lat, no merge
             acc = softmax_out(acc, m, l, sink_ptr, offs_h, h_ok, HAS_SINK)
         o = o_ptr + b * s_ob + offs_h[:, None] * s_oh + split * s_os + offs_r[None, :]
-        tl.store(o, acc, mask=h_ok[:, None] & r_ok[None, :])
+        tl.store(o, acc.to(o_ptr.dtype.element_ty), mask=h_ok[:, None] & r_ok[None, :])
         if not FINAL:
             ml = ml_ptr + ((b * H + offs_h) * tl.num_programs(1) + split) * 2
             tl.store(ml, m, mask=h_ok)
@@ -157,7 +160,7 @@ if HAS_TRITON:
         parts = o_ptr + b * s_ob + h * s_oh + offs_s[:, None] * s_os + offs_r[None, :]
         o = tl.sum(tl.load(parts, mask=s_ok[:, None] & r_ok[None, :], other=0.0) * wgt[:, None], axis=0)  # [BR]
         o = o / tl.maximum(denom, 1.1754943508222875e-38)
-        tl.store(out_ptr + b * s_xb + h * s_xh + offs_r, o, mask=r_ok)
+        tl.store(out_ptr + b * s_xb + h * s_xh + offs_r, o.to(out_ptr.dtype.element_ty), mask=r_ok)
 
 
 def refusal(q_abs: torch.Tensor, latent_pool, selection: torch.Tensor | None = None) -> str | None:
@@ -196,21 +199,27 @@ def num_splits(rows: int, heads: int, num_keys: int) -> int:
 def mla_decode(q_abs: torch.Tensor, latent_pool: torch.Tensor, block_tables: torch.Tensor, positions: torch.Tensor,
                block_size: int, rank: int, scale: float, sinks: torch.Tensor | None = None,
                selection: torch.Tensor | None = None, splits: int | None = None,
-               seq_of_row: torch.Tensor | None = None) -> torch.Tensor:
-    """o_lat [B, H, R] fp32 of absorbed MLA for B query rows (see the module docstring); ``rank`` is R.
-    ``seq_of_row`` [B]: the row of ``block_tables`` each query row reads (None: row b reads row b, a decode
-    step). ``splits`` overrides :func:`num_splits` (tests)."""
-    # q_abs: [B, H, R+P]; latent_pool: [num_blocks, block_size, R+P]; block_tables: [S, W]; positions: [B]
-    B, H, RP = q_abs.shape
-    R, P = rank, RP - rank
+               seq_of_row: torch.Tensor | None = None, q_pe: torch.Tensor | None = None,
+               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """o_lat [B, H, R] of absorbed MLA for B query rows (see the module docstring), accumulated in fp32 and
+    written in ``out_dtype``; ``rank`` is R. ``q_pe`` [B, H, P]: q~'s rope columns, given apart (then ``q_abs``
+    holds only its R latent columns, and no concatenation is needed). ``seq_of_row`` [B]: the row of
+    ``block_tables`` each query row reads (None: row b reads row b, a decode step). ``splits`` overrides
+    :func:`num_splits` (tests)."""
+    # q_abs: [B, H, R+P] (or [B, H, R] with q_pe); latent_pool: [num_blocks, block_size, R+P]; block_tables: [S, W]
+    B, H = q_abs.shape[:2]
+    R = rank
+    if q_pe is None:
+        q_abs, q_pe = q_abs[..., :R], q_abs[..., R:]
+    P = q_pe.shape[-1]
     key_width = block_tables.shape[1] * block_size
     num_keys = key_width if selection is None else selection.shape[1]
-    out = torch.empty(B, H, R, dtype=torch.float32, device=q_abs.device)
+    out = torch.empty(B, H, R, dtype=out_dtype, device=q_abs.device)
     if B == 0 or H == 0:
         return out
     if num_keys == 0:  # no key: the weights are 0 whatever the sink (it joins the denominator only)
         return out.zero_()
-    q_abs, block_tables = (t if t.stride(-1) == 1 else t.contiguous() for t in (q_abs, block_tables))
+    q_abs, q_pe, block_tables = (t if t.stride(-1) == 1 else t.contiguous() for t in (q_abs, q_pe, block_tables))
     if selection is not None and selection.stride(-1) != 1:
         selection = selection.contiguous()
     S = splits or num_splits(B, H, num_keys)
@@ -218,15 +227,16 @@ def mla_decode(q_abs: torch.Tensor, latent_pool: torch.Tensor, block_tables: tor
     S = math.ceil(num_keys / per_split)  # no split left empty by the rounding
     final = S == 1  # one split writes o_lat itself: no partials, no merge (every prefill row)
     part_o = out[:, :, None] if final else torch.empty(B, H, S, R, dtype=torch.float32, device=q_abs.device)
-    part_ml = out if final else torch.empty(B, H, S, 2, dtype=torch.float32, device=q_abs.device)  # (max, sum)
+    part_ml = part_o if final else torch.empty(B, H, S, 2, dtype=torch.float32, device=q_abs.device)  # (max, sum)
     sel = selection if selection is not None else positions  # any pointer: never read when dense
     lat, lat_scale, quant, dtype = pool_operands(latent_pool)
     precision = "ieee" if dtype == torch.float32 else "tf32"
     BR, BP = max(16, next_pow2(R)), max(16, next_pow2(P))
     _split_kernel[(B, S, triton.cdiv(H, BLOCK_H))](
-        q_abs, lat, lat_scale, block_tables, positions if seq_of_row is None else seq_of_row, positions, sel, part_o,
-        part_ml, sinks if sinks is not None else part_ml, H, num_keys, key_width, per_split,
-        scale * LOG2E, q_abs.stride(0), q_abs.stride(1), lat.stride(0), lat.stride(1), lat_scale.stride(0),
+        q_abs, q_pe, lat, lat_scale, block_tables, positions if seq_of_row is None else seq_of_row, positions, sel,
+        part_o, part_ml, sinks if sinks is not None else part_ml, H, num_keys, key_width, per_split,
+        scale * LOG2E, q_abs.stride(0), q_abs.stride(1), q_pe.stride(0), q_pe.stride(1), lat.stride(0), lat.stride(1),
+        lat_scale.stride(0),
         block_tables.stride(0), sel.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
         R=R, P=P, PAGE=block_size, SPARSE=selection is not None, HAS_SEQ=seq_of_row is not None, FINAL=final,
         HAS_SINK=sinks is not None, BLOCK_H=BLOCK_H, BLOCK_R=BR, BLOCK_P=BP, BLOCK_N=BLOCK_N, DOT_F32=DOT_F32,
