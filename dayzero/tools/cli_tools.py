@@ -64,6 +64,9 @@ def add_plan(sub) -> None:
                    help="MXFP4 experts: the workspace they are converted into, a fused MXFP4 GEMM, or per step as "
                         f"the engine's default (auto: fused for steps of at most {FUSED_ROWS_PER_EXPERT} rows per "
                         "expert)")
+    p.add_argument("--fp8-activations", action="store_true",
+                   help="as the engine's option: MXFP4 experts (conversion auto or fp8) converted into FP8 tiles "
+                        "(one scale per 128x128) and multiplied FP8 x FP8")
     p.add_argument("--prefill-chunk", type=int, default=8192, help="prefill tokens per step per DP rank")
     p.add_argument("--memory-fraction", type=float, default=0.92, help="share of device memory the plan may use")
     p.add_argument("--top", type=int, default=12, help="layouts to list")

@@ -42,6 +42,7 @@ class PlanConfig:
     memory_fraction: float = 0.92  # of device memory the plan may use
     runtime_gib: float = 2.0  # runtime context, library workspaces, collective-library buffers
     workspace_slots: int = 2  # expert conversion buffers: two on GPUs (the next layer converts while one runs)
+    fp8_activations: bool = False  # as the engine's option: MXFP4 experts converted into FP8 tiles, not bf16
 
 
 @dataclass(frozen=True)
@@ -302,9 +303,13 @@ def expert_storage(info, cfg: PlanConfig) -> tuple[str | None, str | None, str]:
     workspace = None
     if effective == "mxfp4" and cfg.conversion != "fused":
         workspace = "bf16" if cfg.conversion == "auto" else cfg.conversion
+        if cfg.fp8_activations and cfg.conversion in ("auto", "fp8"):
+            workspace = "fp8_tile"  # e4m3 with one fp32 scale per 128 x 128 tile, multiplied FP8 x FP8
     desc = declared_format(info.spec) if override is None else f"experts {override.upper()} (--experts)"
     if workspace:
-        desc += f"; MXFP4 experts converted into a {workspace.upper()} workspace ({cfg.workspace_slots} slot" \
+        name = "FP8-tile (FP8 activations)" if workspace == "fp8_tile" else workspace.upper()
+        article = "an" if name[0] in "AEFHILMNORSX" else "a"  # as the letters are read: an FP8, a BF16
+        desc += f"; MXFP4 experts converted into {article} {name} workspace ({cfg.workspace_slots} slot" \
                 f"{'s' if cfg.workspace_slots > 1 else ''})"
         if cfg.conversion == "auto":
             desc += f" for steps of more than {FUSED_ROWS_PER_EXPERT} rows per expert, read packed below"
@@ -404,7 +409,7 @@ def main(args) -> int:
     cfg = PlanConfig(
         devices=n, device=kind, context=args.context, batch=args.batch, kv_cache_dtype=args.kv_cache_dtype,
         experts=args.experts, conversion=args.conversion, prefill_chunk=args.prefill_chunk,
-        memory_fraction=args.memory_fraction,
+        memory_fraction=args.memory_fraction, fp8_activations=args.fp8_activations,
     )
     p = plan(args.model, cfg)
     print(json.dumps(p, indent=1, default=str) if args.json else render(p, args.top))

@@ -22,6 +22,10 @@ from dayzero.tools.model_info import (
     EMBEDDING, LM_HEAD, ROUTED, ROUTER, VISION, ModelInfo, Param, cache_specs, format_bytes, paged_bytes_per_token,
 )
 
+# the conversion workspace's name -> the storage format its bytes are counted in: the FP8 workspace holds E2M1
+# values with their E8M0 block scales widened (a scale per 32), the FP8 tiles one fp32 scale per 128 x 128
+WORKSPACE_FORMATS = {"fp8": "fp8_ws", "fp8_tile": "fp8"}
+
 
 @dataclass
 class Row:
@@ -131,7 +135,7 @@ def model_costs(info: ModelInfo, experts: str | None = None, workspace: str | No
             lc.expert_bytes += b
             lc.expert_params += p.logical
             if workspace is not None and not p.is_bias and p.kind != "scale":
-                lc.expert_ws_bytes += format_bytes(p.logical_shape, "fp8_ws" if workspace == "fp8" else workspace)
+                lc.expert_ws_bytes += format_bytes(p.logical_shape, WORKSPACE_FORMATS.get(workspace, workspace))
         elif p.component == ROUTER or len(p.shape) < 2:
             lc.rep_bytes += b
             lc.rep_params += p.logical

@@ -128,6 +128,24 @@ def test_auto_conversion_reads_packed_experts_in_decode_and_converts_for_prefill
     assert auto["prefill_tokens_per_s"] == pytest.approx(bf16["prefill_tokens_per_s"])
 
 
+def test_fp8_activations_plan_the_fp8_tile_workspace():
+    """With FP8 activations the engine converts MXFP4 experts into FP8 tiles (a byte a weight and one fp32 scale
+    per 128 x 128 tile), not bf16: the plan's workspace holds about half the bytes, those of ``--conversion fp8``
+    less the FP8 workspace's block scales; ``fused`` keeps none either way."""
+    def run(conversion, a8):
+        cfg = PlanConfig(devices=1, device=DEVICES["h200"], context=8192, batch=1, conversion=conversion,
+                         fp8_activations=a8)
+        p = plan(str(CONFIGS / "dayzero-small-mxfp4.json"), cfg)
+        return next(r for r in p["layouts"] if r["layout"]["tp"] == 1)["memory"]["workspace"], p
+
+    bf16, _ = run("auto", False)
+    tiles, p = run("auto", True)
+    fp8, _ = run("fp8", False)
+    assert tiles == run("fp8", True)[0] and run("fused", True)[0] == 0
+    assert 0.49 * bf16 < tiles < 0.51 * bf16 and 1.1 * tiles < fp8 < 1.13 * tiles  # fp32 scales per 32 there
+    assert "FP8-tile" in json.dumps(p, default=str)
+
+
 def test_memory_terms_scale_as_stated():
     from dayzero.tools.model_info import load
     from dayzero.tools.plan import Layout, model_costs
