@@ -5,16 +5,17 @@ workload that comes back to more distinct prompts than the pool holds, in the sa
 evicted just before it is asked for. Bimodal insertion (Qureshi et al., ISCA 2007: new entries go in at the
 evicting end, one in 32 at the other) keeps part of such a cycle. Entries that are only useful together (a
 prompt's blocks: a hit needs every one from the first on) are inserted with a ``group`` (the sequence), and the
-bimodal rule decides once per group, so that it keeps whole prompts rather than one block of each. :class:`EvictionDuel` keeps two key-only
-copies of a pool, one per rule, that see the same insertions and lookups and are scored by which would have
-resumed the longer prefix, and each lookup's misses are cached in each copy as the sequence would compute them;
-the pool evicts first what the leading copy no longer holds (:meth:`victim`: each copy keeps, in the order it
-dropped them, the keys the pool still caches and it does not), so its content follows that rule's.
+bimodal rule decides once per group, so that it keeps whole prompts rather than one block of each.
+
+:class:`EvictionDuel` keeps two key-only copies of a pool, one per rule, that see the same insertions and
+lookups and are scored by which would have resumed the longer prefix; each lookup's misses are cached in each
+copy as the sequence would compute them. The pool evicts first what the leading copy no longer holds
+(:meth:`~EvictionDuel.victim`: each copy keeps, in the order it dropped them, the keys the pool still caches
+and it does not), so its content follows that rule's.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
 
 POLICIES = ("adaptive", "lru")
 BIMODAL_EVERY = 32  # the bimodal rule inserts one entry in this many as most recently used
