@@ -47,6 +47,12 @@ def reads_packed(compute: str, rows_per_expert: float | None, fused_rows: float 
     return compute == "auto" and rows_per_expert is not None and rows_per_expert <= fused_rows
 
 
+def converts_to_tiles(compute: str, fp8_activations: bool) -> bool:
+    """Whether expert compute mode ``compute`` converts MXFP4 experts into FP8 tiles (one fp32 scale per 128 x 128,
+    multiplied FP8 x FP8) rather than its own workspace format; the engine's rule, and the plan's."""
+    return fp8_activations and compute in ("fp8", "auto")
+
+
 class BlockScaled:
     """FP8 expert weights with per-32-block scales; indexing an expert gives its dequantised fp32 weight
     (what a reference GEMM needs). ``data`` [E, N, K] e4m3, ``scale`` [E, N, K/32] fp32."""
@@ -139,7 +145,7 @@ class ExpertWorkspace:
         self.compute, self.device, self.fused_rows = compute, torch.device(device), fused_rows
         # FP8 activations: the converted experts are FP8 with one scale per 128x128 tile (TileScaled), multiplied
         # FP8 x FP8; "auto" converts large steps into them instead of bf16
-        self.tiles = fp8_activations and compute in ("fp8", "auto")
+        self.tiles = converts_to_tiles(compute, fp8_activations)
         self.fp8 = compute == "fp8" or self.tiles
         self.fused = compute == "fused"  # no slots: the kernels read the packed weights
         self.num_slots = 0 if self.fused else slots or (2 if self.device.type == "cuda" else 1)

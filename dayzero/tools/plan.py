@@ -16,7 +16,7 @@ from dayzero.cache.planner import DEFAULT_BLOCK_SIZE
 from dayzero.distributed import pipeline_stages
 from dayzero.multimodal.costs import cache_rows
 from dayzero.ops.indexer.triton_indexer import scratch_bytes as indexer_scratch_bytes
-from dayzero.quant.workspace import FUSED_ROWS_PER_EXPERT, reads_packed
+from dayzero.quant.workspace import FUSED_ROWS_PER_EXPERT, converts_to_tiles, reads_packed
 from dayzero.tools import fmt
 from dayzero.tools.devices import DeviceKind, parse_device_spec, parse_devices
 from dayzero.tools.model_info import FORMAT_TORCH, block_size_of, declared_format, load
@@ -303,7 +303,7 @@ def expert_storage(info, cfg: PlanConfig) -> tuple[str | None, str | None, str]:
     workspace = None
     if effective == "mxfp4" and cfg.conversion != "fused":
         workspace = "bf16" if cfg.conversion == "auto" else cfg.conversion
-        if cfg.fp8_activations and cfg.conversion in ("auto", "fp8"):
+        if converts_to_tiles(cfg.conversion, cfg.fp8_activations):
             workspace = "fp8_tile"  # e4m3 with one fp32 scale per 128 x 128 tile, multiplied FP8 x FP8
     desc = declared_format(info.spec) if override is None else f"experts {override.upper()} (--experts)"
     if workspace:
