@@ -25,16 +25,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
 
-from dayzero import LLM, SamplingParams
-from dayzero.config.spec import MoESpec
-from dayzero.quant.workspace import COMPUTE
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder: its shared helpers
+from baseline import run_on  # noqa: E402
+from dayzero import LLM, SamplingParams  # noqa: E402
+from dayzero.config.spec import MoESpec  # noqa: E402
+from dayzero.quant.workspace import COMPUTE  # noqa: E402
 
 
 def _sync(dev):
@@ -213,12 +213,8 @@ def prefill_profile(llm, prompt_len: int, vocab: int, table_file: str) -> dict:
 def run_baseline(args, settings: str | None = None) -> dict | None:
     """This script's numbers for the baseline: ``--baseline``'s package (else this one) with the environment
     ``settings`` (``K=V,K=V``) applied, or this version without overlapped steps (``--compare-async``)."""
-    script = os.path.abspath(__file__)  # this script, run on the earlier package
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        out = f.name
-    cmd = [sys.executable, script, "--config", args.config, "--device", args.device, "--dtype", args.dtype,
-           "--batch", *map(str, args.batch), "--prompt-len", str(args.prompt_len), "--decode", str(args.decode),
-           "--json", out]
+    cmd = ["--config", args.config, "--device", args.device, "--dtype", args.dtype,
+           "--batch", *map(str, args.batch), "--prompt-len", str(args.prompt_len), "--decode", str(args.decode)]
     if args.enforce_eager:
         cmd.append("--enforce-eager")
     if args.compare_async:
@@ -229,22 +225,14 @@ def run_baseline(args, settings: str | None = None) -> dict | None:
         cmd += ["--expert-compute", args.expert_compute]
     if args.fp8_activations:
         cmd.append("--fp8-activations")
-    env = dict(os.environ)
-    if args.baseline:  # the earlier package first on the path, the rest kept (kernel packages: fla)
-        path = (os.path.abspath(args.baseline), os.environ.get("PYTHONPATH", ""))
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, path))
+    env = {}
     for item in filter(None, (settings or "").split(",")):
         key, sep, value = item.partition("=")
         if not sep:
             raise SystemExit(f"--baseline-env takes K=V settings, got {item!r}")
         env[key.strip()] = value.strip()
     what = "this version, steps not overlapped" if args.compare_async else (args.baseline or "this version")
-    print(f"baseline ({what}{', ' + settings if settings else ''}):", flush=True)
-    if subprocess.run(cmd, env=env).returncode != 0:
-        print("baseline run failed", flush=True)
-        return None
-    with open(out) as f:
-        return json.load(f)
+    return run_on(__file__, cmd, args.baseline, env, what + (", " + settings if settings else ""))
 
 
 def main() -> None:

@@ -14,6 +14,8 @@ from collections import OrderedDict, deque
 
 from dayzero.cache.eviction import POLICIES, EvictionDuel
 
+NULL_BLOCK = 0  # never handed out: padding in block tables points at it
+
 
 class BlockPool:
     def __init__(self, num_blocks: int, policy: str = "lru"):

@@ -9,6 +9,11 @@ A paged row may also stand for ``stride`` tokens (a compressed entry per m token
 ``ceil(block_size / stride)`` such rows, and the entry of tokens ``w·m .. w·m+m-1`` lives in the block of
 token ``w·m`` (see ``ForwardBatch.entry_slots``).
 
+A layer that attends over a sliding window (``window``: each query reads the keys of the last ``window``
+positions, itself included) needs a block only while some position it will still compute reads it: its
+rows may live in a pool of their own, with a block table of their own, whose blocks go back as they fall
+out of the window (:class:`~dayzero.cache.manager.CacheManager`).
+
 A paged row is either key-like (``"key"``: quantised per channel, one scale per channel per block) or
 value-like (``"value"``: one scale per token row), as DESIGN.md prescribes for fp8/int8 KV caches.
 The MLA latent row serves as both key and value of the absorbed attention; it is quantised per token,
@@ -48,6 +53,7 @@ class PagedSpec:
     rows: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
     roles: dict[str, str] = field(default_factory=dict)  # name -> "key" | "value" (default "value")
     strides: dict[str, int] = field(default_factory=dict)  # name -> tokens per row (default 1)
+    window: int | None = None  # keys a query reads, the newest first (a sliding window); None: every key
 
     def rows_per_block(self, name: str, block_size: int) -> int:
         return -(-block_size // self.strides.get(name, 1))
@@ -55,7 +61,7 @@ class PagedSpec:
     def only(self, name: str) -> PagedSpec:
         """The spec of one row kind, with its role and stride."""
         keep = lambda d: {name: d[name]} if name in d else {}  # noqa: E731
-        return PagedSpec(keep(self.rows), keep(self.roles), keep(self.strides))
+        return PagedSpec(keep(self.rows), keep(self.roles), keep(self.strides), self.window)
 
     def bytes_per_token(self, kv_cache_dtype: str = "auto", block_size: int = 16,
                         index_cache_dtype: str = "auto") -> int | float:

@@ -6,7 +6,8 @@ It has two halves. :class:`StepPlan` is what the scheduler decided, on the host:
 :class:`ForwardBatch` say the same to the ops, on the device: token ids, positions, the cache slot of every
 new row (``slot_mapping``: slot = block_id * block_size + offset), one block table per sequence, the
 sequence's state slot for linear-attention layers, ``cu_seqlens`` and ``fresh`` (sequences starting at
-position 0, whose states start from zero).
+position 0, whose states start from zero). Sliding-window layers with a pool of their own read theirs through
+:meth:`ForwardBatch.group` (the same batch with that pool's slot mapping and block tables).
 
 The contract between a batch and the ops: an op with a device implementation reads only the device tensors
 and the step's *shape* (``num_tokens``, ``num_seqs``, ``is_decode``, the block-table width): those are fixed
@@ -23,6 +24,7 @@ every op sees a whole batch of its own, and the parts' outputs, in order, are th
 from __future__ import annotations
 
 import bisect
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -85,7 +87,7 @@ class ForwardBatch:
                  slot_mapping: torch.Tensor, block_tables: torch.Tensor, state_slots: torch.Tensor,
                  logits_indices: torch.Tensor, block_size: int, *, cu_seqlens: torch.Tensor | None = None,
                  fresh: torch.Tensor | None = None, topk_buffer: torch.Tensor | None = None,
-                 num_real: int | None = None):
+                 num_real: int | None = None, window_group: tuple[torch.Tensor, torch.Tensor] | None = None):
         self.plan = StepPlan(tuple(query_start), None if seq_start is None else tuple(seq_start),
                              None if seq_lens is None else tuple(seq_lens), block_size, num_real)
         dev = input_ids.device
@@ -119,6 +121,23 @@ class ForwardBatch:
         self.images = None
         self.rope_positions: torch.Tensor | None = None
         self._key_slots: list[torch.Tensor] | None = None
+        # the windowed layers' own pool (CachePlan.window_pool): its (slot_mapping [T], block_tables [B, W])
+        self.window_group = window_group
+
+    def group(self, g: int) -> "ForwardBatch":
+        """The batch as the layers of block group ``g`` see it: group 0 is this batch; group 1 (sliding-window
+        layers with a pool of their own) the same step with that pool's slot mapping and block tables, made
+        once per forward pass and sharing the pass's memo."""
+        if g == 0:
+            return self
+        view = self.memo.get(("group", g))
+        if view is None:
+            if self.window_group is None:
+                raise ValueError(f"block group {g} has no tables in this batch (built without a window pool)")
+            view = self.memo[("group", g)] = copy.copy(self)
+            view.slot_mapping, view.block_tables = self.window_group
+            view.window_group, view._key_slots = None, None
+        return view
 
     # --- the step's shape (fixed for a captured graph) ---------------------------------------------
     @property
@@ -190,7 +209,8 @@ class ForwardBatch:
         part = ForwardBatch(
             self.input_ids[rows], self.positions[rows], [q - qs[a] for q in qs[a:b + 1]], self.plan.seq_start[a:b],
             self.plan.seq_lens[a:b], self.slot_mapping[rows], self.block_tables[a:b], self.state_slots[a:b],
-            self.logits_indices[:0], self.plan.block_size, fresh=self.fresh[a:b])
+            self.logits_indices[:0], self.plan.block_size, fresh=self.fresh[a:b],
+            window_group=None if self.window_group is None else (self.window_group[0][rows], self.window_group[1][a:b]))
         if self.rope_positions is not None:  # [T] or [3, T]
             part.rope_positions = self.rope_positions[..., rows]
         return part

@@ -11,7 +11,8 @@ import torch
 
 from dayzero.cache.host_tier import HostCopies
 from dayzero.cache.manager import CacheManager
-from dayzero.cache.planner import SPARE_SNAPSHOTS_PER_SEAT, CachePlan, auto_block_size, available_memory, plan_cache
+from dayzero.cache.planner import (SPARE_SNAPSHOTS_PER_SEAT, CachePlan, auto_block_size, available_memory, block_groups,
+                                   plan_cache)
 from dayzero.cache.spec import PagedSpec, StateSpec
 from dayzero.engine.model_runner import ModelRunner
 from dayzero.ops.indexer.triton_indexer import scratch_bytes as indexer_scratch_bytes
@@ -51,7 +52,8 @@ def prefill_scratch_bytes(model, rows: int, keys: int) -> int:
 def attach_host_tier(runner, cache: CacheManager, plan: CachePlan, host_bytes: int) -> CachePlan:
     """Give the prefix cache a host tier of ``host_bytes`` pinned bytes: half for state snapshots when the model
     keeps states, the rest for blocks; the plan records both counts."""
-    per_block = HostCopies.bytes_per_row(runner.block_tensors)
+    # blocks of windowed layers are not kept: a hit needs only a window's tail, which stays on the device
+    per_block = HostCopies.bytes_per_row(runner.block_tensors) if plan.window is None else 0
     per_snap = HostCopies.bytes_per_row(runner.state_tensors) if runner.state_tensors else 0
     snaps = host_bytes // 2 // per_snap if per_snap and plan.num_snapshots else 0
     blocks = (host_bytes - snaps * per_snap) // per_block if per_block else 0
@@ -63,9 +65,10 @@ def _agree(agree, plan, uses_blocks: bool, uses_slots: bool, align: int, snapsho
     where any rank needs it, the coarsest alignment. A rank without paged (state) layers does not limit the
     blocks (slots, snapshots)."""
     free = 2**62
-    blocks, slots, snaps, no_blocks, no_slots, neg_align = agree([
-        plan.num_blocks if uses_blocks else free, plan.num_slots if uses_slots else free,
-        plan.num_snapshots if uses_slots else free, int(not uses_blocks), int(not uses_slots), -align])
+    blocks, slots, snaps, no_blocks, no_slots, neg_align, window_blocks = agree([
+        plan.num_blocks if uses_blocks and plan.bytes_per_block else free, plan.num_slots if uses_slots else free,
+        plan.num_snapshots if uses_slots else free, int(not uses_blocks), int(not uses_slots), -align,
+        plan.window_pool[1] if plan.window_pool else free])
     uses_blocks, uses_slots = not no_blocks, not no_slots
     if -neg_align % align:
         raise ValueError(f"the ranks' cache alignments ({align} here, {-neg_align} elsewhere) are not multiples of "
@@ -73,6 +76,8 @@ def _agree(agree, plan, uses_blocks: bool, uses_slots: bool, align: int, snapsho
     plan = replace(plan, num_blocks=plan.num_blocks if blocks == free else blocks,
                    num_slots=plan.num_slots if slots == free else slots,
                    num_snapshots=(snapshots if uses_slots else 0) if snaps == free else snaps)
+    if plan.window_pool and window_blocks != free:
+        plan = replace(plan, window_pool=(plan.window_pool[0], window_blocks, plan.window_pool[2]))
     return plan, uses_blocks, uses_slots, -neg_align
 
 
@@ -134,8 +139,13 @@ def assemble(model, device: torch.device, dtype: torch.dtype, *, block_size: int
     # by default up to SPARE_SNAPSHOTS_PER_SEAT more per seat where memory would otherwise go unused: a workload
     # that comes back to more distinct prompts than seats would find each snapshot evicted before its next turn
     spare = SPARE_SNAPSHOTS_PER_SEAT * max_num_seqs if snapshots and num_snapshots is None else 0
+    has_full, window = block_groups(runner.specs)
+    if agree is not None:  # the whole model's block groups: every rank's scheduler keeps the same tables
+        no_full, neg_window = agree([-int(has_full), -(window or 0)])
+        has_full, window = bool(-no_full), -neg_window or None
     plan = plan_cache(runner.specs, block_size, max_model_len, max_num_seqs, budget_bytes, num_cache_blocks,
-                      kv_cache_dtype, snapshots, index_cache_dtype, spare_snapshots=spare)
+                      kv_cache_dtype, snapshots, index_cache_dtype, spare_snapshots=spare,
+                      step_tokens=max_num_batched_tokens, groups=(has_full, window))
     plan = replace(plan, scratch_bytes=scratch)
     # a paged row that stands for m tokens (compressed entries) is complete only at multiples of m
     strides = [m for s in runner.specs if isinstance(s, PagedSpec) for m in s.strides.values()]
@@ -146,7 +156,8 @@ def assemble(model, device: torch.device, dtype: torch.dtype, *, block_size: int
     runner.allocate_cache(plan)
     cache = CacheManager(block_size, plan.num_blocks, plan.num_slots, uses_blocks=uses_blocks, uses_slots=uses_slots,
                          prefix_caching=prefix_caching, snapshot_interval=snapshot_interval,
-                         num_snapshots=plan.num_snapshots, align=align, eviction_policy=eviction_policy)
+                         num_snapshots=plan.num_snapshots, align=align, eviction_policy=eviction_policy,
+                         window=plan.window, window_pool=plan.window_pool and plan.window_pool[:2])
     if host_cache_bytes and cache.prefix_caching:
         plan = attach_host_tier(runner, cache, plan, host_cache_bytes)
     max_seqs = min(max_num_seqs, plan.num_slots)

@@ -38,6 +38,7 @@ class ModelRunner:
         self.step_counts = {(kind, how): 0 for kind in ("decode", "prefill") for how in ("graph", "eager")}
         self._workspaces: list | None = None
         self.state_tensors: list[torch.Tensor] = []
+        self.groups = 1  # block groups: 2 when windowed layers have a pool of their own (allocate_cache)
         # the widest DSA selection a layer writes: the width of the step's selection buffer
         self.topk = max((getattr(l, "selection_width", 0) for _, l in self.layers), default=0)
         # multimodal RoPE (Qwen3-VL, Qwen3.5): each step also writes the rotary positions (index + rope delta)
@@ -45,18 +46,25 @@ class ModelRunner:
 
     def allocate_cache(self, plan: CachePlan) -> None:
         self.state_tensors = []  # every state tensor of every layer: rows are slots, the null slot, snapshots
-        self.block_tensors = []  # every paged tensor of every layer: [num_blocks, ...] (quantised pools: data, scale)
+        self.block_tensors = []  # every paged tensor of the first block group: [num_blocks, ...] (quantised: data, scale)
+        self.window_block_tensors = []  # the same of the windowed layers' own pool (plan.window_pool)
+        self.groups = 1 + bool(plan.window_pool)
+        if self.buffers is not None and self.buffers.groups != self.groups:
+            self.buffers = None  # reserved for another block-group layout
         for (_, layer), specs in zip(self.layers, self.layer_specs):
             tensors = {}
+            layer.cache_group = 0
             for spec in specs:
+                own_pool = isinstance(spec, PagedSpec) and spec.window is not None and plan.window_pool is not None
                 # state tensors: the null slot 0, the plan's slots, then the prefix-cache snapshots
-                count = plan.num_blocks if isinstance(spec, PagedSpec) else plan.state_rows
+                count = plan.state_rows if not isinstance(spec, PagedSpec) else plan.window_pool[1] if own_pool else plan.num_blocks
                 part = allocate(spec, count, plan.block_size, self.device, self.kv_cache_dtype, self.index_cache_dtype)
                 if not isinstance(spec, PagedSpec):
                     self.state_tensors += part.values()
                 else:
-                    self.block_tensors += [t for p in part.values()
-                                           for t in ((p,) if isinstance(p, torch.Tensor) else (p.data, p.scale))]
+                    paged = [t for p in part.values() for t in ((p,) if isinstance(p, torch.Tensor) else (p.data, p.scale))]
+                    (self.window_block_tensors if own_pool else self.block_tensors).extend(paged)
+                    layer.cache_group = int(own_pool)
                 tensors.update(part)
             layer.bind_cache(tensors)
 
@@ -72,7 +80,7 @@ class ModelRunner:
 
     def reserve_buffers(self, max_tokens: int, max_seqs: int, max_blocks: int) -> None:
         """Allocate the persistent step buffers for steps of up to these sizes."""
-        self.buffers = StepBuffers(self.device, max_tokens, max_seqs, max_blocks, self.topk)
+        self.buffers = StepBuffers(self.device, max_tokens, max_seqs, max_blocks, self.topk, self.groups)
 
     def _buffers_for(self, tokens: int, seqs: int, blocks: int) -> StepBuffers:
         buf = self.buffers
@@ -102,7 +110,12 @@ class ModelRunner:
             key = graphs.lookup(sum(s.num_tokens for s in scheduled), rows, width)
             if key is not None:
                 rows, width = key[1:]  # then rows sequences, the padding one and the empty ones included
-        ids, pos, slots, starts, lens, tables, state_slots, fresh, sample_rows = [], [], [], [], [], [], [], [], []
+        G = self.groups
+        if any(len(h.tables) != G for h in handles):
+            raise RuntimeError(f"the cache manager keeps {len(handles[0].tables)} block tables a sequence, the runner's "
+                               f"cache {G}: build both from one plan")
+        ids, pos, starts, lens, state_slots, fresh, sample_rows = [], [], [], [], [], [], []
+        slots, tables = [[] for _ in range(G)], [[] for _ in range(G)]  # per block group
         rope = [] if self.mrope else None  # 1-D multimodal RoPE positions: index + the sequence's rope delta
         query_start = [0]
         for s, h in zip(scheduled, handles):
@@ -113,10 +126,11 @@ class ModelRunner:
             if rope is not None:
                 d = seq.images.rope_delta if seq.images is not None else 0
                 rope += range(a + d, b + d)
-            slots += [h.blocks[p // bs] * bs + p % bs for p in range(a, b)] if h.blocks else [NULL_BLOCK] * n
+            for g, table in enumerate(h.tables):
+                slots[g] += [table[p // bs] * bs + p % bs for p in range(a, b)] if table else [NULL_BLOCK] * n
+                tables[g].append(table)
             starts.append(a)
             lens.append(b)
-            tables.append(h.blocks)
             state_slots.append(h.slot if h.slot is not None else NULL_SLOT)
             fresh.append(a == 0)
             query_start.append(query_start[-1] + n)
@@ -130,7 +144,8 @@ class ModelRunner:
         for n in pad:
             ids += [0] * n
             pos += [0] * n
-            slots += [NULL_BLOCK * bs] * n
+            for g in range(G):
+                slots[g] += [NULL_BLOCK * bs] * n
             if rope is not None:
                 rope += [0] * n
             starts.append(0), lens.append(min(n, 1))
@@ -138,16 +153,25 @@ class ModelRunner:
         buf = self._buffers_for(len(ids), rows, width)
         buf.begin()
         batch = ForwardBatch(
-            buf.put("input_ids", ids), buf.put("positions", pos), query_start, starts, lens, buf.put("slot_mapping", slots),
-            buf.put_table(tables, rows, width), buf.put("state_slots", state_slots), buf.put("logits_indices", sample_rows),
-            bs, cu_seqlens=buf.put("cu_seqlens", query_start), fresh=buf.put("fresh", fresh),
-            topk_buffer=buf.topk[: len(ids)], num_real=len(scheduled),
+            buf.put("input_ids", ids), buf.put("positions", pos), query_start, starts, lens,
+            buf.put("slot_mapping", slots[0]), buf.put_table(tables[0], rows, width), buf.put("state_slots", state_slots),
+            buf.put("logits_indices", sample_rows), bs, cu_seqlens=buf.put("cu_seqlens", query_start),
+            fresh=buf.put("fresh", fresh), topk_buffer=buf.topk[: len(ids)], num_real=len(scheduled),
+            window_group=self._window_group(buf, slots, tables, rows, width),
         )
         if rope is not None:
             batch.rope_positions = buf.put("rope_positions", rope)
         buf.end()
         batch.graph, batch.graph_set = key, graphs if key is not None else None
         return batch
+
+    @staticmethod
+    def _window_group(buf: StepBuffers, slots: list[list[int]], tables: list[list[list[int]]], rows: int,
+                      width: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The windowed layers' (slot mapping, block tables) when they have a pool of their own."""
+        if len(slots) < 2:
+            return None
+        return buf.put("slot_mapping1", slots[1]), buf.put_table(tables[1], rows, width, "block_tables1")
 
     def patch_inputs(self, batch: ForwardBatch, rows: list[int], src: list[int], tokens: torch.Tensor) -> None:
         """Rows ``rows`` of the batch's input ids become ``tokens[src]`` on the device (a step overlapped with the
@@ -169,6 +193,7 @@ class ModelRunner:
             buf.put("state_slots", [NULL_SLOT] * rows), buf.put("logits_indices", list(range(rows))), block_size,
             cu_seqlens=buf.put("cu_seqlens", list(range(rows + 1))), fresh=buf.put("fresh", [True] * rows),
             topk_buffer=buf.topk[:rows],
+            window_group=self._window_group(buf, [[NULL_BLOCK] * rows] * self.groups, [[]] * self.groups, rows, width),
         )
         if self.mrope:  # the graph reads the 1-D multimodal RoPE positions from their buffer
             batch.rope_positions = buf.put("rope_positions", [0] * rows)
@@ -188,6 +213,7 @@ class ModelRunner:
             buf.put("state_slots", [NULL_SLOT] * seqs), buf.put("logits_indices", []), block_size,
             cu_seqlens=buf.put("cu_seqlens", query_start), fresh=buf.put("fresh", [True] * seqs),
             topk_buffer=buf.topk[:tokens],
+            window_group=self._window_group(buf, [[NULL_BLOCK] * tokens] * self.groups, [[]] * self.groups, seqs, width),
         )
         if self.mrope:
             batch.rope_positions = buf.put("rope_positions", [0] * tokens)

@@ -42,6 +42,11 @@ class _EngineCollector:
             ("dayzero_host_cache_snapshots", "Evicted state snapshots kept in host memory",
              s.get("host_snapshots_cached", 0)),
         ]
+        if "window_blocks_total" in s:  # sliding-window layers with a pool of their own
+            gauges += [("dayzero_cache_window_blocks_used", "Blocks of the sliding-window layers' own pool in use",
+                        s["window_blocks_total"] - s["window_blocks_free"]),
+                       ("dayzero_cache_window_blocks_free", "Blocks of the sliding-window layers' own pool free",
+                        s["window_blocks_free"])]
         for name, doc, value in gauges:
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], value)

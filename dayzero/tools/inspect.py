@@ -154,7 +154,10 @@ def cache_report(info: ModelInfo, kv_cache_dtype: str = "auto", block_size: int 
     by_kind: dict[str, dict] = defaultdict(lambda: {"layers": 0, "bytes_per_token": 0.0, "state_bytes_per_seq": 0})
     seen = set()
     for i, kind, s in cache_specs(info, dtype):  # a layer may declare paged rows and a state
-        k = by_kind[kind]
+        window = getattr(s, "window", None)
+        k = by_kind[f"{kind}, window {window}" if window else kind]
+        if window:  # a query reads the newest `window` keys: a sequence holds the blocks they lie in
+            k["window_tokens"] = (-(-(window - 1) // block_size) + 1) * block_size
         k["layers"] += i not in seen
         seen.add(i)
         if isinstance(s, PagedSpec):
@@ -173,7 +176,8 @@ def cache_report(info: ModelInfo, kv_cache_dtype: str = "auto", block_size: int 
         "by_kind": dict(by_kind),
         "bytes_per_token": per_token,
         "state_bytes_per_sequence": per_seq,
-        "per_sequence": {fmt.tokens(L): per_token * L + per_seq for L in CONTEXTS},
+        "per_sequence": {fmt.tokens(L): per_seq + sum(k["bytes_per_token"] * min(L, k.get("window_tokens", L))
+                                                      for k in by_kind.values()) for L in CONTEXTS},
     }
 
 
@@ -274,13 +278,15 @@ def render(r: dict) -> str:
     out.append(f"cache ({c['dtype']}):")
     rows = []
     for kind, k in c["by_kind"].items():
-        rows.append([kind.upper(), k["layers"],
+        name, _, window = kind.partition(", ")
+        rows.append([name.upper() + (f", {window}" if window else ""), k["layers"],
                      fmt.size(k["bytes_per_token_per_layer"]) if k["bytes_per_token"] else "-",
                      fmt.size(k["bytes_per_token"]) if k["bytes_per_token"] else "-",
                      fmt.size(k["state_bytes_per_seq_per_layer"]) if k["state_bytes_per_seq"] else "-",
                      fmt.size(k["state_bytes_per_seq"]) if k["state_bytes_per_seq"] else "-"])
     out.append(fmt.table(rows, ["kind", "layers", "per token/layer", "per token", "per seq/layer", "per seq"]))
-    out.append("  per sequence: " + ", ".join(f"{L} tokens {fmt.size(b)}" for L, b in c["per_sequence"].items()))
+    out.append("  per sequence: " + ", ".join(f"{L} tokens {fmt.size(b)}" for L, b in c["per_sequence"].items())
+               + (" (windowed layers: the blocks their window reads)" if any("window_tokens" in k for k in c["by_kind"].values()) else ""))
     cc = r["checkpoint_check"]
     if cc is not None:
         files = f"{cc['files']} file{'s' if cc['files'] != 1 else ''}"

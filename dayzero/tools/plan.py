@@ -12,7 +12,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, replace
 
-from dayzero.cache.planner import DEFAULT_BLOCK_SIZE
+from dayzero.cache.planner import DEFAULT_BLOCK_SIZE, window_pool_blocks
 from dayzero.distributed import pipeline_stages
 from dayzero.multimodal.costs import cache_rows
 from dayzero.ops.indexer.triton_indexer import scratch_bytes as indexer_scratch_bytes
@@ -20,7 +20,7 @@ from dayzero.quant.workspace import FUSED_ROWS_PER_EXPERT, converts_to_tiles, re
 from dayzero.tools import fmt
 from dayzero.tools.devices import DeviceKind, parse_device_spec, parse_devices
 from dayzero.tools.model_info import FORMAT_TORCH, block_size_of, declared_format, load
-from dayzero.tools.plan_costs import LayerCost, ModelCosts, attn_flops, expert_format, model_costs
+from dayzero.tools.plan_costs import LayerCost, ModelCosts, Row, attn_flops, expert_format, model_costs
 
 MEMORY_TERMS = ("weights", "workspace", "kv_cache", "state", "activations", "indexer_scratch", "moe_dispatch",
                 "comm_buffers", "runtime")
@@ -99,6 +99,20 @@ def kv_bytes_per_token(lc: LayerCost, tp: int) -> float:
     return sum(r.bytes_per_token / _shard(r.max_shards, tp) for r in lc.rows)
 
 
+def held_tokens(lc: LayerCost, row: Row, tokens: int, seqs: int, block_size: int, chunk: int) -> int:
+    """Tokens of a row's cache that ``seqs`` sequences of ``tokens`` tokens hold together: all of them, or for a
+    sliding window what the engine's windowed pool keeps (:func:`~dayzero.cache.planner.window_pool_blocks`)."""
+    if row.read != "window":
+        return seqs * tokens
+    return (window_pool_blocks(lc.window, block_size, chunk, seqs, -(-tokens // block_size)) - 1) * block_size
+
+
+def kv_bytes(ls: list[LayerCost], tp: int, tokens: int, seqs: int, block_size: int, chunk: int) -> float:
+    """Paged cache bytes ``seqs`` sequences of ``tokens`` tokens hold in layers ``ls``."""
+    return sum(held_tokens(lc, r, tokens, seqs, block_size, chunk) * r.bytes_per_token / _shard(r.max_shards, tp)
+               for lc in ls for r in lc.rows)
+
+
 def state_bytes(lc: LayerCost, tp: int) -> float:
     return sum(b / _shard(s, tp) for b, s in lc.state)
 
@@ -120,7 +134,7 @@ def stage_memory(costs: ModelCosts, cfg: PlanConfig, lay: Layout, layer_ids: ran
     if first and last and costs.tied:
         weights -= costs.head_bytes / lay.tp  # one tensor serves as embedding and LM head
     workspace = cfg.workspace_slots * max((lc.expert_ws_bytes / g for lc in ls), default=0.0)
-    kv = seqs * tokens * sum(kv_bytes_per_token(lc, lay.tp) for lc in ls)
+    kv = kv_bytes(ls, lay.tp, tokens, seqs, bs, chunk)
     state = seqs * sum(state_bytes(lc, lay.tp) for lc in ls)
     width = max((lc.max_width for lc in ls), default=costs.hidden)
     act = chunk * (4 * costs.hidden * a_b + 2 * 4 * width / lay.tp)
@@ -178,19 +192,36 @@ def moe_link_bytes(lc: LayerCost, lay: Layout, tokens_stage: float, a_b: int) ->
 
 def longest_context(costs: ModelCosts, cfg: PlanConfig, lay: Layout, budget: float, chunk: int) -> int:
     """The largest context (a block multiple, at most the model's maximum) whose memory fits ``budget``;
-    memory is affine in the context for a fixed prefill chunk, so two evaluations give the line."""
+    memory is affine in the context for a fixed prefill chunk once it is past every sliding window (the
+    windowed layers then hold a constant), so two evaluations there give the line, and a search below it."""
     parts = pipeline_stages(len(costs.layers), lay.pp)
     bs, cap = cfg.block_size or DEFAULT_BLOCK_SIZE, costs.max_position
+    seqs = math.ceil(cfg.batch / lay.dp)
+    # past this context the windowed pools are whole (their memory constant) and the memory affine in the context
+    windows = [held_tokens(lc, r, cap, seqs, bs, chunk) // seqs for lc in costs.layers for r in lc.rows
+               if r.read == "window"]
+    start = -(-max([bs, *windows]) // bs) * bs
     best = cap
     for s, r in enumerate(parts):
         m = lambda L: sum(stage_memory(costs, cfg, lay, r, s == 0, s == lay.pp - 1, L, chunk).values())  # noqa: E731
-        lo, hi = m(bs), m(2 * bs)
+        lo, hi = m(start), m(start + bs)
+        if lo > budget:  # shorter than the windows: the longest block multiple that fits
+            blocks = _last_true(lambda n: m(n * bs) <= budget, start // bs)
+            best = min(best, blocks * bs)
+            continue
         slope = (hi - lo) / bs
-        if lo > budget:
-            return 0
         if slope > 0:
-            best = min(best, int(bs + (budget - lo) / slope) // bs * bs)
+            best = min(best, int(start + (budget - lo) / slope) // bs * bs)
     return max(0, min(best, cap))
+
+
+def _last_true(ok, n: int) -> int:
+    """The largest k in 0 .. n with ok(k), for ok true up to some point and false after it (ok(0) is assumed)."""
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+    return lo
 
 
 # --- roofline -------------------------------------------------------------------------------------------
@@ -289,7 +320,7 @@ def predict_allocation(model: str | None, dtype: str, context: int, batch: int, 
     # the engine also allocates the null block and the null state slot that padding rows use
     ls = [costs.layers[i] for i in held]
     per_slot = sum(state_bytes(lc, layout.tp) for lc in ls)
-    null = block_size * sum(kv_bytes_per_token(lc, layout.tp) for lc in ls) + per_slot
+    null = block_size * sum(kv_bytes_per_token(lc, layout.tp) for lc in ls) + per_slot  # every pool's null block
     snaps = (batch if snapshots is None else snapshots) * per_slot
     return {"weights": m["weights"] + m["workspace"], "cache": m["kv_cache"] + m["state"] + null + snaps}
 

@@ -125,3 +125,19 @@ def test_a_failed_start_gives_the_matched_blocks_back():
     assert cm.match(1, list(range(20))) == 16 and cm.blocks.num_free == free - 4
     cm.release(1)
     assert cm.blocks.num_free == free
+
+
+def test_a_retried_lookup_scores_the_eviction_rules_once(monkeypatch):
+    """A waiting sequence is matched again each time the scheduler retries it; only its first lookup is a
+    lookup of the workload, so only it scores the two eviction rules and teaches their copies its keys."""
+    cm = CacheManager(4, 64, 4, uses_slots=True, prefix_caching=True, snapshot_interval=8, num_snapshots=4)
+    calls = {"blocks": 0, "snapshots": 0}
+    monkeypatch.setattr(cm.blocks, "observe", lambda *a, **k: calls.__setitem__("blocks", calls["blocks"] + 1))
+    monkeypatch.setattr(cm.snapshots, "observe", lambda *a, **k: calls.__setitem__("snapshots", calls["snapshots"] + 1))
+    prompt = list(range(3, 40))
+    for _ in range(3):  # admitted, cannot start, released: and again
+        cm.match(7, prompt)
+        cm.release(7)
+    assert calls == {"blocks": 1, "snapshots": 1}
+    cm.match(8, prompt)  # another sequence is another lookup
+    assert calls == {"blocks": 2, "snapshots": 2}

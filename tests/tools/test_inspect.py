@@ -116,3 +116,15 @@ def test_weights_as_stored_follow_quantization_config(write_config):
     assert set(r["weights"]["by_format"]) >= {"MXFP4", "BF16"}
     ds = inspect(str(write_config(RELEASED["DeepSeek-V3"][0], "ds")))
     assert ds["weights"]["by_format"]["FP8"] > 0.95 * ds["weights"]["bytes"]
+
+
+def test_sliding_window_layers_hold_their_window(write_config):
+    """gpt-oss-120b: a sequence's cache grows only in its 18 full-attention layers; the 18 windowed ones hold the
+    blocks of their last 128 keys (9 blocks of 16: the window may straddle one more)."""
+    from dayzero.tools.inspect import cache_report
+    from dayzero.tools.model_info import load
+
+    c = cache_report(load(str(write_config(RELEASED["gpt-oss-120b"][0]))))
+    per_layer_token = 2 * 8 * 64 * 2  # k and v, 8 kv heads of 64, bf16
+    assert c["by_kind"]["gqa, window 128"]["layers"] == 18 and c["by_kind"]["gqa"]["layers"] == 18
+    assert c["per_sequence"]["128K"] == 18 * per_layer_token * (131072 + 9 * 16)

@@ -196,3 +196,22 @@ def test_layouts_the_engine_cannot_run_yet_are_marked(tmp_path, capsys):
     assert cli(["plan", str(tmp_path), "--devices", "8xH200", "--context", "32768", "--batch", "64", "--top", "100"]) == 0
     out = capsys.readouterr().out
     assert "not yet" in out and "the engine cannot run it yet" not in out
+
+
+def test_sliding_window_layers_cost_their_window_not_the_context(tmp_path):
+    """gpt-oss-120b: 18 of 36 layers read a window of 128 keys; their cache is the engine's windowed pool (each
+    seat's window and two steps of new tokens), so only the 18 full layers grow with the context."""
+    (tmp_path / "config.json").write_text(json.dumps(RELEASED["gpt-oss-120b"][0]))
+    cfg = PlanConfig(devices=1, device=DEVICES["h200"], context=131072, batch=4, prefill_chunk=2048)
+    row = plan(str(tmp_path), cfg)["layouts"][0]
+    per_layer_token = 2 * 8 * 64 * 2  # k and v, 8 kv heads of 64, bf16
+    pool_tokens = (4 * (8 + 1 + 2) + 2 * 2048 // 16) * 16  # window_pool_blocks less the null block, in tokens
+    want = 18 * per_layer_token * (4 * 131072 + pool_tokens)
+    assert row["memory"]["kv_cache"] == pytest.approx(want, rel=1e-6)
+    # the longest context of 64 sequences counts only the full layers' growth: about twice what it is when all 36
+    # layers grow with it
+    cfg = PlanConfig(devices=1, device=DEVICES["h200"], context=8192, batch=64, prefill_chunk=2048)
+    windowed = plan(str(tmp_path), cfg)["longest_context"]
+    (tmp_path / "config.json").write_text(json.dumps({**RELEASED["gpt-oss-120b"][0], "sliding_window": None}))
+    every = plan(str(tmp_path), cfg)["longest_context"]
+    assert 8192 < every < 131072 and 1.8 * every < windowed < 2.2 * every

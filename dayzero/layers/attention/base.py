@@ -11,6 +11,7 @@ from dayzero.cache.spec import PagedSpec, StateSpec
 
 class CachedLayer(nn.Module):
     cache: dict[str, torch.Tensor] | None = None
+    cache_group: int = 0  # the block group whose tables address its paged rows (ForwardBatch.group)
 
     def cache_spec(self, dtype: torch.dtype) -> PagedSpec | StateSpec:
         raise NotImplementedError

@@ -60,7 +60,7 @@ class GQAAttention(CachedLayer):
 
     def cache_spec(self, dtype):
         row = ((self.Hkv, self.Dh), dtype)
-        return PagedSpec({"k": row, "v": row}, roles={"k": "key", "v": "value"})
+        return PagedSpec({"k": row, "v": row}, roles={"k": "key", "v": "value"}, window=self.spec.sliding_window)
 
     def process_weights_after_loading(self) -> None:
         fuse(self, "fused_in", self.in_proj_members)
@@ -68,6 +68,7 @@ class GQAAttention(CachedLayer):
     def forward(self, x: torch.Tensor, batch, projected: torch.Tensor | None = None) -> torch.Tensor:
         """``projected``: ``fused_in(x)`` when the caller computed it (with the input norm, DecoderLayer._mix)."""
         T, H, Dh = x.shape[0], self.H, self.Dh
+        batch = batch.group(self.cache_group)
         q, k, v = project(self, "fused_in", self.in_proj_members, x, projected)
         gate = None
         if self.spec.output_gate == "q_interleaved":
