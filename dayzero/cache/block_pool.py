@@ -50,6 +50,9 @@ class BlockPool:
             if self.free:
                 i = self.free.popleft()
             else:  # a cached block nobody holds: the least recently used (or as the duel says)
+                if self.duel is not None:  # blocks held and not yet cached leave the cache this much room
+                    filling = self.num_used - (len(self.hash_of) - len(self.evictable))
+                    self.duel.resize(self.num_blocks - 1 - filling)
                 i = self._lru() if self.duel is None else self.duel.victim(self._unheld, self._lru)
                 del self.evictable[i]
                 key = self.hash_of.pop(i)

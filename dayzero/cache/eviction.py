@@ -48,6 +48,15 @@ class KeyCopy:
         if self.bimodal and not self._recent(group):
             self.keys.move_to_end(key, last=False)
 
+    def resize(self, capacity: int) -> None:
+        """The pool can cache ``capacity`` entries now (sequences hold the rest): the copy drops, by its rule, what
+        no longer fits."""
+        self.capacity = capacity
+        while len(self.keys) > max(capacity, 0):
+            old = self.keys.popitem(last=False)[0]
+            if self.cached(old):
+                self.dropped[old] = None
+
     def _recent(self, group) -> bool:
         """The bimodal rule's decision for an entry of ``group`` (None: the entry alone): one in
         :data:`BIMODAL_EVERY` goes in as most recently used."""
@@ -117,6 +126,11 @@ class EvictionDuel:
             for copy, n in zip(self.copies, held):
                 for key in keys[n:]:
                     copy.insert(key, group)
+
+    def resize(self, capacity: int) -> None:
+        """Entries the pool can cache now: fewer while sequences hold blocks they are still filling."""
+        for copy in self.copies:
+            copy.resize(capacity)
 
     def forget(self, key: bytes) -> None:
         """The pool no longer caches ``key``."""

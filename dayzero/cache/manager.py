@@ -129,6 +129,8 @@ class CacheManager:
             return
         for (pool, _), table in zip(self.groups, h.tables):
             pool.release([b for b in table if b != NULL_BLOCK])
+        if h.restore_from is not None:  # matched, never started
+            self.snapshots.unpin(h.restore_from)
         if h.slot is not None:
             self.slots.release(h.slot)
 
@@ -186,6 +188,8 @@ class CacheManager:
             for b in h.tables[g][lo:]:
                 pool.acquire(b)
         h.registered, h.restore_from = k, row
+        if row is not None:  # until its copy into the slot is queued, no eviction may reuse it
+            self.snapshots.pin(row)
         self.handles[seq_id] = h
         return k * bs
 
@@ -243,7 +247,7 @@ class CacheManager:
     def _find_snapshot(self, prefix_hash: bytes) -> int | None:
         """The snapshot row of ``prefix_hash`` on the device, fetched from the host tier if only it has one."""
         row = self.snapshots.find(prefix_hash)
-        if row is not None or prefix_hash not in self.host_snapshots:
+        if row is not None or prefix_hash not in self.host_snapshots or not self.snapshots.can_take():
             return row
         host_row = self.host_snapshots.fetch(prefix_hash)
         row = self.snapshots.take(prefix_hash)  # may evict (offload) the least recently used device snapshot
@@ -289,7 +293,8 @@ class CacheManager:
     def commit(self, seq_id: int, token_ids: list[int], num_computed: int, prompt_len: int,
                extra_keys=None) -> tuple[int, int] | None:
         """After a step brought ``seq_id`` to ``num_computed`` tokens: its full blocks join the prefix cache, and
-        at a snapshot point returns (slot, snapshot row) for the runner to copy the states into."""
+        at a snapshot point returns (slot, snapshot row) for the runner to copy the states into, then to report
+        with :meth:`snapshots_copied`."""
         h = self.handles.get(seq_id)
         if h is None:  # released while the step ran (preempted, aborted)
             return None
@@ -312,11 +317,24 @@ class CacheManager:
         if not (self.uses_slots and h.slot is not None and num_computed > 0 and num_computed % self.align == 0 and at_point):
             return None
         row = self.snapshots.take(hashes[num_computed // self.block_size - 1])
-        return None if row is None else (h.slot, row)
+        if row is None:
+            return None
+        # until the runner has queued the copy into it (snapshots_copied), the row holds something else: evicting
+        # it now (another commit of this step) would send that to the host tier under this prefix
+        self.snapshots.pin(row)
+        return h.slot, row
+
+    def snapshots_copied(self, pairs: list[tuple[int, int]]) -> None:
+        """The runner queued the copies (slot, snapshot row) that :meth:`commit` returned: their rows may be
+        evicted again (a later copy out of them runs after, in stream order)."""
+        for _, row in pairs:
+            self.snapshots.unpin(row)
 
     def take_restores(self) -> list[tuple[int, int]]:
         """(snapshot row, slot) copies the runner must make before the next forward pass."""
         out, self.pending_restores = self.pending_restores, []
+        for row, _ in out:  # their copies are queued before any later one into these rows
+            self.snapshots.unpin(row)
         return out
 
     def usage(self) -> dict[str, int]:

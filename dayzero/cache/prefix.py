@@ -55,6 +55,7 @@ class SnapshotPool:
         self.rows: OrderedDict[bytes, int] = OrderedDict()  # prefix hash -> row; least recently used first
         self.num_evicted = 0
         self.on_evict = None  # (row, prefix hash) -> None, called before an evicted row is reused
+        self.pinned: dict[int, int] = {}  # row -> pins: rows a queued restore still reads, never evicted
         self.duel = EvictionDuel(count, self.rows.__contains__) if policy == "adaptive" and count > 0 else None
 
     def observe(self, candidates: list[bytes]) -> None:
@@ -69,9 +70,22 @@ class SnapshotPool:
             self.rows.move_to_end(prefix_hash)
         return row
 
+    def pin(self, row: int) -> None:
+        """Keep ``row`` from eviction until :meth:`unpin`: a restore queued (or about to be) still reads it."""
+        self.pinned[row] = self.pinned.get(row, 0) + 1
+
+    def unpin(self, row: int) -> None:
+        n = self.pinned.pop(row) - 1
+        if n:
+            self.pinned[row] = n
+
+    def can_take(self) -> bool:
+        """Whether :meth:`take` of a new prefix would get a row (a free one, or one it may evict)."""
+        return self.count > 0 and (bool(self.free) or len(self.pinned) < len(self.rows))
+
     def take(self, prefix_hash: bytes) -> int | None:
         """A row for a new snapshot of ``prefix_hash`` (evicting the least recently used), or None when the
-        prefix already has one (or the pool has no rows)."""
+        prefix already has one, the pool has no rows, or every row is pinned."""
         if self.count == 0:
             return None
         if self.duel is not None:
@@ -82,8 +96,11 @@ class SnapshotPool:
         if self.free:
             row = self.free.pop()
         else:
-            lru = lambda: next(iter(self.rows))  # noqa: E731
-            old = lru() if self.duel is None else self.duel.victim(lambda k: k if k in self.rows else None, lru)
+            unpinned = lambda k: k if k in self.rows and self.rows[k] not in self.pinned else None  # noqa: E731
+            lru = lambda: next((k for k, r in self.rows.items() if r not in self.pinned), None)  # noqa: E731
+            old = lru() if self.duel is None else self.duel.victim(unpinned, lru)
+            if old is None:
+                return None
             row = self.rows.pop(old)
             if self.duel is not None:
                 self.duel.forget(old)

@@ -441,6 +441,7 @@ class LLMEngine:
             if snap is not None:
                 snapshots.append(snap)
         self.runner.copy_states(snapshots)
+        self.cache.snapshots_copied(snapshots)
 
     def _resolve(self, step: InFlight) -> list[RequestOutput]:
         """Wait for a step's samples on the host and append them (the step's one device -> host copy)."""

@@ -131,25 +131,44 @@ def prompt_through(pool, keys: list[bytes], group=None) -> int:
 
 def test_cached_blocks_of_a_cycle_longer_than_the_pool():
     """96 blocks of prompts through 40: LRU finds none of them again; the adaptive pool, from the third pass on,
-    a third; and a conversation afterwards gets within two turns of users of LRU's hits."""
+    a third; and a conversation afterwards gets within two turns of users of LRU's hits. Each prompt is a
+    sequence of its own (its blocks a group), as the engine registers them."""
     from dayzero.cache.block_pool import BlockPool
 
     prompts = [[b"p%d-%d" % (p, j) for j in range(8)] for p in range(12)]
     hits = {}
     for policy in ("lru", "adaptive"):
-        pool = BlockPool(41, policy)
-        hits[policy] = [sum(prompt_through(pool, keys) for keys in prompts) for _ in range(4)]
+        pool, seq = BlockPool(41, policy), iter(range(10**6))
+        hits[policy] = [sum(prompt_through(pool, keys, next(seq)) for keys in prompts) for _ in range(4)]
         chats = [[b"u%d-0" % u] for u in range(4)]
         total = 0
         for _ in range(10):
             for u, keys in enumerate(chats):
                 keys.append(b"u%d-%d" % (u, len(keys)))
-                total += prompt_through(pool, keys)
+                total += prompt_through(pool, keys, next(seq))
         hits[policy].append(total)
         assert pool.num_used == 0 and pool.num_free == 40  # nothing held, nothing lost
     assert hits["lru"][:4] == [0, 0, 0, 0]
     assert hits["adaptive"][:2] == [0, 0] and min(hits["adaptive"][2:4]) >= 24
     assert hits["adaptive"][4] >= hits["lru"][4] - 2 * 4 * 8  # two turns of four users, at most 8 blocks each
+
+
+def test_copies_count_only_the_room_sequences_leave():
+    """While sequences hold blocks they are still filling, the pool caches fewer entries than it has blocks: the
+    copies shrink to that room before a victim is chosen, so the leading rule's own choice of what to drop is
+    evicted, not the pool's least recently used entry (which, under the bimodal rule, is a kept prompt)."""
+    from dayzero.cache.block_pool import BlockPool
+
+    pool = BlockPool(41, "adaptive")
+    held = pool.allocate(10)  # a sequence filling 10 blocks
+    for p in range(5):  # 30 cached blocks: the pool is full
+        new = pool.allocate(6)
+        for b, j in zip(new, range(6)):
+            pool.register(b, b"p%d-%d" % (p, j), group=p)
+        pool.release(new)
+    pool.allocate(6)  # six more: before each victim the copies drop, by their own rule, to what still fits
+    assert all(len(c.keys) <= 40 - 10 - 5 for c in pool.duel.copies)  # room when the sixth was chosen
+    pool.release(held)
 
 
 @pytest.mark.parametrize("prompts,blocks,capacity,least", [(48, 8, 120, 96), (48, 10, 299, 250)], ids=str)

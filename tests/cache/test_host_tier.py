@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from dayzero import LLM, SamplingParams
-from dayzero.cache.host_tier import HostTier
+from dayzero.cache.host_tier import HostCopies, HostTier
+from dayzero.cache.manager import CacheManager
 from dayzero.engine.engine import EngineConfig
 from tests.engine.test_engine import assert_cache_empty
 
@@ -27,6 +28,78 @@ def test_tier_is_lru_and_keeps_a_fetched_row_until_released():
     assert t.put(b"e") == row
     assert (t.num_stored, t.num_fetched) == (5, 1)
     assert HostTier(0).put(b"x") is None
+
+
+@pytest.mark.parametrize("policy", ["lru", "adaptive"])
+def test_a_snapshot_a_matched_sequence_will_restore_is_not_evicted_by_a_fetch(policy):
+    """Sequence A matches prefix P3, whose snapshot is the device's only row; in the same schedule B matches P1,
+    whose snapshot only the host has. Fetching it must not evict P3's row before A's restore is queued (it would
+    copy P1's states into the row A then restores from); B resumes without a snapshot instead."""
+    cm = CacheManager(4, 64, 2, prefix_caching=True, snapshot_interval=8, num_snapshots=1, eviction_policy=policy)
+    states = torch.zeros(cm.snapshots.first + 1, 1)  # the null slot, 2 slots, 1 snapshot row
+    cm.attach_host_tier(HostCopies([], [states], 0, 4))
+    prompts = {n: [n] * 9 for n in (1, 2, 3)}  # one snapshot each, after 8 tokens
+    for seq, (n, ids) in enumerate(prompts.items()):
+        cm.match(seq, ids)
+        cm.grow(seq, 9)
+        slot = cm.handle(seq).slot
+        states[slot] = n  # the states after the prompt: its number
+        snap = cm.commit(seq, ids, 8, 9)
+        assert snap is not None and snap[0] == slot
+        states[snap[1]] = states[slot]
+        cm.snapshots_copied([snap])
+        cm.release(seq)
+    row = next(iter(cm.snapshots.rows.values()))
+    assert states[row].item() == 3 and len(cm.host_snapshots) == 2  # P1 and P2 went to the host
+    assert cm.match(10, prompts[3]) == 8 and cm.grow(10, 9)  # A: P3 from the device row
+    assert cm.match(11, prompts[1]) == 0  # B: P1's snapshot stays on the host, no row for it now
+    (src, slot), = cm.take_restores()
+    states[slot] = states[src]
+    assert states[slot].item() == 3
+    assert cm.snapshots.pinned == {}
+    cm.release(10), cm.release(11)
+    assert cm.match(12, prompts[1]) == 8  # with no restore pending, P1 comes back from the host
+    assert cm.grow(12, 9)
+    (src, slot), = cm.take_restores()
+    assert states[src].item() == 1
+
+
+@pytest.mark.parametrize("policy", ["lru", "adaptive"])
+def test_a_snapshot_row_taken_in_a_step_is_not_evicted_before_its_copy(policy):
+    """Two sequences reach a snapshot point in the same step and the device has one snapshot row: the second
+    commit must not evict the row the first one just took (its copy is not queued yet, so the host tier would
+    keep the row's old states under the first prefix); it goes without a snapshot. A later eviction sends the
+    first prefix's own states to the host, and they come back."""
+    cm = CacheManager(4, 64, 3, prefix_caching=True, snapshot_interval=8, num_snapshots=1, eviction_policy=policy)
+    states = torch.zeros(cm.snapshots.first + 1, 1)
+    cm.attach_host_tier(HostCopies([], [states], 0, 4))
+    prompts = {n: [n] * 9 for n in (1, 2, 3, 4)}
+
+    def step(seqs):  # each sequence computes its 8 tokens; the snapshots are copied after the step, as the engine does
+        pairs = []
+        for n in seqs:
+            cm.match(n, prompts[n])
+            cm.grow(n, 9)
+            states[cm.handle(n).slot] = n
+        for n in seqs:
+            if (snap := cm.commit(n, prompts[n], 8, 9)) is not None:
+                pairs.append(snap)
+        for slot, row in pairs:
+            states[row] = states[slot]
+        cm.snapshots_copied(pairs)
+        for n in seqs:
+            cm.release(n)
+        return pairs
+
+    step([1])  # the row holds prefix 1
+    assert len(step([2, 3])) == 1  # 2 evicts 1 (to the host, intact); 3 finds the row taken and waits
+    step([4])  # 4 evicts 2: its own states go to the host
+    for n in (1, 2):
+        assert cm.match(10 + n, prompts[n]) == 8 and cm.grow(10 + n, 9)
+        (src, slot), = cm.take_restores()
+        states[slot] = states[src]
+        assert states[slot].item() == n
+        cm.release(10 + n)
 
 
 def workload(seed: int = 0):

@@ -57,7 +57,8 @@ def run(cm: CacheManager, seq_id: int, tokens: list[int], prompt_len: int, budge
         n = cm.chunk_end(done, min(budget, len(tokens) - done), prompt_len)
         assert cm.grow(seq_id, done + n)
         done += n
-        cm.commit(seq_id, tokens, done, prompt_len)
+        if (snap := cm.commit(seq_id, tokens, done, prompt_len)) is not None:
+            cm.snapshots_copied([snap])  # the runner's copy, queued
     cm.release(seq_id)
 
 
