@@ -55,7 +55,8 @@ class SnapshotPool:
         self.rows: OrderedDict[bytes, int] = OrderedDict()  # prefix hash -> row; least recently used first
         self.num_evicted = 0
         self.on_evict = None  # (row, prefix hash) -> None, called before an evicted row is reused
-        self.pinned: dict[int, int] = {}  # row -> pins: rows a queued restore still reads, never evicted
+        # row -> pins: rows a restore will still read or a commit's copy has yet to fill, never evicted
+        self.pinned: dict[int, int] = {}
         self.duel = EvictionDuel(count, self.rows.__contains__) if policy == "adaptive" and count > 0 else None
 
     def observe(self, candidates: list[bytes]) -> None:
@@ -71,7 +72,7 @@ class SnapshotPool:
         return row
 
     def pin(self, row: int) -> None:
-        """Keep ``row`` from eviction until :meth:`unpin`: a restore queued (or about to be) still reads it."""
+        """Keep ``row`` from eviction until :meth:`unpin`: a copy out of it or into it is not queued yet."""
         self.pinned[row] = self.pinned.get(row, 0) + 1
 
     def unpin(self, row: int) -> None:
