@@ -72,13 +72,18 @@ class CachePlan:
         return (self.num_blocks - 1) * self.block_size if self.bytes_per_block and self.window is None else 1 << 62
 
 
+def window_blocks(window: int, block_size: int) -> int:
+    """The most blocks the newest ``window`` keys of a sequence lie in (the window may straddle one more)."""
+    return -(-(window - 1) // block_size) + 1
+
+
 def window_pool_blocks(window: int, block_size: int, step_tokens: int, seats: int, blocks_per_seq: int) -> int:
     """The most blocks (with the null block) that ``seats`` sequences hold at once in a block table of layers
     reading ``window`` keys: each the blocks its window reads before a step's first position, and the new
     tokens of two steps of up to ``step_tokens`` tokens in all (an overlapped step is scheduled before the
     previous one's blocks go back), each sequence's possibly straddling a block more; never more than
     ``blocks_per_seq`` a seat (their whole length)."""
-    per_seat = -(-(window - 1) // block_size) + 1 + 2
+    per_seat = window_blocks(window, block_size) + 2
     return 1 + min(seats * blocks_per_seq, seats * per_seat + 2 * -(-step_tokens // block_size))
 
 

@@ -157,7 +157,7 @@ class ModelRunner:
             buf.put("slot_mapping", slots[0]), buf.put_table(tables[0], rows, width), buf.put("state_slots", state_slots),
             buf.put("logits_indices", sample_rows), bs, cu_seqlens=buf.put("cu_seqlens", query_start),
             fresh=buf.put("fresh", fresh), topk_buffer=buf.topk[: len(ids)], num_real=len(scheduled),
-            window_group=self._window_group(buf, slots, tables, rows, width),
+            window_group=self._window_group(buf, slots[-1], tables[-1], rows, width),
         )
         if rope is not None:
             batch.rope_positions = buf.put("rope_positions", rope)
@@ -165,13 +165,13 @@ class ModelRunner:
         batch.graph, batch.graph_set = key, graphs if key is not None else None
         return batch
 
-    @staticmethod
-    def _window_group(buf: StepBuffers, slots: list[list[int]], tables: list[list[list[int]]], rows: int,
+    def _window_group(self, buf: StepBuffers, slots: list[int], tables: list[list[int]], rows: int,
                       width: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The windowed layers' (slot mapping, block tables) when they have a pool of their own."""
-        if len(slots) < 2:
+        """The windowed layers' (slot mapping, block tables) in their step buffers, when they have a pool of their
+        own (the step's second block group)."""
+        if self.groups < 2:
             return None
-        return buf.put("slot_mapping1", slots[1]), buf.put_table(tables[1], rows, width, "block_tables1")
+        return buf.put("slot_mapping1", slots), buf.put_table(tables, rows, width, "block_tables1")
 
     def patch_inputs(self, batch: ForwardBatch, rows: list[int], src: list[int], tokens: torch.Tensor) -> None:
         """Rows ``rows`` of the batch's input ids become ``tokens[src]`` on the device (a step overlapped with the
@@ -193,7 +193,7 @@ class ModelRunner:
             buf.put("state_slots", [NULL_SLOT] * rows), buf.put("logits_indices", list(range(rows))), block_size,
             cu_seqlens=buf.put("cu_seqlens", list(range(rows + 1))), fresh=buf.put("fresh", [True] * rows),
             topk_buffer=buf.topk[:rows],
-            window_group=self._window_group(buf, [[NULL_BLOCK] * rows] * self.groups, [[]] * self.groups, rows, width),
+            window_group=self._window_group(buf, [NULL_BLOCK] * rows, [], rows, width),
         )
         if self.mrope:  # the graph reads the 1-D multimodal RoPE positions from their buffer
             batch.rope_positions = buf.put("rope_positions", [0] * rows)
@@ -213,7 +213,7 @@ class ModelRunner:
             buf.put("state_slots", [NULL_SLOT] * seqs), buf.put("logits_indices", []), block_size,
             cu_seqlens=buf.put("cu_seqlens", query_start), fresh=buf.put("fresh", [True] * seqs),
             topk_buffer=buf.topk[:tokens],
-            window_group=self._window_group(buf, [[NULL_BLOCK] * tokens] * self.groups, [[]] * self.groups, seqs, width),
+            window_group=self._window_group(buf, [NULL_BLOCK] * tokens, [], seqs, width),
         )
         if self.mrope:
             batch.rope_positions = buf.put("rope_positions", [0] * tokens)

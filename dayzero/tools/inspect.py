@@ -12,6 +12,7 @@ import dataclasses
 import json
 from collections import defaultdict
 
+from dayzero.cache.planner import window_blocks
 from dayzero.cache.spec import PagedSpec, StateSpec
 from dayzero.config.spec import GQASpec, KDASpec, LayerSpec, MLASpec, ModelSpec, MoESpec, RopeSpec
 from dayzero.tools import fmt
@@ -157,7 +158,7 @@ def cache_report(info: ModelInfo, kv_cache_dtype: str = "auto", block_size: int 
         window = getattr(s, "window", None)
         k = by_kind[f"{kind}, window {window}" if window else kind]
         if window:  # a query reads the newest `window` keys: a sequence holds the blocks they lie in
-            k["window_tokens"] = (-(-(window - 1) // block_size) + 1) * block_size
+            k["window_tokens"] = window_blocks(window, block_size) * block_size
         k["layers"] += i not in seen
         seen.add(i)
         if isinstance(s, PagedSpec):
