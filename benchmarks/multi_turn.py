@@ -3,6 +3,7 @@
     python benchmarks/multi_turn.py [--model MODEL] --device cpu --users 4 --turns 10
     python benchmarks/multi_turn.py --model configs/dayzero-small.json --load-format dummy --device cuda
     python benchmarks/multi_turn.py --device cpu --device-blocks 160 --num-snapshots 4   # + the host tier
+    python benchmarks/multi_turn.py ... --baseline DIR   # and the same on an earlier package, side by side
 
 Several users each hold a conversation of ``--turns`` turns that share one system prompt: turn t's prompt is
 the system prompt, every earlier message and reply of that user, and a new message. All users send turn t at
@@ -11,13 +12,16 @@ asked for and those it took from the prefix cache (hit rate), the prefill tokens
 adding a request to its first token) at p50 / p90, and the total time. ``--device-blocks N`` adds two runs with
 a device cache of only N blocks, without and with the prefix cache's host tier (``--host-cache-gib``), and
 counts the blocks and snapshots that came back from host memory. The engines see the same token ids, and
-greedy outputs of all are checked to be equal.
+each setting's replies are compared with the uncached run's (a reply that differs changes the user's later
+prompts; on a model with near-flat logits in bf16, different step shapes alone can flip a greedy choice).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 
 import torch
@@ -33,10 +37,10 @@ def _sync(dev: torch.device) -> None:
 def conversation(engine, users: list[list[int]], turns: int, gen: torch.Generator, msg: tuple[int, int],
                  reply: int, vocab: int) -> dict:
     eng = engine.engine
-    ttft, asked, outputs = [], 0, {}
+    ttft, asked, outputs = [], 0, []
     t0 = time.perf_counter()
     for _ in range(turns):
-        start, first, ids = {}, {}, {}
+        start, first, ids, replies = {}, {}, {}, {}
         for u, history in enumerate(users):
             history += torch.randint(3, vocab, (int(torch.randint(msg[0], msg[1] + 1, (1,), generator=gen)),),
                                      generator=gen).tolist()
@@ -52,7 +56,8 @@ def conversation(engine, users: list[list[int]], turns: int, gen: torch.Generato
                     first[out.request_id] = time.perf_counter()
                 if out.finished:
                     users[ids[out.request_id]] += out.outputs[0].token_ids
-                    outputs[out.request_id] = out.outputs[0].token_ids
+                    replies[out.request_id] = out.outputs[0].token_ids
+        outputs += [replies[r] for r in start]  # in the users' order
         ttft += [first[r] - start[r] for r in start]
     _sync(eng.device)
     stats = eng.stats()
@@ -63,6 +68,7 @@ def conversation(engine, users: list[list[int]], turns: int, gen: torch.Generato
 
 
 def main(argv=None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint or config (default: the bundled model)")
     ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
@@ -79,6 +85,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--num-snapshots", type=int, default=None, metavar="N", help="device state snapshots kept")
     ap.add_argument("--host-cache-gib", type=float, default=0.25, help="the host tier of the small-cache run")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--baseline", default=None, metavar="DIR",
+                    help="also run the same settings on the dayzero package in DIR (an earlier version), side by side")
     args = ap.parse_args(argv)
     longest = args.system_len + args.turns * (args.message_len[1] + args.reply_len) + 1
     results = {}
@@ -102,18 +110,22 @@ def main(argv=None) -> dict:
         results[name].update(blocks=llm.engine.cache_plan.num_blocks - 1, host_hit_blocks=u["host_hit_blocks"],
                              host_hit_snapshots=u["host_hit_snapshots"])
         del llm
-    outs = [r.pop("outputs") for r in results.values()]
-    same = all(o == outs[0] for o in outs)
+    outs = {name: r.pop("outputs") for name, r in results.items()}
+    for name, r in results.items():  # replies equal to the uncached run's (a reply that differs changes later prompts)
+        r["same_replies"] = sum(a == b for a, b in zip(outs[name], outs["off"]))
+        r["replies"] = len(outs[name])
+    same = all(o == outs["off"] for o in outs.values())
     print(f"\n{args.users} users x {args.turns} turns, system prompt {args.system_len} tokens, messages "
           f"{args.message_len[0]}-{args.message_len[1]}, replies {args.reply_len}, on {results['on']['device']}; "
           f"greedy outputs equal: {same}")
     print(f"{'cache':>10} {'blocks':>7} {'asked tok':>10} {'from cache':>11} {'hit rate':>9} {'computed':>9} "
-          f"{'from host':>10} {'TTFT p50 ms':>12} {'p90 ms':>8} {'total s':>8}")
+          f"{'from host':>10} {'TTFT p50 ms':>12} {'p90 ms':>8} {'total s':>8} {'replies as off':>15}")
     for name, r in results.items():
         host = f"{r['host_hit_blocks']}b/{r['host_hit_snapshots']}s" if name.endswith("host") else "-"
         print(f"{name:>10} {r['blocks']:>7} {r['asked_tokens']:>10} {r['hit_tokens']:>11} "
               f"{r['hit_tokens'] / r['asked_tokens']:>8.1%} {r['asked_tokens'] - r['hit_tokens']:>9} {host:>10} "
-              f"{r['ttft_p50_ms']:>12.1f} {r['ttft_p90_ms']:>8.1f} {r['seconds']:>8.2f}")
+              f"{r['ttft_p50_ms']:>12.1f} {r['ttft_p90_ms']:>8.1f} {r['seconds']:>8.2f} "
+              f"{r['same_replies']:>8} of {r['replies']}")
     on, off = results["on"], results["off"]
     if "small" in results and results["small"]["blocks"] >= on["blocks"]:
         print(f"note: --device-blocks {args.device_blocks} does not shrink the device cache (the engine's own is "
@@ -124,7 +136,31 @@ def main(argv=None) -> dict:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
+    if args.baseline:
+        side_by_side(results, args, argv)
     return report
+
+
+def side_by_side(results: dict, args, argv) -> None:
+    """The same settings on an earlier package, in a new process, and each setting's times against it."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from baseline import run_on
+
+    drop = ("--baseline", "--json")  # with their values
+    rest = [a for i, a in enumerate(argv) if a not in drop and (i == 0 or argv[i - 1] not in drop)
+            and not a.startswith(tuple(d + "=" for d in drop))]
+    base = run_on(__file__, rest, args.baseline)
+    if base is None:
+        return
+    print(f"\nside by side (same run): baseline ({args.baseline}) -> this version")
+    print(f"{'cache':>10} {'TTFT p50 ms':>20} {'p90 ms':>20} {'total s':>18} {'ratio':>6} {'hit rate':>17}")
+    for name, r in results.items():
+        b = base["results"].get(name)
+        if b is None:
+            continue
+        print(f"{name:>10} {b['ttft_p50_ms']:>9.1f} -> {r['ttft_p50_ms']:>7.1f} {b['ttft_p90_ms']:>9.1f} -> "
+              f"{r['ttft_p90_ms']:>7.1f} {b['seconds']:>8.2f} -> {r['seconds']:>6.2f} {b['seconds'] / r['seconds']:>5.2f}x "
+              f"{b['hit_tokens'] / b['asked_tokens']:>7.1%} -> {r['hit_tokens'] / r['asked_tokens']:.1%}")
 
 
 if __name__ == "__main__":

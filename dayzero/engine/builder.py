@@ -57,7 +57,8 @@ def attach_host_tier(runner, cache: CacheManager, plan: CachePlan, host_bytes: i
     per_snap = HostCopies.bytes_per_row(runner.state_tensors) if runner.state_tensors else 0
     snaps = host_bytes // 2 // per_snap if per_snap and plan.num_snapshots else 0
     blocks = (host_bytes - snaps * per_snap) // per_block if per_block else 0
-    cache.attach_host_tier(HostCopies(runner.block_tensors, runner.state_tensors, blocks, snaps))
+    runner.host_copies = HostCopies(runner.block_tensors, runner.state_tensors, blocks, snaps)
+    cache.attach_host_tier(runner.host_copies)
     return replace(plan, host_blocks=int(blocks), host_snapshots=int(snaps))
 
 def _agree(agree, plan, uses_blocks: bool, uses_slots: bool, align: int, snapshots: int):

@@ -38,6 +38,7 @@ class ModelRunner:
         self.step_counts = {(kind, how): 0 for kind in ("decode", "prefill") for how in ("graph", "eager")}
         self._workspaces: list | None = None
         self.state_tensors: list[torch.Tensor] = []
+        self.host_copies = None  # the prefix cache's host tier (HostCopies), whose copies state copies and steps wait for
         self.groups = 1  # block groups: 2 when windowed layers have a pool of their own (allocate_cache)
         # the widest DSA selection a layer writes: the width of the step's selection buffer
         self.topk = max((getattr(l, "selection_width", 0) for _, l in self.layers), default=0)
@@ -73,10 +74,15 @@ class ModelRunner:
         sequence's slot after a step, or restored into a new sequence's slot before its first one."""
         if not pairs or not self.state_tensors:
             return
+        rows = [r for pair in pairs for r in pair]
+        if self.host_copies is not None:  # rows on their way to or from host memory
+            self.host_copies.before_states(rows)
         src = to_device([a for a, _ in pairs], torch.int64, self.device)
         dst = to_device([b for _, b in pairs], torch.int64, self.device)
         for t in self.state_tensors:
             t.index_copy_(0, dst, t.index_select(0, src))
+        if self.host_copies is not None:
+            self.host_copies.states_copied(rows)
 
     def reserve_buffers(self, max_tokens: int, max_seqs: int, max_blocks: int) -> None:
         """Allocate the persistent step buffers for steps of up to these sizes."""
@@ -232,6 +238,8 @@ class ModelRunner:
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [S, vocab] fp32 for the rows in ``batch.logits_indices``."""
         self.before_step()
+        if self.host_copies is not None:  # blocks on their way to or from host memory
+            self.host_copies.before_step()
         self.step_counts["decode" if batch.is_decode else "prefill", "eager" if batch.graph is None else "graph"] += 1
         hidden = batch.graph_set.replay(batch.graph) if batch.graph is not None else self.model(batch)
         return self.model.compute_logits(hidden[batch.logits_indices])

@@ -112,8 +112,8 @@ def workload(seed: int = 0):
 def run(ckpt, **kw):
     """A prompt, six unrelated ones that push its blocks and snapshots out of a 40-block device cache, then the
     first conversation's next turn (its prompt, output and three more tokens)."""
-    kw = {"num_cache_blocks": 40, "num_prefix_snapshots": 2, **kw}
-    llm = LLM(str(ckpt), device="cpu", dtype="float32", block_size=4, prefix_snapshot_interval=8, max_num_seqs=2, **kw)
+    kw = {"num_cache_blocks": 40, "num_prefix_snapshots": 2, "device": "cpu", **kw}
+    llm = LLM(str(ckpt), dtype="float32", block_size=4, prefix_snapshot_interval=8, max_num_seqs=2, **kw)
     first, others = workload()
     out = llm.generate([{"prompt_token_ids": first}], SP)[0].outputs[0]
     for p in others:
@@ -153,3 +153,53 @@ def test_quantised_blocks_come_back_whole(tiny_ckpt):
 def test_a_bad_host_cache_size_is_refused(bad):
     with pytest.raises(ValueError, match="host_cache_gib"):
         EngineConfig(host_cache_gib=bad)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+def test_copies_on_their_own_stream_keep_the_order_of_the_state_copies():
+    """On a GPU a snapshot's rows go to the host and back on a copy stream beside the compute stream: a row's
+    copy out waits for the state copy that filled it, a later state copy into the row waits for the copy out, and
+    a restore waits for the copy back. Long kernels are queued on the compute stream between them, so a missing
+    wait would read or overwrite the row early."""
+    rows, width = 8, 4 << 20  # 16 MiB a row: copies long enough to race
+    states = torch.zeros(rows, width, device="cuda")
+    copies = HostCopies([], [states], 0, 2)
+    assert copies.stream is not None and copies.host_states[0].is_pinned()
+    busy = torch.randn(4096, 4096, device="cuda")
+
+    def state_copy(pairs, value=None):  # what the runner's copy_states does, with its waits
+        flat = [r for p in pairs for r in p]
+        copies.before_states(flat)
+        for _ in range(20):  # keep the compute stream busy before the copy
+            busy @ busy
+        for src, dst in pairs:
+            states[dst] = states[src] if value is None else value
+        copies.states_copied(flat)
+
+    state_copy([(0, 5)], value=1.0)  # a commit fills snapshot row 5
+    copies.snapshot_out(5, 0)  # evicted to host row 0
+    state_copy([(1, 5)], value=2.0)  # the next commit takes row 5
+    copies.snapshot_in(0, 6)  # a hit brings host row 0 back into row 6
+    state_copy([(6, 2)])  # and restores it into slot 2
+    torch.cuda.synchronize()
+    assert bool((states[2] == 1.0).all()) and bool((states[5] == 2.0).all())
+    assert bool((copies.host_states[0][0] == 1.0).all())
+
+
+@cuda
+@pytest.mark.parametrize("overlap", [False, True], ids=["", "async"])
+def test_a_hit_from_host_memory_on_a_gpu_equals_the_device_cache(tiny_ckpt, overlap):
+    """The engine on a GPU, its host copies on their own stream: the turn whose prefix came back from host memory
+    gives the tokens of a device that kept everything, log-probabilities within 1e-4 (the two engines' caches
+    differ in size, and with them the kernels' splits)."""
+    _, kept = run(tiny_ckpt, num_cache_blocks=512, num_prefix_snapshots=64, device="cuda")
+    host, restored = run(tiny_ckpt, host_cache_gib=0.01, async_scheduling=overlap, device="cuda")
+    assert host.engine.runner.host_copies.stream is not None
+    assert restored[0] == kept[0]
+    assert max(abs(a - b) for a, b in zip(restored[1], kept[1])) < 1e-4
+    u = host.engine.cache_usage()
+    assert u["host_hit_blocks"] > 0 and u["host_hit_snapshots"] > 0
+    assert_cache_empty(host)
