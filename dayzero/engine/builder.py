@@ -11,8 +11,8 @@ import torch
 
 from dayzero.cache.host_tier import HostCopies
 from dayzero.cache.manager import CacheManager
-from dayzero.cache.planner import (SPARE_SNAPSHOTS_PER_SEAT, CachePlan, auto_block_size, available_memory, block_groups,
-                                   plan_cache)
+from dayzero.cache.planner import (SPARE_SNAPSHOTS_PER_SEAT, CacheMemoryError, CachePlan, auto_block_size,
+                                   available_memory, block_groups, plan_cache)
 from dayzero.cache.spec import PagedSpec, StateSpec
 from dayzero.engine.model_runner import ModelRunner
 from dayzero.ops.indexer.triton_indexer import scratch_bytes as indexer_scratch_bytes
@@ -49,9 +49,18 @@ def prefill_scratch_bytes(model, rows: int, keys: int) -> int:
     return indexer + mla
 
 
+HOST_TIER_MAX_SHARE = 0.8  # of the host's available memory, the most the host tier may pin: the rest stays for the process
+
+
 def attach_host_tier(runner, cache: CacheManager, plan: CachePlan, host_bytes: int) -> CachePlan:
     """Give the prefix cache a host tier of ``host_bytes`` pinned bytes: half for state snapshots when the model
     keeps states, the rest for blocks; the plan records both counts."""
+    free = available_memory(torch.device("cpu"))  # RAM the process may still take
+    if host_bytes > free * HOST_TIER_MAX_SHARE:
+        raise CacheMemoryError(
+            f"host_cache_gib asks for {host_bytes / 2**30:.2f} GiB of pinned host memory, but the host has "
+            f"{free / 2**30:.2f} GiB available ({HOST_TIER_MAX_SHARE:.0%} of it may be pinned for the prefix cache's "
+            f"host tier): lower host_cache_gib (--host-cache-gib) to at most {free * HOST_TIER_MAX_SHARE / 2**30:.2f}")
     # blocks of windowed layers are not kept: a hit needs only a window's tail, which stays on the device
     per_block = HostCopies.bytes_per_row(runner.block_tensors) if plan.window is None else 0
     per_snap = HostCopies.bytes_per_row(runner.state_tensors) if runner.state_tensors else 0
@@ -60,6 +69,7 @@ def attach_host_tier(runner, cache: CacheManager, plan: CachePlan, host_bytes: i
     runner.host_copies = HostCopies(runner.block_tensors, runner.state_tensors, blocks, snaps)
     cache.attach_host_tier(runner.host_copies)
     return replace(plan, host_blocks=int(blocks), host_snapshots=int(snaps))
+
 
 def _agree(agree, plan, uses_blocks: bool, uses_slots: bool, align: int, snapshots: int):
     """One cache plan for every rank of a job: the fewest blocks, slots and snapshots, block and slot accounting

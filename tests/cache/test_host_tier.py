@@ -10,6 +10,7 @@ import torch
 from dayzero import LLM, SamplingParams
 from dayzero.cache.host_tier import HostCopies, HostTier
 from dayzero.cache.manager import CacheManager
+from dayzero.cache.planner import CacheMemoryError
 from dayzero.engine.engine import EngineConfig
 from tests.engine.test_engine import assert_cache_empty
 
@@ -147,6 +148,13 @@ def test_quantised_blocks_come_back_whole(tiny_ckpt):
     host, restored = run(tiny_ckpt, host_cache_gib=0.01, kv_cache_dtype="int8")
     assert restored == kept and host.engine.cache_usage()["host_hit_blocks"] > 0
     assert_cache_empty(host)
+
+
+def test_a_host_tier_larger_than_the_hosts_memory_is_refused_at_startup(tiny_ckpt):
+    """Pinning more than the host has would fail late or take the machine's memory: the engine refuses at
+    startup, naming what was asked, what is available and the setting to lower."""
+    with pytest.raises(CacheMemoryError, match=r"host_cache_gib asks for 1048576\.00 GiB .* available .*--host-cache-gib"):
+        LLM(str(tiny_ckpt), device="cpu", dtype="float32", host_cache_gib=2**20)
 
 
 @pytest.mark.parametrize("bad", [-1, float("nan"), float("inf"), "1", True])
