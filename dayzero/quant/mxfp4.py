@@ -15,6 +15,8 @@ _MAGNITUDES = torch.tensor(FP4_VALUES[:8])
 _EMAX_ELEM = 2  # exponent of the largest E2M1 value (6 = 1.5 * 2^2)
 _LUTS: dict[torch.device, torch.Tensor] = {}  # device -> FP4_VALUES there (see fp4_lut)
 _PAIRS: dict[torch.device, torch.Tensor] = {}  # device -> the byte -> E4M3 pair table there (see e4m3_pair_table)
+_VALUE_PAIRS: dict[torch.device, torch.Tensor] = {}  # device -> the byte -> value pair table (value_pair_table)
+_E8M0: dict[torch.device, torch.Tensor] = {}  # device -> the scale byte -> 2^(byte - 127) table (e8m0_table)
 
 
 def _on_device(cache: dict, device: torch.device | str, build) -> torch.Tensor:
@@ -33,6 +35,28 @@ def _on_device(cache: dict, device: torch.device | str, build) -> torch.Tensor:
 def fp4_lut(device: torch.device | str) -> torch.Tensor:
     """E2M1 code -> value, fp32 [16] on ``device``, built once per device."""
     return _on_device(_LUTS, device, lambda: torch.tensor(FP4_VALUES, dtype=torch.float32))
+
+
+def _value_pairs() -> torch.Tensor:
+    values = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    byte = torch.arange(256)
+    return torch.stack((values[byte & 15], values[byte >> 4]), dim=-1)
+
+
+def value_pair_table(device: torch.device | str) -> torch.Tensor:
+    """Packed byte -> its two E2M1 values (the low nibble's first), fp32 [256, 2] on ``device``, built once."""
+    return _on_device(_VALUE_PAIRS, device, _value_pairs)
+
+
+def _e8m0_values() -> torch.Tensor:
+    out = torch.ldexp(torch.ones(256), torch.arange(256, dtype=torch.int32) - 127)  # 2^-127 (subnormal) .. 2^128
+    out[E8M0_NAN] = float("nan")
+    return out
+
+
+def e8m0_table(device: torch.device | str) -> torch.Tensor:
+    """E8M0 scale byte -> 2^(byte - 127), fp32 [256] on ``device`` (0xFF: NaN), built once."""
+    return _on_device(_E8M0, device, _e8m0_values)
 
 
 def _e4m3_pairs() -> torch.Tensor:
@@ -78,13 +102,14 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """(blocks [..., G, 16], scales [..., G]) -> [..., G*32] in ``dtype``. A 0xFF scale gives NaN (OCP)."""
-    lut = fp4_lut(blocks.device)
-    lo, hi = lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]  # [..., G, 16] each
-    vals = torch.stack((lo, hi), dim=-1).flatten(-2)  # [..., G, 32]: element 2j low nibble, 2j+1 high
-    e = scales.to(torch.int32) - 127
-    out = torch.ldexp(vals, e[..., None])
-    out = torch.where((scales == E8M0_NAN)[..., None], torch.full_like(out, float("nan")), out)
+    """(blocks [..., G, 16], scales [..., G]) -> [..., G*32] in ``dtype``. A 0xFF scale gives NaN (OCP).
+
+    Two table lookups and one product: each byte's two values at once, each block's scale as the power of two it
+    stands for (a product by a power of two is exact, as ``ldexp`` is, down to fp32's subnormals)."""
+    # index_select over the flattened bytes: several times faster on CPUs than indexing by an n-d tensor
+    vals = value_pair_table(blocks.device).index_select(0, blocks.reshape(-1).long())  # [n * 16, 2]
+    scale = e8m0_table(blocks.device).index_select(0, scales.reshape(-1).long())  # [n]
+    out = vals.view(*scales.shape, BLOCK) * scale.view(*scales.shape, 1)  # element 2j from the low nibble
     return out.flatten(-2).to(dtype)
 
 

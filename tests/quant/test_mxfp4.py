@@ -33,6 +33,20 @@ def test_scale_extremes(e):
     assert torch.equal(out, torch.full((32,), 0.5 * 2.0 ** (e - 127)))
 
 
+def test_every_byte_at_every_scale_is_the_definition():
+    """All 256 packed bytes (both nibbles) at all 256 scales: E2M1 value x 2^(s - 127) rounded to fp32 (exact,
+    down to the subnormals; inf past fp32's range; NaN at 0xFF), element 2j from the low nibble."""
+    blocks = torch.arange(256, dtype=torch.uint8).view(16, 16)  # 16 blocks of 16 bytes: every byte once
+    for s in range(256):
+        out = dequantize_mxfp4(blocks, torch.full((16,), s, dtype=torch.uint8), torch.float32).view(256, 2)
+        if s == 255:
+            assert torch.isnan(out).all()
+            continue
+        want = torch.tensor([[FP4_VALUES[b & 15] * 2.0 ** (s - 127), FP4_VALUES[b >> 4] * 2.0 ** (s - 127)]
+                             for b in range(256)], dtype=torch.float32)
+        assert torch.equal(out, want) and torch.equal(torch.signbit(out), torch.signbit(want)), s
+
+
 def test_nan_scale_gives_nan():
     out = dequantize_mxfp4(torch.zeros(1, 16, dtype=torch.uint8), torch.tensor([255], dtype=torch.uint8), torch.float32)
     assert torch.isnan(out).all()
