@@ -159,7 +159,8 @@ def side_by_side(results: dict, args, argv) -> None:
         if b is None:
             continue
         print(f"{name:>10} {b['ttft_p50_ms']:>9.1f} -> {r['ttft_p50_ms']:>7.1f} {b['ttft_p90_ms']:>9.1f} -> "
-              f"{r['ttft_p90_ms']:>7.1f} {b['seconds']:>8.2f} -> {r['seconds']:>6.2f} {b['seconds'] / r['seconds']:>5.2f}x "
+              f"{r['ttft_p90_ms']:>7.1f} {b['seconds']:>8.2f} -> {r['seconds']:>6.2f} "
+              f"{b['seconds'] / r['seconds']:>5.2f}x "
               f"{b['hit_tokens'] / b['asked_tokens']:>7.1%} -> {r['hit_tokens'] / r['asked_tokens']:.1%}")
 
 

@@ -49,7 +49,7 @@ def prefill_scratch_bytes(model, rows: int, keys: int) -> int:
     return indexer + mla
 
 
-HOST_TIER_MAX_SHARE = 0.8  # of the host's available memory, the most the host tier may pin: the rest stays for the process
+HOST_TIER_MAX_SHARE = 0.8  # of the host's available memory, the most the host tier may pin (the rest: the process)
 
 
 def attach_host_tier(runner, cache: CacheManager, plan: CachePlan, host_bytes: int) -> CachePlan:

@@ -1,6 +1,7 @@
-"""The skinny linear kernel (1-8 rows) against the fp64 product, at every block shape it may be given, odd sizes
-and mixed dtypes (the router's bf16 tokens against fp32 weights, fp32 out); the reference op's dtype rule; the
-refusals; on a CUDA device the measured choice, the op inside a CUDA graph, and the layers that call it.
+"""The skinny linear kernel (1-8 rows, up to 64 on the tensor cores) against the fp64 product, at every block
+shape it may be given, odd sizes and mixed dtypes (the router's bf16 tokens against fp32 weights, fp32 out); the
+reference op's dtype rule; the refusals; on a CUDA device the measured choice, the op inside a CUDA graph, and
+the layers that call it.
 
 On the CPU the kernel runs through Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1).
 """
@@ -95,6 +96,35 @@ def test_tensor_core_blocks_match_fp64_with_rows_padded_to_sixteen(M, N, K, dtyp
         L.skinny_linear(x, w, b, block=blocks[0])
 
 
+@pytest.mark.parametrize("M,N,K", [(13, 37, 100), (32, 64, 96), (64, 24, 48)], ids=str)
+def test_tensor_core_blocks_take_up_to_sixty_four_rows(M, N, K):
+    """Decode steps of 9-64 sequences: only tensor-core blocks are timed (rows padded to the next power of two),
+    each equal to the product; fp32 operands stay at the CUDA cores' eight rows."""
+    x, w, b = operands(M, N, K, torch.bfloat16, torch.bfloat16, True)
+    add = torch.randn(M, N, device=DEV).to(torch.bfloat16)
+    blocks = L.candidates(M, N, K, True)
+    assert blocks and all(len(blk) == 4 for blk in blocks)
+    for block in blocks + [(16, 32, 4, 2)]:  # several K steps
+        close(L.skinny_linear(x, w, b, block=block, add=add), exact(x, w, b) + add.double(), torch.bfloat16)
+    assert L.refusal(x, w, b) is None
+    assert "rows" in L.refusal(torch.cat([x] * 5)[:65], w)
+    xf, wf, _ = operands(M, N, K, torch.float32, torch.float32, False)
+    assert "8 (64 with bf16 or fp16" in L.refusal(xf, wf)
+
+
+def test_a_block_that_fails_to_run_is_left_out_of_the_linears_choice(monkeypatch, caplog):
+    """A tensor-core block this Triton cannot build (shared memory, say) is logged and left out; with none left,
+    cuBLAS runs."""
+    monkeypatch.setattr(L, "cold_copies", lambda w: [w])
+    monkeypatch.setattr(L, "graph_time", lambda calls: [c() for c in calls] and 1.0)
+    monkeypatch.setattr(L, "skinny_linear", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("out of resources")))
+    x, w, _ = operands(32, 64, 96, torch.bfloat16, torch.bfloat16, False)
+    with caplog.at_level("WARNING", logger="dayzero.ops"):
+        times = L.timings(x, w)
+    assert list(times) == [None] and L.fastest(times) is None
+    assert "failed to run" in caplog.text and "out of resources" in caplog.text
+
+
 def test_strided_rows_and_no_rows():
     x, w, _ = operands(6, 40, 64, torch.float32, torch.float32, False)
     wide = torch.cat([x, x], 1)[:, :64]  # rows 128 apart
@@ -144,6 +174,8 @@ def test_on_the_cpu_the_op_keeps_the_reference():
     (4, 2048, 2048, torch.bfloat16, torch.bfloat16, None),
     (1, 64, 2048, torch.bfloat16, torch.float32, torch.float32),  # its router
     (3, 7000, 7168, torch.bfloat16, torch.bfloat16, None),
+    (32, 6416, 2048, torch.bfloat16, torch.bfloat16, None),  # its KDA input projection at 32 sequences
+    (64, 2048, 2048, torch.bfloat16, torch.bfloat16, None),
 ], ids=str)
 def test_measured_choice_and_every_candidate_on_the_gpu(M, N, K, x_dtype, w_dtype, out):
     x, w, b = operands(M, N, K, x_dtype, w_dtype, False)
@@ -201,7 +233,7 @@ def same_sum(got, want):
         close(got, want.double(), got.dtype)
 
 
-@pytest.mark.parametrize("M,N,K", [(1, 37, 100), (2, 64, 256), (5, 130, 48)], ids=str)
+@pytest.mark.parametrize("M,N,K", [(1, 37, 100), (2, 64, 256), (5, 130, 48), (24, 40, 64)], ids=str)
 @pytest.mark.parametrize("residual", [False, True], ids=["first", "residual"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_norm_in_the_kernel_matches_fp64_and_the_reference(M, N, K, residual, dtype):
@@ -268,7 +300,7 @@ def _act_reference(x, activation, limit):
     return A.relu2(x)
 
 
-@pytest.mark.parametrize("M,N,I", [(1, 37, 100), (3, 64, 48), (5, 24, 33)], ids=str)
+@pytest.mark.parametrize("M,N,I", [(1, 37, 100), (3, 64, 48), (5, 24, 33), (24, 40, 32)], ids=str)
 @pytest.mark.parametrize("activation,limit", ACTIVATIONS, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_activation_in_the_kernel_matches_fp64_and_the_reference(M, N, I, activation, limit, dtype):
@@ -321,7 +353,7 @@ def gated_exact(x, g, gw, eps, w, b):
     return exact(rms_norm_gated(x, gw, g, eps).reshape(x.shape[0], -1), w, b)
 
 
-@pytest.mark.parametrize("M,N,H,V", [(1, 37, 3, 32), (3, 64, 4, 16), (5, 24, 2, 64)], ids=str)
+@pytest.mark.parametrize("M,N,H,V", [(1, 37, 3, 32), (3, 64, 4, 16), (5, 24, 2, 64), (24, 40, 2, 32)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_gated_norm_in_the_kernel_matches_fp64_and_the_reference(M, N, H, V, dtype):
     g = torch.Generator(DEV).manual_seed(4)
@@ -393,7 +425,7 @@ def test_the_fused_timings_run_every_launch_they_compare(monkeypatch):
 
 
 # --- dual_linear: a second product (the shared expert) summed in the same launch ---------------------------------
-@pytest.mark.parametrize("M,N,K1,K2", [(1, 37, 100, 48), (3, 64, 32, 96), (5, 24, 64, 64)], ids=str)
+@pytest.mark.parametrize("M,N,K1,K2", [(1, 37, 100, 48), (3, 64, 32, 96), (5, 24, 64, 64), (24, 40, 32, 64)], ids=str)
 @pytest.mark.parametrize("activation,limit", [(None, None), ("silu", None), ("silu", 3.0), ("relu2", None)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_two_products_in_one_launch_match_fp64_and_the_reference(M, N, K1, K2, activation, limit, dtype):
@@ -451,7 +483,7 @@ def test_a_fused_launch_that_fails_to_run_is_left_out_of_the_choice(monkeypatch,
 
 
 # --- sigmoid_gate_linear: gated attention's output gate inside the skinny kernel ------------------------------
-@pytest.mark.parametrize("M,N,H,V", [(1, 37, 3, 32), (3, 64, 4, 24), (5, 24, 2, 64)], ids=str)
+@pytest.mark.parametrize("M,N,H,V", [(1, 37, 3, 32), (3, 64, 4, 24), (5, 24, 2, 64), (24, 40, 2, 32)], ids=str)
 @pytest.mark.parametrize("per_head", [False, True], ids=["per-channel", "per-head"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_output_gate_in_the_kernel_matches_fp64_and_the_reference(M, N, H, V, per_head, dtype):

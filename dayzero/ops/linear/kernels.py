@@ -19,7 +19,9 @@ program has in flight, shrink as rows grow: on the H200 it wins at one and two r
 on the router) and read at 19-27% of the copy rate at four. For bf16 / fp16 operands and two rows or more the
 choice also times tensor-core blocks (rows padded to 16, ``tl.dot`` per K step, several steps in flight), which
 read at cuBLAS's rate or better at 2-8 rows (a decode step's projections 1.3x cuBLAS at four rows;
-``benchmarks/decode_linear.py``, ``docs/performance.md``).
+``benchmarks/decode_linear.py``, ``docs/performance.md``). The tensor-core blocks also take 9 to 64 rows (decode
+steps of that many sequences), where cuBLAS's GEMMs read dayzero-small's projections at 50-63% of the copy rate;
+there too the timing decides.
 """
 from __future__ import annotations
 
@@ -40,7 +42,8 @@ if HAS_TRITON:
 
 log = logging.getLogger("dayzero.ops")
 
-MAX_ROWS = 8  # past a GEMV's few rows cuBLAS's GEMM tiles read the weight once for all of them
+MAX_ROWS = 8  # the CUDA-core product's rows: its fp32 tile grows with them (see the module docstring)
+MAX_MMA_ROWS = 64  # the tensor-core blocks' rows (bf16 / fp16 operands): a decode step of up to 64 sequences
 MARGIN = 0.95  # a Triton shape runs when it takes at most this share of cuBLAS's time
 # activations the kernel applies to x as it reads it (``ACT``, the activation kernels' kind + 1): name -> (code,
 # input columns per output column)
@@ -195,13 +198,15 @@ def tensor_cores(x_dtype: torch.dtype, w_dtype: torch.dtype) -> bool:
 
 
 def candidates(rows: int, n: int, k: int, mma: bool = False) -> list[Block]:
-    """Block shapes worth timing for ``rows`` x [n, k]: 4, 8 or 16 weight rows a program, K steps as long as
-    keep the fp32 products at 64 (4 warps) or 128 (8 warps) registers a thread; with ``mma`` (bf16 or fp16
-    operands, see :func:`tensor_cores`) and two rows or more, also tensor-core blocks of 16 to 64 weight rows
-    and 3 or 4 K steps in flight: the CUDA-core product's registers grow with the rows, which shortens its K
-    steps and so the bytes each program has in flight, where the tensor cores' do not."""
+    """Block shapes worth timing for ``rows`` x [n, k]: up to :data:`MAX_ROWS` rows, 4, 8 or 16 weight rows a
+    program, K steps as long as keep the fp32 products at 64 (4 warps) or 128 (8 warps) registers a thread; with
+    ``mma`` (bf16 or fp16 operands, see :func:`tensor_cores`) and two rows or more, also tensor-core blocks of 16
+    to 64 weight rows and 3 or 4 K steps in flight, which alone take 9 to :data:`MAX_MMA_ROWS` rows: the CUDA-core
+    product's registers grow with the rows, which shortens its K steps and so the bytes each program has in
+    flight, where the tensor cores' do not."""
     bm, out = next_pow2(rows), []
-    for bn, elems, warps in ((8, 8192, 4), (4, 8192, 4), (16, 16384, 8)):
+    cuda_cores = rows <= MAX_ROWS or not mma  # past MAX_ROWS only a direct call's default block (tests) uses them
+    for bn, elems, warps in ((8, 8192, 4), (4, 8192, 4), (16, 16384, 8)) if cuda_cores else ():
         bn = min(bn, next_pow2(n))
         bk = max(16, min(elems // (bm * bn), next_pow2(k), 2048))
         if (bn, bk, warps) not in out:
@@ -256,7 +261,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   add: torch.Tensor | None = None, activation: str | None = None,
                   limit: float | None = None, alpha: float = 1.702) -> torch.Tensor:
     """``act(x) · weightᵀ + bias + add`` by the Triton kernel (``block``: (BLOCK_N, BLOCK_K, warps), by default
-    the first of :func:`candidates`); x [M <= MAX_ROWS, K] ([M, 2K] for a gated ``activation`` of :data:`ACTS`,
+    the first of :func:`candidates`); x [M <= MAX_MMA_ROWS, K] ([M, 2K] for a gated ``activation`` of :data:`ACTS`,
     ``limit`` its clamp), weight [N, K] and add [M, N] with unit column strides."""
     M, (N, K) = x.shape[0], weight.shape
     y = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
@@ -328,7 +333,11 @@ def timings(x, weight, bias=None, out_dtype=None, add=None) -> dict[Block | None
     ws = cold_copies(weight)
     times = {None: graph_time([lambda w=w: linear(x, w, bias, out_dtype, add) for w in ws])}
     for b in candidates(x.shape[0], weight.shape[0], x.shape[1], tensor_cores(x.dtype, weight.dtype)):
-        times[b] = graph_time([lambda w=w, b=b: skinny_linear(x, w, bias, out_dtype, b, add) for w in ws])
+        try:
+            times[b] = graph_time([lambda w=w, b=b: skinny_linear(x, w, bias, out_dtype, b, add) for w in ws])
+        except Exception as e:  # noqa: BLE001 - a block shape this Triton cannot build: the others, or cuBLAS, run
+            log.warning("skinny kernel block %s failed to run, left out of the choice: %s: %s", b,
+                        type(e).__name__, e)
     return times
 
 
@@ -366,15 +375,15 @@ def fused_choice(what: str, times: dict[Block | None, float]) -> Block | None:
     return choice
 
 
-def fastest_triton(times: dict[Block | None, float]) -> Block:
-    return min((b for b in times if b is not None), key=times.get)
+def fastest_triton(times: dict[Block | None, float]) -> Block | None:
+    return min((b for b in times if b is not None), key=times.get, default=None)
 
 
 def fastest(times: dict[Block | None, float]) -> Block | None:
     """The block shape to run from :func:`timings`: the fastest Triton one when it takes at most :data:`MARGIN` of
-    cuBLAS's time, else None (cuBLAS)."""
+    cuBLAS's time, else None (cuBLAS, also when no Triton shape ran)."""
     best = fastest_triton(times)
-    return best if times[best] <= MARGIN * times[None] else None
+    return best if best is not None and times[best] <= MARGIN * times[None] else None
 
 
 def cold_copies(weight: torch.Tensor, total: int = 96 << 20, most: int = 16) -> list[torch.Tensor]:
@@ -419,8 +428,10 @@ def refusal(x, weight, bias=None, out_dtype=None, add=None) -> str | None:
         return why
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         return "the kernel takes x [rows, K] and a weight [N, K]"
-    if not 0 < x.shape[0] <= MAX_ROWS:
-        return f"{x.shape[0]} rows: the kernel takes 1 to {MAX_ROWS}, cuBLAS's GEMM tiles the rest"
+    most = MAX_MMA_ROWS if tensor_cores(x.dtype, weight.dtype) else MAX_ROWS
+    if not 0 < x.shape[0] <= most:
+        return (f"{x.shape[0]} rows: the kernel takes 1 to {MAX_ROWS} ({MAX_MMA_ROWS} with bf16 or fp16 operands on "
+                "the tensor cores), cuBLAS's GEMM tiles the rest")
     if add is not None and add.shape != (x.shape[0], weight.shape[0]):
         return f"add must be [rows, N], got {tuple(add.shape)}"
     if any(t is not None and t.stride(-1) != 1 for t in (x, weight, bias, add)):
@@ -440,7 +451,8 @@ def _verify(x, weight, bias=None, out_dtype=None, add=None) -> str | None:
     return why
 
 
-@register("linear", "cuda", verifier=_verify, note="Triton for 1-8 rows where measured faster than cuBLAS")
+@register("linear", "cuda", verifier=_verify,
+          note="Triton for 1-8 rows (up to 64 on the tensor cores) where measured faster than cuBLAS")
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
     return skinny_linear(x, weight, bias, out_dtype, _CHOICE[_key(x, weight, bias, out_dtype, add)], add)

@@ -89,7 +89,8 @@ def measured_choice(x, residual, norm_weight, eps, weight, bias=None) -> K.Block
 
 
 @register("rms_norm_linear", "cuda", verifier=_verify_norm,
-          note="the RMSNorm inside the skinny linear kernel (1-8 rows, where measured faster than the two apart)")
+          note="the RMSNorm inside the skinny linear kernel "
+               "(1-8 rows, up to 64 on the tensor cores, where measured faster than the two apart)")
 def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                     weight: torch.Tensor, bias: torch.Tensor | None = None):
     return norm_skinny_linear(x, residual, norm_weight, eps, weight, bias,
@@ -180,7 +181,8 @@ def gated_choice(x, norm_weight, gate, eps, weight, bias=None) -> K.Block | None
 
 
 @register("rms_norm_gated_linear", "cuda", verifier=_verify_gated,
-          note="the gated head norm inside the skinny linear kernel (1-8 rows, where measured faster than apart)")
+          note="the gated head norm inside the skinny linear kernel "
+               "(1-8 rows, up to 64 on the tensor cores, where measured faster than apart)")
 def rms_norm_gated_linear(x: torch.Tensor, norm_weight: torch.Tensor, gate: torch.Tensor, eps: float,
                           weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return gated_norm_skinny_linear(x, norm_weight, gate, eps, weight, bias,
