@@ -24,6 +24,8 @@ copies are plain copies.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from dayzero.cache.prefix import SnapshotPool
@@ -91,18 +93,17 @@ class HostCopies:
     def _move(self, devs, hosts, dev_row: int, host_row: int, out: bool, after=None) -> "torch.cuda.Event | None":
         """Copy one row each way; on a GPU on the copy stream, after ``after`` (an event; "all": everything
         queued on the current stream), returning the copy stream's event after it."""
-        if self.stream is None:
-            for dev, host in zip(devs, hosts):
-                (host[host_row] if out else dev[dev_row]).copy_(dev[dev_row] if out else host[host_row])
-            return None
-        if after == "all":
+        gpu = self.stream is not None
+        if gpu and after == "all":
             self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-        elif after is not None:
+        elif gpu and after is not None:
             self.stream.wait_event(after)
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.stream(self.stream) if gpu else contextlib.nullcontext():
             for dev, host in zip(devs, hosts):
                 dst, src = (host[host_row], dev[dev_row]) if out else (dev[dev_row], host[host_row])
-                dst.copy_(src, non_blocking=True)
+                dst.copy_(src, non_blocking=gpu)
+            if not gpu:
+                return None
             done = torch.cuda.Event()
             done.record()
         return done

@@ -106,11 +106,21 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 
     Two table lookups and one product: each byte's two values at once, each block's scale as the power of two it
     stands for (a product by a power of two is exact, as ``ldexp`` is, down to fp32's subnormals)."""
-    # index_select over the flattened bytes: several times faster on CPUs than indexing by an n-d tensor
-    vals = value_pair_table(blocks.device).index_select(0, blocks.reshape(-1).long())  # [n * 16, 2]
-    scale = e8m0_table(blocks.device).index_select(0, scales.reshape(-1).long())  # [n]
-    out = vals.view(*scales.shape, BLOCK) * scale.view(*scales.shape, 1)  # element 2j from the low nibble
+    out = block_values(blocks) * scale_values(scales)[..., None]
     return out.flatten(-2).to(dtype)
+
+
+# index_select over flattened codes: several times faster on CPUs than indexing a table by an n-d tensor
+def block_values(blocks: torch.Tensor) -> torch.Tensor:
+    """The E2M1 values of packed codes, unscaled: blocks [..., G, 16] -> fp32 [..., G, 32] (element 2j from the low
+    nibble of byte j)."""
+    vals = value_pair_table(blocks.device).index_select(0, blocks.reshape(-1).long())  # [n * 16, 2]
+    return vals.view(*blocks.shape[:-1], BLOCK)
+
+
+def scale_values(scales: torch.Tensor) -> torch.Tensor:
+    """E8M0 scale bytes [...] -> fp32 2^(byte - 127) [...] (0xFF: NaN)."""
+    return e8m0_table(scales.device).index_select(0, scales.reshape(-1).long()).view(scales.shape)
 
 
 def packed_nbytes(numel: int) -> int:

@@ -32,7 +32,8 @@ import torch
 
 from dayzero.quant.convert_kernels import convert_mxfp4, convert_refusal, convert_mxfp4_tiles
 from dayzero.quant.fp8 import TILE, TileScaled
-from dayzero.quant.mxfp4 import BLOCK, dequantize_mxfp4, e4m3_pair_table, fp4_lut
+from dayzero.quant.mxfp4 import (BLOCK, block_values, dequantize_mxfp4, e4m3_pair_table, e8m0_table, fp4_lut,
+                                 scale_values, value_pair_table)
 
 COMPUTE = ("auto", "bf16", "fp8", "fused")
 FUSED_ROWS_PER_EXPERT = 128  # "auto": steps with at most this many rows per expert read the packed weights
@@ -118,22 +119,18 @@ def tile_shift(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _convert_tiles_torch(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor) -> None:
     """Unpack [E, N, K/32, 16] codes into e4m3 ``out`` [E, N, K] with one fp32 ``scale_out`` per 128x128 tile
     [E, ceil(N/128), ceil(K/128)] (:func:`tile_shift`)."""
-    lut = fp4_lut(blocks.device)
-    vals = torch.stack((lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]), dim=-1).flatten(-2)  # [E, N, G, 32]
     shift, inv = tile_shift(scales)
-    out.copy_(torch.ldexp(vals, shift[..., None]).flatten(-2).to(out.dtype))
+    out.copy_(torch.ldexp(block_values(blocks), shift[..., None]).flatten(-2).to(out.dtype))  # [E, N, G, 32] -> K
     scale_out.copy_(inv)
 
 
 def _convert_torch(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor | None) -> None:
-    lut = fp4_lut(blocks.device)  # [16], cached per device
-    vals = torch.stack((lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]), dim=-1).flatten(-3)  # [E, N, K]
-    s = torch.ldexp(torch.ones_like(scales, dtype=torch.float32), scales.to(torch.int32) - 127)  # [E, N, K/32]
-    s = torch.where(scales == 0xFF, torch.full_like(s, float("nan")), s)
+    vals = block_values(blocks)  # [E, N, K/32, 32]
+    s = scale_values(scales)  # [E, N, K/32]
     if scale_out is None:
-        out.copy_(vals * s.repeat_interleave(BLOCK, dim=-1))
+        out.copy_((vals * s[..., None]).flatten(-2))
     else:
-        out.copy_(vals)  # E2M1 values are exact in E4M3
+        out.copy_(vals.flatten(-2))  # E2M1 values are exact in E4M3
         scale_out.copy_(s)
 
 
@@ -155,8 +152,8 @@ class ExpertWorkspace:
         self._freed: list[torch.cuda.Event | None] = [None] * self.num_slots
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" and self.num_slots > 1 else None
         self.conversions = 0
-        fp4_lut(self.device)  # built now, before any capture
-        e4m3_pair_table(self.device)
+        for table in (fp4_lut, e4m3_pair_table, value_pair_table, e8m0_table):  # built now, before any capture
+            table(self.device)
 
     # --- sizing --------------------------------------------------------------------------------------
     def reserve(self, layers) -> None:

@@ -327,18 +327,13 @@ def measure_once(choices: dict, key: tuple, device: torch.device, measure) -> Bl
 
 def timings(x, weight, bias=None, out_dtype=None, add=None) -> dict[Block | None, float]:
     """Device milliseconds per call at ``x``'s rows: cuBLAS (key None) and each of :func:`candidates`, each
-    replayed from a CUDA graph over L2-cold copies of ``weight`` (:func:`cold_copies`, :func:`graph_time`)."""
+    replayed from a CUDA graph over L2-cold copies of ``weight`` (:func:`fused_timings`, cuBLAS as the ops apart:
+    a block that fails to run is left out)."""
     from dayzero.ops.linear.reference import linear
 
-    ws = cold_copies(weight)
-    times = {None: graph_time([lambda w=w: linear(x, w, bias, out_dtype, add) for w in ws])}
-    for b in candidates(x.shape[0], weight.shape[0], x.shape[1], tensor_cores(x.dtype, weight.dtype)):
-        try:
-            times[b] = graph_time([lambda w=w, b=b: skinny_linear(x, w, bias, out_dtype, b, add) for w in ws])
-        except Exception as e:  # noqa: BLE001 - a block shape this Triton cannot build: the others, or cuBLAS, run
-            log.warning("skinny kernel block %s failed to run, left out of the choice: %s: %s", b,
-                        type(e).__name__, e)
-    return times
+    return fused_timings(weight, lambda w: linear(x, w, bias, out_dtype, add),
+                         lambda w, b: skinny_linear(x, w, bias, out_dtype, b, add),
+                         candidates(x.shape[0], weight.shape[0], x.shape[1], tensor_cores(x.dtype, weight.dtype)))
 
 
 def bucket_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
