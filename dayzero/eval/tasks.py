@@ -83,18 +83,20 @@ def copying(r: random.Random, words: int = 32, min_words: int | None = None, **_
     return f"copy: {passage}\n=", passage
 
 
-RECALL_STYLES = ("letter", "assign", "sentence")
+RECALL_STYLES = ("letter", "joined", "assign", "sentence")
 
 
 def _pair(style: str, key: str, value: str) -> str:
-    return f"The value of {key} is {value}." if style == "sentence" else f"{key}={value}."
+    if style == "sentence":
+        return f"The value of {key} is {value}."
+    return f"{key}{value}." if style == "joined" else f"{key}={value}."
 
 
 def _question(style: str, key: str) -> str:
     """The text asking for ``key``'s value; the value follows it directly."""
     if style == "sentence":
         return f"\nWhat is the value of {key}? The value of {key} is "
-    return f"\nWhat is {key}? {key}="
+    return f"\nWhat is {key}? {key}" if style == "joined" else f"\nWhat is {key}? {key}="
 
 
 def recall(r: random.Random, context_len: int = 2048, count: Callable[[str], int] | None = None,
@@ -107,7 +109,10 @@ def recall(r: random.Random, context_len: int = 2048, count: Callable[[str], int
     ``style`` "letter" (the default) writes ``K=1234.`` and ends the prompt with ``K=``, each key one capital letter
     (none occurs in the filler), so that finding the pair takes matching one token, not four: at a tiny size four-letter
     keys stayed at chance where one-letter keys were learnt, and the first H200 run with them is the first whose recall
-    formed. "assign" writes a pair ``abcd=1234.`` and ends the prompt with ``abcd=``, so the key's last letters sit
+    formed. "joined" writes ``K1234.`` and ends the prompt with ``K``, the value right after its key: the position
+    that predicts the value's first digit holds the key itself, so finding the pair is the one-token match that copying
+    uses (multi-query associative recall), where with ``K=`` that position holds the ``=`` every pair shares, and the
+    checkpoints trained on it answered another pair's value more often than not. "assign" writes a pair ``abcd=1234.`` and ends the prompt with ``abcd=``, so the key's last letters sit
     right before the value in both places (within a short conv's window at byte-level tokens); "sentence" writes ``The
     value of abcd is 1234.`` and ends with ``The value of abcd is `` (the key five tokens and more before the answer:
     the first checkpoints were trained on it).
@@ -121,7 +126,7 @@ def recall(r: random.Random, context_len: int = 2048, count: Callable[[str], int
     n_pairs = pairs if min_pairs is None else r.randint(min_pairs, pairs)
     entries, seen = [], set()  # (key, value)
     while len(entries) < n_pairs:
-        k = r.choice(string.ascii_uppercase) if style == "letter" else _letters(r, 4)
+        k = r.choice(string.ascii_uppercase) if style in ("letter", "joined") else _letters(r, 4)
         if k not in seen:
             seen.add(k)
             entries.append((k, f"{r.randint(0, 9999):04d}"))

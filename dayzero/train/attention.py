@@ -20,6 +20,8 @@ loss in effect), and the main loss never reaches the indexer (its selection is n
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -33,8 +35,25 @@ _NEG = float("-inf")
 _BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+_PROBES: list = []
+
+
+@contextlib.contextmanager
+def probing(fn):
+    """Within the block, every attention call of the training forward calls ``fn(q, k, scale, mask, out)`` (``q``
+    ``[B, L, H, D]``, ``k`` ``[B, L, Hkv, D]``, ``mask`` ``[B, L, L]`` or None for causal, ``out`` ``[B, L, H, Dv]``)
+    after computing ``out``; a tensor it returns replaces ``out``. The recall probe (:mod:`dayzero.train.probe`)
+    reads the attention weights through it and zeroes layers' outputs."""
+    _PROBES.append(fn)
+    try:
+        yield
+    finally:
+        _PROBES.remove(fn)
+
+
 def _sdpa(q, k, v, scale: float, mask=None) -> torch.Tensor:
     # q: [B, L, H, D]; k: [B, L, Hkv, D]; v: [B, L, Hkv, Dv]; mask: [B, L, L] bool or None (causal)
+    q0, k0 = q, k
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     if k.shape[1] != q.shape[1]:  # GQA: each kv head serves H / Hkv query heads
         rep = q.shape[1] // k.shape[1]
@@ -44,7 +63,11 @@ def _sdpa(q, k, v, scale: float, mask=None) -> torch.Tensor:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         else:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale)
-    return o.transpose(1, 2)
+    o = o.transpose(1, 2)
+    for fn in _PROBES:
+        replaced = fn(q0, k0, scale, mask, o)
+        o = o if replaced is None else replaced
+    return o
 
 
 def _causal(L: int, device) -> torch.Tensor:

@@ -77,6 +77,12 @@ def test_recall_styles_write_the_same_pairs_and_filler_two_ways():
         assert (key, letter.answer) in pairs
         assert not re.search(r"[A-Z]", re.sub(r"(?<![A-Za-z])[A-Z]=\d{4}\.|\nWhat is [A-Z]\? [A-Z]=$", "",
                                                letter.prompt).replace("What", ""))  # no capital in the filler
+    for joined, letter in zip(T.instances("recall", 5, context_len=300, style="joined"),
+                              T.instances("recall", 5, context_len=300)):
+        # the same keys, values and filler, each value right after its key: `K1234.`, asked with `K`
+        assert joined.answer == letter.answer
+        assert joined.prompt == re.sub(r"(?<![A-Za-z])([A-Z])=", r"\1", letter.prompt)
+        assert re.search(rf"(?<![A-Za-z])([A-Z]){joined.answer}\.", joined.prompt).group(1) == joined.prompt[-1]
     with pytest.raises(ValueError, match="recall style"):
         T.instances("recall", 1, style="verse")
 
