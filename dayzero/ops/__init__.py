@@ -24,6 +24,7 @@ from dayzero.ops.attention import compressed_cuda as _compressed_cuda  # noqa: F
 from dayzero.ops.attention import vision as _vision  # noqa: F401,E402
 from dayzero.ops.indexer import cuda as _indexer_cuda  # noqa: F401,E402
 from dayzero.ops.kda import cuda as _kda_cuda  # noqa: F401,E402
+from dayzero.ops.kda import cpu as _kda_cpu  # noqa: F401,E402
 from dayzero.ops.ssd import cuda as _ssd_cuda  # noqa: F401,E402
 
 # Triton kernels (registered for the cuda platform; each refuses, with its reason, where Triton cannot run).

@@ -17,6 +17,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from dayzero.ops.kda.chunk_batched import kda_chunk_batched
 from dayzero.ops.kda.reference import _prep, grouped, kda_gate
 from dayzero.ops.registry import register
 
@@ -111,45 +112,5 @@ def kda_train(q, k, v, g, beta, scale: float, state_pool, batch, use_qk_l2norm: 
         return o[0].to(v.dtype)
     xs = _prep(q, k, v, g, beta, scale, use_qk_l2norm)
     pieces = zip(*(batch.split(x) for x in xs))
-    outs = [b.unpad(kda_chunk_batched(*(b.pad(x) for x in piece))) for b, piece in zip(batch.buckets, pieces)]
+    outs = [b.unpad(kda_chunk_batched(*(b.pad(x) for x in piece))[0]) for b, piece in zip(batch.buckets, pieces)]
     return torch.cat(outs).to(v.dtype)
-
-
-def kda_chunk_batched(q, k, v, g, beta, C: int = 16) -> torch.Tensor:
-    """KDA from zero state in chunk form for B sequences of one width, autograd-safe.
-    q, k, g: [B, L, H, K] (q scaled and q, k normalised already); v: [B, L, H, V]; beta: [B, L, H]; fp32.
-    Returns o [B, L, H, V] fp32. Each sequence's padding comes after its real tokens, so it changes nothing
-    they compute. The per-channel decays within a chunk are [B, H, L, C, K] (kept for the backward, in every
-    KDA layer): chunks of 16 keep that a quarter of what chunks of 64 need (a 16K-token step of the default
-    model outgrew 24 GiB with 64), for four times the steps of the loop over chunks."""
-    B, L, H, K = q.shape
-    V = v.shape[-1]
-    C = min(C, L)  # short sequences: one chunk of their own length, not padded to a full one
-    n = -(-L // C)
-
-    def chunks(x):  # [B, L, H, *] -> [B, H, n, C, *]; zero padding: k = beta = 0 adds nothing, g = 0 keeps S
-        x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, n * C - L))
-        return x.reshape(B, n, C, *x.shape[2:]).movedim(3, 1)
-
-    q, k, v, g = map(chunks, (q, k, v, g))  # [B, H, n, C, K|V]
-    beta = chunks(beta[..., None])[..., 0]  # [B, H, n, C]
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    G = g.cumsum(3)  # Γ_r within each chunk
-    # e^{Γ_r - Γ_c} for c <= r (differences <= 0, never overflowing), 0 above the diagonal
-    D = (G[..., :, None, :] - G[..., None, :, :]).masked_fill(~causal[..., None], float("-inf")).exp()
-    A_kk = torch.einsum("bhnrk,bhnrck,bhnck->bhnrc", k, D, k).tril(-1) * beta[..., None]  # L
-    A_qk = torch.einsum("bhnrk,bhnrck,bhnck->bhnrc", q, D, k)
-    eye = torch.eye(C, dtype=q.dtype, device=q.device)
-    rhs = beta[..., None] * torch.cat((G.exp() * k, v), -1)  # Diag(beta) [e^Γ k | v]
-    X = torch.linalg.solve_triangular(eye + A_kk, rhs, upper=False, unitriangular=True)
-    Wm, U = X.split([K, V], -1)
-    G_C = G[..., -1, :]  # [B, H, n, K]
-    S = q.new_zeros(B, H, K, V)
-    outs = []
-    for j in range(n):
-        Vp = U[:, :, j] - Wm[:, :, j] @ S  # V' = U - W S
-        outs.append((q[:, :, j] * G[:, :, j].exp()) @ S + A_qk[:, :, j] @ Vp)
-        decay = (G_C[:, :, j, None] - G[:, :, j]).exp() * k[:, :, j]  # e^{Γ_C - Γ_c} k_c
-        S = G_C[:, :, j].exp()[..., None] * S + decay.transpose(-1, -2) @ Vp
-    o = torch.stack(outs, 2)  # [B, H, n, C, V]
-    return o.movedim(1, 3).reshape(B, n * C, H, V)[:, :L]

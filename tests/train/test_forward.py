@@ -14,7 +14,8 @@ from dayzero.ops.moe.reference import grouped_mlp, permute
 from dayzero.train.batch import TrainBatch, take
 from dayzero.train.checkpoint import load_model
 from dayzero.train.forward import indexer_parameters, logits_of, losses, training
-from dayzero.train.linear_attention import causal_conv1d_train, kda_chunk_batched
+from dayzero.ops.kda.chunk_batched import kda_chunk_batched
+from dayzero.train.linear_attention import causal_conv1d_train
 from dayzero.train.routing import grouped_mlp_train
 
 LENS = [5, 9, 12, 37]  # the tiny model's DSA top-k is 8: the last three attend sparsely
@@ -95,10 +96,10 @@ def test_kda_chunk_batched_equals_recurrent_and_passes_gradcheck(T, H, K, C):
     beta = torch.rand(1, T, H, generator=g, dtype=torch.float64)
     cu = torch.tensor([0, T])
     ref, _ = kda_recurrent(q[0], k[0], v[0], gate[0], beta[0], 1.0, None, cu, use_qk_l2norm=False)
-    got = kda_chunk_batched(q, k, v, gate, beta, C)[0]
+    got = kda_chunk_batched(q, k, v, gate, beta, C)[0][0]
     torch.testing.assert_close(got, ref.to(got.dtype), atol=1e-6, rtol=1e-6)
     inputs = tuple(t.clone().requires_grad_() for t in (q, k, v, gate, beta))
-    assert torch.autograd.gradcheck(lambda *a: kda_chunk_batched(*a, C), inputs)
+    assert torch.autograd.gradcheck(lambda *a: kda_chunk_batched(*a, C)[0], inputs)
 
 
 def test_kda_train_op_equals_reference_chunk_over_packed_sequences():
