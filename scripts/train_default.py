@@ -52,8 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--recall-min-pairs", type=int, default=None, metavar="N",
                     help="fewest key-value pairs in a training recall prompt (default 2; the eval split has 8)")
     ap.add_argument("--recall-style", default="letter", choices=RECALL_STYLES,
-                    help="recall pairs as `K=1234.` asked with `K=` (letter, the default), `abcd=1234.` asked with "
-                         "`abcd=` (assign), or as sentences (the earlier runs' formats)")
+                    help="recall pairs as `K=1234.` asked with `K=` (letter, the default), `K1234.` asked with `K` "
+                         "(joined), `abcd=1234.` asked with `abcd=` (assign), or as sentences (the earlier runs' "
+                         "formats)")
     ap.add_argument("--recall-questions", type=int, default=None, metavar="N",
                     help="questions per plain-format training recall prompt, each answered (default 4; eval asks 1)")
     ap.add_argument("--recall-lengths", default=None, metavar="MIN,START,MAX",

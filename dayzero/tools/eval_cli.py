@@ -45,8 +45,9 @@ def add_parser(sub) -> None:
     e.add_argument("--max-digits", type=int, default=5, help="operand digits of addition and subtraction")
     e.add_argument("--recall-style", default="letter", choices=RECALL_STYLES,
                    help="recall pairs written `K=1234.` and asked with `K=`, one capital letter a key (letter, the "
-                        "default), `abcd=1234.` asked with `abcd=` (assign), or as sentences, `The value of abcd is "
-                        "1234.` (the formats of earlier training runs)")
+                        "default), `K1234.` asked with `K` (joined: the value right after its key), `abcd=1234.` "
+                        "asked with `abcd=` (assign), or as sentences, `The value of abcd is 1234.` (the formats of "
+                        "earlier training runs)")
     e.add_argument("--format", default="plain", choices=list(FORMATS),
                    help="how instances are asked: as plain completions (the training format, `48213+3771=`), as chat "
                         "messages through the model's chat template, or as chat messages with arithmetic asked in "

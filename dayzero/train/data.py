@@ -49,7 +49,8 @@ class DataConfig:
     copy_min_words: int = 4
     recall_min_pairs: int = 2
     # how a pair is written (dayzero.eval.tasks.recall): "letter", K=1234, a key of one token (the fifth run's
-    # format, the first whose recall formed); "assign", abcd=1234, and "sentence" for the earlier runs' formats
+    # format, the first whose recall formed); "joined", K1234, the value right after its key; "assign", abcd=1234,
+    # and "sentence" for the earlier runs' formats
     recall_style: str = "letter"
     # questions per plain-format recall prompt (dayzero.eval.tasks.recall's drills): each asked pair's value is a
     # retrieval the loss sees; a single question gives ~4 answer tokens a prompt of hundreds

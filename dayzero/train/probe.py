@@ -160,6 +160,9 @@ def plot(probes: list[RecallProbe], path: str, title: str = "") -> None:
         b.plot(xs, [float(p.mass[i][:, 0].max()) for p in probes], "^:", label=f"attention layer {i}: best head")
     b.set(xscale="log", xlabel="context (tokens)", ylabel="weight on the asked pair")
     b.legend(fontsize=8)
+    for ax in (a, b):  # the lengths probed as the ticks
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.minorticks_off()
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -58,3 +58,32 @@ def test_probing_hook_replaces_outputs_inside_its_block_only(tiny_ckpt):
     after = run()
     assert calls and not torch.allclose(zeroed, before)
     torch.testing.assert_close(after, before, rtol=0, atol=0)
+
+
+def _script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "recall_probe.py"
+    spec = importlib.util.spec_from_file_location("recall_probe", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_script_prints_a_row_per_length_and_writes_the_plot(tiny_ckpt, tmp_path, capsys):
+    out = tmp_path / "probe.png"
+    assert _script().main([str(tiny_ckpt), "--contexts", "80", "120", "--n", "2", "--recall-style", "joined",
+                           "--plot", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln.split()[0] for ln in lines[3:5]] == ["80", "120"]
+    assert out.stat().st_size > 1000 and out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_script_refuses_a_checkpoint_without_tokenizer_and_bad_lengths(tiny_ckpt, tiny_ckpt_no_tokenizer, capsys):
+    with pytest.raises(SystemExit):
+        _script().main([str(tiny_ckpt_no_tokenizer), "--n", "1"])
+    assert "no tokenizer files" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _script().main([str(tiny_ckpt), "--contexts", "32"])
+    assert "at least 64 tokens" in capsys.readouterr().err
