@@ -112,10 +112,11 @@ def recall(r: random.Random, context_len: int = 2048, count: Callable[[str], int
     formed. "joined" writes ``K1234.`` and ends the prompt with ``K``, the value right after its key: the position
     that predicts the value's first digit holds the key itself, so finding the pair is the one-token match that copying
     uses (multi-query associative recall), where with ``K=`` that position holds the ``=`` every pair shares, and the
-    checkpoints trained on it answered another pair's value more often than not. "assign" writes a pair ``abcd=1234.`` and ends the prompt with ``abcd=``, so the key's last letters sit
-    right before the value in both places (within a short conv's window at byte-level tokens); "sentence" writes ``The
-    value of abcd is 1234.`` and ends with ``The value of abcd is `` (the key five tokens and more before the answer:
-    the first checkpoints were trained on it).
+    checkpoints trained on it answered another pair's value more often than not. "assign" writes a pair
+    ``abcd=1234.`` and ends the prompt with ``abcd=``, so the key's last letters sit right before the value in both
+    places (within a short conv's window at byte-level tokens); "sentence" writes ``The value of abcd is 1234.`` and
+    ends with ``The value of abcd is `` (the key five tokens and more before the answer: the first checkpoints were
+    trained on it).
 
     ``questions`` > 1 (training's drills): the answer goes on with more questions about other pairs, each with
     its value, ``1234\nWhat is efgh? efgh=5678``, up to one per pair: several retrievals from one prompt. The

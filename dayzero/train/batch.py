@@ -21,6 +21,7 @@ import torch
 
 from dayzero.cache.spec import PagedSpec, parts
 from dayzero.engine.batch import ForwardBatch
+from dayzero.ops.kda.chunk_batched import length_runs
 
 
 def take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -84,19 +85,18 @@ def make_buckets(lens: list[int], device, growth: float = 1.5) -> list[Bucket]:
     times their shortest (so padding stays under that factor)."""
     if any(b < a for a, b in zip(lens, lens[1:])):
         raise ValueError("sequences must be packed in order of length")
-    out, first, start = [], 0, 0
-    for i in range(1, len(lens) + 1):
-        if i == len(lens) or lens[i] > growth * max(lens[first], 1):
-            seq_lens = lens[first:i]
-            width = seq_lens[-1]
-            starts = torch.tensor([0] + seq_lens[:-1], dtype=torch.int64).cumsum(0)  # within the bucket
-            n = torch.tensor(seq_lens, dtype=torch.int64)
-            j = torch.arange(width, dtype=torch.int64)
-            index = starts[:, None] + torch.minimum(j[None, :], n[:, None] - 1)
-            cells = (j[None, :] < n[:, None]).flatten().nonzero()[:, 0]  # real cells, row by row
-            end = start + sum(seq_lens)
-            out.append(Bucket(range(first, i), start, end, width, index.to(device), cells.to(device)))
-            first, start = i, end
+    out, start = [], 0
+    for run in length_runs(lens, growth):
+        seq_lens = lens[run.start:run.stop]
+        width = seq_lens[-1]
+        starts = torch.tensor([0] + seq_lens[:-1], dtype=torch.int64).cumsum(0)  # within the bucket
+        n = torch.tensor(seq_lens, dtype=torch.int64)
+        j = torch.arange(width, dtype=torch.int64)
+        index = starts[:, None] + torch.minimum(j[None, :], n[:, None] - 1)
+        cells = (j[None, :] < n[:, None]).flatten().nonzero()[:, 0]  # real cells, row by row
+        end = start + sum(seq_lens)
+        out.append(Bucket(run, start, end, width, index.to(device), cells.to(device)))
+        start = end
     return out
 
 

@@ -39,6 +39,10 @@ def test_cpu_kda_pooled_equals_the_reference(step, tokens, monkeypatch):
     got = kda_cpu.kda_pooled_cpu(*xs, 0.25, pool_cpu, batch)
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(pool_cpu, pool, atol=2e-5, rtol=2e-5)  # the batch's slots alike, the others untouched
+    xs2 = _inputs(batch.num_tokens, H, K, V, 6)  # a second layer of the step: the grouping kept in the batch's memo
+    torch.testing.assert_close(kda_cpu.kda_pooled_cpu(*xs2, 0.25, pool_cpu, batch),
+                               kda_ref.kda_pooled(*xs2, 0.25, pool, batch), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(pool_cpu, pool, atol=2e-5, rtol=2e-5)
 
 
 def test_cpu_kda_pooled_applies_the_gate_and_keeps_the_dtype():

@@ -54,3 +54,15 @@ def kda_chunk_batched(q, k, v, g, beta, C: int = 16, initial_state: torch.Tensor
         S = G_C[:, :, j].exp()[..., None] * S + decay.transpose(-1, -2) @ Vp
     o = torch.stack(outs, 2)  # [B, H, n, C, V]
     return o.movedim(1, 3).reshape(B, n * C, H, V)[:, :L], S
+
+
+def length_runs(lens: list[int], growth: float = 1.5) -> list[range]:
+    """Cut non-decreasing lengths into runs of consecutive indices whose longest is at most ``growth`` times their
+    shortest, so padding a run to its longest stays under that factor: training's length buckets and the CPU
+    op's groups."""
+    out, first = [], 0
+    for i in range(1, len(lens) + 1):
+        if i == len(lens) or lens[i] > growth * max(lens[first], 1):
+            out.append(range(first, i))
+            first = i
+    return out

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from dayzero.ops.kda.chunk_batched import kda_chunk_batched
+from dayzero.ops.kda.chunk_batched import kda_chunk_batched, length_runs
 from dayzero.ops.kda.reference import _prep, kda_gate, pooled_state
 from dayzero.ops.kda.reference import kda_pooled as kda_pooled_reference
 from dayzero.ops.registry import register
@@ -27,22 +27,34 @@ def groups(lens: list[int], growth: float = GROWTH) -> list[list[int]]:
     """Indices of the sequences grouped by length (each group's longest at most ``growth`` × its shortest),
     shortest first."""
     order = sorted(range(len(lens)), key=lambda i: lens[i])
-    out: list[list[int]] = []
-    for i in order:
-        if out and lens[i] <= growth * lens[out[-1][0]]:
-            out[-1].append(i)
-        else:
-            out.append([i])
-    return out
+    return [[order[j] for j in run] for run in length_runs([lens[i] for i in order], growth)]
 
 
 def _rows(starts: list[int], lens: list[int], a: int, width: int, pad_row: int) -> torch.Tensor:
     """[B, width] row indices of positions a .. a+width of each sequence, ``pad_row`` past its end."""
-    out = torch.full((len(starts), width), pad_row, dtype=torch.int64)
-    for b, (s, n) in enumerate(zip(starts, lens)):
-        m = max(0, min(width, n - a))
-        out[b, :m] = torch.arange(s + a, s + a + m)
-    return out
+    j = a + torch.arange(width)
+    rows = torch.tensor(starts)[:, None] + j
+    return torch.where(j < torch.tensor(lens)[:, None], rows, pad_row)
+
+
+def _plan(batch, T: int, device) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    """Per group of sequences: their indices and each segment's [B, w] rows (the spare row T past a sequence's
+    end). The same for every KDA layer of the step: made once, kept in the batch's memo."""
+    memo = getattr(batch, "memo", None)
+    if memo is not None and ("kda_cpu_plan", T) in memo:
+        return memo[("kda_cpu_plan", T)]
+    query_start = batch.plan.query_start
+    lens = [e - s for s, e in zip(query_start[:-1], query_start[1:])]
+    plan = []
+    for group in groups(lens):
+        starts, glens = [query_start[i] for i in group], [lens[i] for i in group]
+        width = max(glens)
+        seg = max(CHUNK, TOKENS // len(group) // CHUNK * CHUNK)  # rows of a sequence per call
+        segments = [_rows(starts, glens, a, min(seg, width - a), T).to(device) for a in range(0, width, seg)]
+        plan.append((torch.tensor(group, device=device), segments))
+    if memo is not None:
+        memo[("kda_cpu_plan", T)] = plan
+    return plan
 
 
 @register("kda_pooled", "cpu", note="the batched chunk form over groups of similar length; decode as the reference")
@@ -58,18 +70,10 @@ def kda_pooled_cpu(q, k, v, g, beta, scale: float, state_pool: torch.Tensor, bat
     # one zero row after the step's rows: padding reads it (k = beta = 0, g = 0 change no state)
     xs = [torch.cat((x, x.new_zeros(1, *x.shape[1:]))) for x in _prep(q, k, v, g, beta, scale, use_qk_l2norm)]
     state = pooled_state(state_pool, batch)  # [N, H, K, V] fp32
-    query_start = batch.plan.query_start
-    lens = [e - s for s, e in zip(query_start[:-1], query_start[1:])]
     o = torch.zeros(T + 1, H, V, dtype=torch.float32, device=q.device)
-    for group in groups(lens):
-        idx = torch.tensor(group, device=q.device)
-        starts, glens = [query_start[i] for i in group], [lens[i] for i in group]
-        width = max(glens)
-        seg = max(CHUNK, TOKENS // len(group) // CHUNK * CHUNK)  # rows of a sequence per call
+    for idx, segments in _plan(batch, T, q.device):
         S = state[idx]
-        for a in range(0, width, seg):
-            w = min(seg, width - a)
-            rows = _rows(starts, glens, a, w, T).to(q.device)  # [B, w]
+        for rows in segments:
             out, S = kda_chunk_batched(*(x[rows] for x in xs), C=CHUNK, initial_state=S)
             o[rows] = out  # padding lands on the spare row T
         state[idx] = S
