@@ -14,13 +14,6 @@ be scheduled while the one before it in the stream is still running, and its fir
 scheduled in turn. A decode step of ~300 kernels of a few microseconds each hides most of the launch and ramp-up
 between them that way (inside CUDA graphs too: capture keeps the programmatic edges). ``DAYZERO_PDL=0`` turns it
 off.
-
-A kernel scheduled early may also start fetching its weights before it waits: :func:`prefetch_rows` asks the L2
-cache for a program's weight rows (one bulk prefetch per piece of a row), so that they stream in while the kernel
-before is still running and the program's loop then reads them from the L2 cache. A prefetch into the L2 cache
-changes no value a later load sees (the L2 cache is where the GPU's writes meet), so it is safe on any memory; it
-pays where the rows are not being written just then, as weights are not. ``DAYZERO_PREFETCH=0`` turns it off alone
-(:func:`prefetch`).
 """
 from __future__ import annotations
 
@@ -81,9 +74,6 @@ if HAS_TRITON and INTERPRET:
     def grid_dependency(PDL):
         """Nothing to wait for: the interpreter runs each launch to its end before the next (a plain function,
         since calling a jit function costs the interpreter as much as a small kernel's whole program)."""
-
-    def prefetch_rows(rows, ok, K, PIECES):
-        """Nothing to prefetch: the interpreter never launches a kernel early (:func:`prefetch` is False)."""
 elif HAS_TRITON:
     @triton.jit
     def grid_dependency(PDL: tl.constexpr):
@@ -94,20 +84,6 @@ elif HAS_TRITON:
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
-
-    @triton.jit
-    def prefetch_rows(rows, ok, K, PIECES: tl.constexpr):
-        """Ask the L2 cache for ``K`` elements from each of ``rows`` ([R] pointers, those with ``ok``), every row
-        in ``PIECES`` pieces, one bulk prefetch each (R x PIECES the program's threads: one piece a thread). Rows
-        must start 16-byte aligned and hold a multiple of 16 bytes (:func:`prefetch`). Called before
-        :func:`grid_dependency`: a hint to the cache, no load."""
-        ES: tl.constexpr = rows.dtype.element_ty.primitive_bitwidth // 8
-        step = tl.cdiv(tl.cdiv(K, PIECES), 16 // ES) * (16 // ES)  # elements a piece, a multiple of 16 bytes
-        start = tl.arange(0, PIECES) * step
-        size = tl.where(ok[:, None], tl.minimum(step, K - start[None, :]), 0) * ES  # bytes, <= 0 past the row
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [rows[:, None] + start[None, :], size], dtype=tl.int32, is_pure=False, pack=1)
 
 
 _PDL_DEVICES: dict[int, bool] = {}
@@ -124,15 +100,6 @@ def pdl(t: torch.Tensor) -> dict:
     if on is None:
         on = _PDL_DEVICES[index] = torch.cuda.get_device_capability(index)[0] >= 9
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
-
-
-def prefetch(t: torch.Tensor, launch: dict) -> bool:
-    """Whether a kernel launched with ``launch`` (:func:`pdl`'s options) may prefetch rows of ``t`` [N, K] with
-    :func:`prefetch_rows` before its wait: under programmatic dependent launch (a Hopper GPU), rows 16-byte
-    aligned and of a multiple of 16 bytes, and not turned off by ``DAYZERO_PREFETCH=0``."""
-    size = t.element_size()
-    return (launch.get("PDL", False) and os.environ.get("DAYZERO_PREFETCH", "1") != "0"
-            and t.data_ptr() % 16 == 0 and (t.stride(0) * size) % 16 == 0 and (t.shape[-1] * size) % 16 == 0)
 
 
 _JUDGED_AS: str | None = None  # while set, CPU tensors are judged as if on this device type (see judged_as)

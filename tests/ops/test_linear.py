@@ -520,31 +520,3 @@ def test_output_gate_linear_op_at_the_dsa_output_projection(M):
     assert choice is None or choice in L.candidates(L.next_pow2(M), 2048, 2048)
     want = exact((x.double() * torch.sigmoid(gate.double())).to(torch.bfloat16).reshape(M, -1), w, None)
     close(ops.call("sigmoid_gate_linear", x, gate, w), want, torch.bfloat16)
-
-
-def test_weights_are_prefetched_only_under_pdl_on_whole_aligned_rows(monkeypatch):
-    w = torch.zeros(8, 64, dtype=torch.bfloat16)
-    on = {"PDL": True, "launch_pdl": True}
-    assert triton_support.prefetch(w, on)
-    assert not triton_support.prefetch(w, {"PDL": False})  # the interpreter, older GPUs, DAYZERO_PDL=0
-    assert not triton_support.prefetch(w[:, 1:], on)  # rows not 16-byte aligned
-    assert not triton_support.prefetch(w[:, :60], on)  # 120 bytes a row
-    assert not triton_support.prefetch(torch.zeros(8, 12, dtype=torch.float16), on)  # 24 bytes a row
-    assert triton_support.prefetch(torch.zeros(4, 12), on)  # 48 bytes a row (fp32)
-    monkeypatch.setenv("DAYZERO_PREFETCH", "0")
-    assert not triton_support.prefetch(w, on)
-
-
-def test_the_prefetch_precedes_the_wait_in_the_kernels_built_for_hopper():
-    """The skinny kernel built for sm90 (Triton's front end and the bundled ptxas, no GPU needed): one bulk L2
-    prefetch per weight, before the wait for the kernel before; no load before it."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "tests.ops.linear_triton_aot"], capture_output=True, text=True,
-                          env=env, cwd=Path(__file__).resolve().parents[2])
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("prefetch, wait, loads") == 4, proc.stdout

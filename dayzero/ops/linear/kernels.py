@@ -31,14 +31,14 @@ import torch
 
 from dayzero.ops.activation.kernels import RELU2, SILU, SWIGLU_OAI
 from dayzero.ops.registry import register
-from dayzero.ops.triton_support import DOT_F32, HAS_TRITON, next_pow2, pdl, prefetch, triton_refusal
+from dayzero.ops.triton_support import DOT_F32, HAS_TRITON, next_pow2, pdl, triton_refusal
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
     from dayzero.ops.activation.kernels import activate
-    from dayzero.ops.triton_support import grid_dependency, prefetch_rows
+    from dayzero.ops.triton_support import grid_dependency
 
 log = logging.getLogger("dayzero.ops")
 
@@ -59,7 +59,7 @@ if HAS_TRITON:
                        ACT: tl.constexpr, CLAMP: tl.constexpr, HEAD: tl.constexpr, TWO: tl.constexpr,
                        SGATE: tl.constexpr, DOT: tl.constexpr, DOT_F32: tl.constexpr,
                        EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       PREFETCH: tl.constexpr, PIECES: tl.constexpr, PDL: tl.constexpr):
+                       PDL: tl.constexpr):
         # x: [M, K], w: [N, K], add: [M, N] (unit column strides); y: [M, N]; grid: cdiv(N, BLOCK_N).
         # NORM: x is first RMS-normalised with weight g [K] (after adding the residual r [M, K] when HAS_RES,
         # rounded to x's dtype); the programs also write the normalised rows xn and the sum ro, both [M, K], a K
@@ -74,16 +74,10 @@ if HAS_TRITON:
         # per head), rounded to x's dtype.
         # DOT: each K step's product on the tensor cores (tl.dot, x's rows padded to BLOCK_M >= 16 and rounded to
         # the weight's dtype), its loads pipelined by the compiler; else on the CUDA cores in fp32.
-        # PREFETCH: the program's weight rows (w, and w2 with TWO) are asked of the L2 cache before the kernel waits
-        # for the one before it (a hint to the cache, safe on any memory), PIECES pieces a row.
+        grid_dependency(PDL)
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
         n_ok, m_ok = n < N, m < M
-        if PREFETCH:
-            prefetch_rows(w_ptr + n.to(tl.int64) * s_wn, n_ok, K, PIECES)
-            if TWO:
-                prefetch_rows(w2_ptr + n.to(tl.int64) * s_w2n, n_ok, K2, PIECES)
-        grid_dependency(PDL)
         w_rows = w_ptr + n.to(tl.int64)[:, None] * s_wn
         x_rows = x_ptr + m[:, None] * s_xm
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -247,8 +241,6 @@ def launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, K: int, block
     if sg is not None:
         grows = sg
     GV = K // sg.shape[1] if sg is not None else 1
-    opts = pdl(x)
-    ahead = prefetch(weight, opts) and (second is None or prefetch(w2, opts))
     _skinny_kernel[(triton.cdiv(N, bn),)](
         x, weight, weight if bias is None else bias, y if add is None else add, y, M, N, K, x.stride(0),
         weight.stride(0), 0 if add is None else add.stride(0), y.stride(0),
@@ -261,8 +253,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, K: int, block
         ACT=ACTS[activation][0] if activation else 0, CLAMP=limit is not None,
         HEAD=gw.shape[0] if gate else 0, TWO=second is not None, SGATE=sg is not None, DOT=stages is not None,
         DOT_F32=DOT_F32, EVEN_K=K % bk == 0, BLOCK_M=max(16, next_pow2(M)) if stages else next_pow2(M),
-        BLOCK_N=bn, BLOCK_K=bk, PREFETCH=ahead, PIECES=max(1, 32 * warps // bn), num_warps=warps,
-        **({"num_stages": stages} if stages else {}), **opts)
+        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **({"num_stages": stages} if stages else {}), **pdl(x))
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
