@@ -23,6 +23,8 @@ def main(argv=None) -> int:
     ap.add_argument("--training", required=True, metavar="FILE", help="the Training section, markdown")
     ap.add_argument("--n", type=int, default=100, help="held-out instances per task")
     ap.add_argument("--context-len", type=int, default=2048, help="recall prompts' tokens")
+    ap.add_argument("--recall-style", default="letter", help="how the model was taught recall pairs (dayzero eval's "
+                                                            "--recall-style); the card records it")
     args = ap.parse_args(argv)
 
     from dayzero.config.model_config import HybridConfig
@@ -36,16 +38,17 @@ def main(argv=None) -> int:
 
     model = Path(args.model)
     config = HybridConfig.from_file(model / "config.json")
-    rows = evaluate(model, n=args.n, context_len=args.context_len, device="cpu", dtype="float32")
+    rows = evaluate(model, n=args.n, context_len=args.context_len, device="cpu", dtype="float32",
+                    recall_style=args.recall_style)
     print(eval_cli.table(rows), flush=True)
     with engine_session(model=str(model), device="cpu", dtype="float32") as llm:
         count = lambda text: len(llm.tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
-        insts = signal_instances(count)
+        insts = signal_instances(count, args.recall_style)
         signal = eval_cli.score(insts, eval_cli.answers(llm, insts))
     print(eval_cli.table(signal), flush=True)
     packed = (config.extra.get("quantization_config") or {}).get("quant_method") == "mxfp4"
     setup = {"device": "cpu", "dtype": "float32", "n": args.n, "context_len": args.context_len, "max_digits": 5,
-             "recall_style": "letter"}
+             "recall_style": args.recall_style}
     path = write_model_card(model, config=config, n_params=count_params(load(model))["params_total"],
                             size_bytes=(model / "model.safetensors").stat().st_size,
                             expert_format="mxfp4" if packed else "bf16", tasks=list(TASKS), rows=rows,

@@ -23,7 +23,9 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 2048], metavar="L",
                     help="recall prompts' lengths in tokens")
     ap.add_argument("--n", type=int, default=20, help="prompts per length")
-    ap.add_argument("--recall-style", default="letter", choices=RECALL_STYLES, help="how the pairs are written")
+    ap.add_argument("--recall-style", default=None, choices=RECALL_STYLES,
+                    help="how the pairs are written (default: the style the model's card records it learnt, else "
+                         "letter)")
     ap.add_argument("--sparse", action="store_true",
                     help="the DSA layers attend over their indexers' top-k, as the engine does (default: densely)")
     ap.add_argument("--device", default="cpu")
@@ -37,7 +39,11 @@ def main(argv=None) -> int:
 
     from dayzero.engine.tokenizer import load_tokenizer
     from dayzero.train.checkpoint import load_model
+    from dayzero.train.card import trained_recall_style
     from dayzero.train.probe import plot, probe_recall, table
+
+    if args.recall_style is None:
+        args.recall_style = trained_recall_style(args.model)
 
     tokenizer = load_tokenizer(args.model)
     if tokenizer is None:

@@ -15,11 +15,13 @@ SIGNAL_SEED = 11
 SIGNAL_CONTEXT = 384  # recall prompts' tokens
 
 
-def signal_instances(count: Callable[[str], int]) -> list[Instance]:
-    """The subset, in a fixed order; ``count(text)`` is a text's tokens under the model's tokenizer."""
+def signal_instances(count: Callable[[str], int], recall_style: str = "letter") -> list[Instance]:
+    """The subset, in a fixed order; ``count(text)`` is a text's tokens under the model's tokenizer, recall pairs
+    written in ``recall_style`` (the model's, as its card records: ``trained_recall_style``)."""
     out = []
     for task, n in SIGNAL_TASKS:
-        out += instances(task, n, "eval", seed=SIGNAL_SEED, max_digits=5, context_len=SIGNAL_CONTEXT, count=count)
+        out += instances(task, n, "eval", seed=SIGNAL_SEED, max_digits=5, context_len=SIGNAL_CONTEXT, count=count,
+                         style=recall_style)
     return out
 
 

@@ -43,11 +43,11 @@ def add_parser(sub) -> None:
     e.add_argument("--n", type=int, default=100, help="instances per task")
     e.add_argument("--context-len", type=int, default=2048, metavar="L", help="tokens of a recall prompt")
     e.add_argument("--max-digits", type=int, default=5, help="operand digits of addition and subtraction")
-    e.add_argument("--recall-style", default="letter", choices=RECALL_STYLES,
-                   help="recall pairs written `K=1234.` and asked with `K=`, one capital letter a key (letter, the "
-                        "default), `K1234.` asked with `K` (joined: the value right after its key), `abcd=1234.` "
-                        "asked with `abcd=` (assign), or as sentences, `The value of abcd is 1234.` (the formats of "
-                        "earlier training runs)")
+    e.add_argument("--recall-style", default=None, choices=RECALL_STYLES,
+                   help="recall pairs written `K=1234.` and asked with `K=`, one capital letter a key (letter), "
+                        "`K1234.` asked with `K` (joined: the value right after its key), `abcd=1234.` asked with "
+                        "`abcd=` (assign), or as sentences, `The value of abcd is 1234.` (the formats of earlier "
+                        "training runs); default: the style the model's card records it was trained on, else letter")
     e.add_argument("--format", default="plain", choices=list(FORMATS),
                    help="how instances are asked: as plain completions (the training format, `48213+3771=`), as chat "
                         "messages through the model's chat template, or as chat messages with arithmetic asked in "
@@ -103,12 +103,22 @@ def check_options(args) -> None:
             raise ValueError("--modes builds an engine per mode in this process; it cannot run against --url")
 
 
+def recall_style(args) -> str:
+    """``--recall-style``, else the style the model learnt, as its card records (letter without a card)."""
+    if args.recall_style is not None:
+        return args.recall_style
+    from dayzero.engine.engine import DEFAULT_MODEL
+    from dayzero.train.card import trained_recall_style
+
+    return trained_recall_style(args.model or DEFAULT_MODEL)
+
+
 def build(args, tokenizer) -> list[Instance]:
     count = (lambda text: len(tokenizer.encode(text, add_special_tokens=False))) if tokenizer is not None else None
     out = []
     for task in _task_names(args.tasks):
         out += instances(task, args.n, "eval", args.task_seed, max_digits=args.max_digits, context_len=args.context_len,
-                         count=count, style=args.recall_style)
+                         count=count, style=recall_style(args))
     return [as_question(i) for i in out] if args.format == "question" else out
 
 
@@ -262,6 +272,7 @@ def run(args) -> int:
         print(json.dumps({"target": target, "task_seed": args.task_seed, "context_len": args.context_len,
                           "format": args.format, "tasks": rows, "outputs": outputs}))
         return 0
-    print(f"{target}: exact match, greedy, task seed {args.task_seed}{FORMATS[args.format]}")
+    style = f", recall {recall_style(args)}" if "recall" in _task_names(args.tasks) else ""
+    print(f"{target}: exact match, greedy, task seed {args.task_seed}{style}{FORMATS[args.format]}")
     print(table(rows))
     return 0

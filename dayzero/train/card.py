@@ -96,3 +96,12 @@ def card_results(path: str | Path) -> dict:
     if found is None:
         raise ValueError(f"{p}: no dayzero_eval line in the model card's front matter")
     return json.loads(found.group(1))
+
+
+def trained_recall_style(path: str | Path, default: str = "letter") -> str:
+    """How the checkpoint in ``path`` was taught recall prompts: the ``recall_style`` its card records, else
+    ``default`` (no card, or a card from before the styles)."""
+    try:
+        return card_results(path).get("recall_style", default)
+    except (OSError, ValueError):
+        return default

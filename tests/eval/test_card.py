@@ -11,7 +11,7 @@ from dayzero.engine.tokenizer import load_tokenizer
 from dayzero.eval.modes import MODES, run_mode
 from dayzero.eval.signal import SIGNAL_TASKS, signal_accuracy, signal_instances
 from dayzero.tools.eval_cli import answers, max_answer_tokens, score
-from dayzero.train.card import card_results
+from dayzero.train.card import card_results, trained_recall_style
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def card():
 def subset():
     tokenizer = load_tokenizer(DEFAULT_MODEL)
     count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
-    return signal_instances(count), count
+    return signal_instances(count, trained_recall_style(DEFAULT_MODEL)), count
 
 
 def _accuracy(mode: str, subset, **base) -> dict[str, float]:

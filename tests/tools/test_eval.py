@@ -225,3 +225,23 @@ def test_the_prefix_mode_keeps_a_snapshot_of_every_first_pass_prompt():
     assert kw["num_prefix_snapshots"] == 70 + 3 * 3 and kw["enable_prefix_caching"]
     assert MODES["prefix"].kwargs({"num_prefix_snapshots": 5}, insts, count, len)["num_prefix_snapshots"] == 5
     assert "num_prefix_snapshots" not in MODES["bf16"].kwargs({}, insts, count, len)
+
+
+def test_recall_is_asked_in_the_style_the_models_card_records(tmp_path):
+    """Without ``--recall-style`` the prompts follow the style the model learnt, as its card records (the
+    bundled model: joined); a checkpoint without a card, or with a card from before the styles, gets letter."""
+    from dayzero.engine.engine import DEFAULT_MODEL
+    from dayzero.train.card import card_results, trained_recall_style
+
+    common = dict(tasks="recall", n=3, task_seed=0, max_digits=5, context_len=256, format="plain")
+    bundled = card_results(DEFAULT_MODEL)["recall_style"]
+    assert trained_recall_style(DEFAULT_MODEL) == bundled == "joined"
+    joined = eval_cli.build(SimpleNamespace(**common, model=str(DEFAULT_MODEL), recall_style=None), None)
+    assert all(re.search(r"[A-Z]\d{4}\.", i.prompt) and not i.prompt.endswith("=") for i in joined)
+    (tmp_path / "README.md").write_text('---\ndayzero_eval: {"accuracy": {}}\n---\n')  # a card without the style
+    for model in (tmp_path, tmp_path / "absent"):
+        assert trained_recall_style(model) == "letter"
+        letter = eval_cli.build(SimpleNamespace(**common, model=str(model), recall_style=None), None)
+        assert all(i.prompt.endswith("=") for i in letter)
+    asked = eval_cli.build(SimpleNamespace(**common, model=str(tmp_path), recall_style="joined"), None)
+    assert [i.prompt for i in asked] == [i.prompt for i in joined]  # the option wins over the card
