@@ -151,6 +151,8 @@ class MoE(nn.Module):
         """Move this layer's experts to ``slot_expert`` (expert_placement); ``old``: the placement the tensors
         hold now (default: the current one)."""
         move_experts(self.expert_tensors(), self.slot_expert if old is None else old, slot_expert, self.parallel)
+        if self.packed and self.workspace is not None:
+            self.workspace.forget(self)  # nothing it converted or kept holds the new placement
         replicas, copies = replica_table(slot_expert, self.spec.n_experts)
         dev = self.copies.device
         self.replicas, self.copies = replicas.to(dev), copies.to(dev)

@@ -21,6 +21,11 @@ BF16 workspace, where the expert GEMMs run at the bf16 tensor-core rate. On the 
 (4096 : 2048) converts in ~1.7 ms, as long as its bf16 GEMMs take at ~500 rows per expert, while the packed
 kernels read 0.53 bytes a weight of the experts a step uses (``docs/performance.md``).
 
+On a CPU there are no such kernels: a small step under ``auto`` reads each expert it routes to through
+``w[e]``, which dequantises it. The workspace keeps what those reads produce (fp32, per layer and expert, up to
+:data:`CPU_DEQUANTISED_BYTES` in all, counted in :attr:`ExpertWorkspace.nbytes`), so an expert is dequantised
+once rather than in every decode step; the values are the same either way.
+
 Inside CUDA-graph capture nothing is cached: a replay runs later, when the slots hold whatever ran last,
 so every :meth:`acquire` converts in the graph, on the capturing stream, and :meth:`prefetch` does nothing
 (work on the side stream would not be joined into the graph). Whoever runs steps calls
@@ -37,6 +42,7 @@ from dayzero.quant.mxfp4 import (BLOCK, block_values, dequantize_mxfp4, e4m3_pai
 
 COMPUTE = ("auto", "bf16", "fp8", "fused")
 FUSED_ROWS_PER_EXPERT = 128  # "auto": steps with at most this many rows per expert read the packed weights
+CPU_DEQUANTISED_BYTES = 1 << 30  # "auto" on a CPU: the most dequantised experts kept for small steps
 
 
 def reads_packed(compute: str, rows_per_expert: float | None, fused_rows: float = FUSED_ROWS_PER_EXPERT) -> bool:
@@ -73,20 +79,48 @@ class PackedMXFP4:
     """MXFP4 expert weights as stored (the ``fused`` conversion mode: kernels that dequantise in their inner
     loop read these directly, so no workspace is needed). ``blocks`` [E, N, K/32, 16] uint8 (two E2M1 codes
     per byte, low nibble = even element), ``scales`` [E, N, K/32] uint8 E8M0; ``shape`` is (E, N, K) like
-    the other expert containers, and indexing an expert gives its dequantised fp32 weight (for references)."""
+    the other expert containers, and indexing an expert gives its dequantised fp32 weight (for references).
+    ``kept``: a :class:`DequantisedExperts` that keeps those weights for later steps."""
 
-    def __init__(self, blocks: torch.Tensor, scales: torch.Tensor):
+    def __init__(self, blocks: torch.Tensor, scales: torch.Tensor, kept: DequantisedExperts | None = None):
         if blocks.dim() != 4 or blocks.shape[-1] != BLOCK // 2 or scales.shape != blocks.shape[:-1]:
             raise ValueError(f"MXFP4 blocks must be [E, N, K/32, 16] with scales [E, N, K/32], "
                              f"got {tuple(blocks.shape)} and {tuple(scales.shape)}")
-        self.blocks, self.scales = blocks, scales
+        self.blocks, self.scales, self.kept = blocks, scales, kept
         self.shape = torch.Size((*blocks.shape[:2], blocks.shape[2] * BLOCK))
 
     def __getitem__(self, e: int) -> torch.Tensor:
+        if self.kept is not None:
+            return self.kept.get(self.blocks, self.scales, e)
         return dequantize_mxfp4(self.blocks[e], self.scales[e], torch.float32)
 
     def float(self) -> torch.Tensor:
         return dequantize_mxfp4(self.blocks, self.scales, torch.float32)
+
+
+class DequantisedExperts:
+    """Experts' fp32 weights as :class:`PackedMXFP4` dequantises them, kept by (packed tensor, expert) until
+    ``budget`` bytes are held; past it an expert is dequantised at each read, as without this."""
+
+    def __init__(self, budget: int):
+        self.budget, self.nbytes = budget, 0
+        self._kept: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, blocks: torch.Tensor, scales: torch.Tensor, e: int) -> torch.Tensor:
+        key = (blocks.data_ptr(), e)
+        hit = self._kept.get(key)
+        if hit is not None and hit[0] is blocks:
+            return hit[1]
+        w = dequantize_mxfp4(blocks[e], scales[e], torch.float32)
+        if self.nbytes + w.nbytes <= self.budget:
+            self._kept[key] = (blocks, w)
+            self.nbytes += w.nbytes
+        return w
+
+    def drop(self, blocks: torch.Tensor) -> None:
+        """Forget the experts of ``blocks`` (their weights were moved or rewritten)."""
+        for key in [k for k, (b, _) in self._kept.items() if b is blocks]:
+            self.nbytes -= self._kept.pop(key)[1].nbytes
 
 
 def _convert(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor | None,
@@ -152,6 +186,8 @@ class ExpertWorkspace:
         self._freed: list[torch.cuda.Event | None] = [None] * self.num_slots
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" and self.num_slots > 1 else None
         self.conversions = 0
+        on_cpu = self.device.type == "cpu" and compute == "auto"
+        self.dequantised = DequantisedExperts(CPU_DEQUANTISED_BYTES) if on_cpu else None
         for table in (fp4_lut, e4m3_pair_table, value_pair_table, e8m0_table):  # built now, before any capture
             table(self.device)
 
@@ -186,7 +222,8 @@ class ExpertWorkspace:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for slot in self._slots for t in slot.values())
+        kept = self.dequantised.nbytes if self.dequantised is not None else 0
+        return kept + sum(t.numel() * t.element_size() for slot in self._slots for t in slot.values())
 
     # --- use -------------------------------------------------------------------------------------------
     def reads_packed(self, rows_per_expert: float | None = None) -> bool:
@@ -218,7 +255,9 @@ class ExpertWorkspace:
         """(w1, w2) of ``layer`` for a step of ``rows_per_expert`` rows per expert: in the workspace, converted
         now or by an earlier :meth:`prefetch`, or the packed weights as they are (:meth:`reads_packed`)."""
         if self.reads_packed(rows_per_expert):
-            return (PackedMXFP4(layer.w1_blocks, layer.w1_scales), PackedMXFP4(layer.w2_blocks, layer.w2_scales))
+            kept = self.dequantised
+            return (PackedMXFP4(layer.w1_blocks, layer.w1_scales, kept),
+                    PackedMXFP4(layer.w2_blocks, layer.w2_scales, kept))
         if _capturing(self.device):  # converted in the graph every time: a replay cannot trust any slot
             i = self.conversions % self.num_slots
             self._fill(i, layer)
@@ -233,6 +272,13 @@ class ExpertWorkspace:
         i = self.conversions % self.num_slots
         self._fill(i, layer)
         return self._view(i, layer)
+
+    def forget(self, layer) -> None:
+        """``layer``'s expert weights changed in place (moved between slots): drop what was kept of them."""
+        self.invalidate()
+        if self.dequantised is not None:
+            self.dequantised.drop(layer.w1_blocks)
+            self.dequantised.drop(layer.w2_blocks)
 
     def release(self, layer) -> None:
         """The caller has queued its last use of ``layer``'s weights (lets a prefetch reuse the slot)."""

@@ -380,3 +380,39 @@ def test_fp8_activation_workspace_products(mx_ckpts):
     lo, la = (run_chunks(llm.engine, ids, [len(ids)]) for llm in (exact, a8))
     rel = ((la - lo).norm() / lo.norm()).item()
     assert 1e-6 < rel < 5e-2, rel
+
+
+def test_on_a_cpu_small_steps_dequantise_each_expert_once(monkeypatch):
+    """``auto`` on a CPU: the experts a small step reads (``w[e]``) are kept, dequantised once for every later
+    step, equal to dequantising them anew, counted in ``nbytes``, up to the budget; moving a layer's experts
+    (``forget``) drops them. ``fused`` keeps nothing: it is the packed path as stored."""
+    from dayzero.quant import workspace as W
+
+    moe = _packed_layer(3)
+    calls = []
+    real = W.dequantize_mxfp4
+    monkeypatch.setattr(W, "dequantize_mxfp4", lambda *a: calls.append(1) or real(*a))
+    ws = ExpertWorkspace("auto")
+    w1, w2 = ws.acquire(moe, 1.0)
+    fresh = [real(moe.w1_blocks[e], moe.w1_scales[e], torch.float32) for e in range(6)]
+    for e in (0, 4, 0, 4):
+        assert torch.equal(w1[e], fresh[e])
+    assert len(calls) == 2 and ws.nbytes == 2 * fresh[0].nbytes
+    again, _ = ws.acquire(moe, 1.0)  # the next step: the same experts, not dequantised again
+    assert torch.equal(again[4], fresh[4]) and len(calls) == 2
+    with torch.no_grad():  # the experts move between slots, in place, as expert rebalancing does
+        moe.w1_blocks[4].copy_(moe.w1_blocks[1])
+        moe.w1_scales[4].copy_(moe.w1_scales[1])
+    ws.forget(moe)
+    assert ws.nbytes == 0
+    assert torch.equal(ws.acquire(moe, 1.0)[0][4], fresh[1]) and len(calls) == 3
+
+    monkeypatch.setattr(W, "CPU_DEQUANTISED_BYTES", fresh[0].nbytes)  # room for one expert
+    small = ExpertWorkspace("auto")
+    w1, _ = small.acquire(moe, 1.0)
+    w1[0], w1[2], w1[2]
+    assert small.nbytes == fresh[0].nbytes and len(calls) == 6  # the second expert is dequantised at each read
+    fused = ExpertWorkspace("fused")
+    w1, _ = fused.acquire(moe)
+    w1[0], w1[0]
+    assert fused.dequantised is None and fused.nbytes == 0 and len(calls) == 8
