@@ -153,7 +153,20 @@ def _in_process(args) -> tuple[list[Instance], list[str], str]:
         raise ValueError(f"{eng.path} has no tokenizer: the tasks are text")
     note(f"model {eng.path} on {eng.device} in {str(eng.dtype).removeprefix('torch.')}")
     insts = build(args, llm.tokenizer)  # recall prompts sized by the engine's own tokenizer
+    check_fits(insts, llm.tokenizer, eng.max_model_len, args.context_len)
     return insts, answers(llm, insts, sys.stderr.isatty(), chat_format(args)), str(eng.path)
+
+
+def check_fits(insts: list[Instance], tokenizer, max_model_len: int, context_len: int) -> None:
+    """Refuse, before any is run, recall prompts that reach the engine's context length, naming the option that
+    makes room (a recall prompt is ``--context-len`` tokens of pairs and filler plus its question)."""
+    recall = [i for i in insts if i.task == "recall"]
+    longest = max((len(tokenizer.encode(i.prompt, add_special_tokens=False)) for i in recall), default=0)  # as LLM does
+    if longest + max((max_answer_tokens(i) for i in recall), default=0) > max_model_len:
+        room = -(-(longest + 64) // 256) * 256
+        raise ValueError(f"recall prompts of --context-len {context_len} reach {longest} tokens with their questions, "
+                         f"past the engine's context length of {max_model_len}: pass --max-model-len {room} (the "
+                         f"model's positions are a default, not its RoPE's limit) or a shorter --context-len")
 
 
 def _over_http(args) -> tuple[list[Instance], list[str], str]:

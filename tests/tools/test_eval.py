@@ -245,3 +245,18 @@ def test_recall_is_asked_in_the_style_the_models_card_records(tmp_path):
         assert all(i.prompt.endswith("=") for i in letter)
     asked = eval_cli.build(SimpleNamespace(**common, model=str(tmp_path), recall_style="joined"), None)
     assert [i.prompt for i in asked] == [i.prompt for i in joined]  # the option wins over the card
+
+
+def test_recall_prompts_past_the_context_length_are_refused_before_any_runs(tiny_ckpt, capsys):
+    """A recall prompt longer than the engine's context length is named with the option that makes room, before
+    the first prompt runs; with that option the same command runs."""
+    argv = ["eval", str(tiny_ckpt), "--device", "cpu", "--dtype", "float32", "--n", "2", "--tasks", "recall",
+            "--context-len", "600", "--max-model-len", "512", "--json"]
+    assert main(argv) != 0
+    err = capsys.readouterr().err
+    found = re.search(r"recall prompts of --context-len 600 reach (\d+) tokens .* past the engine's context length "
+                      r"of 512: pass --max-model-len (\d+)", err)
+    assert found, err
+    assert int(found.group(2)) >= int(found.group(1)) + 64
+    assert main(argv[:-3] + ["--max-model-len", found.group(2), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tasks"][0]["n"] == 2
