@@ -18,13 +18,15 @@ sys.path.insert(0, str(ROOT))
 
 
 def main(argv=None) -> int:
+    from dayzero.eval.tasks import RECALL_STYLES
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", help="checkpoint directory (config.json, model.safetensors, tokenizer)")
     ap.add_argument("--training", required=True, metavar="FILE", help="the Training section, markdown")
     ap.add_argument("--n", type=int, default=100, help="held-out instances per task")
     ap.add_argument("--context-len", type=int, default=2048, help="recall prompts' tokens")
-    ap.add_argument("--recall-style", default="letter", help="how the model was taught recall pairs (dayzero eval's "
-                                                            "--recall-style); the card records it")
+    ap.add_argument("--recall-style", default="letter", choices=RECALL_STYLES,
+                    help="how the model was taught recall pairs (dayzero eval's --recall-style); the card records it")
     args = ap.parse_args(argv)
 
     from dayzero.config.model_config import HybridConfig

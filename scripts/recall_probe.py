@@ -38,8 +38,8 @@ def main(argv=None) -> int:
     from tqdm import tqdm
 
     from dayzero.engine.tokenizer import load_tokenizer
-    from dayzero.train.checkpoint import load_model
     from dayzero.train.card import trained_recall_style
+    from dayzero.train.checkpoint import load_model
     from dayzero.train.probe import plot, probe_recall, table
 
     if args.recall_style is None:

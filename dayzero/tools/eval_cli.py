@@ -247,12 +247,15 @@ def _modes(args) -> int:
     tokenizer = load_tokenizer(base.get("model") or DEFAULT_MODEL)
     insts = build(args, tokenizer)
     count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+
+    def ask(llm, xs):  # each mode's engine, its own context length checked first
+        check_fits(xs, llm.tokenizer, llm.engine.max_model_len, args.context_len)
+        return answers(llm, xs, sys.stderr.isatty(), chat_format(args))
+
     runs = []
     for name in mode_names(args.modes):
         note(f"mode {name}: {MODES[name].what}")
-        runs.append(run_mode(MODES[name], base, insts,
-                             lambda llm, xs: answers(llm, xs, sys.stderr.isatty(), chat_format(args)),
-                             max_answer_tokens, count))
+        runs.append(run_mode(MODES[name], base, insts, ask, max_answer_tokens, count))
     first = runs[0].texts
     table = [{"mode": r.mode.name, "what": r.mode.what, "engine": r.engine, "tasks": score(insts, r.texts),
               "same_as_first": sum(a == b for a, b in zip(r.texts, first)) / len(first),
