@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import torch
 
 # Without a GPU, the Triton kernels are tested through Triton's interpreter (read when triton is imported).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# per-shape kernel choices measured by the tests go to a table of their own, not the user's
+os.environ.setdefault("DAYZERO_CACHE_DIR", tempfile.mkdtemp(prefix="dayzero-test-cache-"))
 
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402

@@ -70,7 +70,7 @@ def measured_choice(x, weight, bias=None, activation="silu", limit=None, add=Non
     xs = K.bucket_rows(x, key[0])  # the bucket's shape (timings draws its own rows)
     return K.measure_once(_CHOICE, key, x.device, lambda: K.fused_choice(
         f"act_linear {activation} {key[0]} x [{weight.shape[0]}, {weight.shape[1]}]",
-        timings(xs, weight, bias, activation, limit, add)))
+        timings(xs, weight, bias, activation, limit, add)), "act_linear")
 
 
 @register("act_linear", "cuda", verifier=_verify_act,
@@ -147,7 +147,7 @@ def dual_choice(x, weight, x2, weight2, activation=None, limit=None) -> K.Block 
     xs, x2s = K.bucket_rows(x, key[0]), K.bucket_rows(x2, key[0])
     return K.measure_once(_DUAL, key, x.device, lambda: K.fused_choice(
         f"dual_linear {key[0]} x [{weight.shape[0]}, {weight.shape[1]} + {weight2.shape[1]}]",
-        dual_timings(xs, weight, x2s, weight2, activation, limit)))
+        dual_timings(xs, weight, x2s, weight2, activation, limit)), "dual_linear")
 
 
 @register("dual_linear", "cuda", verifier=_verify_dual,
@@ -214,7 +214,7 @@ def gate_choice(x, gate, weight, bias=None) -> K.Block | None:
     key = _gate_key(x, gate, weight, bias)
     xs, gs = K.bucket_rows(x, key[0]), K.bucket_rows(gate, key[0])
     return K.measure_once(_GATE, key, x.device, lambda: K.fused_choice(
-        f"sigmoid_gate_linear {key[0]} x [{key[1]}, {key[2]}]", gate_timings(xs, gs, weight, bias)))
+        f"sigmoid_gate_linear {key[0]} x [{key[1]}, {key[2]}]", gate_timings(xs, gs, weight, bias)), "sigmoid_gate_linear")
 
 
 @register("sigmoid_gate_linear", "cuda", verifier=_verify_gate,

@@ -30,6 +30,7 @@ import logging
 import torch
 
 from dayzero.ops.activation.kernels import RELU2, SILU, SWIGLU_OAI
+from dayzero.ops.choices import tables as choice_tables
 from dayzero.ops.registry import register
 from dayzero.ops.triton_support import DOT_F32, HAS_TRITON, next_pow2, pdl, triton_refusal
 
@@ -302,18 +303,23 @@ def measured_choice(x, weight, bias=None, out_dtype=None, add=None) -> Block | N
                  str(x.dtype).removeprefix("torch."), 1e3 * times[None], best, 1e3 * times[best], choice or "cuBLAS")
         return choice
 
-    return measure_once(_CHOICE, key, x.device, measure)
+    return measure_once(_CHOICE, key, x.device, measure, "linear")
 
 
-def measure_once(choices: dict, key: tuple, device: torch.device, measure) -> Block | None:
-    """``choices[key]``, from ``measure()`` at the key's first call that is eager on a CUDA device; a call inside a
-    capture, or on the CPU, gets None and records nothing (a later eager call measures). While ``measure`` runs,
-    host waits are allowed (the engine's warm-up passes forbid them; these are the timing's own), and the weight
-    copies' memory goes back to the device after, not left in the allocator's cache."""
+def measure_once(choices: dict, key: tuple, device: torch.device, measure, op: str) -> Block | None:
+    """``choices[key]``, at the key's first call that is eager on a CUDA device from the GPU model's choice tables
+    (:mod:`dayzero.ops.choices`, under ``op``'s name) or else from ``measure()``, which the user's table then
+    records; a call inside a capture, or on the CPU, gets None and records nothing (a later eager call measures).
+    While ``measure`` runs, host waits are allowed (the engine's warm-up passes forbid them; these are the timing's
+    own), and the weight copies' memory goes back to the device after, not left in the allocator's cache."""
     if key in choices:
         return choices[key]
     if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return None
+    store = choice_tables(device)
+    found, choices[key] = store.get(op, key)
+    if found:
+        return choices[key]
     debug = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode(0)
     try:
@@ -322,6 +328,7 @@ def measure_once(choices: dict, key: tuple, device: torch.device, measure) -> Bl
             torch.cuda.empty_cache()
     finally:
         torch.cuda.set_sync_debug_mode(debug)
+    store.add(op, key, choices[key])
     return choices[key]
 
 

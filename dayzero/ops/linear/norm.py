@@ -85,7 +85,7 @@ def measured_choice(x, residual, norm_weight, eps, weight, bias=None) -> K.Block
     key = _key(x, residual, norm_weight, weight, bias)
     xs = K.bucket_rows(x, key[0])  # the bucket's shape (timings draws its own rows)
     return K.measure_once(_CHOICE, key, x.device, lambda: K.fused_choice(
-        f"rms_norm_linear {key[0]} x [{key[1]}, {key[2]}]", timings(xs, residual, norm_weight, eps, weight, bias)))
+        f"rms_norm_linear {key[0]} x [{key[1]}, {key[2]}]", timings(xs, residual, norm_weight, eps, weight, bias)), "rms_norm_linear")
 
 
 @register("rms_norm_linear", "cuda", verifier=_verify_norm,
@@ -177,7 +177,7 @@ def gated_choice(x, norm_weight, gate, eps, weight, bias=None) -> K.Block | None
     xs = K.bucket_rows(x, key[0])
     return K.measure_once(_GATED, key, x.device, lambda: K.fused_choice(
         f"rms_norm_gated_linear {key[0]} x [{key[1]}, {key[2]}]", gated_timings(xs, norm_weight, gate, eps, weight,
-                                                                             bias)))
+                                                                             bias)), "rms_norm_gated_linear")
 
 
 @register("rms_norm_gated_linear", "cuda", verifier=_verify_gated,

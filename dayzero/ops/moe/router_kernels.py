@@ -139,7 +139,7 @@ def measured_choice(x, weight, bias, top_k, kind="sigmoid", correction_bias=None
     return K.measure_once(_CHOICE, key, x.device, lambda: K.fused_choice(
         f"moe_router {key[0]} x [{weight.shape[0]}, {weight.shape[1]}]",
         timings(xs, weight, bias, top_k, kind, correction_bias, n_group, topk_group, norm_topk_prob,
-                routed_scaling_factor)))
+                routed_scaling_factor)), "moe_router")
 
 
 def _verify(x, weight, bias, top_k, kind="sigmoid", correction_bias=None, n_group=1, topk_group=1,

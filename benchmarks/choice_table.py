@@ -1,0 +1,110 @@
+"""Engine builds with the per-shape kernel choices measured, then read from the table the first build wrote.
+
+    python benchmarks/choice_table.py --config configs/dayzero-small.json dayzero/assets/default [--write]
+
+For each config, two builds in processes of their own, each with an empty Triton cache (as on a fresh machine),
+random weights (``load_format="dummy"``), decode graphs up to ``--max-num-seqs`` sequences and the prefill
+graphs: the first with ``DAYZERO_CHOICES=measure`` (every key timed, every candidate compiled: what a build does
+without a table), the second reading the table the first one wrote (only the chosen blocks compile). Prints the
+seconds of both and how many keys each measured or found. ``--write`` merges the choices into the package's table
+for this GPU model (``dayzero/ops/choice_tables/``, see :mod:`dayzero.ops.choices`), which a build on that model
+then reads while the kernels' sources keep the digest the table records.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def build(args) -> dict:
+    """One engine build in this process: its seconds and the choices' counts (the child side)."""
+    import torch
+
+    from dayzero import LLM
+    from dayzero.ops import choices
+
+    t0 = time.perf_counter()
+    llm = LLM(args.child, device=args.device, dtype=args.dtype, load_format="dummy", max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len)
+    dev = llm.engine.device
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    seconds = time.perf_counter() - t0
+    if dev.type != "cuda":  # no choices are measured off the GPU
+        return {"seconds": seconds, "found": 0, "measured": 0, "table": None, "device": str(dev)}
+    store = choices.tables(dev)
+    return {"seconds": seconds, "found": store.found, "measured": store.measured, "table": str(store.path),
+            "device": store.device_name}
+
+
+def child(config: str, args, mode: str, cache: str) -> dict:
+    with tempfile.TemporaryDirectory() as triton_cache, tempfile.NamedTemporaryFile(suffix=".json") as out:
+        env = dict(os.environ, TRITON_CACHE_DIR=triton_cache, DAYZERO_CACHE_DIR=cache, DAYZERO_CHOICES=mode)
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", config, "--json", out.name, "--device",
+               args.device, "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
+               str(args.max_num_batched_tokens), "--max-model-len", str(args.max_model_len)]
+        print(f"{config}: building with DAYZERO_CHOICES={mode} and an empty Triton cache ...", flush=True)
+        if subprocess.run(cmd, env=env).returncode != 0:
+            raise SystemExit(f"the build of {config} with DAYZERO_CHOICES={mode} failed")
+        return json.loads(Path(out.name).read_text())
+
+
+def write(table: Path) -> Path:
+    """Merge the user table the builds wrote into the package's table for its GPU model; the path written."""
+    from dayzero.ops import choices
+
+    new = json.loads(table.read_text())
+    target = choices.PACKAGE_TABLES / choices.file_name(new["device"])
+    if target.exists():
+        old = json.loads(target.read_text())
+        if old.get("digest") == new["digest"] and old.get("device") == new["device"]:
+            new["choices"] = dict(sorted({**old["choices"], **new["choices"]}.items()))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(new, indent=0) + "\n")
+    return target
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", nargs="+", default=["configs/dayzero-small.json"])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--write", action="store_true", help="merge the choices into the package's table")
+    ap.add_argument("--cache-dir", default=None, help="the builds' DAYZERO_CACHE_DIR (default: a temporary one)")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if args.child:
+        Path(args.json).write_text(json.dumps(build(args)))
+        return 0
+    rows = []
+    with tempfile.TemporaryDirectory() as temporary:
+        cache = args.cache_dir or temporary
+        for config in args.config:
+            measured = child(config, args, "measure", cache)
+            read = child(config, args, "table", cache)
+            rows.append((config, measured, read))
+        print(f"\n{rows[0][1]['device']}: engine builds, each with an empty Triton cache")
+        print(f"{'config':<36} {'measured s':>10} {'keys':>5} {'from table s':>12} {'found':>5} {'measured':>8} "
+              f"{'ratio':>6}")
+        for config, m, r in rows:
+            print(f"{config:<36} {m['seconds']:>10.1f} {m['measured']:>5} {r['seconds']:>12.1f} {r['found']:>5} "
+                  f"{r['measured']:>8} {m['seconds'] / r['seconds']:>5.2f}x")
+        if args.write and rows[-1][2]["table"]:
+            print(f"wrote {write(Path(rows[-1][2]['table']))}")
+    if args.json:
+        Path(args.json).write_text(json.dumps([{"config": c, "measure": m, "table": r} for c, m, r in rows]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
