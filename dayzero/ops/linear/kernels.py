@@ -317,9 +317,10 @@ def measure_once(choices: dict, key: tuple, device: torch.device, measure, op: s
     if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return None
     store = choice_tables(device)
-    found, choices[key] = store.get(op, key)
+    found, value = store.get(op, key)
     if found:
-        return choices[key]
+        choices[key] = value
+        return value
     debug = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode(0)
     try:
