@@ -1,7 +1,9 @@
 """Shared fixtures: tiny random checkpoints written at test time."""
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
 import torch
@@ -10,7 +12,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # per-shape kernel choices measured by the tests go to a table of their own, not the user's
-os.environ.setdefault("DAYZERO_CACHE_DIR", tempfile.mkdtemp(prefix="dayzero-test-cache-"))
+if "DAYZERO_CACHE_DIR" not in os.environ:
+    os.environ["DAYZERO_CACHE_DIR"] = tempfile.mkdtemp(prefix="dayzero-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["DAYZERO_CACHE_DIR"], ignore_errors=True)
 
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
