@@ -214,7 +214,8 @@ def gate_choice(x, gate, weight, bias=None) -> K.Block | None:
     key = _gate_key(x, gate, weight, bias)
     xs, gs = K.bucket_rows(x, key[0]), K.bucket_rows(gate, key[0])
     return K.measure_once(_GATE, key, x.device, lambda: K.fused_choice(
-        f"sigmoid_gate_linear {key[0]} x [{key[1]}, {key[2]}]", gate_timings(xs, gs, weight, bias)), "sigmoid_gate_linear")
+        f"sigmoid_gate_linear {key[0]} x [{key[1]}, {key[2]}]", gate_timings(xs, gs, weight, bias)),
+        "sigmoid_gate_linear")
 
 
 @register("sigmoid_gate_linear", "cuda", verifier=_verify_gate,

@@ -85,7 +85,8 @@ def measured_choice(x, residual, norm_weight, eps, weight, bias=None) -> K.Block
     key = _key(x, residual, norm_weight, weight, bias)
     xs = K.bucket_rows(x, key[0])  # the bucket's shape (timings draws its own rows)
     return K.measure_once(_CHOICE, key, x.device, lambda: K.fused_choice(
-        f"rms_norm_linear {key[0]} x [{key[1]}, {key[2]}]", timings(xs, residual, norm_weight, eps, weight, bias)), "rms_norm_linear")
+        f"rms_norm_linear {key[0]} x [{key[1]}, {key[2]}]", timings(xs, residual, norm_weight, eps, weight, bias)),
+        "rms_norm_linear")
 
 
 @register("rms_norm_linear", "cuda", verifier=_verify_norm,
