@@ -61,10 +61,8 @@ def write(table: Path) -> Path:
 
     new = json.loads(table.read_text())
     target = choices.PACKAGE_TABLES / choices.file_name(new["device"])
-    if target.exists():
-        old = json.loads(target.read_text())
-        if old.get("digest") == new["digest"] and old.get("device") == new["device"]:
-            new["choices"] = dict(sorted({**old["choices"], **new["choices"]}.items()))
+    old = choices.read(target, new["device"])  # {} unless measured on this GPU model with these kernels
+    new["choices"] = dict(sorted({**old, **new["choices"]}.items()))
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(new, indent=0) + "\n")
     return target

@@ -37,8 +37,8 @@ import torch
 
 log = logging.getLogger("dayzero.ops")
 
-PACKAGE_TABLES = Path(__file__).parent / "choice_tables"
 OPS = Path(__file__).parent
+PACKAGE_TABLES = OPS / "choice_tables"
 # the sources a measured choice depends on: the timed kernels (skinny linear and its fused launches, the router's
 # one launch), the kernels their "apart" side runs, the candidates and the timing itself
 SOURCES = ("linear/kernels.py", "linear/norm.py", "linear/act.py", "linear/reference.py", "moe/router_kernels.py",
@@ -70,9 +70,9 @@ def digest() -> str:
     return h.hexdigest()[:16]
 
 
-def file_name(device_name: str) -> str:
-    """The table's file name for a GPU model: ``NVIDIA H200`` -> ``nvidia-h200.json``."""
-    return re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-") + ".json"
+def file_name(device_name: str, suffix: str = "") -> str:
+    """The table's file name for a GPU model: ``NVIDIA H200`` -> ``nvidia-h200{suffix}.json``."""
+    return re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-") + suffix + ".json"
 
 
 def user_dir() -> Path:
@@ -83,11 +83,7 @@ def key_text(op: str, key: tuple) -> str:
     """A choice's key as a table writes it: the op, then the key's values (dtypes by name; the device left out, as
     a table is for one GPU model)."""
     def text(v) -> str:
-        if isinstance(v, torch.dtype):
-            return str(v).removeprefix("torch.")
-        if isinstance(v, (tuple, list)):
-            return "(" + ",".join(map(text, v)) + ")"
-        return str(v)
+        return str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else str(v)
 
     return op + ":" + ",".join(text(v) for v in key if not isinstance(v, torch.device))
 
@@ -133,7 +129,7 @@ class ChoiceTables:
     def __init__(self, device_name: str, user: Path | None = None, package: Path = PACKAGE_TABLES):
         self.device_name = device_name
         # one file per digest: processes of two versions of the kernels (a side-by-side benchmark) keep theirs
-        self.path = (user or user_dir()) / file_name(device_name).replace(".json", f"-{digest()}.json")
+        self.path = (user or user_dir()) / file_name(device_name, f"-{digest()}")
         self.mode = mode()
         self.found = self.measured = 0
         self._warned = False
