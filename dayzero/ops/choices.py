@@ -54,19 +54,25 @@ def mode() -> str:
     return value
 
 
-@functools.lru_cache(maxsize=1)
-def digest() -> str:
-    """The digest a table must record to be read: the :data:`SOURCES` and Triton's version."""
+def triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
+
+
+@functools.lru_cache(maxsize=4)
+def digest(triton: str | None = "installed") -> str:
+    """The digest a table must record to be read: the :data:`SOURCES` and Triton's version (the installed one, or
+    ``triton`` where given: the check of a shipped table measured with another version)."""
     h = hashlib.sha256()
     for name in SOURCES:
         h.update(name.encode())
         h.update((OPS / name).read_bytes())
-    try:
-        import triton
-
-        h.update(triton.__version__.encode())
-    except ImportError:
-        pass
+    version = triton_version() if triton == "installed" else triton
+    if version is not None:
+        h.update(version.encode())
     return h.hexdigest()[:16]
 
 
@@ -158,7 +164,7 @@ class ChoiceTables:
             on_disk = read(self.path, self.device_name)
             on_disk[text] = self.choices[text]
             table = {"device": self.device_name, "digest": digest(), "torch": torch.__version__,
-                     "choices": dict(sorted(on_disk.items()))}
+                     "triton": triton_version(), "choices": dict(sorted(on_disk.items()))}
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
             with os.fdopen(fd, "w") as f:
                 json.dump(table, f, indent=0)

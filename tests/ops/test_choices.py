@@ -132,6 +132,29 @@ def test_the_digest_covers_every_module_that_measures_a_choice():
     assert measuring and measuring <= set(C.SOURCES), measuring - set(C.SOURCES)
 
 
+def test_every_shipped_table_was_measured_with_these_kernels():
+    """A package table is read only while the kernels keep its digest: a change to them leaves it unread, so it
+    must be measured again on its GPU (``benchmarks/choice_table.py --write``) or removed."""
+    shipped = sorted(C.PACKAGE_TABLES.glob("*.json"))
+    assert shipped  # the H100's, measured 2026-12-05
+    for path in shipped:
+        table = json.loads(path.read_text())
+        assert path.name == C.file_name(table["device"]), path.name
+        assert table["digest"] == C.digest(table["triton"]), (
+            f"{path.name} was measured with other kernels: run benchmarks/choice_table.py --write on a "
+            f"{table['device']} or remove it")
+        assert table["choices"] and all(C.valid(v) for v in table["choices"].values())
+
+
+def test_a_written_table_records_the_triton_version_its_digest_holds(tmp_path):
+    t = tables(tmp_path)
+    t.add("linear", KEY, (8, 256, 4))
+    table = json.loads(t.path.read_text())
+    assert table["triton"] == C.triton_version()
+    assert C.digest(table["triton"]) == table["digest"] == C.digest()
+    assert C.digest("0.0.0") != C.digest()
+
+
 def test_on_the_cpu_no_table_is_read_or_written(tmp_path, monkeypatch):
     from dayzero.ops.linear import kernels as L
 
