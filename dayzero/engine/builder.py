@@ -15,6 +15,7 @@ from dayzero.cache.planner import (SPARE_SNAPSHOTS_PER_SEAT, CacheMemoryError, C
                                    available_memory, block_groups, plan_cache)
 from dayzero.cache.spec import PagedSpec, StateSpec
 from dayzero.engine.model_runner import ModelRunner
+from dayzero.ops import choices
 from dayzero.ops.indexer.triton_indexer import scratch_bytes as indexer_scratch_bytes
 
 log = logging.getLogger("dayzero")
@@ -190,6 +191,8 @@ def assemble(model, device: torch.device, dtype: torch.dtype, *, block_size: int
         if ok:
             runner.graphs = graphs
         held = sum(g.nbytes for g in (runner.graphs, runner.prefill_graphs) if g is not None)
+        if (line := choices.summary(device)) is not None:  # the captures' warm-up passes made the choices
+            log.info("%s", line)
         plan = replace(plan, graph_bytes=held)
     elif cuda_graphs:
         note = prefill_note = "eager (CUDA graphs need a CUDA device)"

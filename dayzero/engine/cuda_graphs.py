@@ -23,8 +23,6 @@ from contextlib import contextmanager
 
 import torch
 
-from dayzero.ops import choices
-
 log = logging.getLogger("dayzero")
 
 
@@ -144,8 +142,6 @@ class _StepGraphs:
         self.seconds = time.perf_counter() - t0
         log.info("captured %d %s graphs (%s) in %.1fs, %.0f MiB", len(self.graphs), self.kind, self.describe(),
                  self.seconds, self.nbytes / 2**20)
-        if (line := choices.summary(dev)) is not None:
-            log.info("%s", line)
 
     def describe(self) -> str:
         return ""
