@@ -63,17 +63,21 @@ def triton_version() -> str | None:
 
 
 @functools.lru_cache(maxsize=4)
-def digest(triton: str | None = "installed") -> str:
-    """The digest a table must record to be read: the :data:`SOURCES` and Triton's version (the installed one, or
-    ``triton`` where given: the check of a shipped table measured with another version)."""
+def digest_with(triton: str | None) -> str:
+    """The digest of the :data:`SOURCES` with Triton version ``triton`` (None: no Triton): the check of a shipped
+    table, which records the version it was measured with."""
     h = hashlib.sha256()
     for name in SOURCES:
         h.update(name.encode())
         h.update((OPS / name).read_bytes())
-    version = triton_version() if triton == "installed" else triton
-    if version is not None:
-        h.update(version.encode())
+    if triton is not None:
+        h.update(triton.encode())
     return h.hexdigest()[:16]
+
+
+def digest() -> str:
+    """The digest a table must record to be read here: the :data:`SOURCES` and the installed Triton's version."""
+    return digest_with(triton_version())
 
 
 def file_name(device_name: str, suffix: str = "") -> str:
