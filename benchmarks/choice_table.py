@@ -6,9 +6,11 @@ For each config, two builds in processes of their own, each with an empty Triton
 random weights (``load_format="dummy"``), decode graphs up to ``--max-num-seqs`` sequences and the prefill
 graphs: the first with ``DAYZERO_CHOICES=measure`` (every key timed, every candidate compiled: what a build does
 without a table), the second reading the table the first one wrote (only the chosen blocks compile). Prints the
-seconds of both and how many keys each measured or found. ``--write`` merges the choices into the package's table
-for this GPU model (``dayzero/ops/choice_tables/``, see :mod:`dayzero.ops.choices`), which a build on that model
-then reads while the kernels' sources keep the digest the table records.
+seconds of both, the prefill and decode graph captures' part of them (their warm-up passes are where kernels
+compile and choices are made; "other" is loading, planning and the rest), and how many keys each measured or
+found. ``--write`` merges the choices into the package's table for this GPU model (``dayzero/ops/choice_tables/``,
+see :mod:`dayzero.ops.choices`), which a build on that model then reads while the kernels' sources keep the digest
+the table records.
 """
 from __future__ import annotations
 
@@ -36,11 +38,15 @@ def build(args) -> dict:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     seconds = time.perf_counter() - t0
+    runner = llm.engine.runner
+    # the graph captures' seconds (their warm-up passes are where the choices are made and the kernels compile)
+    phases = {kind: graphs.seconds if graphs is not None else 0.0
+              for kind, graphs in (("prefill", runner.prefill_graphs), ("decode", runner.graphs))}
     if dev.type != "cuda":  # no choices are measured off the GPU
-        return {"seconds": seconds, "found": 0, "measured": 0, "table": None, "device": str(dev)}
+        return {"seconds": seconds, **phases, "found": 0, "measured": 0, "table": None, "device": str(dev)}
     store = choices.tables(dev)
-    return {"seconds": seconds, "found": store.found, "measured": store.measured, "table": str(store.path),
-            "device": store.device_name}
+    return {"seconds": seconds, **phases, "found": store.found, "measured": store.measured,
+            "table": str(store.path), "device": store.device_name}
 
 
 def child(config: str, args, mode: str, cache: str) -> dict:
@@ -91,12 +97,16 @@ def main() -> int:
             measured = child(config, args, "measure", cache)
             read = child(config, args, "table", cache)
             rows.append((config, measured, read))
-        print(f"\n{rows[0][1]['device']}: engine builds, each with an empty Triton cache")
-        print(f"{'config':<36} {'measured s':>10} {'keys':>5} {'from table s':>12} {'found':>5} {'measured':>8} "
-              f"{'ratio':>6}")
+        print(f"\n{rows[0][1]['device']}: engine builds, each with an empty Triton cache (seconds: the build, of it"
+              " the prefill and decode graph captures)")
+        print(f"{'config':<30} {'choices':<8} {'build s':>8} {'prefill':>8} {'decode':>8} {'other':>8} {'measured':>8} "
+              f"{'found':>6}")
         for config, m, r in rows:
-            print(f"{config:<36} {m['seconds']:>10.1f} {m['measured']:>5} {r['seconds']:>12.1f} {r['found']:>5} "
-                  f"{r['measured']:>8} {m['seconds'] / r['seconds']:>5.2f}x")
+            for name, b in (("measure", m), ("table", r)):
+                other = b["seconds"] - b["prefill"] - b["decode"]
+                print(f"{config:<30} {name:<8} {b['seconds']:>8.1f} {b['prefill']:>8.1f} {b['decode']:>8.1f} "
+                      f"{other:>8.1f} {b['measured']:>8} {b['found']:>6}")
+            print(f"{config:<30} {'ratio':<8} {m['seconds'] / r['seconds']:>7.2f}x")
         if args.write and rows[-1][2]["table"]:
             print(f"wrote {write(Path(rows[-1][2]['table']))}")
     if args.json:
