@@ -2,11 +2,10 @@
 
 The skinny and fused linears pick, per (rows bucket, shape, dtypes) key, a Triton block shape or the ops apart
 by timing every candidate (:func:`dayzero.ops.linear.kernels.measure_once`). Each candidate must compile before
-it can be timed: on a fresh machine those compiles, not the timing, should be much of an engine's build
-(dayzero-small built in 140-280 s on the H100 and H200, ~130 keys of 3-7 candidates each; ``python
-benchmarks/choice_table.py`` measures the difference). A choice table records the choices
-measured on one GPU model; a later build on that model takes a key's choice from it, so only the chosen blocks
-compile.
+it can be timed: on a fresh machine those compiles, not the timing, are a large part of an engine's build (~130
+keys of 3-7 candidates each for dayzero-small; on the H100 its build took 281.5 s measuring every key and 171.5 s
+reading them from a table, ``python benchmarks/choice_table.py``). A choice table records the choices measured on
+one GPU model; a later build on that model takes a key's choice from it, so only the chosen blocks compile.
 
 Two tables are read, the first that has a key wins:
 
