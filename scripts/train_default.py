@@ -84,7 +84,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="seconds of the budget kept for saving and the final evaluation (default 75 on CUDA)")
     ap.add_argument("--log-every", type=int, default=None, help="steps between progress lines")
     ap.add_argument("--profile", default=None, metavar="FILE",
-                    help="write the profiler's tables of the third step (GPU and host time) to FILE")
+                    help="write the profiler's tables of one step (GPU and host time, by op and by source line) to FILE")
+    ap.add_argument("--profile-step", type=int, default=3, metavar="N", help="the step --profile records (default 3)")
     return ap.parse_args(argv)
 
 
@@ -131,7 +132,7 @@ def check(args) -> None:
         raise ValueError(f"--out {out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not args.overwrite:
         raise ValueError(f"--out {out} exists and is not empty; pass --overwrite to write into it")
-    for name in ("tokens", "workers", "log_every"):
+    for name in ("tokens", "workers", "log_every", "profile_step"):
         v = getattr(args, name)
         if v is not None and v < (0 if name == "workers" else 1):
             need = ">= 0" if name == "workers" else "positive"
@@ -225,7 +226,7 @@ def main(argv=None) -> int:
         workers=args.workers if args.workers is not None else (6 if cuda else 0),
         log_every=args.log_every or (20 if cuda else 1), warmup_steps=5 if args.tiny else 30,
         eval_every=(args.eval_every or None) if cuda else None,
-        fake_mxfp4=args.expert_format == "mxfp4", profile_file=args.profile,
+        fake_mxfp4=args.expert_format == "mxfp4", profile_file=args.profile, profile_step=args.profile_step,
         sparse_from=TrainConfig.sparse_from if args.sparse_from is None else args.sparse_from)
     torch.manual_seed(args.seed)
     model = load_model(args.init, device) if args.init else new_model(config, device, args.seed)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from dayzero.ops.registry import use_platform
 from dayzero.train import attention as _attention  # noqa: F401 - registers the train platform's ops
+from dayzero.train import fused as _fused  # noqa: F401
 from dayzero.train import linear_attention as _linear  # noqa: F401
 from dayzero.train import routing
 from dayzero.train.batch import TrainBatch, clear_caches, take, train_caches

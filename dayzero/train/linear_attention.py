@@ -1,8 +1,9 @@
 """Training implementations of the KDA layer's pooled ops (the ``train`` platform): every sequence of a
 :class:`~dayzero.train.batch.TrainBatch` starts from zero state, nothing is written back, autograd runs through.
 
-- ``causal_conv1d_pooled``: the depthwise causal conv over the flat rows as W shifted taps, each tap masked
-  where it would reach before its sequence's first token (the zero window of a fresh sequence).
+- ``causal_conv1d_pooled``: fla-core's varlen causal conv (:mod:`dayzero.train.fused`), else the depthwise
+  causal conv over the flat rows as W shifted taps, each tap masked where it would reach before its sequence's
+  first token (the zero window of a fresh sequence).
 - ``kda_pooled``: fla-core's ``chunk_kda`` over the packed rows (``cu_seqlens``) on CUDA, which has a backward;
   elsewhere (or without fla) the chunk form of ``dayzero/ops/kda/reference.py`` batched over the batch's length
   buckets, with the forward substitution done by a triangular solve (the reference's substitution writes its
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from dayzero.ops.kda.chunk_batched import kda_chunk_batched
 from dayzero.ops.kda.reference import _prep, grouped, kda_gate
 from dayzero.ops.registry import register
+from dayzero.train import fused
 
 try:  # fla-core: Triton kernels with a backward (optional, GPU only)
     from fla.ops.kda import chunk_kda
@@ -35,6 +37,8 @@ def causal_conv1d_train(x, weight, window_pool, batch, activation: str | None = 
     if activation not in ("silu", None):
         raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
     T, C = x.shape
+    if fused.ready(x):
+        return grouped(fused.causal_conv1d(x, weight.reshape(C, -1), batch, activation), groups)
     w = weight.reshape(C, -1).float()
     W = w.shape[1]
     xp = F.pad(x.float(), (0, 0, W - 1, 0))  # [W-1+T, C]: row t+W-1 is token t
@@ -75,13 +79,16 @@ def _pick(configs: list, keep: int) -> list:
 _LIMITED = False
 
 
-def limit_fla_autotuning(keep: int = 2) -> int:
+def limit_fla_autotuning(keep: int | None = None) -> int:
     """Cut every fla kernel's autotuning to ``keep`` configs (the full search compiles and times about 200
     kernels on a fresh machine, minutes of a short training run); ``DAYZERO_FLA_AUTOTUNE=full`` keeps it whole.
-    Returns the number of kernels cut."""
+    ``keep`` defaults to 2, and to 1 under Triton's interpreter, which has no timer to choose with. Returns the
+    number of kernels cut."""
     global _LIMITED
     if _LIMITED or os.environ.get("DAYZERO_FLA_AUTOTUNE", "") == "full":
         return 0
+    if keep is None:
+        keep = 1 if os.environ.get("TRITON_INTERPRET") == "1" else 2
     _LIMITED, n = True, 0
     for name, mod in list(sys.modules.items()):
         if not name.startswith("fla.") or mod is None:

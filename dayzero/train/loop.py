@@ -92,13 +92,18 @@ class _Clock:
 
 
 class _StepProfile:
-    """The torch profiler over one whole step (data to optimizer), started on construction."""
+    """The torch profiler over one whole step (data to optimizer), started on construction; its tables group the
+    ops by name, then by the source lines that called them (``STACK_DEPTH`` frames)."""
+
+    STACK_DEPTH = 6
 
     def __init__(self, device: torch.device):
+        from torch._C._profiler import _ExperimentalConfig
         from torch.profiler import ProfilerActivity, profile
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        self.device, self.prof = device, profile(activities=acts)
+        stacks = _ExperimentalConfig(verbose=True)  # without it no Python frames are kept for the ops
+        self.device, self.prof = device, profile(activities=acts, with_stack=True, experimental_config=stacks)
         self.prof.__enter__()
 
     def write(self, path: str, step: int) -> None:
@@ -109,6 +114,9 @@ class _StepProfile:
         with open(path, "w") as f:
             for key in keys:
                 f.write(f"step {step}, by {key}\n{self.prof.key_averages().table(sort_by=key, row_limit=50)}\n\n")
+            stacks = self.prof.key_averages(group_by_stack_n=self.STACK_DEPTH)
+            f.write(f"step {step}, by {keys[0]} and calling lines\n"
+                    f"{stacks.table(sort_by=keys[0], row_limit=60, max_src_column_width=90)}\n")
 
 
 def _one_thread(_worker: int) -> None:

@@ -25,6 +25,7 @@ from dayzero.ops.moe.reference import _activation, route
 from dayzero.ops.registry import register
 from dayzero.quant.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from dayzero.train.batch import take
+from dayzero.train.fused import silu_and_mul_train
 
 
 @dataclass
@@ -74,6 +75,8 @@ def fake_mxfp4(w: torch.Tensor) -> torch.Tensor:
 def grouped_mlp_train(xs, offsets, w1, w2, activation="silu", b1=None, b2=None, limit=None, order=None, top_k=1):
     # xs: [T, L] tokens (with order) or [N, L] rows by expert; offsets: [E] row ends -> [N, L] rows by expert
     act = _activation(activation, w1, w2, limit)
+    if activation == "silu" and limit is None:
+        act = silu_and_mul_train  # fla's SwiGLU kernel where it runs
     if _FAKE_MXFP4:
         w1, w2 = fake_mxfp4(w1), fake_mxfp4(w2)
     E = w1.shape[0]

@@ -34,7 +34,9 @@ def test_tiny_run_writes_a_checkpoint_the_engine_loads(tmp_path, capsys):
                            "--profile", str(profile)]) == 0
     printed = capsys.readouterr().out
     assert "step      3" in printed and "addition" in printed  # progress lines, then the held-out table
-    assert "step 3, by self_cpu_time_total" in profile.read_text() and "aten::" in profile.read_text()
+    table = profile.read_text()
+    assert "step 3, by self_cpu_time_total" in table and "aten::" in table
+    assert "calling lines" in table and "dayzero/" in table  # the ops grouped by our source lines too
     assert ASSET_FILES | {"README.md"} <= {p.name for p in out.iterdir()}
     card = (out / "README.md").read_text()
     results = card_results(out)  # the card's accuracy, as the final table printed it

@@ -1,0 +1,143 @@
+"""Training throughput of the default model: tokens per second of whole training steps (data, forward, backward,
+optimizer) with the training forward's fused kernels (:mod:`dayzero.train.fused`) on and off, side by side in one
+run, on the same data, and the step's FLOPs against the bf16 matmul peak measured in the same run.
+
+    python benchmarks/train_step.py --device cuda --steps 40
+
+Each mode first runs a short warm-up job (its kernels compile and tune), then the modes alternate over
+``--rounds`` timed jobs of ``--steps`` steps, each from the same checkpoint with a fresh optimizer and the same
+seeded data (the recipe of the bundled model's last jobs: recall prompts of 192-8,192 tokens, sparse attention
+from half-way). The FLOPs are what ``torch.utils.flop_counter`` counts in one step (GEMMs and attention; fla's
+KDA kernels are not counted, so the percentage is a floor).
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from benchmarks.timing import ms_per_call  # noqa: E402
+
+MODES = {"reference ops": "off", "fused (fla)": "auto"}
+
+
+def recipe(tokens: int):
+    from dayzero.train.data import DataConfig
+
+    data = DataConfig()
+    return replace(data, tokens=tokens, recall_share=0.5, recall_min=192, recall_start=1024, recall_max=8192,
+                   copy_warmup=0.0, loss_parts={"recall": 3.0, "copy": 2.0}, recall_min_pairs=8,
+                   recall_style="joined", chat_share=0.3, question_share=0.6)
+
+
+def job(init: str, device, data, steps: int, fused_mode: str, workers: int) -> dict:
+    """One training job of ``steps`` steps; returns its tokens and seconds (the device synchronised)."""
+    from dayzero.engine.engine import DEFAULT_MODEL
+    from dayzero.engine.tokenizer import load_tokenizer
+    from dayzero.train import fused
+    from dayzero.train.checkpoint import load_model
+    from dayzero.train.loop import TrainConfig, Trainer
+
+    model = load_model(init, device)
+    config = TrainConfig(steps=steps, lr=4e-4, seed=0, data=data, workers=workers, log_every=10**9, warmup_steps=5,
+                         sparse_from=0.5)
+    trainer = Trainer(model, load_tokenizer(DEFAULT_MODEL), config, device, log=lambda s: None)
+    with fused.mode(fused_mode):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.monotonic()
+        summary = trainer.train()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        summary["seconds"] = time.monotonic() - t
+    return summary
+
+
+def step_flops(init: str, device, data) -> tuple[float, int]:
+    """FLOPs of one training step's forward and backward (torch's counter: GEMMs and SDPA), and its tokens."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from dayzero.engine.engine import DEFAULT_MODEL
+    from dayzero.engine.tokenizer import load_tokenizer
+    from dayzero.train.batch import TrainBatch
+    from dayzero.train.checkpoint import load_model
+    from dayzero.train.data import StreamDataset
+    from dayzero.train.forward import losses, training
+
+    model = load_model(init, device)
+    progress = mp.Value("d", 1.0)  # the end of training: the longest recall prompts
+    step = next(iter(StreamDataset(data, load_tokenizer(DEFAULT_MODEL), 0, progress)))
+    batch = TrainBatch(step.ids.to(device), step.lens, sparse=True)
+    autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu")
+    with FlopCounterMode(display=False) as counter:
+        with autocast, training(model):
+            out = losses(model, batch, step.targets.to(device), step.loss_weights.to(device))
+        out.lm.backward()
+    return float(counter.get_total_flops()), step.ids.numel()
+
+
+def matmul_peak(device) -> float:
+    n = 8192 if device.type == "cuda" else 1024
+    dt = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a, b = torch.randn(n, n, device=device, dtype=dt), torch.randn(n, n, device=device, dtype=dt)
+    return 2 * n**3 / (ms_per_call(lambda: a @ b, 10, device.type) * 1e-3)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--init", default=str(ROOT / "dayzero" / "assets" / "default"), help="checkpoint to train from")
+    ap.add_argument("--steps", type=int, default=40, help="steps per timed job")
+    ap.add_argument("--rounds", type=int, default=2, help="timed jobs per mode, the modes alternating")
+    ap.add_argument("--warmup-steps", type=int, default=12,
+                    help="steps of each mode's warm-up job (its kernels compile for the steps' shapes)")
+    ap.add_argument("--tokens", type=int, default=98304, help="tokens per step")
+    ap.add_argument("--workers", type=int, default=None, help="data worker processes (default 6 on CUDA, 0 on CPU)")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    from dayzero.engine.device import resolve_device
+
+    device = resolve_device(args.device)
+    workers = args.workers if args.workers is not None else (6 if device.type == "cuda" else 0)
+    data = recipe(args.tokens)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"training steps of {args.init} on {name}: {args.tokens} tokens a step, {args.steps} steps a job, "
+          f"{args.rounds} rounds", flush=True)
+    for label, m in MODES.items():
+        t = time.monotonic()
+        job(args.init, device, data, args.warmup_steps, m, workers)
+        print(f"  warm-up of {label}: {time.monotonic() - t:.0f} s", flush=True)
+    rates = {label: [] for label in MODES}
+    for r in range(args.rounds):
+        for label, m in MODES.items():
+            s = job(args.init, device, data, args.steps, m, workers)
+            rates[label].append(s["tokens"] / s["seconds"])
+            print(f"  round {r + 1} {label}: {s['tokens'] / 1e6:.1f}M tokens in {s['seconds']:.1f} s", flush=True)
+    flops, tokens = step_flops(args.init, device, data)
+    peak = matmul_peak(device)
+    base = statistics.mean(rates["reference ops"])
+    print(f"\n{'mode':<16}{'tokens/s':>12}{'ms/step':>10}{'vs reference':>14}{'TFLOP/s':>10}{'of peak':>9}")
+    for label, rs in rates.items():
+        rate = statistics.mean(rs)
+        ms = args.tokens / rate * 1e3
+        achieved = flops / tokens * rate
+        print(f"{label:<16}{rate:>12,.0f}{ms:>10.0f}{rate / base:>13.2f}x{achieved / 1e12:>10.1f}"
+              f"{achieved / peak:>9.1%}")
+    print(f"\nstep FLOPs counted {flops / 1e12:.2f} T over {tokens} tokens; bf16 matmul peak measured "
+          f"{peak / 1e12:.0f} TFLOP/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

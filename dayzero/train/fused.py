@@ -1,0 +1,129 @@
+"""The training forward's fused kernels: fla-core's Triton kernels, each with its backward, in place of the
+references' chains of fp32 elementwise ops (the ``train`` platform).
+
+A training step of the default model moves ~100K tokens; every reference op upcasts its [T, C] input to fp32 and
+runs a few elementwise kernels over it, and autograd runs as many again backward. A profile of one step on an
+H100 put most of its GPU time there (the causal conv's shifted taps alone about a third). Here each is one kernel
+forward and one backward:
+
+- ``causal_conv1d_pooled``: fla's varlen causal conv over the packed rows (``cu_seqlens``: each sequence from a
+  zero window), SiLU inside;
+- ``silu_and_mul``: fla's SwiGLU over the ``[gate | up]`` halves (MoE experts, dense MLPs, shared experts);
+- ``rms_norm``: fla's RMSNorm with the residual add fused (``prenorm``: the sum comes back for the next layer);
+- ``rms_norm_gated``: fla's RMSNorm with the sigmoid output gate (KDA's output norm);
+- the KDA gate and beta's sigmoid inside fla's ``chunk_kda`` (:mod:`dayzero.train.linear_attention`).
+
+Each falls back to the reference where fla-core is absent, on tensors off CUDA, or on arguments the kernel does
+not take (a clamp limit, a norm without weight). :func:`mode` sets where they run: ``auto`` (CUDA tensors),
+``off`` (nowhere: the previous path, for side-by-side timing; ``DAYZERO_TRAIN_FUSED=0`` at start) or ``on``
+(CPU tensors too, through Triton's interpreter: the tests).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from dayzero.ops.activation.reference import silu_and_mul
+from dayzero.ops.norm.reference import rms_norm, rms_norm_gated
+from dayzero.ops.registry import register
+
+try:  # fla-core (optional): Triton kernels with a backward
+    from fla.modules.activations import swiglu as fla_swiglu
+    from fla.modules.causal_conv1d import causal_conv1d as fla_causal_conv1d
+    from fla.modules.norm.fused_norm_gate import rms_norm_gated as fla_rms_norm_gated
+    from fla.modules.norm.layernorm import rms_norm as fla_rms_norm
+except Exception:  # noqa: BLE001 - absent, or a triton it cannot use: the references run
+    fla_swiglu = fla_causal_conv1d = fla_rms_norm_gated = fla_rms_norm = None
+
+MODES = ("auto", "off", "on")
+_MODE = "off" if os.environ.get("DAYZERO_TRAIN_FUSED", "1") == "0" else "auto"
+
+
+@contextlib.contextmanager
+def mode(m: str):
+    """Within the block the fused kernels run per ``m``: ``auto`` (CUDA tensors), ``off`` or ``on``."""
+    global _MODE
+    if m not in MODES:
+        raise ValueError(f"fused kernel mode must be one of {MODES}, got {m!r}")
+    prev, _MODE = _MODE, m
+    try:
+        yield
+    finally:
+        _MODE = prev
+
+
+def current_mode() -> str:
+    return _MODE
+
+
+def usable(t: torch.Tensor) -> bool:
+    """Whether the fused kernels run on ``t`` now."""
+    if fla_causal_conv1d is None or _MODE == "off":
+        return False
+    return _MODE == "on" or t.is_cuda
+
+
+def ready(t: torch.Tensor) -> bool:
+    """:func:`usable`, with fla's autotuning cut on the first use."""
+    if not usable(t):
+        return False
+    from dayzero.train.linear_attention import limit_fla_autotuning
+
+    limit_fla_autotuning()
+    return True
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, batch, activation: str | None) -> torch.Tensor:
+    """[T, C] rows of the batch's sequences, each from a zero window -> [T, C] in x.dtype (weight [C, W])."""
+    cu_host = getattr(batch, "cu_seqlens_cpu", None)
+    y, _ = fla_causal_conv1d(x[None], weight.contiguous(), activation=activation, cu_seqlens=batch.cu_seqlens,
+                             cu_seqlens_cpu=cu_host)
+    return y[0]
+
+
+@register("silu_and_mul", "train", note="fla-core's SwiGLU kernel (CUDA), else the reference")
+def silu_and_mul_train(x: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    # x: [..., 2I] -> [..., I]
+    if limit is not None or x.shape[-1] % 2 or not ready(x):
+        return silu_and_mul(x, limit)
+    gate, up = x.chunk(2, dim=-1)
+    return fla_swiglu(gate, up)
+
+
+# fla's norm kernels take cdiv(rows, 2048) as a compile-time constant: every step's row count would compile them
+# again (seconds each); rows padded to a multiple of ROWS_GRANULE keep the variants few
+ROWS_GRANULE = 1 << 15
+
+
+def _padded_rows(*xs: torch.Tensor) -> tuple[int, list[torch.Tensor]]:
+    """[N, D] tensors -> (N, each padded with zero rows to a multiple of ``ROWS_GRANULE`` when N exceeds it)."""
+    n = xs[0].shape[0]
+    pad = -n % ROWS_GRANULE if n > ROWS_GRANULE else 0
+    return n, [torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x for x in xs]
+
+
+@register("rms_norm", "train", note="fla-core's RMSNorm with the residual add fused (CUDA), else the reference")
+def rms_norm_train(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                   residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    # x, residual: [..., D]; weight: [D] -> (y, the residual sum) in x.dtype
+    if weight is None or not ready(x):
+        return rms_norm(x, weight, eps, residual)
+    shape, D = x.shape, x.shape[-1]
+    if residual is None:
+        n, (rows,) = _padded_rows(x.reshape(-1, D))
+        return fla_rms_norm(rows, weight, None, eps=eps)[:n].view(shape), x
+    n, (rows, res) = _padded_rows(x.reshape(-1, D), residual.to(x.dtype).reshape(-1, D))
+    y, summed = fla_rms_norm(rows, weight, None, residual=res, eps=eps, prenorm=True)
+    return y[:n].view(shape), summed[:n].view(shape)
+
+
+@register("rms_norm_gated", "train", note="fla-core's RMSNorm with the sigmoid gate (CUDA), else the reference")
+def rms_norm_gated_train(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float) -> torch.Tensor:
+    # x, gate: [..., V]; weight: [V] -> RMSNorm(x) * weight * sigmoid(gate) in x.dtype
+    if not ready(x):
+        return rms_norm_gated(x, weight, gate, eps)
+    V = x.shape[-1]
+    n, (rows, g) = _padded_rows(x.reshape(-1, V), gate.to(x.dtype).reshape(-1, V))
+    return fla_rms_norm_gated(rows, g, weight, None, activation="sigmoid", eps=eps)[:n].view(x.shape)
