@@ -148,7 +148,7 @@ def _agree(g: dict, g0: dict, tol: float) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_a_bf16_step_of_the_default_training_model_is_the_same_on_the_gpu():
+def test_a_bf16_step_of_the_default_model_is_as_near_fp32_with_the_fused_kernels():
     from pathlib import Path
 
     from dayzero.train.linear_attention import chunk_kda
@@ -161,10 +161,18 @@ def test_a_bf16_step_of_the_default_training_model_is_the_same_on_the_gpu():
             m.e_score_correction_bias.requires_grad_(False)
     lens = [1, 64, 300, 700]
     ids = torch.randint(0, 256, (sum(lens),), generator=torch.Generator().manual_seed(5)).cuda()
+    with fused.mode("off"):  # fp32 throughout: what both bf16 paths are measured against
+        _, g32 = _step(model, ids, lens)
     with torch.autocast("cuda", torch.bfloat16):
         with fused.mode("off"):
             lm0, g0 = _step(model, ids, lens)
         with fused.mode("auto"):
             lm, g = _step(model, ids, lens)
     torch.testing.assert_close(lm, lm0, atol=2e-2, rtol=2e-2)
-    _agree(g, g0, 0.1)  # bf16 activations, rounded at other places by the two paths
+    # bf16 rounds at other places in the two paths, and a few gradients (A_log: one scalar a head summing the whole
+    # step's gate gradients) differ between them by 20%: each path is measured against fp32 instead, the fused
+    # one no further from it than the reference ops are
+    rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))  # noqa: E731
+    worse = {n: (rel(g[n], g32[n]), rel(g0[n], g32[n])) for n in g32}
+    bad = {n: e for n, e in worse.items() if e[0] > 1.5 * e[1] + 0.02}
+    assert not bad, bad
