@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     workers = args.workers if args.workers is not None else (6 if device.type == "cuda" else 0)
     data = recipe(args.tokens)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"training steps of {args.init} on {name}: {args.tokens} tokens a step, {args.steps} steps a job, "
+    print(f"training steps of {Path(args.init).name} on {name}: {args.tokens} tokens a step, {args.steps} steps a job, "
           f"{args.rounds} rounds", flush=True)
     for label, m in MODES.items():
         t = time.monotonic()

@@ -84,7 +84,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="seconds of the budget kept for saving and the final evaluation (default 75 on CUDA)")
     ap.add_argument("--log-every", type=int, default=None, help="steps between progress lines")
     ap.add_argument("--profile", default=None, metavar="FILE",
-                    help="write the profiler's tables of one step (GPU and host time, by op and by source line) to FILE")
+                    help="write the profiler's tables of one step (GPU and host time, by op and by caller) to FILE")
     ap.add_argument("--profile-step", type=int, default=3, metavar="N", help="the step --profile records (default 3)")
     return ap.parse_args(argv)
 

@@ -178,7 +178,8 @@ def indexer_kl(q, k, mask, scale: float, bucket, iq, iw, ik, topk: int, max_rows
     ``max_rows`` per sequence, evenly spaced; rows of padding are left out."""
     B, L = q.shape[:2]
     index = bucket.index
-    rows = torch.linspace(topk, L - 1, min(max_rows, L - topk), device=q.device).round().long().unique()
+    # on the host (on the device, unique would read its output size back: a synchronisation every call)
+    rows = torch.linspace(topk, L - 1, min(max_rows, L - topk)).round().long().unique().to(q.device)
     real = rows[None, :] <= index[:, -1:] - index[:, :1]  # [B, M]: within the sequence, not padding
     keys = torch.arange(L, device=q.device)
     allowed = keys[None, None, :] <= rows[None, :, None]  # [1, M, L] causal

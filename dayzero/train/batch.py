@@ -113,16 +113,18 @@ class TrainBatch(ForwardBatch):
         cu = [0]
         for n in lens:
             cu.append(cu[-1] + n)
-        cu_t = torch.tensor(cu, dtype=torch.int64, device=dev)
-        T = input_ids.shape[0]
-        rows = torch.arange(T, dtype=torch.int64, device=dev)
-        seq = torch.repeat_interleave(torch.arange(len(lens), device=dev), torch.tensor(lens, device=dev))
-        positions = rows - cu_t[seq]
+        # built on the host and copied: on the device, repeat_interleave would read its output size back (a
+        # synchronisation that drains the device's queue at every step)
+        cu_host = torch.tensor(cu, dtype=torch.int64)
+        seq_host = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens, dtype=torch.int64))
+        positions_host = torch.arange(input_ids.shape[0], dtype=torch.int64) - cu_host[seq_host]
+        cu_t, seq, positions = (t.to(dev) for t in (cu_host, seq_host, positions_host))
+        rows = torch.arange(input_ids.shape[0], dtype=torch.int64, device=dev)
         self._lens = list(lens)
         super().__init__(input_ids, positions, cu, [0] * len(lens), lens, rows, torch.empty(0, 0, dtype=torch.int64),
                          torch.zeros(len(lens), dtype=torch.int64, device=dev), rows, 1, cu_seqlens=cu_t,
                          fresh=torch.ones(len(lens), dtype=torch.bool, device=dev))
-        self.cu_seqlens_cpu = torch.tensor(cu, dtype=torch.int64)  # one host copy a step (fla caches by identity)
+        self.cu_seqlens_cpu = cu_host  # one host copy a step (fla caches by identity)
         self._tables: torch.Tensor | None = None
         self._seq_of_row = seq
         self.buckets = make_buckets(self._lens, dev, growth)

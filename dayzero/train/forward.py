@@ -53,12 +53,19 @@ class StepLosses:
     answer_tokens: int
 
 
-def losses(model, batch: TrainBatch, targets: torch.Tensor, loss_weights: torch.Tensor | None = None
-           ) -> StepLosses:
-    """One forward of ``model`` (already in :func:`training` mode) over ``batch``; ``targets`` [T]."""
+def answer_rows(targets: torch.Tensor) -> torch.Tensor:
+    """[T] targets -> the rows whose target is an answer token (call it on the host's copy: on the device it
+    reads its output size back)."""
+    return (targets != IGNORE).nonzero()[:, 0]
+
+
+def losses(model, batch: TrainBatch, targets: torch.Tensor, loss_weights: torch.Tensor | None = None,
+           rows: torch.Tensor | None = None) -> StepLosses:
+    """One forward of ``model`` (already in :func:`training` mode) over ``batch``; ``targets`` [T]; ``rows``:
+    :func:`answer_rows` of them, when the caller has it."""
     with routing.recording() as routes:
         hidden = model(batch)  # [T, D]
-    rows = (targets != IGNORE).nonzero()[:, 0]
+    rows = answer_rows(targets) if rows is None else rows.to(hidden.device)
     if not rows.numel():
         lm = hidden.sum() * 0
     elif loss_weights is None:

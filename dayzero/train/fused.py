@@ -21,6 +21,7 @@ not take (a clamp limit, a norm without weight). :func:`mode` sets where they ru
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 
 import torch
@@ -28,12 +29,14 @@ import torch
 from dayzero.ops.activation.reference import silu_and_mul
 from dayzero.ops.norm.reference import rms_norm, rms_norm_gated
 from dayzero.ops.registry import register
+from dayzero.ops.triton_support import quiet_fla_import
 
 try:  # fla-core (optional): Triton kernels with a backward
-    from fla.modules.activations import swiglu as fla_swiglu
-    from fla.modules.causal_conv1d import causal_conv1d as fla_causal_conv1d
-    from fla.modules.norm.fused_norm_gate import rms_norm_gated as fla_rms_norm_gated
-    from fla.modules.norm.layernorm import rms_norm as fla_rms_norm
+    with quiet_fla_import():
+        from fla.modules.activations import swiglu as fla_swiglu
+        from fla.modules.causal_conv1d import causal_conv1d as fla_causal_conv1d
+        from fla.modules.norm.fused_norm_gate import rms_norm_gated as fla_rms_norm_gated
+        from fla.modules.norm.layernorm import rms_norm as fla_rms_norm
 except Exception:  # noqa: BLE001 - absent, or a triton it cannot use: the references run
     fla_swiglu = fla_causal_conv1d = fla_rms_norm_gated = fla_rms_norm = None
 
@@ -90,6 +93,43 @@ def silu_and_mul_train(x: torch.Tensor, limit: float | None = None) -> torch.Ten
         return silu_and_mul(x, limit)
     gate, up = x.chunk(2, dim=-1)
     return fla_swiglu(gate, up)
+
+
+_GROUPED_MM: dict[tuple, bool] = {}  # (device, dtype) -> the probe's verdict
+
+
+def grouped_mm_ready(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the experts run as grouped GEMMs on ``x``'s device in ``dtype`` (:func:`usable`, bf16 on CUDA, and
+    the probe passed there)."""
+    if not hasattr(torch, "_grouped_mm") or _MODE == "off":
+        return False
+    if x.is_cuda and dtype != torch.bfloat16 or not (x.is_cuda or _MODE == "on"):
+        return False
+    key = (str(x.device), dtype)
+    if key not in _GROUPED_MM:
+        _GROUPED_MM[key] = _probe_grouped_mm(x.device, dtype)
+    return _GROUPED_MM[key]
+
+
+def _probe_grouped_mm(device, dtype) -> bool:
+    """A grouped GEMM of groups of 5, 0 and 11 rows, forward and backward, against plain matmuls."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 32, generator=g).to(device, dtype).requires_grad_()
+    w = torch.randn(3, 48, 32, generator=g).to(device, dtype).requires_grad_()
+    ends = torch.tensor([5, 5, 16], device=device, dtype=torch.int32)
+    try:
+        y = torch._grouped_mm(x, w.transpose(1, 2), offs=ends)
+        y.float().square().sum().backward()
+        ref = torch.cat((x[:5] @ w[0].T, x[5:] @ w[2].T)).float()
+        ok = bool(torch.allclose(y.float(), ref, atol=0.1, rtol=0.05)) and bool(w.grad[1].eq(0).all())
+    except Exception as exc:  # noqa: BLE001 - an unsupported device, dtype or layout: the padded GEMMs run
+        logging.getLogger(__name__).warning("grouped GEMM unavailable on %s %s (%s): padded batched GEMMs",
+                                            device, dtype, str(exc).splitlines()[0][:120])
+        return False
+    if not ok:
+        logging.getLogger(__name__).warning("grouped GEMM on %s %s disagrees with matmul: padded batched GEMMs",
+                                            device, dtype)
+    return ok
 
 
 # fla's norm kernels take cdiv(rows, 2048) as a compile-time constant: every step's row count would compile them

@@ -21,10 +21,12 @@ import torch.nn.functional as F
 from dayzero.ops.kda.chunk_batched import kda_chunk_batched
 from dayzero.ops.kda.reference import _prep, grouped, kda_gate
 from dayzero.ops.registry import register
+from dayzero.ops.triton_support import quiet_fla_import
 from dayzero.train import fused
 
 try:  # fla-core: Triton kernels with a backward (optional, GPU only)
-    from fla.ops.kda import chunk_kda
+    with quiet_fla_import():
+        from fla.ops.kda import chunk_kda
 except Exception:  # noqa: BLE001 - absent, or a triton it cannot use: the PyTorch chunk form runs
     chunk_kda = None
 

@@ -25,7 +25,7 @@ import torch
 from dayzero.train import routing
 from dayzero.train.batch import TrainBatch
 from dayzero.train.data import DataConfig, StreamDataset
-from dayzero.train.forward import indexer_parameters, losses, moe_layers, training
+from dayzero.train.forward import answer_rows, indexer_parameters, losses, moe_layers, training
 
 
 @dataclass
@@ -199,7 +199,7 @@ class Trainer:
             for g in self.opt.param_groups:
                 g["lr"] = lr
             with autocast, training(model):
-                out = losses(model, batch, targets, loss_weights)
+                out = losses(model, batch, targets, loss_weights, rows=answer_rows(step.targets))
                 main = out.lm + c.balance_alpha * out.balance
             clock.mark("fwd")
             if out.indexer_kl.requires_grad and self.indexer_params:
@@ -221,13 +221,13 @@ class Trainer:
             tok_log += step.ids.numel()
             answer += out.answer_tokens
             if self.step % c.log_every == 0 or self.step == 1:
-                lm, kl, bal = out.lm.item(), out.indexer_kl.item(), out.balance.item()
+                lm, kl, bal, load = out.lm.item(), out.indexer_kl.item(), out.balance.item(), float(imbalance)
                 now = time.monotonic()
                 rate = tok_log / max(1e-9, now - t_log)
                 t_log, tok_log = now, 0
                 left = self._eta(now)
                 self.log(f"step {self.step:>6}  {p:6.1%}  lr {lr:.2e}  loss {lm:.4f}  kl {kl:.4f}  bal {bal:.3f}  "
-                         f"load {imbalance:.2f}  gnorm {float(gnorm):.2f}  {'sparse' if batch.sparse else 'dense '}  "
+                         f"load {load:.2f}  gnorm {float(gnorm):.2f}  {'sparse' if batch.sparse else 'dense '}  "
                          f"{rate / 1e3:,.0f}K tok/s  {_fmt_time(now - self.start)} elapsed  ETA {_fmt_time(left)}"
                          f"{clock.summary()}")
                 history.append({"step": self.step, "loss": lm, "kl": kl})

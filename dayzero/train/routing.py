@@ -25,7 +25,7 @@ from dayzero.ops.moe.reference import _activation, route
 from dayzero.ops.registry import register
 from dayzero.quant.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from dayzero.train.batch import take
-from dayzero.train.fused import silu_and_mul_train
+from dayzero.train.fused import grouped_mm_ready, silu_and_mul_train
 
 
 @dataclass
@@ -70,8 +70,9 @@ def fake_mxfp4(w: torch.Tensor) -> torch.Tensor:
     return w + (q - w).detach()
 
 
-@register("moe_experts_grouped", "train", note="every expert as one batched GEMM pair over its rows padded to the "
-                                            "largest expert's count; optional MXFP4 QAT")
+@register("moe_experts_grouped", "train", note="one grouped GEMM a projection over the experts' rows (CUDA, bf16), "
+                                            "else one batched GEMM pair over the rows padded to the largest "
+                                            "expert's count; optional MXFP4 QAT")
 def grouped_mlp_train(xs, offsets, w1, w2, activation="silu", b1=None, b2=None, limit=None, order=None, top_k=1):
     # xs: [T, L] tokens (with order) or [N, L] rows by expert; offsets: [E] row ends -> [N, L] rows by expert
     act = _activation(activation, w1, w2, limit)
@@ -83,8 +84,12 @@ def grouped_mlp_train(xs, offsets, w1, w2, activation="silu", b1=None, b2=None, 
     N = order.shape[0] if order is not None else xs.shape[0]
     src = order // top_k if order is not None else torch.arange(N, device=xs.device)  # [N] row of xs per sorted row
     ends = offsets.long()
+    dt = torch.get_autocast_dtype(xs.device.type) if torch.is_autocast_enabled(xs.device.type) else xs.dtype
+    if E and N and grouped_mm_ready(xs, dt):
+        return _grouped_rows(xs, src, ends, w1, w2, act, b1, b2, dt)
     starts = torch.cat((ends.new_zeros(1), ends[:-1]))
-    cap, routed = ((ends - starts).max().item(), ends[-1].item()) if E else (0, 0)  # the host reads: padded width
+    # the host reads the padded width (one synchronisation a layer)
+    cap, routed = torch.stack(((ends - starts).max(), ends[-1])).tolist() if E else (0, 0)
     if routed < N:  # rows past the last expert's are padding: zero, as in the reference
         y = grouped_mlp_train(xs, offsets, w1, w2, activation, b1, b2, limit,
                               None if order is None else order[:routed], top_k) if order is not None else \
@@ -96,7 +101,6 @@ def grouped_mlp_train(xs, offsets, w1, w2, activation="silu", b1=None, b2=None, 
     cells = expert * cap + torch.arange(N, device=xs.device) - starts[expert]  # [N] cell of each sorted row
     # [E, cap] token row of each cell; cells past an expert's count read row 0 and are never read back
     gather = torch.zeros(E * cap, dtype=torch.int64, device=xs.device).index_copy_(0, cells, src)
-    dt = torch.get_autocast_dtype(xs.device.type) if torch.is_autocast_enabled(xs.device.type) else xs.dtype
     x = take(xs, gather).to(dt).view(E, cap, -1)  # [E, cap, L]
     h = torch.bmm(x, w1.to(dt).transpose(1, 2))  # [E, cap, r*I]
     if b1 is not None:
@@ -105,6 +109,26 @@ def grouped_mlp_train(xs, offsets, w1, w2, activation="silu", b1=None, b2=None, 
     if b2 is not None:
         y = y + b2[:, None, :].to(y.dtype)
     return take(y.reshape(E * cap, -1), cells).to(xs.dtype)
+
+
+def _grouped_rows(xs, src, ends, w1, w2, act, b1, b2, dt) -> torch.Tensor:
+    """The experts over the rows as sorted, one grouped GEMM a projection (``torch._grouped_mm``, each expert's
+    rows a group): no padding to the largest expert, no host read. Rows past the last expert's end (padding, zero
+    out) join the last group and are zeroed after, so every row the GEMMs touch holds real data."""
+    N, E = src.shape[0], w1.shape[0]
+    offs = torch.cat((ends[:-1], ends.new_full((1,), N))).to(torch.int32)
+    x = take(xs, src).to(dt)  # [N, L]
+    expert = None
+    if b1 is not None or b2 is not None:
+        expert = torch.searchsorted(ends, torch.arange(N, device=xs.device), right=True).clamp_(max=E - 1)
+    h = torch._grouped_mm(x, w1.to(dt).transpose(1, 2), offs=offs)  # [N, r*I]
+    if b1 is not None:
+        h = h + take(b1, expert).to(h.dtype)
+    y = torch._grouped_mm(act(h).to(dt), w2.to(dt).transpose(1, 2), offs=offs)  # [N, L]
+    if b2 is not None:
+        y = y + take(b2, expert).to(y.dtype)
+    routed = torch.arange(N, device=xs.device) < ends[-1]
+    return torch.where(routed[:, None], y, torch.zeros((), dtype=y.dtype, device=y.device)).to(xs.dtype)
 
 
 def _scores(r: Routed) -> torch.Tensor:
@@ -136,15 +160,16 @@ def balance_loss(routes: list[Routed], seq_of_row: torch.Tensor, num_seqs: int) 
 
 
 @torch.no_grad()
-def update_bias(moe_layers: list, routes: list[Routed], rate: float) -> float:
+def update_bias(moe_layers: list, routes: list[Routed], rate: float) -> torch.Tensor:
     """Move each layer's selection bias towards balance by its step's loads (``b += rate · sign(mean − load)``);
-    returns the worst layer's max load / mean load."""
-    worst = 0.0
+    returns the worst layer's max load / mean load, on the device (nothing here reads back to the host)."""
+    worst = torch.zeros(())
     for moe, r in zip(moe_layers, routes):
         E = moe.spec.n_experts
-        load = torch.bincount(r.ids.reshape(-1), minlength=E).float()
+        ids = r.ids.reshape(-1)
+        load = torch.zeros(E, device=ids.device).index_add_(0, ids, torch.ones(ids.numel(), device=ids.device))
         mean = load.mean()
         if moe.e_score_correction_bias is not None:
             moe.e_score_correction_bias.add_(rate * torch.sign(mean - load))
-        worst = max(worst, float(load.max() / mean.clamp_min(1e-9)))
+        worst = torch.maximum(worst.to(load.device), load.max() / mean.clamp_min(1e-9))
     return worst

@@ -169,3 +169,33 @@ def test_take_gathers_and_accumulates_repeated_rows_like_indexing(shape):
     (b[index] * up).sum().backward()
     assert torch.equal(take(x, index), x[index])
     torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-12)
+
+
+def test_bias_update_moves_towards_balance_without_reading_back():
+    from types import SimpleNamespace
+
+    from dayzero.train.routing import Routed, update_bias
+
+    layers = [SimpleNamespace(spec=SimpleNamespace(n_experts=4), e_score_correction_bias=torch.zeros(4))
+              for _ in range(2)]
+    ids = [torch.tensor([[0, 1], [0, 2], [0, 1]]), torch.tensor([[3, 2], [1, 0], [2, 3]])]  # loads 3,2,1,0 / 1,1,2,2
+    worst = update_bias(layers, [Routed(torch.zeros(3, 4), i, "sigmoid") for i in ids], 0.1)
+    assert isinstance(worst, torch.Tensor) and float(worst) == 2.0  # 3 / mean 1.5
+    torch.testing.assert_close(layers[0].e_score_correction_bias, torch.tensor([-0.1, -0.1, 0.1, 0.1]))
+    torch.testing.assert_close(layers[1].e_score_correction_bias, torch.tensor([0.1, 0.1, -0.1, -0.1]))
+
+
+def test_answer_rows_given_by_the_caller_give_the_same_losses(tiny_ckpt):
+    from dayzero.train.forward import answer_rows
+
+    model = load_model(tiny_ckpt, "cpu")
+    ids = torch.tensor(sum(_prompts(3), []))
+    targets = torch.roll(ids, -1).masked_fill(torch.arange(ids.numel()) % 3 == 0, -100)
+    batch = TrainBatch(ids, LENS, sparse=True)
+    with training(model):
+        a = losses(model, batch, targets)
+    batch = TrainBatch(ids, LENS, sparse=True)
+    with training(model):
+        b = losses(model, batch, targets, rows=answer_rows(targets))
+    assert a.answer_tokens == b.answer_tokens == int((targets != -100).sum())
+    torch.testing.assert_close(a.lm, b.lm)

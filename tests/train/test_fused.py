@@ -176,3 +176,28 @@ def test_a_bf16_step_of_the_default_model_is_as_near_fp32_with_the_fused_kernels
     worse = {n: (rel(g[n], g32[n]), rel(g0[n], g32[n])) for n in g32}
     bad = {n: e for n, e in worse.items() if e[0] > 1.5 * e[1] + 0.02}
     assert not bad, bad
+
+
+@pytest.mark.parametrize("case", ["routed", "padding-rows", "biases"])
+def test_grouped_gemm_experts_equal_the_padded_batched_gemms(case):
+    from dayzero.ops.moe.reference import permute
+    from dayzero.train.routing import grouped_mlp_train
+
+    g = torch.Generator().manual_seed(len(case))
+    E, L, I, T, k = 5, 16, 8, 13, 2
+    w1, w2 = torch.randn(E, 2 * I, L, generator=g), torch.randn(E, L, I, generator=g)
+    ids = torch.randint(0, E - 1, (T, k), generator=g)  # the last expert gets no row
+    order, offsets = permute(ids, E)
+    if case == "padding-rows":  # the last 5 sorted rows belong to no expert: zero out
+        offsets = offsets.clone().clamp_(max=T * k - 5)
+    biases = (torch.randn(E, 2 * I, generator=g), torch.randn(E, L, generator=g)) if case == "biases" else ()
+    x = torch.randn(T, L, generator=g)
+    fn = lambda x, w1, w2, *b: grouped_mlp_train(x, offsets, w1, w2, "silu", *b, order=order, top_k=k)  # noqa: E731
+    with fused.mode("off"):
+        ref = _grads(fn, x, w1, w2, *biases)
+    with fused.mode("on"):
+        assert fused.grouped_mm_ready(x.to(DEV), torch.float32) == (DEV == "cpu")
+        got = _grads(fn, x, w1, w2, *biases)
+    _same(got, ref)
+    if case == "padding-rows":
+        assert not got[0][-5:].any()
