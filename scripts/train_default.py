@@ -9,6 +9,14 @@ run the final evaluation (``--eval-seconds`` are kept for those). The checkpoint
 ``dayzero/assets/default`` (routed experts in MXFP4 unless ``--expert-format bf16``) and loads with
 ``dayzero.LLM(out)``; the final table is ``dayzero eval``'s (``--eval-n`` instances per task through the engine),
 and ``README.md`` beside it is the model card (:mod:`dayzero.train.card`: size, tasks, command, time, accuracy).
+
+A job longer than one process may run (a GPU lent for ten minutes at a time) pauses and resumes
+(:mod:`dayzero.train.resume`): ``--pause-after 7`` stops training after 7 minutes and writes the checkpoint with
+the trainer's state, and ``--resume DIR --out DIR2`` carries the same job on, with its options, schedule and
+optimizer, to the end of its ``--minutes``:
+
+    python scripts/train_default.py --device cuda --minutes 15 --pause-after 7 --out part1
+    python scripts/train_default.py --device cuda --resume part1 --out trained
 """
 from __future__ import annotations
 
@@ -86,7 +94,48 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--profile", default=None, metavar="FILE",
                     help="write the profiler's tables of one step (GPU and host time, by op and by caller) to FILE")
     ap.add_argument("--profile-step", type=int, default=3, metavar="N", help="the step --profile records (default 3)")
+    ap.add_argument("--pause-after", type=float, default=None, metavar="MIN",
+                    help="stop this process after MIN minutes of training, writing the checkpoint and the trainer's "
+                         "state to --out, for --resume to carry the job on (a GPU lent for less than the job)")
+    ap.add_argument("--pause-at-step", type=int, default=None, metavar="N", help="pause once N steps are done")
+    ap.add_argument("--resume", default=None, metavar="DIR",
+                    help="carry on the job that paused in DIR, with its own options (only --out, --device and the "
+                         "options of this process, the evaluation's and the pauses', may be given)")
     return ap.parse_args(argv)
+
+
+# what a resumed job takes from this process's command line; every other option is the job's own
+PER_PROCESS = {"out", "device", "overwrite", "pause_after", "pause_at_step", "resume", "eval_n", "eval_every",
+               "eval_seconds", "workers", "log_every", "profile", "profile_step"}
+_PER_PROCESS_FLAGS = {"--" + n.replace("_", "-") for n in PER_PROCESS}
+
+
+def job_argv(argv: list[str]) -> list[str]:
+    """The job's own options among ``argv`` (those a resumed process keeps), without this process's."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        flag = a.split("=", 1)[0]
+        if flag in _PER_PROCESS_FLAGS:
+            skip = "=" not in a and flag != "--overwrite"
+            continue
+        out.append(a)
+    return out
+
+
+def resumed_args(args: argparse.Namespace, saved_argv: list[str]) -> argparse.Namespace:
+    """The paused job's options with this process's own; ValueError if this command line sets a job option."""
+    defaults = parse_args(["--out", "-"])
+    given = sorted(n for n, v in vars(args).items() if n not in PER_PROCESS and v != getattr(defaults, n))
+    if given:
+        raise ValueError(f"--resume takes the job's own options from its state: leave out "
+                         f"{', '.join('--' + n.replace('_', '-') for n in given)}")
+    job = parse_args(saved_argv + ["--out", args.out])
+    for name in PER_PROCESS:
+        setattr(job, name, getattr(args, name))
+    return job
 
 
 def check(args) -> None:
@@ -132,13 +181,15 @@ def check(args) -> None:
         raise ValueError(f"--out {out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not args.overwrite:
         raise ValueError(f"--out {out} exists and is not empty; pass --overwrite to write into it")
-    for name in ("tokens", "workers", "log_every", "profile_step"):
+    for name in ("tokens", "workers", "log_every", "profile_step", "pause_at_step"):
         v = getattr(args, name)
         if v is not None and v < (0 if name == "workers" else 1):
             need = ">= 0" if name == "workers" else "positive"
             raise ValueError(f"--{name.replace('_', '-')} must be {need}, got {v}")
     if args.lr is not None and not args.lr > 0:
         raise ValueError(f"--lr must be positive, got {args.lr}")
+    if args.pause_after is not None and not args.pause_after > 0:
+        raise ValueError(f"--pause-after must be positive, got {args.pause_after}")
     if args.eval_n < 0 or args.eval_every < 0:
         raise ValueError("--eval-n and --eval-every must be >= 0")
 
@@ -165,7 +216,14 @@ def _device_name(device) -> str:
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    state, job = None, job_argv(argv)
+    if args.resume:
+        from dayzero.train.resume import load_state
+
+        state = load_state(args.resume)
+        args, job = resumed_args(args, state["argv"]), state["argv"]
     check(args)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the data workers fork after the tokenizer loads
     # every step has other shapes: growable segments keep the allocator from freeing and re-allocating
@@ -190,7 +248,8 @@ def main(argv=None) -> int:
     if not cuda:
         configure_threads()  # fewer threads than cores on a loaded machine: torch's would wait on each other
     default_config = TINY_CONFIG if args.tiny else DEFAULT_CONFIG
-    config = HybridConfig.from_file(Path(args.init) / "config.json" if args.init else args.config or default_config)
+    start_from = args.resume or args.init  # a checkpoint's weights and config
+    config = HybridConfig.from_file(Path(start_from) / "config.json" if start_from else args.config or default_config)
     tokenizer = load_tokenizer(DEFAULT_MODEL)
     tasks = [t.strip() for t in (args.tasks or ",".join(TASKS)).split(",") if t.strip()]
     data = DataConfig()
@@ -215,7 +274,9 @@ def main(argv=None) -> int:
         data = replace(data, recall_min=lo, recall_start=start, recall_max=hi)
     reserve = args.eval_seconds if args.eval_seconds is not None else (75.0 if cuda else 30.0)
     seconds = None
-    if args.minutes is not None:
+    if state is not None:  # the job's budget, as its first process set it
+        seconds = state["seconds"]
+    elif args.minutes is not None:
         seconds = args.minutes * 60 - reserve - (time.monotonic() - t0)
         if seconds <= 0:
             raise ValueError(f"--minutes {args.minutes} leaves no time to train after the {reserve:.0f} s kept for "
@@ -227,9 +288,12 @@ def main(argv=None) -> int:
         log_every=args.log_every or (20 if cuda else 1), warmup_steps=5 if args.tiny else 30,
         eval_every=(args.eval_every or None) if cuda else None,
         fake_mxfp4=args.expert_format == "mxfp4", profile_file=args.profile, profile_step=args.profile_step,
+        pause_seconds=None if args.pause_after is None else args.pause_after * 60, pause_step=args.pause_at_step,
         sparse_from=TrainConfig.sparse_from if args.sparse_from is None else args.sparse_from)
     torch.manual_seed(args.seed)
-    model = load_model(args.init, device) if args.init else new_model(config, device, args.seed)
+    model = load_model(start_from, device) if start_from else new_model(config, device, args.seed)
+    if state is not None:
+        model.load_state_dict(state["model"])  # the fp32 masters (the checkpoint's experts are MXFP4-rounded)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: dayzero_hybrid {config.hidden_size}x{config.num_hidden_layers} ({', '.join(config.layer_types)}), "
           f"{n_params / 1e6:.1f}M parameters, on {device}; {data.tokens} tokens a step; tasks {', '.join(tasks)}",
@@ -243,8 +307,18 @@ def main(argv=None) -> int:
                                                     for r in rows), flush=True)
 
     trainer = Trainer(model, tokenizer, train_config, device, log=lambda s: print(s, flush=True), on_eval=quick_eval)
+    if state is not None:
+        trainer.load_state_dict(state["trainer"])
+        print(f"resumed at step {trainer.step} after {trainer.before:.0f} s of training", flush=True)
     summary = trainer.train()
     save_checkpoint(model, config, out, DEFAULT_MODEL, args.expert_format)
+    if summary["paused"]:
+        from dayzero.train.resume import save_state
+
+        save_state(out, trainer, model, job, seconds)
+        print(f"paused at step {summary['steps']} after {summary['seconds']:.0f} s of training; carry on with: "
+              f"python scripts/train_default.py --resume {out} --out DIR", flush=True)
+        return 0
     size = (out / "model.safetensors").stat().st_size
     print(f"trained {summary['steps']} steps, {summary['tokens'] / 1e6:.1f}M tokens in {summary['seconds']:.0f} s; "
           f"wrote {out} (model.safetensors {size / 2**20:.1f} MiB, experts {args.expert_format})", flush=True)
@@ -258,7 +332,9 @@ def main(argv=None) -> int:
                  "context_len": ctx, "max_digits": data.max_digits, "recall_style": data.recall_style}
         print(f"{out}: exact match, greedy, held-out (eval split), recall at {ctx} tokens")
         print(table(rows))
-    command = " ".join(["python scripts/train_default.py", *_portable(argv if argv is not None else sys.argv[1:])])
+    command = " ".join(["python scripts/train_default.py", *_portable(argv if state is None else job)])
+    if state is not None:
+        command += " (paused with --pause-after, carried on with --resume)"
     write_model_card(out, config=config, n_params=n_params, size_bytes=size, expert_format=args.expert_format,
                      tasks=tasks, command=command, device=_device_name(device), summary=summary, rows=rows,
                      eval_setup=setup)

@@ -51,6 +51,10 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     profile_file: str | None = None  # the profiler's tables of step ``profile_step`` (GPU and host time) go here
     profile_step: int = 3
+    # a job split over several processes (a time limit per call): this one stops after ``pause_seconds`` of its own
+    # training, or once ``pause_step`` steps are done, and the trainer's state_dict carries the job on
+    pause_seconds: float | None = None
+    pause_step: int | None = None
 
     def __post_init__(self):
         if self.seconds is None and self.steps is None:
@@ -142,14 +146,28 @@ class Trainer:
                                      fused=fused)
         self.progress = mp.Value("d", 0.0)
         self.tokenizer = tokenizer
-        self.step = 0
+        self.step = self.first_step = 0
         self.start = None
+        self.before = 0.0  # seconds of training of this job in earlier processes (a resumed job)
+        self.carried = {"tokens": 0, "answer_tokens": 0, "history": []}
+        self.paused = False
+
+    def state_dict(self) -> dict:
+        """What a later process needs to carry this job on (with the model's weights): the optimizer's moments,
+        the step (the data stream and the schedule follow it) and the seconds of training so far."""
+        return {"step": self.step, "seconds": self.before + (time.monotonic() - self.start if self.start else 0.0),
+                "optimizer": self.opt.state_dict(), **self.carried}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.opt.load_state_dict(state["optimizer"])
+        self.step, self.before = int(state["step"]), float(state["seconds"])
+        self.carried = {k: state[k] for k in ("tokens", "answer_tokens", "history")}
 
     def fraction(self) -> float:
         c = self.config
         p = 0.0
         if c.seconds is not None:
-            p = max(p, (time.monotonic() - self.start) / c.seconds)
+            p = max(p, (self.before + time.monotonic() - self.start) / c.seconds)
         if c.steps is not None:
             p = max(p, self.step / c.steps)
         return min(1.0, p)
@@ -162,7 +180,7 @@ class Trainer:
 
     def _loader(self):
         c = self.config
-        ds = StreamDataset(c.data, self.tokenizer, c.seed, self.progress)
+        ds = StreamDataset(c.data, self.tokenizer, c.seed, self.progress, first=self.step)
         if c.workers == 0:
             return iter(ds)
         loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=c.workers, prefetch_factor=2,
@@ -171,18 +189,19 @@ class Trainer:
 
     def train(self) -> dict:
         c, model, dev = self.config, self.model, self.device
-        self.start = time.monotonic()
+        self.start, self.first_step = time.monotonic(), self.step
         data = self._loader()
         autocast = torch.autocast("cuda", torch.bfloat16) if dev.type == "cuda" else contextlib.nullcontext()
         moes = moe_layers(model)
-        tokens = answer = 0
+        tokens, answer, history = self.carried["tokens"], self.carried["answer_tokens"], list(self.carried["history"])
         last_eval = self.start
         t_log, tok_log = time.monotonic(), 0
-        sums = {"lm": 0.0, "kl": 0.0, "bal": 0.0, "n": 0}
-        history = []
         while True:
             p = self.fraction()
             if p >= 1.0:
+                break
+            if self._pause_now():
+                self.paused = True
                 break
             self.progress.value = p
             timed = (self.step + 1) % c.log_every == 0  # a logged step times its phases (synchronising)
@@ -225,23 +244,31 @@ class Trainer:
                 now = time.monotonic()
                 rate = tok_log / max(1e-9, now - t_log)
                 t_log, tok_log = now, 0
-                left = self._eta(now)
+                left, elapsed = self._eta(now), self.before + now - self.start
                 self.log(f"step {self.step:>6}  {p:6.1%}  lr {lr:.2e}  loss {lm:.4f}  kl {kl:.4f}  bal {bal:.3f}  "
                          f"load {load:.2f}  gnorm {float(gnorm):.2f}  {'sparse' if batch.sparse else 'dense '}  "
-                         f"{rate / 1e3:,.0f}K tok/s  {_fmt_time(now - self.start)} elapsed  ETA {_fmt_time(left)}"
+                         f"{rate / 1e3:,.0f}K tok/s  {_fmt_time(elapsed)} elapsed  ETA {_fmt_time(left)}"
                          f"{clock.summary()}")
                 history.append({"step": self.step, "loss": lm, "kl": kl})
             if self.on_eval is not None and c.eval_every and time.monotonic() - last_eval >= c.eval_every:
                 self.on_eval(self.step)
                 last_eval = time.monotonic()
+        self.carried = {"tokens": tokens, "answer_tokens": answer, "history": history}
         return {"steps": self.step, "tokens": tokens, "answer_tokens": answer,
-                "seconds": time.monotonic() - self.start, "history": history}
+                "seconds": self.before + time.monotonic() - self.start, "history": history, "paused": self.paused}
+
+    def _pause_now(self) -> bool:
+        c = self.config
+        if c.pause_step is not None and self.step >= c.pause_step:
+            return True
+        return c.pause_seconds is not None and time.monotonic() - self.start >= c.pause_seconds
 
     def _eta(self, now: float) -> float:
         c = self.config
         left = []
         if c.seconds is not None:
-            left.append(c.seconds - (now - self.start))
-        if c.steps is not None and self.step:
-            left.append((now - self.start) / self.step * (c.steps - self.step))
+            left.append(c.seconds - (self.before + now - self.start))
+        done = self.step - self.first_step  # this process's steps
+        if c.steps is not None and done:
+            left.append((now - self.start) / done * (c.steps - self.step))
         return min(left)

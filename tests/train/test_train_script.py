@@ -132,3 +132,23 @@ def test_a_card_given_its_training_section_has_one_heading_for_it():
     for text in ("Two jobs.", "## Training\n\nTwo jobs.\n"):
         card = model_card(**common, training=text)
         assert card.count("## Training") == 1 and "## Training\n\nTwo jobs.\n" in card
+
+
+def test_a_paused_and_resumed_job_ends_where_the_whole_job_does(tmp_path):
+    base = ["--tiny", "--device", "cpu", "--steps", "6", "--eval-n", "0", "--lr", "1e-3"]
+    script = _script()
+    assert script.main(base + ["--out", str(tmp_path / "whole")]) == 0
+    assert script.main(base + ["--pause-at-step", "3", "--out", str(tmp_path / "first")]) == 0
+    assert (tmp_path / "first" / "trainer_state.pt").is_file()
+    with pytest.raises(ValueError, match="--lr"):  # the recipe is the job's own
+        script.main(["--resume", str(tmp_path / "first"), "--out", str(tmp_path / "x"), "--lr", "2e-3"])
+    with pytest.raises(ValueError, match="no trainer_state.pt"):
+        script.main(["--resume", str(tmp_path / "whole"), "--out", str(tmp_path / "y")])
+    assert script.main(["--resume", str(tmp_path / "first"), "--device", "cpu", "--eval-n", "0",
+                        "--out", str(tmp_path / "second")]) == 0
+    whole, resumed = (load_file(tmp_path / d / "model.safetensors") for d in ("whole", "second"))
+    assert whole.keys() == resumed.keys()
+    for name in whole:
+        torch.testing.assert_close(resumed[name], whole[name], msg=name)
+    card = (tmp_path / "second" / "README.md").read_text()
+    assert "--resume" in card and "6 steps" in card.replace(",", "")
