@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dayzero.ops.registry import register
-from dayzero.train.batch import take
+from dayzero.train.batch import take, to_device
 
 _NEG = float("-inf")
 # cuDNN's attention builds a plan for every new shape (~25 ms of host time a call) and every step's buckets have
@@ -179,7 +179,8 @@ def indexer_kl(q, k, mask, scale: float, bucket, iq, iw, ik, topk: int, max_rows
     B, L = q.shape[:2]
     index = bucket.index
     # on the host (on the device, unique would read its output size back: a synchronisation every call)
-    rows = torch.linspace(topk, L - 1, min(max_rows, L - topk)).round().long().unique().to(q.device)
+    rows = torch.linspace(topk, L - 1, min(max_rows, L - topk)).round().long().unique()
+    rows = to_device(rows, q.device)
     real = rows[None, :] <= index[:, -1:] - index[:, :1]  # [B, M]: within the sequence, not padding
     keys = torch.arange(L, device=q.device)
     allowed = keys[None, None, :] <= rows[None, :, None]  # [1, M, L] causal

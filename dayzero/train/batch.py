@@ -24,6 +24,15 @@ from dayzero.engine.batch import ForwardBatch
 from dayzero.ops.kda.chunk_batched import length_runs
 
 
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on ``device`` without waiting for the device's queue: on CUDA through pinned memory and an
+    asynchronous copy (a copy from pageable memory, or a blocking one, synchronises with the stream)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``x[index]`` for an integer ``index`` of any shape, through ``index_select``: its gradient is an atomic
     ``index_add_``, where ``x[index]``'s sorts the indices and runs serially over repeats (the padding cells and
@@ -95,7 +104,7 @@ def make_buckets(lens: list[int], device, growth: float = 1.5) -> list[Bucket]:
         index = starts[:, None] + torch.minimum(j[None, :], n[:, None] - 1)
         cells = (j[None, :] < n[:, None]).flatten().nonzero()[:, 0]  # real cells, row by row
         end = start + sum(seq_lens)
-        out.append(Bucket(run, start, end, width, index.to(device), cells.to(device)))
+        out.append(Bucket(run, start, end, width, to_device(index, device), to_device(cells, device)))
         start = end
     return out
 
@@ -113,12 +122,12 @@ class TrainBatch(ForwardBatch):
         cu = [0]
         for n in lens:
             cu.append(cu[-1] + n)
-        # built on the host and copied: on the device, repeat_interleave would read its output size back (a
-        # synchronisation that drains the device's queue at every step)
+        # built on the host and copied without waiting (on the device, repeat_interleave would read its output size
+        # back, which drains the device's queue at every step)
         cu_host = torch.tensor(cu, dtype=torch.int64)
         seq_host = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens, dtype=torch.int64))
         positions_host = torch.arange(input_ids.shape[0], dtype=torch.int64) - cu_host[seq_host]
-        cu_t, seq, positions = (t.to(dev) for t in (cu_host, seq_host, positions_host))
+        cu_t, seq, positions = (to_device(t, dev) for t in (cu_host, seq_host, positions_host))
         rows = torch.arange(input_ids.shape[0], dtype=torch.int64, device=dev)
         self._lens = list(lens)
         super().__init__(input_ids, positions, cu, [0] * len(lens), lens, rows, torch.empty(0, 0, dtype=torch.int64),

@@ -23,7 +23,7 @@ from dayzero.train import attention as _attention  # noqa: F401 - registers the 
 from dayzero.train import fused as _fused  # noqa: F401
 from dayzero.train import linear_attention as _linear  # noqa: F401
 from dayzero.train import routing
-from dayzero.train.batch import TrainBatch, clear_caches, take, train_caches
+from dayzero.train.batch import TrainBatch, clear_caches, take, to_device, train_caches
 from dayzero.train.data import IGNORE
 
 TRAIN = "train"
@@ -65,7 +65,7 @@ def losses(model, batch: TrainBatch, targets: torch.Tensor, loss_weights: torch.
     :func:`answer_rows` of them, when the caller has it."""
     with routing.recording() as routes:
         hidden = model(batch)  # [T, D]
-    rows = answer_rows(targets) if rows is None else rows.to(hidden.device)
+    rows = answer_rows(targets) if rows is None else to_device(rows, hidden.device)
     if not rows.numel():
         lm = hidden.sum() * 0
     elif loss_weights is None:
