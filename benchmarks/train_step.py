@@ -18,6 +18,8 @@ import os
 import statistics
 import sys
 import time
+import warnings
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -86,6 +88,23 @@ def step_flops(init: str, device, data) -> tuple[float, int]:
     return float(counter.get_total_flops()), step.ids.numel()
 
 
+def host_syncs(init: str, device, data, steps: int = 4) -> tuple[int, list]:
+    """The synchronisations with the device in a job of ``steps`` steps (``torch.cuda.set_sync_debug_mode``: each
+    op that waits for the device warns), with the lines that caused the most; (0, []) off CUDA."""
+    if device.type != "cuda":
+        return 0, []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            job(init, device, data, steps, "auto", workers=0)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    lines = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in syncs)
+    return len(syncs), lines.most_common(8)
+
+
 def matmul_peak(device) -> float:
     n = 8192 if device.type == "cuda" else 1024
     dt = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -93,7 +112,7 @@ def matmul_peak(device) -> float:
     return 2 * n**3 / (ms_per_call(lambda: a @ b, 10, device.type) * 1e-3)
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="auto")
     ap.add_argument("--init", default=str(ROOT / "dayzero" / "assets" / "default"), help="checkpoint to train from")
@@ -124,20 +143,27 @@ def main(argv=None) -> int:
             s = job(args.init, device, data, args.steps, m, workers)
             rates[label].append(s["tokens"] / s["seconds"])
             print(f"  round {r + 1} {label}: {s['tokens'] / 1e6:.1f}M tokens in {s['seconds']:.1f} s", flush=True)
+    syncs, lines = host_syncs(args.init, device, data)
     flops, tokens = step_flops(args.init, device, data)
     peak = matmul_peak(device)
     base = statistics.mean(rates["reference ops"])
+    rows = []
     print(f"\n{'mode':<16}{'tokens/s':>12}{'ms/step':>10}{'vs reference':>14}{'TFLOP/s':>10}{'of peak':>9}")
     for label, rs in rates.items():
         rate = statistics.mean(rs)
-        ms = args.tokens / rate * 1e3
         achieved = flops / tokens * rate
-        print(f"{label:<16}{rate:>12,.0f}{ms:>10.0f}{rate / base:>13.2f}x{achieved / 1e12:>10.1f}"
-              f"{achieved / peak:>9.1%}")
-    print(f"\nstep FLOPs counted {flops / 1e12:.2f} T over {tokens} tokens; bf16 matmul peak measured "
-          f"{peak / 1e12:.0f} TFLOP/s")
-    return 0
+        rows.append({"mode": label, "tokens_per_s": rate, "ms_per_step": args.tokens / rate * 1e3, "vs": rate / base,
+                     "flops_per_s": achieved, "of_peak": achieved / peak})
+        r = rows[-1]
+        print(f"{label:<16}{rate:>12,.0f}{r['ms_per_step']:>10.0f}{r['vs']:>13.2f}x{achieved / 1e12:>10.1f}"
+              f"{r['of_peak']:>9.1%}")
+    print(f"\nstep FLOPs counted {flops / 1e9:,.1f} G over {tokens} tokens; matmul peak measured "
+          f"{peak / 1e12:.1f} TFLOP/s")
+    if device.type == "cuda":
+        print(f"host synchronisations in a 4-step job of the fused mode: {syncs}; most at "
+              + ", ".join(f"{line} ({n})" for line, n in lines))
+    return {"device": name, "rows": rows, "step_flops": flops, "peak": peak, "host_syncs": syncs}
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
