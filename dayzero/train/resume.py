@@ -7,6 +7,7 @@ the job's time budget and the options it was started with, so that the resumed p
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -15,9 +16,13 @@ STATE_FILE = "trainer_state.pt"
 
 
 def save_state(out: str | Path, trainer, model, job_argv: list[str], seconds: float | None) -> Path:
+    """Write the state beside the checkpoint in ``out``: to a temporary file first, renamed once whole, so that a
+    process stopped while writing leaves no state a resume would half-read."""
     path = Path(out) / STATE_FILE
+    tmp = path.with_name(path.name + ".partial")
     torch.save({"trainer": trainer.state_dict(), "model": model.state_dict(), "argv": list(job_argv),
-                "seconds": seconds}, path)
+                "seconds": seconds}, tmp)
+    os.replace(tmp, path)
     return path
 
 
