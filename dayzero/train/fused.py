@@ -3,15 +3,23 @@ references' chains of fp32 elementwise ops (the ``train`` platform).
 
 A training step of the default model moves ~100K tokens; every reference op upcasts its [T, C] input to fp32 and
 runs a few elementwise kernels over it, and autograd runs as many again backward. A profile of one step on an
-H100 put most of its GPU time there (the causal conv's shifted taps alone about a third). Here each is one kernel
-forward and one backward:
+H100 put half of its GPU time there (the causal conv's shifted taps alone about a quarter). Here each is one
+kernel forward and one backward:
 
 - ``causal_conv1d_pooled``: fla's varlen causal conv over the packed rows (``cu_seqlens``: each sequence from a
   zero window), SiLU inside;
 - ``silu_and_mul``: fla's SwiGLU over the ``[gate | up]`` halves (MoE experts, dense MLPs, shared experts);
 - ``rms_norm``: fla's RMSNorm with the residual add fused (``prenorm``: the sum comes back for the next layer);
 - ``rms_norm_gated``: fla's RMSNorm with the sigmoid output gate (KDA's output norm);
-- the KDA gate and beta's sigmoid inside fla's ``chunk_kda`` (:mod:`dayzero.train.linear_attention`).
+- the routed experts (``moe_experts_grouped``, :mod:`dayzero.train.routing`): one ``torch._grouped_mm`` a
+  projection over the rows sorted by expert, where the batched GEMMs padded every expert to the largest one's
+  count, which the host had to read back (a synchronisation in every MoE layer). It runs where a probe on the
+  device and dtype (forward and backward of a tiny grouped GEMM against plain matmuls) passes.
+
+fla's ``chunk_kda`` can also compute the KDA gate and beta's sigmoid inside; that option is not used yet: in a
+bf16 step of the default model the ``A_log`` gradients of the fused and reference paths differed by 20-25% with
+it and without it alike (one scalar a head, summing the whole step's gate gradients), so its own effect was not
+separated.
 
 Each falls back to the reference where fla-core is absent, on tensors off CUDA, or on arguments the kernel does
 not take (a clamp limit, a norm without weight). :func:`mode` sets where they run: ``auto`` (CUDA tensors),

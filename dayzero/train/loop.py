@@ -147,7 +147,7 @@ class Trainer:
         self.progress = mp.Value("d", 0.0)
         self.tokenizer = tokenizer
         self.step = self.first_step = 0
-        self.start = None
+        self.start = self.end = None
         self.before = 0.0  # seconds of training of this job in earlier processes (a resumed job)
         self.carried = {"tokens": 0, "answer_tokens": 0, "history": []}
         self.paused = False
@@ -155,8 +155,12 @@ class Trainer:
     def state_dict(self) -> dict:
         """What a later process needs to carry this job on (with the model's weights): the optimizer's moments,
         the step (the data stream and the schedule follow it) and the seconds of training so far."""
-        return {"step": self.step, "seconds": self.before + (time.monotonic() - self.start if self.start else 0.0),
-                "optimizer": self.opt.state_dict(), **self.carried}
+        return {"step": self.step, "seconds": self.seconds(), "optimizer": self.opt.state_dict(), **self.carried}
+
+    def seconds(self) -> float:
+        """Seconds of training of this job so far: earlier processes' and this one's until its loop ended."""
+        end = self.end if self.end is not None else time.monotonic()
+        return self.before + (end - self.start if self.start is not None else 0.0)
 
     def load_state_dict(self, state: dict) -> None:
         self.opt.load_state_dict(state["optimizer"])
@@ -189,7 +193,7 @@ class Trainer:
 
     def train(self) -> dict:
         c, model, dev = self.config, self.model, self.device
-        self.start, self.first_step = time.monotonic(), self.step
+        self.start, self.end, self.first_step = time.monotonic(), None, self.step
         data = self._loader()
         autocast = torch.autocast("cuda", torch.bfloat16) if dev.type == "cuda" else contextlib.nullcontext()
         moes = moe_layers(model)
@@ -253,9 +257,10 @@ class Trainer:
             if self.on_eval is not None and c.eval_every and time.monotonic() - last_eval >= c.eval_every:
                 self.on_eval(self.step)
                 last_eval = time.monotonic()
+        self.end = time.monotonic()
         self.carried = {"tokens": tokens, "answer_tokens": answer, "history": history}
-        return {"steps": self.step, "tokens": tokens, "answer_tokens": answer,
-                "seconds": self.before + time.monotonic() - self.start, "history": history, "paused": self.paused}
+        return {"steps": self.step, "tokens": tokens, "answer_tokens": answer, "seconds": self.seconds(),
+                "history": history, "paused": self.paused}
 
     def _pause_now(self) -> bool:
         c = self.config
