@@ -122,14 +122,15 @@ def grouped_mm_ready(x: torch.Tensor, dtype: torch.dtype) -> bool:
 def _probe_grouped_mm(device, dtype) -> bool:
     """A grouped GEMM of groups of 5, 0 and 11 rows, forward and backward, against plain matmuls."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(16, 32, generator=g).to(device, dtype).requires_grad_()
-    w = torch.randn(3, 48, 32, generator=g).to(device, dtype).requires_grad_()
-    ends = torch.tensor([5, 5, 16], device=device, dtype=torch.int32)
-    try:
-        y = torch._grouped_mm(x, w.transpose(1, 2), offs=ends)
-        y.float().square().sum().backward()
-        ref = torch.cat((x[:5] @ w[0].T, x[5:] @ w[2].T)).float()
-        ok = bool(torch.allclose(y.float(), ref, atol=0.1, rtol=0.05)) and bool(w.grad[1].eq(0).all())
+    try:  # whatever mode the first call comes in: gradients on, no autocast
+        with torch.inference_mode(False), torch.enable_grad(), torch.autocast(torch.device(device).type, enabled=False):
+            x = torch.randn(16, 32, generator=g).to(device, dtype).requires_grad_()
+            w = torch.randn(3, 48, 32, generator=g).to(device, dtype).requires_grad_()
+            ends = torch.tensor([5, 5, 16], device=device, dtype=torch.int32)
+            y = torch._grouped_mm(x, w.transpose(1, 2), offs=ends)
+            y.float().square().sum().backward()
+            ref = torch.cat((x[:5] @ w[0].T, x[5:] @ w[2].T)).float()
+            ok = bool(torch.allclose(y.float(), ref, atol=0.1, rtol=0.05)) and bool(w.grad[1].eq(0).all())
     except Exception as exc:  # noqa: BLE001 - an unsupported device, dtype or layout: the padded GEMMs run
         logging.getLogger(__name__).warning("grouped GEMM unavailable on %s %s (%s): padded batched GEMMs",
                                             device, dtype, str(exc).splitlines()[0][:120])

@@ -201,3 +201,16 @@ def test_grouped_gemm_experts_equal_the_padded_batched_gemms(case):
     _same(got, ref)
     if case == "padding-rows":
         assert not got[0][-5:].any()
+
+
+def test_grouped_gemm_probe_passes_under_no_grad_and_inference_mode(monkeypatch):
+    monkeypatch.setattr(fused, "_GROUPED_MM", {})  # a first call under no_grad must not disable it for good
+    x = torch.zeros(2, device=DEV)
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
+    with fused.mode("on"), torch.no_grad():
+        assert fused.grouped_mm_ready(x, dtype)
+    monkeypatch.setattr(fused, "_GROUPED_MM", {})
+    with fused.mode("on"), torch.inference_mode():
+        assert fused.grouped_mm_ready(x, dtype)
+    with fused.mode("off"):
+        assert not fused.grouped_mm_ready(x, dtype)
