@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import warnings
 
 import torch
 
@@ -30,15 +29,6 @@ except ImportError:  # the optional kernels are simply not offered
     triton = tl = None
 
 HAS_TRITON = triton is not None
-
-
-@contextlib.contextmanager
-def quiet_fla_import():
-    """Around an import of fla-core: without a GPU it warns at import that it "rolls back to CPU", which tells our
-    users nothing (its kernels run on CUDA tensors only, and on the CPU through the interpreter in the tests)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Triton is not supported on current platform")
-        yield
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
     HAS_GDC = True

@@ -37,7 +37,7 @@ import torch
 from dayzero.ops.activation.reference import silu_and_mul
 from dayzero.ops.norm.reference import rms_norm, rms_norm_gated
 from dayzero.ops.registry import register
-from dayzero.ops.triton_support import quiet_fla_import
+from dayzero.ops.fla_import import quiet_fla_import
 
 try:  # fla-core (optional): Triton kernels with a backward
     with quiet_fla_import():

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from dayzero.ops.kda.chunk_batched import kda_chunk_batched
 from dayzero.ops.kda.reference import _prep, grouped, kda_gate
 from dayzero.ops.registry import register
-from dayzero.ops.triton_support import quiet_fla_import
+from dayzero.ops.fla_import import quiet_fla_import
 from dayzero.train import fused
 
 try:  # fla-core: Triton kernels with a backward (optional, GPU only)

@@ -27,7 +27,7 @@ from dayzero.ops.kda.conv_kernels import causal_conv1d_pooled_triton, conv_refus
 from dayzero.ops.kda.reference import _prep, grouped, kda_pooled, pooled_state
 from dayzero.ops.kda.slot_kernels import refusal as slot_refusal, zero_fresh_slots
 from dayzero.ops.registry import call, register
-from dayzero.ops.triton_support import quiet_fla_import
+from dayzero.ops.fla_import import quiet_fla_import
 
 try:  # fla-core: Triton kernels for KDA / Gated DeltaNet (optional, GPU only)
     with quiet_fla_import():
