@@ -37,7 +37,7 @@ import torch
 from dayzero.ops.activation.reference import silu_and_mul
 from dayzero.ops.norm.reference import rms_norm, rms_norm_gated
 from dayzero.ops.registry import register
-from dayzero.ops.fla_import import quiet_fla_import
+from dayzero.ops.fla_import import limit_fla_autotuning, quiet_fla_import
 
 try:  # fla-core (optional): Triton kernels with a backward
     with quiet_fla_import():
@@ -80,8 +80,6 @@ def ready(t: torch.Tensor) -> bool:
     """:func:`usable`, with fla's autotuning cut on the first use."""
     if not usable(t):
         return False
-    from dayzero.train.linear_attention import limit_fla_autotuning
-
     limit_fla_autotuning()
     return True
 
