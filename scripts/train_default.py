@@ -275,7 +275,7 @@ def main(argv=None) -> int:
     reserve = args.eval_seconds if args.eval_seconds is not None else (75.0 if cuda else 30.0)
     seconds = None
     if state is not None:  # the job's budget, as its first process set it
-        seconds = state["seconds"]
+        seconds = state["budget"]
     elif args.minutes is not None:
         seconds = args.minutes * 60 - reserve - (time.monotonic() - t0)
         if seconds <= 0:

@@ -65,20 +65,14 @@ def mode(m: str):
         _MODE = prev
 
 
-def current_mode() -> str:
-    return _MODE
-
-
-def usable(t: torch.Tensor) -> bool:
-    """Whether the fused kernels run on ``t`` now."""
-    if fla_causal_conv1d is None or _MODE == "off":
-        return False
-    return _MODE == "on" or t.is_cuda
+def _runs_on(t: torch.Tensor) -> bool:
+    """Whether the mode lets the fused paths run on ``t``'s device."""
+    return _MODE == "on" or (_MODE == "auto" and t.is_cuda)
 
 
 def ready(t: torch.Tensor) -> bool:
-    """:func:`usable`, with fla's autotuning cut on the first use."""
-    if not usable(t):
+    """Whether fla's fused kernels run on ``t`` now (fla's autotuning cut on the first use)."""
+    if fla_causal_conv1d is None or not _runs_on(t):
         return False
     limit_fla_autotuning()
     return True
@@ -105,11 +99,9 @@ _GROUPED_MM: dict[tuple, bool] = {}  # (device, dtype) -> the probe's verdict
 
 
 def grouped_mm_ready(x: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether the experts run as grouped GEMMs on ``x``'s device in ``dtype`` (:func:`usable`, bf16 on CUDA, and
-    the probe passed there)."""
-    if not hasattr(torch, "_grouped_mm") or _MODE == "off":
-        return False
-    if x.is_cuda and dtype != torch.bfloat16 or not (x.is_cuda or _MODE == "on"):
+    """Whether the experts run as grouped GEMMs on ``x``'s device in ``dtype`` (the mode allows it, bf16 on CUDA,
+    and the probe passed there)."""
+    if not hasattr(torch, "_grouped_mm") or not _runs_on(x) or (x.is_cuda and dtype != torch.bfloat16):
         return False
     key = (str(x.device), dtype)
     if key not in _GROUPED_MM:

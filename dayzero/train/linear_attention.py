@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dayzero.ops.fla_import import limit_fla_autotuning, quiet_fla_import
 from dayzero.ops.kda.chunk_batched import kda_chunk_batched
 from dayzero.ops.kda.reference import _prep, grouped, kda_gate
-from dayzero.ops.fla_import import limit_fla_autotuning, quiet_fla_import
 from dayzero.ops.registry import register
 from dayzero.train import fused
 

@@ -15,13 +15,13 @@ import torch
 STATE_FILE = "trainer_state.pt"
 
 
-def save_state(out: str | Path, trainer, model, job_argv: list[str], seconds: float | None) -> Path:
+def save_state(out: str | Path, trainer, model, job_argv: list[str], budget: float | None) -> Path:
     """Write the state beside the checkpoint in ``out``: to a temporary file first, renamed once whole, so that a
     process stopped while writing leaves no state a resume would half-read."""
     path = Path(out) / STATE_FILE
     tmp = path.with_name(path.name + ".partial")
     torch.save({"trainer": trainer.state_dict(), "model": model.state_dict(), "argv": list(job_argv),
-                "seconds": seconds}, tmp)
+                "budget": budget}, tmp)
     os.replace(tmp, path)
     return path
 

@@ -163,7 +163,7 @@ def balance_loss(routes: list[Routed], seq_of_row: torch.Tensor, num_seqs: int) 
 def update_bias(moe_layers: list, routes: list[Routed], rate: float) -> torch.Tensor:
     """Move each layer's selection bias towards balance by its step's loads (``b += rate · sign(mean − load)``);
     returns the worst layer's max load / mean load, on the device (nothing here reads back to the host)."""
-    worst = torch.zeros(())
+    ratios = []
     for moe, r in zip(moe_layers, routes):
         E = moe.spec.n_experts
         ids = r.ids.reshape(-1)
@@ -171,5 +171,5 @@ def update_bias(moe_layers: list, routes: list[Routed], rate: float) -> torch.Te
         mean = load.mean()
         if moe.e_score_correction_bias is not None:
             moe.e_score_correction_bias.add_(rate * torch.sign(mean - load))
-        worst = torch.maximum(worst.to(load.device), load.max() / mean.clamp_min(1e-9))
-    return worst
+        ratios.append(load.max() / mean.clamp_min(1e-9))
+    return torch.stack(ratios).max() if ratios else torch.zeros(())

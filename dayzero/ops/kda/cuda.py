@@ -23,11 +23,11 @@ import torch
 import torch.nn.functional as F
 
 from dayzero.ops.attention.cuda import _decode_only
+from dayzero.ops.fla_import import quiet_fla_import
 from dayzero.ops.kda.conv_kernels import causal_conv1d_pooled_triton, conv_refusal
 from dayzero.ops.kda.reference import _prep, grouped, kda_pooled, pooled_state
 from dayzero.ops.kda.slot_kernels import refusal as slot_refusal, zero_fresh_slots
 from dayzero.ops.registry import call, register
-from dayzero.ops.fla_import import quiet_fla_import
 
 try:  # fla-core: Triton kernels for KDA / Gated DeltaNet (optional, GPU only)
     with quiet_fla_import():
