@@ -8,11 +8,13 @@ Each mode first runs a short warm-up job (its kernels compile and tune), then th
 ``--rounds`` timed jobs of ``--steps`` steps, each from the same checkpoint with a fresh optimizer and the same
 seeded data (the recipe of the bundled model's last jobs: recall prompts of 192-8,192 tokens, sparse attention
 from half-way). The FLOPs are what ``torch.utils.flop_counter`` counts in one step (GEMMs and attention; fla's
-KDA kernels are not counted, so the percentage is a floor).
+KDA kernels are not counted, so the percentage is a floor). On CUDA each mode's peak allocated memory is shown; a
+mode that runs out of memory is reported as such and the other mode's jobs still run.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import multiprocessing as mp
 import os
 import statistics
@@ -133,33 +135,65 @@ def main(argv=None) -> dict:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"training steps of {Path(args.init).name} on {name}: {args.tokens} tokens a step, {args.steps} steps a job, "
           f"{args.rounds} rounds", flush=True)
-    for label, m in MODES.items():
+    failed: dict[str, str] = {}  # mode -> why it stopped (out of memory): the other mode's rows still come
+    peak_gib = {label: 0.0 for label in MODES}
+
+    def timed(label: str, steps: int) -> dict | None:
+        if label in failed:
+            return None
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        try:
+            summary = job(args.init, device, data, steps, MODES[label], workers)
+        except torch.OutOfMemoryError as exc:
+            failed[label] = f"out of memory at {args.tokens} tokens a step"
+            print(f"  {label}: {failed[label]} ({str(exc).splitlines()[0][:100]})", flush=True)
+            summary = None
+        if summary is None:  # the error's frames are gone here: their tensors can be freed
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            return None
+        if device.type == "cuda":
+            peak_gib[label] = max(peak_gib[label], torch.cuda.max_memory_allocated(device) / 2**30)
+        return summary
+
+    for label in MODES:
         t = time.monotonic()
-        job(args.init, device, data, args.warmup_steps, m, workers)
-        print(f"  warm-up of {label}: {time.monotonic() - t:.0f} s", flush=True)
+        if timed(label, args.warmup_steps) is not None:
+            print(f"  warm-up of {label}: {time.monotonic() - t:.0f} s", flush=True)
     rates = {label: [] for label in MODES}
     for r in range(args.rounds):
-        for label, m in MODES.items():
-            s = job(args.init, device, data, args.steps, m, workers)
-            rates[label].append(s["tokens"] / s["seconds"])
-            print(f"  round {r + 1} {label}: {s['tokens'] / 1e6:.1f}M tokens in {s['seconds']:.1f} s", flush=True)
-    syncs, lines = host_syncs(args.init, device, data)
+        for label in MODES:
+            s = timed(label, args.steps)
+            if s is not None:
+                rates[label].append(s["tokens"] / s["seconds"])
+                print(f"  round {r + 1} {label}: {s['tokens'] / 1e6:.1f}M tokens in {s['seconds']:.1f} s", flush=True)
+    syncs, lines = host_syncs(args.init, device, data) if "fused (fla)" not in failed else (0, [])
     flops, tokens = step_flops(args.init, device, data)
     peak = matmul_peak(device)
-    base = statistics.mean(rates["reference ops"])
+    base = statistics.mean(rates["reference ops"]) if rates["reference ops"] else None
     rows = []
-    print(f"\n{'mode':<16}{'tokens/s':>12}{'ms/step':>10}{'vs reference':>14}{'TFLOP/s':>10}{'of peak':>9}")
+    print(f"\n{'mode':<16}{'tokens/s':>12}{'ms/step':>10}{'vs reference':>14}{'TFLOP/s':>10}{'of peak':>9}"
+          f"{'peak GiB':>10}")
     for label, rs in rates.items():
+        if not rs:
+            rows.append({"mode": label, "error": failed.get(label, "no timed job")})
+            print(f"{label:<16}{rows[-1]['error']:>63}")
+            continue
         rate = statistics.mean(rs)
         achieved = flops / tokens * rate
-        rows.append({"mode": label, "tokens_per_s": rate, "ms_per_step": args.tokens / rate * 1e3, "vs": rate / base,
-                     "flops_per_s": achieved, "of_peak": achieved / peak})
+        rows.append({"mode": label, "tokens_per_s": rate, "ms_per_step": args.tokens / rate * 1e3,
+                     "vs": None if base is None else rate / base, "flops_per_s": achieved, "of_peak": achieved / peak,
+                     "peak_gib": peak_gib[label]})
         r = rows[-1]
-        print(f"{label:<16}{rate:>12,.0f}{r['ms_per_step']:>10.0f}{r['vs']:>13.2f}x{achieved / 1e12:>10.1f}"
-              f"{r['of_peak']:>9.1%}")
+        vs = "-" if r["vs"] is None else f"{r['vs']:.2f}x"
+        mem = f"{peak_gib[label]:.1f}" if device.type == "cuda" else "-"
+        print(f"{label:<16}{rate:>12,.0f}{r['ms_per_step']:>10.0f}{vs:>14}{achieved / 1e12:>10.1f}"
+              f"{r['of_peak']:>9.1%}{mem:>10}")
     print(f"\nstep FLOPs counted {flops / 1e9:,.1f} G over {tokens} tokens; matmul peak measured "
           f"{peak / 1e12:.1f} TFLOP/s")
-    if device.type == "cuda":
+    if device.type == "cuda" and "fused (fla)" not in failed:
         print(f"host synchronisations in a 4-step job of the fused mode: {syncs}; most at "
               + ", ".join(f"{line} ({n})" for line, n in lines))
     return {"device": name, "rows": rows, "step_flops": flops, "peak": peak, "host_syncs": syncs}
