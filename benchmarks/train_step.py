@@ -6,10 +6,10 @@ run, on the same data, and the step's FLOPs against the bf16 matmul peak measure
 
 Each mode first runs a short warm-up job (its kernels compile and tune), then the modes alternate over
 ``--rounds`` timed jobs of ``--steps`` steps, each from the same checkpoint with a fresh optimizer and the same
-seeded data (the recipe of the bundled model's last jobs: recall prompts of 192-8,192 tokens, sparse attention
-from half-way). The FLOPs are what ``torch.utils.flop_counter`` counts in one step (GEMMs and attention; fla's
-KDA kernels are not counted, so the percentage is a floor). On CUDA each mode's peak allocated memory is shown; a
-mode that runs out of memory is reported as such and the other mode's jobs still run.
+seeded data (the bundled model's recipe, ``scripts/train_default.py --recipe bundled``: recall prompts of 192-8,192
+tokens, sparse attention from half-way). The FLOPs are what ``torch.utils.flop_counter`` counts in one step (GEMMs
+and attention; fla's KDA kernels are not counted, so the percentage is a floor). On CUDA each mode's peak allocated
+memory is shown; a mode that runs out of memory is reported as such and the other mode's jobs still run.
 """
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ import sys
 import time
 import warnings
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,12 +35,11 @@ MODES = {"reference ops": "off", "fused (fla)": "auto"}
 
 
 def recipe(tokens: int):
-    from dayzero.train.data import DataConfig
+    """The bundled model's data stream (``--recipe bundled``) at ``tokens`` a step, without its copies-first phase:
+    the jobs start from the trained checkpoint, and every step of a short job should see the mix of the rest."""
+    from dayzero.train.recipes import data_config, recipe_data
 
-    data = DataConfig()
-    return replace(data, tokens=tokens, recall_share=0.5, recall_min=192, recall_start=1024, recall_max=8192,
-                   copy_warmup=0.0, loss_parts={"recall": 3.0, "copy": 2.0}, recall_min_pairs=8,
-                   recall_style="joined", chat_share=0.3, question_share=0.6)
+    return data_config(**{**recipe_data("bundled"), "copy_warmup": 0.0, "tokens": tokens})
 
 
 def job(init: str, device, data, steps: int, fused_mode: str, workers: int) -> dict:
@@ -51,10 +49,11 @@ def job(init: str, device, data, steps: int, fused_mode: str, workers: int) -> d
     from dayzero.train import fused
     from dayzero.train.checkpoint import load_model
     from dayzero.train.loop import TrainConfig, Trainer
+    from dayzero.train.recipes import RECIPES
 
     model = load_model(init, device)
     config = TrainConfig(steps=steps, lr=4e-4, seed=0, data=data, workers=workers, log_every=10**9, warmup_steps=5,
-                         sparse_from=0.5)
+                         sparse_from=RECIPES["bundled"]["sparse_from"])
     trainer = Trainer(model, load_tokenizer(DEFAULT_MODEL), config, device, log=lambda s: None)
     with fused.mode(fused_mode):
         if device.type == "cuda":

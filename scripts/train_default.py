@@ -1,8 +1,12 @@
 """Train the bundled default model (a small ``dayzero_hybrid``: KDA, gated DSA, LatentMoE) on the synthetic tasks
 of ``dayzero eval`` (their train split), write it as a checkpoint and score it on held-out instances.
 
+    python scripts/train_default.py --device cuda --recipe bundled --out trained   # the bundled model's job
     python scripts/train_default.py --device cuda --minutes 8 --out trained
     python scripts/train_default.py --tiny --steps 20 --out /tmp/tiny     # CPU smoke run
+
+``--recipe bundled`` sets the options of the bundled model's own job (15 minutes from scratch;
+:mod:`dayzero.train.recipes`); a flag given beside it still wins.
 
 ``--minutes`` is the whole job's budget: training stops by the clock early enough to save the checkpoint and
 run the final evaluation (``--eval-seconds`` are kept for those). The checkpoint in ``--out`` has the files of
@@ -24,7 +28,6 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,10 +39,27 @@ TINY_CONFIG = CONFIGS / "dayzero-train-tiny.json"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    """The command line; ``--recipe NAME`` first sets its options' defaults, so a flag given still wins."""
+    from dayzero.train.recipes import RECIPES
+
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--recipe", default=None)
+    recipe = pre.parse_known_args(argv)[0].recipe
+    ap = _parser()
+    if recipe in RECIPES:  # an unknown one: the whole parser names the known ones
+        ap.set_defaults(**RECIPES[recipe])
+    return ap.parse_args(argv)
+
+
+def _parser() -> argparse.ArgumentParser:
     from dayzero.eval.tasks import RECALL_STYLES
+    from dayzero.train.recipes import RECIPES
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipe", default=None, choices=sorted(RECIPES),
+                    help="a documented job's options as defaults (bundled: the bundled model's 15-minute job from "
+                         "scratch, dayzero/train/recipes.py); flags given still win")
     ap.add_argument("--device", default="auto", help="auto (CUDA when present) | cpu | cuda | cuda:N")
     ap.add_argument("--minutes", type=float, default=None,
                     help="time budget of the whole job (default 8; none with --steps)")
@@ -101,7 +121,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--resume", default=None, metavar="DIR",
                     help="carry on the job that paused in DIR, with its own options (only --out, --device and the "
                          "options of this process, the evaluation's and the pauses', may be given)")
-    return ap.parse_args(argv)
+    return ap
 
 
 # what a resumed job takes from this process's command line; every other option is the job's own
@@ -140,7 +160,7 @@ def resumed_args(args: argparse.Namespace, saved_argv: list[str]) -> argparse.Na
 
 def check(args) -> None:
     """Every option checked before anything is built; ValueError naming the one at fault."""
-    from dayzero.eval.tasks import TASKS
+    from dayzero.train.recipes import data_config, parse_loss_parts, parse_tasks
 
     if args.minutes is None and args.steps is None:
         args.minutes = 8.0
@@ -150,14 +170,8 @@ def check(args) -> None:
         raise ValueError(f"--steps must be at least 1, got {args.steps}")
     if args.recall_share is not None and not 0 < args.recall_share < 1:
         raise ValueError(f"--recall-share must be in (0, 1), got {args.recall_share}")
-    if args.loss_parts is not None:
-        try:
-            args.loss_parts = {k.strip(): float(v) for k, v in (p.split("=") for p in args.loss_parts.split(","))}
-        except ValueError:
-            raise ValueError(f"--loss-parts takes TASK=WEIGHT,.., got {args.loss_parts!r}") from None
-        bad = sorted(set(args.loss_parts) - set(TASKS))
-        if bad or any(not w > 0 for w in args.loss_parts.values()):
-            raise ValueError(f"--loss-parts: positive weights of the tasks {', '.join(TASKS)}, got {args.loss_parts}")
+    if isinstance(args.loss_parts, str):
+        args.loss_parts = parse_loss_parts(args.loss_parts)
     if args.sparse_from is not None and not 0 <= args.sparse_from <= 1:
         raise ValueError(f"--sparse-from must be in [0, 1], got {args.sparse_from}")
     for flag, v in (("--chat-share", args.chat_share), ("--question-share", args.question_share)):
@@ -165,12 +179,9 @@ def check(args) -> None:
             raise ValueError(f"{flag} must be in [0, 1], got {v}")
     if args.copy_warmup is not None and not 0 <= args.copy_warmup <= 1:
         raise ValueError(f"--copy-warmup must be in [0, 1], got {args.copy_warmup}")
-    if args.tasks is not None:
-        names = [t.strip() for t in args.tasks.split(",") if t.strip()]
-        bad = [t for t in names if t not in TASKS]
-        if bad or not names:
-            raise ValueError(f"--tasks: unknown task {', '.join(bad) or '(none given)'}; "
-                             f"the tasks are {', '.join(TASKS)}")
+    parse_tasks(args.tasks)
+    if args.recall_lengths is not None:
+        data_config(recall_lengths=args.recall_lengths)
     if args.init is not None:
         if args.config is not None:
             raise ValueError("--init takes the checkpoint's own config: leave out --config")
@@ -234,13 +245,12 @@ def main(argv=None) -> int:
     from dayzero.engine.device import configure_threads, resolve_device
     from dayzero.engine.engine import DEFAULT_MODEL
     from dayzero.engine.tokenizer import load_tokenizer
-    from dayzero.eval.tasks import TASKS
     from dayzero.train.card import write_model_card
     from dayzero.train.checkpoint import load_model, new_model, save_checkpoint
-    from dayzero.train.data import DataConfig
     from dayzero.tools.eval_cli import table
     from dayzero.train.evaluate import evaluate
     from dayzero.train.loop import TrainConfig, Trainer
+    from dayzero.train.recipes import DATA_OPTIONS, data_config, parse_tasks
 
     t0 = time.monotonic()
     device = resolve_device(args.device)
@@ -251,27 +261,8 @@ def main(argv=None) -> int:
     start_from = args.resume or args.init  # a checkpoint's weights and config
     config = HybridConfig.from_file(Path(start_from) / "config.json" if start_from else args.config or default_config)
     tokenizer = load_tokenizer(DEFAULT_MODEL)
-    tasks = [t.strip() for t in (args.tasks or ",".join(TASKS)).split(",") if t.strip()]
-    data = DataConfig()
-    weights = {t: w for t, w in data.weights.items() if t in tasks}
-    recall_share = (args.recall_share or data.recall_share) if "recall" in tasks else 0.0
-    if not weights:  # recall alone
-        recall_share = 0.95
-    data = replace(data, weights=weights or {"copy": 1.0}, recall_share=recall_share,
-                   tokens=args.tokens or (2048 if args.tiny else 98304),
-                   copy_warmup=data.copy_warmup if args.copy_warmup is None else args.copy_warmup,
-                   loss_balance=args.loss_balance, loss_parts=args.loss_parts or {},
-                   recall_min_pairs=data.recall_min_pairs if args.recall_min_pairs is None else args.recall_min_pairs,
-                   recall_style=args.recall_style,
-                   chat_share=data.chat_share if args.chat_share is None else args.chat_share,
-                   question_share=data.question_share if args.question_share is None else args.question_share,
-                   recall_questions=data.recall_questions if args.recall_questions is None else args.recall_questions)
-    if args.tiny:
-        data = replace(data, recall_min=64, recall_start=96, recall_max=160, max_digits=3, max_chars=8, sort_chars=6,
-                       copy_words=6)
-    if args.recall_lengths:
-        lo, start, hi = (int(v) for v in args.recall_lengths.split(","))
-        data = replace(data, recall_min=lo, recall_start=start, recall_max=hi)
+    tasks = parse_tasks(args.tasks)
+    data = data_config(**{name: getattr(args, name) for name in DATA_OPTIONS}, tiny=args.tiny)
     reserve = args.eval_seconds if args.eval_seconds is not None else (75.0 if cuda else 30.0)
     seconds = None
     if state is not None:  # the job's budget, as its first process set it

@@ -96,12 +96,52 @@ def test_init_continues_from_a_checkpoint_with_mxfp4_experts(tmp_path):
     (["--loss-parts", "recall"], "--loss-parts takes TASK=WEIGHT"),
     (["--loss-parts", "recall=0"], "--loss-parts: positive weights"),
     (["--loss-parts", "poetry=2"], "--loss-parts: positive weights"),
+    (["--recall-lengths", "192,1024"], "--recall-lengths takes MIN,START,MAX"),
+    (["--recall-lengths", "1024,192,8192"], "--recall-lengths needs 0 < MIN <= START <= MAX"),
+    (["--recipe", "bundled", "--copy-warmup", "2"], "--copy-warmup must be in"),
 ], ids=["task", "minutes-zero", "minutes-negative", "steps", "tokens", "copy-warmup", "sparse-from", "recall-share",
-        "question-share", "loss-parts-form", "loss-parts-zero", "loss-parts-task"])
+        "question-share", "loss-parts-form", "loss-parts-zero", "loss-parts-task", "recall-lengths-form",
+        "recall-lengths-order", "recipe-then-bad-flag"])
 def test_bad_options_name_the_option(tmp_path, argv, match):
     with pytest.raises(ValueError, match=match):
         _script().main(["--tiny", "--device", "cpu", "--out", str(tmp_path / "x"), *argv])
     assert not (tmp_path / "x").exists()
+
+
+def test_an_unknown_recipe_is_refused_with_the_known_ones(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        _script().parse_args(["--recipe", "best", "--out", str(tmp_path / "x")])
+    err = capsys.readouterr().err
+    assert "argument --recipe: invalid choice: 'best'" in err and "bundled" in err and "--out OUT" in err
+
+
+def test_the_bundled_recipe_is_the_bundled_models_recorded_job():
+    """``--recipe bundled`` gives every option of the job the model card records (its first process's command),
+    and a flag given beside the recipe still wins."""
+    import shlex
+
+    script = _script()
+    card = (ROOT / "dayzero" / "assets" / "default" / "README.md").read_text()
+    line = next(ln for ln in card.splitlines() if ln.startswith("python scripts/train_default.py") and "--resume" not in ln)
+    recorded = script.parse_args(shlex.split(line)[2:])
+    recipe = script.parse_args(["--recipe", "bundled", "--device", "cuda", "--pause-after", "5.5", "--out", "part1"])
+    differ = {n: (getattr(recorded, n), getattr(recipe, n)) for n in vars(recorded)
+              if n != "recipe" and getattr(recorded, n) != getattr(recipe, n)}
+    assert not differ, differ
+    assert recipe.recall_style == "joined" and recipe.minutes == 15.0  # not the script's defaults
+    mine = script.parse_args(["--recipe", "bundled", "--copy-warmup", "0.6", "--minutes", "4", "--out", "x"])
+    assert (mine.copy_warmup, mine.minutes, mine.sparse_from) == (0.6, 4.0, 0.5)
+
+
+def test_recipe_data_options_build_the_data_stream_the_script_would():
+    from dayzero.train.recipes import data_config, recipe_data
+
+    data = data_config(**recipe_data("bundled"))
+    assert (data.recall_min, data.recall_start, data.recall_max) == (192, 1024, 8192)
+    assert data.loss_parts == {"recall": 3.0, "copy": 2.0} and data.copy_warmup == 0.3 and data.tokens == 98304
+    assert data.recall_share == 0.5 and data.recall_min_pairs == 8 and data.recall_style == "joined"
+    only = data_config(tasks="recall", tiny=True)
+    assert set(only.weights) == {"copy"} and only.recall_share == 0.95 and only.tokens == 2048
 
 
 def test_output_dir_with_files_needs_overwrite(tmp_path):
