@@ -160,7 +160,7 @@ def resumed_args(args: argparse.Namespace, saved_argv: list[str]) -> argparse.Na
 
 def check(args) -> None:
     """Every option checked before anything is built; ValueError naming the one at fault."""
-    from dayzero.train.recipes import data_config, parse_loss_parts, parse_tasks
+    from dayzero.train.recipes import parse_loss_parts, parse_recall_lengths, parse_tasks
 
     if args.minutes is None and args.steps is None:
         args.minutes = 8.0
@@ -181,7 +181,7 @@ def check(args) -> None:
         raise ValueError(f"--copy-warmup must be in [0, 1], got {args.copy_warmup}")
     parse_tasks(args.tasks)
     if args.recall_lengths is not None:
-        data_config(recall_lengths=args.recall_lengths)
+        parse_recall_lengths(args.recall_lengths)
     if args.init is not None:
         if args.config is not None:
             raise ValueError("--init takes the checkpoint's own config: leave out --config")

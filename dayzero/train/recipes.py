@@ -50,6 +50,17 @@ def parse_tasks(text: str | None) -> list[str]:
     return names
 
 
+def parse_recall_lengths(text: str) -> tuple[int, int, int]:
+    """``192,1024,8192`` -> (MIN, START, MAX) recall prompt lengths; ValueError naming the option when malformed."""
+    try:
+        lo, start, hi = (int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"--recall-lengths takes MIN,START,MAX token counts, got {text!r}") from None
+    if not 0 < lo <= start <= hi:
+        raise ValueError(f"--recall-lengths needs 0 < MIN <= START <= MAX, got {text!r}")
+    return lo, start, hi
+
+
 def recipe_data(name: str) -> dict:
     """The data options of recipe ``name``."""
     return {k: v for k, v in RECIPES[name].items() if k in DATA_OPTIONS}
@@ -75,17 +86,13 @@ def data_config(*, tasks: str | None = None, tokens: int | None = None, recall_s
                    tokens=tokens or (2048 if tiny else 98304), copy_warmup=pick(copy_warmup, data.copy_warmup),
                    loss_balance=loss_balance, loss_parts=loss_parts or {},
                    recall_min_pairs=pick(recall_min_pairs, data.recall_min_pairs), recall_style=recall_style,
-                   chat_share=pick(chat_share, data.chat_share), question_share=pick(question_share, data.question_share),
+                   chat_share=pick(chat_share, data.chat_share),
+                   question_share=pick(question_share, data.question_share),
                    recall_questions=pick(recall_questions, data.recall_questions))
     if tiny:
         data = replace(data, recall_min=64, recall_start=96, recall_max=160, max_digits=3, max_chars=8, sort_chars=6,
                        copy_words=6)
     if recall_lengths:
-        try:
-            lo, start, hi = (int(v) for v in recall_lengths.split(","))
-        except ValueError:
-            raise ValueError(f"--recall-lengths takes MIN,START,MAX token counts, got {recall_lengths!r}") from None
-        if not 0 < lo <= start <= hi:
-            raise ValueError(f"--recall-lengths needs 0 < MIN <= START <= MAX, got {recall_lengths!r}")
+        lo, start, hi = parse_recall_lengths(recall_lengths)
         data = replace(data, recall_min=lo, recall_start=start, recall_max=hi)
     return data

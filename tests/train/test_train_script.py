@@ -122,7 +122,8 @@ def test_the_bundled_recipe_is_the_bundled_models_recorded_job():
 
     script = _script()
     card = (ROOT / "dayzero" / "assets" / "default" / "README.md").read_text()
-    line = next(ln for ln in card.splitlines() if ln.startswith("python scripts/train_default.py") and "--resume" not in ln)
+    line = next(ln for ln in card.splitlines()
+                if ln.startswith("python scripts/train_default.py") and "--resume" not in ln)
     recorded = script.parse_args(shlex.split(line)[2:])
     recipe = script.parse_args(["--recipe", "bundled", "--device", "cuda", "--pause-after", "5.5", "--out", "part1"])
     differ = {n: (getattr(recorded, n), getattr(recipe, n)) for n in vars(recorded)
