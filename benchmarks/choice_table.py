@@ -10,7 +10,7 @@ seconds of both, the prefill and decode graph captures' part of them (their warm
 compile and choices are made; "other" is loading, planning and the rest), and how many keys each measured or
 found. ``--write`` merges the choices into the package's table for this GPU model (``dayzero/ops/choice_tables/``,
 see :mod:`dayzero.ops.choices`), which a build on that model then reads while the kernels' sources keep the digest
-the table records.
+the table records. ``--measure-only`` runs the first build alone (enough for ``--write``).
 """
 from __future__ import annotations
 
@@ -83,6 +83,8 @@ def main() -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--write", action="store_true", help="merge the choices into the package's table")
+    ap.add_argument("--measure-only", action="store_true",
+                    help="only the build that measures every key (what --write needs), not the one reading the table")
     ap.add_argument("--cache-dir", default=None, help="the builds' DAYZERO_CACHE_DIR (default: a temporary one)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--json", default=None)
@@ -95,20 +97,22 @@ def main() -> int:
         cache = args.cache_dir or temporary
         for config in args.config:
             measured = child(config, args, "measure", cache)
-            read = child(config, args, "table", cache)
+            read = None if args.measure_only else child(config, args, "table", cache)
             rows.append((config, measured, read))
         print(f"\n{rows[0][1]['device']}: engine builds, each with an empty Triton cache (seconds: the build, of it"
               " the prefill and decode graph captures)")
         print(f"{'config':<30} {'choices':<8} {'build s':>8} {'prefill':>8} {'decode':>8} {'other':>8} {'measured':>8} "
               f"{'found':>6}")
         for config, m, r in rows:
-            for name, b in (("measure", m), ("table", r)):
+            for name, b in (("measure", m), ("table", r)) if r else (("measure", m),):
                 other = b["seconds"] - b["prefill"] - b["decode"]
                 print(f"{config:<30} {name:<8} {b['seconds']:>8.1f} {b['prefill']:>8.1f} {b['decode']:>8.1f} "
                       f"{other:>8.1f} {b['measured']:>8} {b['found']:>6}")
-            print(f"{config:<30} {'ratio':<8} {m['seconds'] / r['seconds']:>7.2f}x")
-        if args.write and rows[-1][2]["table"]:
-            print(f"wrote {write(Path(rows[-1][2]['table']))}")
+            if r:
+                print(f"{config:<30} {'ratio':<8} {m['seconds'] / r['seconds']:>7.2f}x")
+        last = rows[-1][2] or rows[-1][1]  # every config's choices went into the one user table
+        if args.write and last["table"]:
+            print(f"wrote {write(Path(last['table']))}")
     if args.json:
         Path(args.json).write_text(json.dumps([{"config": c, "measure": m, "table": r} for c, m, r in rows]))
     return 0

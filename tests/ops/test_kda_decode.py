@@ -11,6 +11,7 @@ import torch
 
 from dayzero.ops import triton_support
 from dayzero.ops.kda import decode_kernels as D, step
+from dayzero.ops.static import mark_static
 from tests.ops.paged_batch import capture, make_batch, on_device
 
 pytestmark = pytest.mark.skipif(not triton_support.HAS_TRITON, reason="needs triton")
@@ -27,7 +28,7 @@ def _case(H, K, W, dtype, starts, pad_rows=0, seed=0):
     proj = torch.randn(B, 3 * P + 2 * K + H + 5, generator=g)[:, 2:-3].to(dtype).to(DEV)  # a view of a wider GEMM
     conv_weight = (0.5 * torch.randn(3 * P, 1, W, generator=g)).to(dtype).to(DEV)
     conv_pool = torch.randn(SLOTS, 3 * P, W - 1, generator=g).to(dtype).to(DEV)
-    gate_up = (torch.randn(2, P, K, generator=g) / K**0.5).to(dtype).to(DEV)
+    gate_up = mark_static((torch.randn(2, P, K, generator=g) / K**0.5).to(dtype).to(DEV))  # read before the wait
     A_log = torch.randn(H, generator=g).to(DEV)
     dt_bias = torch.randn(P, generator=g).to(DEV)
     state = torch.randn(SLOTS, H, K, K, generator=g).to(DEV)
@@ -48,6 +49,9 @@ def _run(fn, case, lower):
 @pytest.mark.parametrize("up", [True, False], ids=["up_in_kernel", "up_as_gemm"])
 def test_the_kernel_gives_the_composition(H, K, W, dtype, lower, up, monkeypatch):
     _check(H, K, W, dtype, lower, up, monkeypatch)
+    if up:  # the gates' weights read after the wait, as for a weight that is not the model's
+        monkeypatch.setenv("DAYZERO_WEIGHT_PRELOAD", "0")
+        _check(H, K, W, dtype, lower, up, monkeypatch)
     assert D._splits(4, H, K) == {16: 1, 32: 1, 64: 2, 128: 4}[K]  # heads split by columns
 
 

@@ -11,11 +11,13 @@ import torch
 
 import dayzero
 from dayzero.ops import triton_support
+from dayzero.ops.static import mark_static
 
 pytest.importorskip("triton")
 
 PACKAGE = pathlib.Path(dayzero.__file__).parent
 READS = ("tl.load", "tl.store", "tl.atomic", "return")
+EARLY = {"tl.program_id", "tl.arange", "tl.num_programs", "n.to", "weight_tile"}  # index arithmetic, the weight tile
 
 
 def _jit_kernels(tree: ast.Module):
@@ -46,6 +48,14 @@ def test_every_launched_kernel_waits_for_the_one_before_first():
             before = "\n".join(body[:waits[0]])
             assert not any(r in before for r in READS), \
                 f"{path.name}: {name} reads, writes or returns before grid_dependency(PDL)"
+            # the one read allowed before the wait: a weight tile, under the PRELOAD flag (a weight no kernel of
+            # the step writes), through the helper that does nothing else
+            calls = {ast.unparse(c.func) for s in fn.body[:waits[0]] for c in ast.walk(s) if isinstance(c, ast.Call)}
+            assert calls <= EARLY, f"{path.name}: {name} calls {sorted(calls - EARLY)} before grid_dependency(PDL)"
+            for s in fn.body[:waits[0]]:
+                if "weight_tile" in ast.unparse(s):
+                    assert isinstance(s, ast.If) and ast.unparse(s.test) == "PRELOAD", \
+                        f"{path.name}: {name} reads a weight before the wait without the PRELOAD flag"
             # a wait under a condition could be skipped by some programs
             assert all(isinstance(s, (ast.Expr, ast.Assign, ast.If)) for s in fn.body[:waits[0]])
     assert launched >= 20  # every kernel of the package, not a few found by accident
@@ -77,15 +87,16 @@ def _chain(x, w1, w2, g):
 @hopper
 def test_a_dependent_chain_is_unchanged_by_pdl_eager_and_in_a_graph(monkeypatch):
     gen = torch.Generator(device="cuda").manual_seed(0)
-    w1 = torch.randn(16384, 4096, device="cuda", generator=gen).bfloat16()
-    w2 = torch.randn(4096, 16384, device="cuda", generator=gen).bfloat16() / 64
+    # model weights (static): with PDL their first tiles are read before each kernel's wait
+    w1 = mark_static(torch.randn(16384, 4096, device="cuda", generator=gen).bfloat16())
+    w2 = mark_static(torch.randn(4096, 16384, device="cuda", generator=gen).bfloat16() / 64)
     g = torch.rand(16384, device="cuda", generator=gen).bfloat16()
     xs = [torch.randn(3, 4096, device="cuda", generator=gen).bfloat16() for _ in range(6)]
     monkeypatch.setenv("DAYZERO_PDL", "0")
     assert triton_support.pdl(w1) == {"PDL": False}
     want = [_chain(x, w1, w2, g) for x in xs]
     monkeypatch.setenv("DAYZERO_PDL", "1")
-    assert triton_support.pdl(w1)["PDL"]
+    assert triton_support.pdl(w1)["PDL"] and triton_support.preload(w1, w1)["PRELOAD"]
     for x, ref in zip(xs, want):
         for a, b in zip(_chain(x, w1, w2, g), ref):
             assert torch.equal(a, b)

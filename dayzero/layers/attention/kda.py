@@ -27,6 +27,7 @@ from dayzero.layers.fused import concat_as_views, fuse, local_gemm, project
 from dayzero.layers.norm import RMSNorm
 from dayzero.layers.parallel import Linear, Shard, column_linear, fused_product, row_linear
 from dayzero.ops.kda.step import gate_ups
+from dayzero.ops.static import mark_static
 
 
 class DeltaRuleLayer(CachedLayer):
@@ -96,7 +97,7 @@ class KDAAttention(DeltaRuleLayer):
         # the forget gate's and the output gate's up-projections as views of one [2, P, K]: one batched GEMM
         ups = [self.f_b_proj, self.g_b_proj]
         if all(local_gemm(m) and m.bias is None for m in ups) and ups[0].weight.dtype == ups[1].weight.dtype:
-            self._gate_up_weight = concat_as_views(ups, "weight").view(2, self.P, self.K)
+            self._gate_up_weight = mark_static(concat_as_views(ups, "weight").view(2, self.P, self.K))
 
     def conv_weight(self) -> torch.Tensor:
         """The q, k and v conv weights as one [3P, 1, W] (fused once after loading)."""

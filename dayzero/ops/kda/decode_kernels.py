@@ -32,7 +32,7 @@ import torch
 from dayzero.ops.attention.cuda import NOT_DECODE
 from dayzero.ops.kda.step import gate_ups, split_projection
 from dayzero.ops.registry import register
-from dayzero.ops.triton_support import HAS_TRITON, next_pow2, pdl, tl, triton, triton_refusal
+from dayzero.ops.triton_support import HAS_TRITON, next_pow2, preload, tl, triton, triton_refusal
 
 UP_MAX_ROWS = 4  # up to this many sequences the programs run the gates' up-projections themselves
 TARGET_PROGRAMS = 256  # split heads' value columns until a step has about this many programs
@@ -40,7 +40,7 @@ CHUNK_COLS = 64  # a program's value columns go through the delta rule this many
 MAX_TAPS = 8
 
 if HAS_TRITON:
-    from dayzero.ops.triton_support import grid_dependency, softplus
+    from dayzero.ops.triton_support import grid_dependency, softplus, weight_tile
 
     @triton.jit
     def _conv_step(row, cw_ptr, win, s_chan, ch, fresh, W: tl.constexpr, BW: tl.constexpr):
@@ -63,30 +63,34 @@ if HAS_TRITON:
                            a_ptr, dtb_ptr, state_ptr, s_state, o_ptr, slot_ptr, fresh_ptr, count_ptr, P, scale,
                            lower, K: tl.constexpr, NV: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
                            W: tl.constexpr, BW: tl.constexpr, UP: tl.constexpr, LOWER: tl.constexpr,
-                           PDL: tl.constexpr):
+                           PRELOAD: tl.constexpr, PDL: tl.constexpr):
+        h = tl.program_id(1)
+        i = tl.arange(0, K)
+        j0 = tl.program_id(2) * BV  # this program's first value column; its BV columns go in chunks of BC
+        hk = h * K + i  # the head's channels within a group of P
+        hv = h * K + j0 + tl.arange(0, BV)
+        if PRELOAD:  # the gates' up-projections (model weights) read while the kernel before still runs
+            wf = weight_tile(up_ptr + hk[:, None] * K, i, i < K, K, True)
+            wg = weight_tile(up_ptr + P * K + hv[:, None] * K, i, hv >= 0, K, True)
         grid_dependency(PDL)
         b = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
         H = tl.num_programs(1)
         dt = proj_ptr.dtype.element_ty
         wdt = win_ptr.dtype.element_ty
         slot = tl.load(slot_ptr + b).to(tl.int64)
         fresh = tl.load(fresh_ptr + b) != 0
-        i = tl.arange(0, K)
-        j0 = tl.program_id(2) * BV  # this program's first value column; its BV columns go in chunks of BC
         jc = tl.arange(0, BC)
         row = proj_ptr + b * s_proj
         gates = row + 3 * P  # [f_a | g_a | b]
         win = win_ptr + slot * s_wslot
-        hk = h * K + i  # the head's channels within a group of P
         rows = state_ptr + slot * s_state + h * K * K + i[:, None] * K  # the head's [K, V] state, by rows
         # every load that does not depend on another first, so their latencies overlap: the state's first chunk
         # of columns, the gates' weights and inputs, then the conv's windows
         S = tl.load(rows + (j0 + jc)[None, :])
         if UP:  # the head's rows of the forget gate's up-projection, this program's rows of the output gate's
-            hv = h * K + j0 + tl.arange(0, BV)
-            wf = tl.load(up_ptr + hk[:, None] * K + i[None, :])
-            wg = tl.load(up_ptr + P * K + hv[:, None] * K + i[None, :])
+            if not PRELOAD:
+                wf = tl.load(up_ptr + hk[:, None] * K + i[None, :])
+                wg = tl.load(up_ptr + P * K + hv[:, None] * K + i[None, :])
             fa = tl.load(gates + i).to(tl.float32)
             ga = tl.load(gates + K + i).to(tl.float32)
         else:
@@ -163,6 +167,11 @@ def _chunk(bv: int) -> int:
     return min(bv, CHUNK_COLS)
 
 
+def _early(options: dict, up: bool) -> dict:
+    """Launch options: the gates' weights read before the wait only where the programs read them (``UP``)."""
+    return {**options, "PRELOAD": options["PRELOAD"] and up}
+
+
 _COUNTERS: dict[tuple, torch.Tensor] = {}  # (device, the layer's state pool's address, rows, heads) -> counters
 
 
@@ -232,5 +241,5 @@ def kda_decode(proj, conv_weight, conv_pool, gate_up, A_log, dt_bias, lower_boun
             f.stride(0), og, A_log, dt_bias, state_pool, state_pool.stride(0), o, batch.state_slots, batch.fresh,
             _counters(state_pool) if nv > 1 else batch.fresh, P, float(scale), float(lower_bound or 0.0), K=K,
             NV=nv, BV=K // nv, BC=_chunk(K // nv), W=W, BW=next_pow2(W - 1), UP=up, LOWER=lower_bound is not None,
-            num_warps=8 if K >= 64 else 4, **pdl(proj))
+            num_warps=8 if K >= 64 else 4, **_early(preload(proj, gate_up), up))
     return o, og
