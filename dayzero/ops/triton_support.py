@@ -85,18 +85,6 @@ elif HAS_TRITON:
             gdc_wait()
             gdc_launch_dependents()
 
-if HAS_TRITON:
-    @triton.jit
-    def weight_tile(w_rows, k, n_ok, K, EVEN_K: tl.constexpr):
-        """The weight tile [rows, k] at row pointers ``w_rows`` (rows past N, and columns past K unless EVEN_K,
-        read as zero). The one load a kernel may issue before its :func:`grid_dependency`, and only of a weight no
-        kernel of the step writes (``PRELOAD``, :func:`preload`)."""
-        if EVEN_K:
-            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
-        else:
-            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
-        return w
-
 
 _PDL_DEVICES: dict[int, bool] = {}
 
@@ -112,15 +100,6 @@ def pdl(t: torch.Tensor) -> dict:
     if on is None:
         on = _PDL_DEVICES[index] = torch.cuda.get_device_capability(index)[0] >= 9
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
-
-
-def preload(t: torch.Tensor, weight: torch.Tensor) -> dict:
-    """:func:`pdl`'s options for a kernel on ``t``'s device reading ``weight``, and ``PRELOAD``: whether it may
-    read the weight's first tiles before its wait (:func:`dayzero.ops.static.is_static`; off with
-    ``DAYZERO_WEIGHT_PRELOAD=0``). Without PDL the early read only changes where the first K step is loaded."""
-    from dayzero.ops.static import is_static
-
-    return {**pdl(t), "PRELOAD": os.environ.get("DAYZERO_WEIGHT_PRELOAD", "1") != "0" and is_static(weight)}
 
 
 _JUDGED_AS: str | None = None  # while set, CPU tensors are judged as if on this device type (see judged_as)

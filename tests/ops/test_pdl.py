@@ -11,7 +11,7 @@ import torch
 
 import dayzero
 from dayzero.ops import triton_support
-from dayzero.ops.static import mark_static
+from dayzero.ops.static import mark_static, preload
 
 pytest.importorskip("triton")
 
@@ -96,7 +96,7 @@ def test_a_dependent_chain_is_unchanged_by_pdl_eager_and_in_a_graph(monkeypatch)
     assert triton_support.pdl(w1) == {"PDL": False}
     want = [_chain(x, w1, w2, g) for x in xs]
     monkeypatch.setenv("DAYZERO_PDL", "1")
-    assert triton_support.pdl(w1)["PDL"] and triton_support.preload(w1, w1)["PRELOAD"]
+    assert triton_support.pdl(w1)["PDL"] and preload(w1, w1)["PRELOAD"]
     for x, ref in zip(xs, want):
         for a, b in zip(_chain(x, w1, w2, g), ref):
             assert torch.equal(a, b)

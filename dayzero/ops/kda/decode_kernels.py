@@ -17,7 +17,9 @@ head, so the last of them to arrive (a counter per (sequence, head), bumped once
 acquire-release semantics, and put back to zero by the last) writes them. The counters are one int32 per
 (sequence, head) per layer, made at the layer's first eager call (a layer first met inside a CUDA-graph capture
 runs the composition). Every load that does not wait on another is issued first (the state's columns, the gates'
-weights, the windows), so a program is about one memory round trip, its products and its stores. Padding rows
+weights, the windows), so a program is about one memory round trip, its products and its stores; the gates'
+up-projection rows, a model weight (:mod:`dayzero.ops.static`), are read before the wait for the kernel before,
+while that one still runs (``PRELOAD``). Padding rows
 of a captured step all use the null slot 0, which nothing reads. The composition's rounding is kept: the conv's
 output and the forget gate's up-projection are rounded to the activations' dtype as the ops apart store them.
 
@@ -32,7 +34,8 @@ import torch
 from dayzero.ops.attention.cuda import NOT_DECODE
 from dayzero.ops.kda.step import gate_ups, split_projection
 from dayzero.ops.registry import register
-from dayzero.ops.triton_support import HAS_TRITON, next_pow2, preload, tl, triton, triton_refusal
+from dayzero.ops.static import preload
+from dayzero.ops.triton_support import HAS_TRITON, next_pow2, tl, triton, triton_refusal
 
 UP_MAX_ROWS = 4  # up to this many sequences the programs run the gates' up-projections themselves
 TARGET_PROGRAMS = 256  # split heads' value columns until a step has about this many programs
@@ -40,7 +43,8 @@ CHUNK_COLS = 64  # a program's value columns go through the delta rule this many
 MAX_TAPS = 8
 
 if HAS_TRITON:
-    from dayzero.ops.triton_support import grid_dependency, softplus, weight_tile
+    from dayzero.ops.static import weight_tile
+    from dayzero.ops.triton_support import grid_dependency, softplus
 
     @triton.jit
     def _conv_step(row, cw_ptr, win, s_chan, ch, fresh, W: tl.constexpr, BW: tl.constexpr):
