@@ -5,7 +5,8 @@ predecessor still runs and waits at its first statement for that one's writes. A
 is loaded, never by a step's kernels, so a kernel may start reading it before the wait and overlap the read with
 the kernel before (:func:`preload`, :func:`weight_tile`). Parameters count as such; a weight kept as a plain
 tensor (a fused weight made once after loading) is marked with :func:`mark_static` where it is made.
-``tests/ops/test_pdl.py`` allows a kernel this one read before its wait, under a ``PRELOAD`` flag, and no other.
+``tests/ops/test_pdl.py`` holds every kernel to this one read before its wait (a :func:`weight_tile` under a
+``PRELOAD`` flag) and no other. ``kda_decode`` reads its gates' up-projections so.
 """
 from __future__ import annotations
 
