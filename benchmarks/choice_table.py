@@ -9,8 +9,8 @@ without a table), the second reading the table the first one wrote (only the cho
 seconds of both, the prefill and decode graph captures' part of them (their warm-up passes are where kernels
 compile and choices are made; "other" is loading, planning and the rest), and how many keys each measured or
 found. ``--write`` merges the choices into the package's table for this GPU model (``dayzero/ops/choice_tables/``,
-see :mod:`dayzero.ops.choices`), which a build on that model then reads while the kernels' sources keep the digest
-the table records. ``--measure-only`` runs the first build alone (enough for ``--write``).
+see :mod:`dayzero.ops.choices`) as soon as the measuring build ends, so a job stopped during the second keeps
+them; a build on that model then reads the table while the kernels' sources keep the digest it records. ``--measure-only`` runs the first build alone (enough for ``--write``).
 """
 from __future__ import annotations
 
@@ -97,6 +97,8 @@ def main() -> int:
         cache = args.cache_dir or temporary
         for config in args.config:
             measured = child(config, args, "measure", cache)
+            if args.write and measured["table"]:  # at once: a job stopped later keeps what was measured
+                print(f"wrote {write(Path(measured['table']))}", flush=True)
             read = None if args.measure_only else child(config, args, "table", cache)
             rows.append((config, measured, read))
         print(f"\n{rows[0][1]['device']}: engine builds, each with an empty Triton cache (seconds: the build, of it"
@@ -110,9 +112,6 @@ def main() -> int:
                       f"{other:>8.1f} {b['measured']:>8} {b['found']:>6}")
             if r:
                 print(f"{config:<30} {'ratio':<8} {m['seconds'] / r['seconds']:>7.2f}x")
-        last = rows[-1][2] or rows[-1][1]  # every config's choices went into the one user table
-        if args.write and last["table"]:
-            print(f"wrote {write(Path(last['table']))}")
     if args.json:
         Path(args.json).write_text(json.dumps([{"config": c, "measure": m, "table": r} for c, m, r in rows]))
     return 0
