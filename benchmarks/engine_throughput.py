@@ -164,13 +164,32 @@ def gpu_busy(llm, batch: int, prompt_len: int, steps: int, vocab: int, table_fil
 
 
 def step_timeline(prof, per_step: int) -> str:
-    """The last step's kernels in launch order: start (us from the step's first), duration, gap before, name."""
+    """The last step's kernels in launch order (:func:`timeline`)."""
     ks = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                 if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)[-per_step:]
-    lines = [f"kernels of one decode step in order ({len(ks)}):", f"{'start':>9} {'us':>7} {'gap':>6}  name"]
+    return timeline(ks)
+
+
+def timeline(ks: list[tuple[float, float, str]]) -> str:
+    """Kernels (start, end, name; in microseconds, in launch order) as a table: start from the first, duration,
+    gap before (negative: it started before the one before it ended, as under programmatic dependent launch) and
+    the time it added to the step (its end less the latest end before it: overlapping spans counted once, an idle
+    gap before it included); then
+    the added time summed by kernel name, largest first."""
+    lines = [f"kernels of one decode step in order ({len(ks)}):", f"{'start':>9} {'us':>7} {'gap':>6} {'added':>6}  name"]
+    added, last = {}, None
     for i, (a, b, name) in enumerate(ks):
         gap = a - ks[i - 1][1] if i else 0.0
-        lines.append(f"{a - ks[0][0]:>9.1f} {b - a:>7.1f} {gap:>6.1f}  {name[:110]}")
+        add = b - a if last is None else max(0.0, b - last)
+        last = b if last is None else max(last, b)
+        calls, total = added.get(name, (0, 0.0))
+        added[name] = (calls + 1, total + add)
+        lines.append(f"{a - ks[0][0]:>9.1f} {b - a:>7.1f} {gap:>6.1f} {add:>6.1f}  {name[:110]}")
+    step = sum(t for _, t in added.values())
+    lines += ["", f"time added to the step by kernel ({step:.1f} us in all):",
+              f"{'us':>8} {'share':>6} {'calls':>6} {'us a call':>9}  name"]
+    for name, (calls, total) in sorted(added.items(), key=lambda kv: -kv[1][1]):
+        lines.append(f"{total:>8.1f} {total / step if step else 0.0:>6.1%} {calls:>6} {total / calls:>9.2f}  {name[:100]}")
     return "\n".join(lines) + "\n"
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.engine_throughput import active_params, weight_bytes
+from benchmarks.engine_throughput import active_params, timeline, weight_bytes
 from dayzero.models.registry import load_config
 from dayzero.tools.probe import build_uninitialised
 
@@ -32,3 +32,15 @@ def test_weight_bytes_count_the_experts_a_batch_hits_as_stored():
     assert weight_bytes(packed, spec_mx, 1) - routed * 17 / 32 * hit(1) == pytest.approx(rest)
     # parameters count packed experts by their weights, so both checkpoints have the same
     assert active_params(packed, spec_mx) == active_params(dense, spec)
+
+
+def test_the_step_timeline_counts_overlapping_kernels_once():
+    """Under programmatic dependent launch a kernel's span starts before the one before it ends: each kernel is
+    credited with what it adds past the latest end before it, so the added times sum to the step's span."""
+    ks = [(0.0, 4.0, "norm"), (2.0, 10.0, "linear"), (3.0, 9.0, "early"), (12.0, 15.0, "linear")]
+    text = timeline(ks)
+    rows = [line.split() for line in text.splitlines()[2:6]]
+    assert [float(r[3]) for r in rows] == [4.0, 6.0, 0.0, 5.0]  # "early" ends inside "linear": adds nothing
+    assert [float(r[2]) for r in rows] == [0.0, -2.0, -7.0, 3.0]
+    summary = text.split("time added to the step by kernel (15.0 us in all):")[1].splitlines()
+    assert summary[2].split()[:4] == ["11.0", "73.3%", "2", "5.50"] and summary[2].endswith("linear")
