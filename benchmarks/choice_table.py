@@ -10,7 +10,8 @@ seconds of both, the prefill and decode graph captures' part of them (their warm
 compile and choices are made; "other" is loading, planning and the rest), and how many keys each measured or
 found. ``--write`` merges the choices into the package's table for this GPU model (``dayzero/ops/choice_tables/``,
 see :mod:`dayzero.ops.choices`) as soon as the measuring build ends, so a job stopped during the second keeps
-them; a build on that model then reads the table while the kernels' sources keep the digest it records. ``--measure-only`` runs the first build alone (enough for ``--write``).
+them; a build on that model then reads the table while the kernels' sources keep the digest it records.
+``--measure-only`` runs the first build alone (enough for ``--write``).
 """
 from __future__ import annotations
 

@@ -174,8 +174,7 @@ def timeline(ks: list[tuple[float, float, str]]) -> str:
     """Kernels (start, end, name; in microseconds, in launch order) as a table: start from the first, duration,
     gap before (negative: it started before the one before it ended, as under programmatic dependent launch) and
     the time it added to the step (its end less the latest end before it: overlapping spans counted once, an idle
-    gap before it included); then
-    the added time summed by kernel name, largest first."""
+    gap before it included); then the added time summed by kernel name, largest first."""
     lines = [f"kernels of one decode step in order ({len(ks)}):", f"{'start':>9} {'us':>7} {'gap':>6} {'added':>6}  name"]
     added, last = {}, None
     for i, (a, b, name) in enumerate(ks):

@@ -73,9 +73,11 @@ if HAS_TRITON:
         j0 = tl.program_id(2) * BV  # this program's first value column; its BV columns go in chunks of BC
         hk = h * K + i  # the head's channels within a group of P
         hv = h * K + j0 + tl.arange(0, BV)
-        if PRELOAD:  # the gates' up-projections (model weights) read while the kernel before still runs
-            wf = weight_tile(up_ptr + hk[:, None] * K, i, i < K, K, True)
-            wg = weight_tile(up_ptr + P * K + hv[:, None] * K, i, hv >= 0, K, True)
+        # the head's rows of the forget gate's up-projection, this program's rows of the output gate's
+        wf_rows, wg_rows = up_ptr + hk[:, None] * K, up_ptr + P * K + hv[:, None] * K
+        if PRELOAD:  # model weights: read while the kernel before still runs
+            wf = weight_tile(wf_rows, i, i < K, K, True)
+            wg = weight_tile(wg_rows, i, hv >= 0, K, True)
         grid_dependency(PDL)
         b = tl.program_id(0).to(tl.int64)
         H = tl.num_programs(1)
@@ -91,10 +93,10 @@ if HAS_TRITON:
         # every load that does not depend on another first, so their latencies overlap: the state's first chunk
         # of columns, the gates' weights and inputs, then the conv's windows
         S = tl.load(rows + (j0 + jc)[None, :])
-        if UP:  # the head's rows of the forget gate's up-projection, this program's rows of the output gate's
+        if UP:
             if not PRELOAD:
-                wf = tl.load(up_ptr + hk[:, None] * K + i[None, :])
-                wg = tl.load(up_ptr + P * K + hv[:, None] * K + i[None, :])
+                wf = weight_tile(wf_rows, i, i < K, K, True)
+                wg = weight_tile(wg_rows, i, hv >= 0, K, True)
             fa = tl.load(gates + i).to(tl.float32)
             ga = tl.load(gates + K + i).to(tl.float32)
         else:
