@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from dayzero import ops
+from dayzero.ops.static import mark_static
 from dayzero.layers.parallel import PLAIN_LINEARS, ColumnParallelLinear
 
 
@@ -29,7 +30,7 @@ class FusedLinear(nn.Module):
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.widths, self.members = widths, members
         # plain attributes, not parameters: the member linears own the (viewed) parameters
-        object.__setattr__(self, "weight", weight)
+        object.__setattr__(self, "weight", mark_static(weight))
         object.__setattr__(self, "bias", bias)
 
     def forward(self, x: torch.Tensor, split: bool = True) -> tuple[torch.Tensor, ...] | torch.Tensor:

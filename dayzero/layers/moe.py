@@ -189,19 +189,22 @@ class MoE(nn.Module):
         # multiplies the output.
         return self.latent_norm is None if self.latent else True
 
+    def _routing(self) -> dict:
+        """``moe_route``'s arguments after the logits, by name."""
+        s = self.spec
+        return dict(top_k=s.top_k, kind=s.router, correction_bias=self.e_score_correction_bias, n_group=s.n_group,
+                    topk_group=s.topk_group, norm_topk_prob=s.norm_topk_prob,
+                    routed_scaling_factor=s.routed_scaling_factor if self._scale_in_weights else 1.0)
+
     def _route(self, x: torch.Tensor, batch, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
         """Routing weights fp32 [t, k] and expert ids [t, k] of the tokens ``x`` (rows ``rows`` of the step)."""
-        s = self.spec
-        scale = s.routed_scaling_factor if self._scale_in_weights else 1.0
         if self.tid2eid is None:  # the router's fp32 logits and their routing (one launch on a decode step's rows)
-            return ops.call("moe_router", x, self.gate.weight, self.gate.bias, s.top_k, s.router,
-                            self.e_score_correction_bias, s.n_group, s.topk_group, s.norm_topk_prob, scale)
+            return ops.call("moe_router", x, self.gate.weight, self.gate.bias, **self._routing())
         if batch is None:
             raise ValueError("a hash-routed MoE layer needs the step's batch (its token ids)")
         logits = ops.call("linear", x, self.gate.weight, self.gate.bias, out_dtype=torch.float32)  # [t, E] fp32
         fixed = self.tid2eid[batch.input_ids[rows]]  # [t, k]
-        return ops.call("moe_route", logits, s.top_k, s.router, self.e_score_correction_bias, s.n_group,
-                        s.topk_group, s.norm_topk_prob, scale, fixed)
+        return ops.call("moe_route", logits, **self._routing(), fixed_ids=fixed)
 
     def _experts(self, h, offsets, order, top_k, w1, w2) -> torch.Tensor:
         return ops.call("moe_experts_grouped", h, offsets, w1, w2, self.spec.activation, self.b1, self.b2,
@@ -210,6 +213,10 @@ class MoE(nn.Module):
     def _routed(self, x, h, w1, w2, batch) -> torch.Tensor:
         """The routed experts' weighted sum [T, L] for every token, all experts on this rank."""
         k = self.spec.top_k
+        if not torch.is_grad_enabled() and self.tid2eid is None:  # one op, free to route inside the experts' kernels
+            y = ops.call("moe_experts_routed", x, h, self.gate.weight, self.gate.bias, w1, w2, self.spec.activation,
+                         self.b1, self.b2, **self.clamp, load=self.load_ends, **self._routing())
+            return etp_all_reduce(y, self.parallel) if self.expert_tp else y
         weights, ids = self._route(x, batch)
         if torch.is_grad_enabled():  # training: the three ops below, each with a backward (the train platform's)
             # [T*k] pairs by expert, [E] row ends (added to the load counters in the same kernel)

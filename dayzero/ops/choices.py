@@ -41,7 +41,7 @@ PACKAGE_TABLES = OPS / "choice_tables"
 # the sources a measured choice depends on: the timed kernels (skinny linear and its fused launches, the router's
 # one launch), the kernels their "apart" side runs, the candidates and the timing itself
 SOURCES = ("linear/kernels.py", "linear/norm.py", "linear/act.py", "linear/reference.py", "moe/router_kernels.py",
-           "moe/route_kernels.py", "activation/kernels.py", "norm/kernels.py", "triton_support.py")
+           "moe/route_kernels.py", "activation/kernels.py", "norm/kernels.py", "triton_support.py", "static.py")
 MODES = ("table", "measure", "off")
 
 

@@ -16,6 +16,7 @@ from dayzero.ops.linear.reference import (act_linear as reference_act, dual_line
                                           linear as reference, rms_norm_gated_linear as reference_gated,
                                           rms_norm_linear as reference_norm, sigmoid_gate_linear as reference_gate)
 from dayzero.ops import triton_support
+from dayzero.ops.static import is_static, mark_static, preload
 
 pytestmark = pytest.mark.skipif(not triton_support.HAS_TRITON, reason="needs triton")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -26,7 +27,7 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 def operands(M, N, K, x_dtype, w_dtype, bias, seed=0):
     g = torch.Generator(DEV).manual_seed(seed)
     x = torch.randn(M, K, generator=g, device=DEV).to(x_dtype)
-    w = (torch.randn(N, K, generator=g, device=DEV) / K ** 0.5).to(w_dtype)
+    w = mark_static((torch.randn(N, K, generator=g, device=DEV) / K ** 0.5).to(w_dtype))  # read before the wait
     b = torch.randn(N, generator=g, device=DEV).to(w_dtype) if bias else None
     return x, w, b
 
@@ -49,6 +50,50 @@ def test_every_candidate_block_matches_fp64(M, N, K, bias):
         got = L.skinny_linear(x, w, b, block=block)
         assert got.shape == (M, N) and got.dtype == torch.float32
         close(got, exact(x, w, b), torch.float32)
+
+
+@pytest.mark.parametrize("M,N,K,block", [(1, 37, 100, (4, 32, 4)), (3, 64, 256, (8, 256, 4)), (5, 40, 96, (16, 32, 4, 2)),
+                                         (2, 24, 33, (16, 16, 4, 2))], ids=str)
+def test_the_weight_read_before_the_wait_changes_no_value(M, N, K, block):
+    """PRELOAD peels the first K step off the loop (its weight tile read before the wait): every prologue and
+    epilogue gives the same bits as the loop whole."""
+    dtype = torch.bfloat16 if len(block) > 3 else torch.float32
+    x, w, b = operands(M, N, K, dtype, dtype, True)
+    g = torch.Generator(DEV).manual_seed(2)
+    r = torch.randn(M, K, generator=g, device=DEV).to(dtype)
+    gw = (1 + 0.1 * torch.randn(K, generator=g, device=DEV)).float()
+    x2, w2, _ = operands(M, N, 48, dtype, dtype, False, seed=3)
+    add = torch.randn(M, N, generator=g, device=DEV).to(dtype)
+    cases = {"plain": {"bias": b, "add": add}, "act": {"activation": "silu"},
+             "second": {"second": (torch.cat([x2, x2], 1), w2), "activation": "silu"}}
+    for what, kw in cases.items():
+        xs = torch.cat([x, x], 1) if what == "act" else x
+        outs = []
+        for early in (False, True):
+            y = torch.empty(M, N, dtype=dtype, device=DEV)
+            L.launch(xs, w, y, K, block, early=early, **kw)
+            outs.append(y)
+        assert torch.equal(*outs), what
+    outs = []
+    for early in (False, True):
+        y, n, s = torch.empty(M, N, dtype=dtype, device=DEV), torch.empty_like(x), torch.empty_like(x)
+        L.launch(x, w, y, K, block, eps=1e-6, norm=(gw, r, n, s), early=early)
+        outs.append((y, n, s))
+    assert all(torch.equal(a, c) for a, c in zip(*outs)), "norm"
+
+
+def test_weights_read_early_are_parameters_and_marked_ones_only(monkeypatch):
+    x = torch.zeros(1, 4, device=DEV)
+    plain = torch.zeros(2, 4, device=DEV)
+    param = torch.nn.Parameter(torch.zeros(2, 4, device=DEV), requires_grad=False)
+    assert not preload(x, plain)["PRELOAD"]
+    assert preload(x, param)["PRELOAD"]
+    assert preload(x, mark_static(plain))["PRELOAD"] and is_static(plain)
+    assert not is_static(plain[:1])  # a view may be of anything
+    copies = L.cold_copies(param, total=64)
+    assert len(copies) > 1 and all(is_static(c) for c in copies)  # the timing reads them as the step would
+    monkeypatch.setenv("DAYZERO_WEIGHT_PRELOAD", "0")
+    assert not preload(x, param)["PRELOAD"]
 
 
 def test_bf16_tokens_against_fp32_weights_give_fp32_like_the_router():

@@ -172,6 +172,70 @@ def test_cuda_op_takes_the_direct_path_for_few_pairs_and_the_sort_for_many(monke
     assert taken == [1]
 
 
+ROUTINGS = {  # E, (top_k, kind, correction bias, n_group, topk_group, norm_topk_prob, routed_scaling_factor)
+    "v3": (64, (8, "sigmoid", True, 8, 4, True, 2.5)), "flat": (12, (2, "sigmoid", False, 1, 1, False, 1.0)),
+    "v4": (48, (4, "sqrtsoftplus", True, 1, 1, True, 1.5)), "odd": (12, (2, "sigmoid", True, 3, 2, True, 1.0)),
+    "wide": (256, (8, "sigmoid", True, 8, 4, True, 2.5)),  # past route_kernels.RANK_MAX: arg-max passes
+}
+
+
+def routing_case(name, T, seed=0):
+    E, (k, kind, corr, G, TG, norm, scale) = ROUTINGS[name]
+    g = torch.Generator(DEV).manual_seed(100 + seed)
+    logits = 3 * torch.randn(T, E, generator=g, device=DEV)
+    bias = 0.1 * torch.randn(E, generator=g, device=DEV) if corr else None
+    return logits, (k, kind, bias, G, TG, norm, scale)
+
+
+@pytest.mark.parametrize("name", list(ROUTINGS))
+@pytest.mark.parametrize("T", [1, 3])
+def test_routing_inside_the_first_kernel_matches_the_route_then_the_experts(name, T):
+    logits, routing = routing_case(name, T, seed=T)
+    E, k = logits.shape[1], routing[0]
+    x, _, _, w1, w2, b1, b2 = case(T, k, E, 24, 20, bias=True, seed=T)
+    assert D.routed_refusal(x, routing, w1, w2, "silu", b1, b2, max_pairs=64) is None
+    load, want_load = torch.full((E,), 3, dtype=torch.int64, device=DEV), torch.full((E,), 3, dtype=torch.int64, device=DEV)
+    out, weights, ids = D.moe_experts_routed(x, logits, routing, w1, w2, "silu", b1, b2, None, load)
+    w_ref, ids_ref = reference.route(logits, *routing)
+    assert torch.equal(ids, ids_ref)  # best first, as the reference's sorted top-k gives them
+    torch.testing.assert_close(weights, w_ref, rtol=1e-5, atol=1e-7)
+    check(out, reference.grouped_experts(x, ids_ref, w_ref, w1, w2, "silu", b1, b2, load=want_load), torch.float32)
+    assert torch.equal(load, want_load)
+
+
+def test_routing_inside_refuses_what_the_routing_kernel_does_not_take():
+    logits, routing = routing_case("v3", 1)
+    x, _, _, w1, w2, _, _ = case(1, 8, 64, 16, 16)
+    assert "softmax" in D.routed_refusal(x, (8, "softmax", None, 1, 1, True, 1.0), w1, w2)
+    assert "power of two" in D.routed_refusal(x, (3,) + routing[1:], w1, w2)
+    assert "pairs" in D.routed_refusal(x.repeat(5, 1), routing, w1, w2)  # 40 pairs past direct_max_pairs(64)
+    with pytest.raises(ValueError, match="logits must be fp32"):
+        D.moe_experts_routed(x, logits[:, :32].contiguous(), routing, w1, w2)
+
+
+def test_cuda_routed_op_routes_inside_for_few_pairs_and_apart_for_many(monkeypatch):
+    from dayzero.ops.moe.cuda import routed_experts
+    from dayzero.ops.moe.reference import routed_experts as reference_routed
+
+    E, D_ = 8, 40
+    x, _, _, w1, w2, b1, b2 = case(9, 2, E, 32, 32, bias=True, seed=6)
+    g = torch.Generator(DEV).manual_seed(7)
+    router_in = torch.randn(9, D_, generator=g, device=DEV)
+    rw, rb = torch.randn(E, D_, generator=g, device=DEV) / D_ ** 0.5, 0.1 * torch.randn(E, generator=g, device=DEV)
+    routing = dict(top_k=2, kind="sigmoid", correction_bias=0.1 * torch.randn(E, generator=g, device=DEV), n_group=2,
+                   topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.0)
+    taken = []
+    real = D.moe_experts_routed
+    monkeypatch.setattr(D, "moe_experts_routed", lambda *a, **kw: taken.append(1) or real(*a, **kw))
+    for T in (4, 9):  # 8 pairs (routed inside), 18 (past direct_max_pairs(8) = 8: the router, then the sort)
+        load, want = torch.zeros(E, dtype=torch.int64, device=DEV), torch.zeros(E, dtype=torch.int64, device=DEV)
+        out = routed_experts(router_in[:T], x[:T], rw, rb, w1, w2, "silu", b1, b2, load=load, **routing)
+        ref = reference_routed(router_in[:T], x[:T], rw, rb, w1, w2, "silu", b1, b2, load=want, **routing)
+        check(out, ref, torch.float32)
+        assert torch.equal(load, want)
+    assert taken == [1]
+
+
 @cuda
 @pytest.mark.parametrize("fmt", ["plain", "fp8_tile", "mxfp4", "fp8_tile_a8"])
 @pytest.mark.parametrize("T,L,I", [(1, 512, 512), (4, 512, 512), (2, 2048, 768), (1, 7168, 2048)], ids=str)
@@ -193,9 +257,10 @@ def test_realistic_shapes_bf16_on_the_gpu(T, L, I, fmt):
 
 
 @cuda
-def test_moe_layer_with_and_without_the_direct_path_on_the_gpu():
-    """A LatentMoE block in bf16: inference (one ``moe_experts`` call: the direct kernels for these few pairs)
-    against the sorted ops the layer runs with gradients; the load counters raised the same."""
+def test_moe_layer_with_and_without_the_direct_path_on_the_gpu(monkeypatch):
+    """A LatentMoE block in bf16: inference (one ``moe_experts_routed`` call: the router GEMV, then the direct
+    kernels routing in place for these few pairs) against the separate ops the layer runs with gradients; the
+    load counters raised the same."""
     from dayzero.config.model_config import HybridConfig
     from dayzero.layers.moe import MoE
     from dayzero.models.init import init_random_weights
@@ -206,8 +271,12 @@ def test_moe_layer_with_and_without_the_direct_path_on_the_gpu():
     moe = init_random_weights(MoE(m.hidden_size, m.layers[-1].mlp).float(), seed=1, std=0.2).to(DEV, torch.bfloat16)
     x = torch.randn(2, m.hidden_size, device=DEV, dtype=torch.bfloat16)
     assert D.direct_max_pairs(16) >= 2 * 4
+    taken = []
+    real = D.moe_experts_routed
+    monkeypatch.setattr(D, "moe_experts_routed", lambda *a, **kw: taken.append(1) or real(*a, **kw))
     with torch.no_grad():
         direct = moe(x)
+    assert taken == [1]
     loads = moe.load_ends.clone()
     moe.load_ends.zero_()
     sorted_ = moe(x).detach()
@@ -229,4 +298,23 @@ def test_replayed_in_a_cuda_graph_with_other_ids():
     graph.replay()
     want = torch.zeros_like(load)
     check(out, reference.grouped_experts(x, ids, weights, w1, w2, load=want), torch.bfloat16)
+    assert torch.equal(load, want)
+
+
+@cuda
+def test_routed_inside_replayed_in_a_cuda_graph_with_other_logits():
+    logits, routing = routing_case("v3", 2)
+    x, _, _, w1, w2, _, _ = case(2, 8, 64, 512, 256, dtype=torch.bfloat16)
+    load = torch.zeros(64, dtype=torch.int64, device=DEV)
+    D.moe_experts_routed(x, logits, routing, w1, w2, load=load)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, weights, ids = D.moe_experts_routed(x, logits, routing, w1, w2, load=load)
+    logits.copy_(routing_case("v3", 2, seed=9)[0])
+    load.zero_()
+    graph.replay()
+    w_ref, ids_ref = reference.route(logits, *routing)
+    assert torch.equal(ids, ids_ref)
+    want = torch.zeros_like(load)
+    check(out, reference.grouped_experts(x, ids_ref, w_ref, w1, w2, load=want), torch.bfloat16)
     assert torch.equal(load, want)

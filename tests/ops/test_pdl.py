@@ -86,15 +86,15 @@ def _chain(x, w1, w2, g):
 @hopper
 def test_a_dependent_chain_is_unchanged_by_pdl_eager_and_in_a_graph(monkeypatch):
     gen = torch.Generator(device="cuda").manual_seed(0)
-    w1 = torch.randn(16384, 4096, device="cuda", generator=gen).bfloat16()
-    w2 = torch.randn(4096, 16384, device="cuda", generator=gen).bfloat16() / 64
+    w1 = mark_static(torch.randn(16384, 4096, device="cuda", generator=gen).bfloat16())  # read before the wait
+    w2 = mark_static(torch.randn(4096, 16384, device="cuda", generator=gen).bfloat16() / 64)
     g = torch.rand(16384, device="cuda", generator=gen).bfloat16()
     xs = [torch.randn(3, 4096, device="cuda", generator=gen).bfloat16() for _ in range(6)]
     monkeypatch.setenv("DAYZERO_PDL", "0")
     assert triton_support.pdl(w1) == {"PDL": False}
     want = [_chain(x, w1, w2, g) for x in xs]
     monkeypatch.setenv("DAYZERO_PDL", "1")
-    assert triton_support.pdl(w1)["PDL"]
+    assert triton_support.pdl(w1)["PDL"] and preload(w1, w1)["PRELOAD"]
     for x, ref in zip(xs, want):
         for a, b in zip(_chain(x, w1, w2, g), ref):
             assert torch.equal(a, b)

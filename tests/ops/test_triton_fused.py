@@ -215,7 +215,9 @@ def test_kda_gate_matches_the_reference(lower):
 
 
 ROUTES = {"v3": dict(E=64, k=8, G=8, TG=4, bias=True), "flat": dict(E=40, k=4, G=1, TG=1, bias=False),
-          "v4": dict(E=48, k=8, G=1, TG=1, bias=True, kind="sqrtsoftplus"), "one": dict(E=16, k=1, G=4, TG=2, bias=True)}
+          "v4": dict(E=48, k=8, G=1, TG=1, bias=True, kind="sqrtsoftplus"), "one": dict(E=16, k=1, G=4, TG=2, bias=True),
+          "wide": dict(E=256, k=8, G=8, TG=4, bias=True),  # past RANK_MAX: arg-max passes
+          "ranked": dict(E=128, k=8, G=1, TG=1, bias=True)}  # the widest one comparison takes
 
 
 @pytest.mark.parametrize("case", list(ROUTES), ids=list(ROUTES))
@@ -230,6 +232,15 @@ def test_routing_picks_the_references_experts(case, norm):
     w_ref, ids_ref = moe_ref.route(*args)
     assert torch.equal(ids.sort(-1).values, ids_ref.sort(-1).values)
     close(w.gather(1, ids.argsort(-1)), w_ref.gather(1, ids_ref.argsort(-1)), 1e-5)
+
+
+@pytest.mark.parametrize("E", [16, 256])  # one comparison, arg-max passes
+def test_routing_ties_go_to_the_lower_expert_id(E):
+    logits = torch.zeros(3, E, device=DEV)
+    logits[1, E // 2:] = 1.0  # the upper half ahead, tied among themselves
+    w, ids = route_k.route(logits, 4, "sigmoid", None, 2, 1, True, 1.0)
+    assert ids.tolist() == [[0, 1, 2, 3], [E // 2, E // 2 + 1, E // 2 + 2, E // 2 + 3], [0, 1, 2, 3]]
+    close(w, torch.full_like(w, 0.25), 1e-6)
 
 
 def test_routing_refuses_what_the_kernel_does_not_take():

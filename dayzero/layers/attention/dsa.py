@@ -40,6 +40,7 @@ from dayzero.layers.parallel import Linear, Shard, column_linear, fused_product,
 from dayzero.layers.rotary import RotaryEmbedding
 from dayzero.ops.indexer.triton_indexer import chunk_rows
 from dayzero.layers.fp8_linear import dense_weight
+from dayzero.ops.static import mark_static
 
 
 class Indexer(nn.Module):
@@ -78,7 +79,7 @@ class Indexer(nn.Module):
     def process_weights_after_loading(self) -> None:
         """The head weights times their scale, once (fp32, beside the parameter, which keeps the checkpoint's
         values): a decode step runs one GEMV where a GEMV and a multiply ran."""
-        self._scaled_weights = self.weights_proj.weight.detach() * self.weight_scale
+        self._scaled_weights = mark_static(self.weights_proj.weight.detach() * self.weight_scale)
 
     def select(self, q: torch.Tensor, w: torch.Tensor, k_cache, batch) -> torch.Tensor:
         """Every query row's top-k key positions [T, topk] (-1 padded) in the step's selection buffer."""

@@ -31,6 +31,7 @@ import torch
 
 from dayzero.ops.activation.kernels import RELU2, SILU, SWIGLU_OAI
 from dayzero.ops.choices import tables as choice_tables
+from dayzero.ops.static import is_static, mark_static, preload
 from dayzero.ops.registry import register
 from dayzero.ops.triton_support import DOT_F32, HAS_TRITON, next_pow2, pdl, triton_refusal
 
@@ -39,6 +40,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from dayzero.ops.activation.kernels import activate
+    from dayzero.ops.static import weight_tile
     from dayzero.ops.triton_support import grid_dependency
 
 log = logging.getLogger("dayzero.ops")
@@ -60,7 +62,7 @@ if HAS_TRITON:
                        ACT: tl.constexpr, CLAMP: tl.constexpr, HEAD: tl.constexpr, TWO: tl.constexpr,
                        SGATE: tl.constexpr, DOT: tl.constexpr, DOT_F32: tl.constexpr,
                        EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       PDL: tl.constexpr):
+                       PRELOAD: tl.constexpr, PDL: tl.constexpr):
         # x: [M, K], w: [N, K], add: [M, N] (unit column strides); y: [M, N]; grid: cdiv(N, BLOCK_N).
         # NORM: x is first RMS-normalised with weight g [K] (after adding the residual r [M, K] when HAS_RES,
         # rounded to x's dtype); the programs also write the normalised rows xn and the sum ro, both [M, K], a K
@@ -75,39 +77,28 @@ if HAS_TRITON:
         # per head), rounded to x's dtype.
         # DOT: each K step's product on the tensor cores (tl.dot, x's rows padded to BLOCK_M >= 16 and rounded to
         # the weight's dtype), its loads pipelined by the compiler; else on the CUDA cores in fp32.
-        grid_dependency(PDL)
+        # PRELOAD: w is written by no kernel of the step (a model weight), so its first K step is read before the
+        # wait for the kernel before this one, while that one still runs (the first product's only).
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
         n_ok, m_ok = n < N, m < M
         w_rows = w_ptr + n.to(tl.int64)[:, None] * s_wn
         x_rows = x_ptr + m[:, None] * s_xm
+        if PRELOAD:
+            w_first = weight_tile(w_rows, tl.arange(0, BLOCK_K), n_ok, K, EVEN_K)
+        grid_dependency(PDL)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        if PRELOAD:
+            acc, ss = _k_step(acc, ss, w_first, tl.arange(0, BLOCK_K), x_rows, m, m_ok, M, K, s_xh, r_ptr, s_rm, g_ptr,
+                              q_ptr, s_qm, s_qh, s_qc, GV, eps, limit, alpha, NORM, HAS_RES, ACT, CLAMP, HEAD, TWO,
+                              SGATE, DOT, DOT_F32, EVEN_K, BLOCK_M, BLOCK_K)
+        for k0 in range(BLOCK_K if PRELOAD else 0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
-            xk = k
-            if SGATE:  # heads side by side at any head stride
-                xk = (k // GV) * s_xh + k % GV
-            if EVEN_K:
-                w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
-                x = tl.load(x_rows + xk[None, :], mask=m_ok[:, None], other=0.0)
-            else:
-                k_ok = k < K
-                w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                x = tl.load(x_rows + xk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            if ACT != 0 and not TWO:
-                x = _act_input(x, x_rows, k, m_ok, K, limit, alpha, ACT, CLAMP)
-            if HEAD > 0:
-                x = _gated_norm_input(x, q_ptr, g_ptr, m, k, s_qm, M, K, eps, HEAD, BLOCK_M, BLOCK_K)
-            if SGATE:
-                q = tl.load(q_ptr + m[:, None] * s_qm + (k // GV)[None, :] * s_qh + (k % GV)[None, :] * s_qc,
-                            mask=m_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
-                x = (x.to(tl.float32) * tl.sigmoid(q)).to(x.dtype)
-            if NORM:  # the norm's scale factors out of the product: sum (x * g) * w over K, times rstd after
-                x = _norm_input(x, r_ptr, m, k, s_rm, M, K, HAS_RES).to(tl.float32)
-                ss += tl.sum(x * x, axis=1)
-                x = x * tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
-            acc = _product(acc, x, w, DOT, DOT_F32)
+            w = weight_tile(w_rows, k, n_ok, K, EVEN_K)
+            acc, ss = _k_step(acc, ss, w, k, x_rows, m, m_ok, M, K, s_xh, r_ptr, s_rm, g_ptr, q_ptr, s_qm, s_qh, s_qc,
+                              GV, eps, limit, alpha, NORM, HAS_RES, ACT, CLAMP, HEAD, TWO, SGATE, DOT, DOT_F32,
+                              EVEN_K, BLOCK_M, BLOCK_K)
         if NORM:
             rstd = tl.rsqrt(ss / K + eps)
             acc *= rstd[:, None]
@@ -141,6 +132,35 @@ if HAS_TRITON:
                            other=0.0).to(tl.float32)
         tl.store(y_ptr + m[:, None] * s_ym + n[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
+
+
+    @triton.jit
+    def _k_step(acc, ss, w, k, x_rows, m, m_ok, M, K, s_xh, r_ptr, s_rm, g_ptr, q_ptr, s_qm, s_qh, s_qc, GV, eps, limit,
+                alpha, NORM: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr, CLAMP: tl.constexpr,
+                HEAD: tl.constexpr, TWO: tl.constexpr, SGATE: tl.constexpr, DOT: tl.constexpr, DOT_F32: tl.constexpr,
+                EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One K step of the first product: x's columns ``k`` read (through the prologue the flags ask for) and
+        multiplied with the weight tile ``w`` [BLOCK_N, BLOCK_K] into acc; ss gathers the norm's sums of squares."""
+        xk = k
+        if SGATE:  # heads side by side at any head stride
+            xk = (k // GV) * s_xh + k % GV
+        if EVEN_K:
+            x = tl.load(x_rows + xk[None, :], mask=m_ok[:, None], other=0.0)
+        else:
+            x = tl.load(x_rows + xk[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+        if ACT != 0 and not TWO:
+            x = _act_input(x, x_rows, k, m_ok, K, limit, alpha, ACT, CLAMP)
+        if HEAD > 0:
+            x = _gated_norm_input(x, q_ptr, g_ptr, m, k, s_qm, M, K, eps, HEAD, BLOCK_M, BLOCK_K)
+        if SGATE:
+            q = tl.load(q_ptr + m[:, None] * s_qm + (k // GV)[None, :] * s_qh + (k % GV)[None, :] * s_qc,
+                        mask=m_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+            x = (x.to(tl.float32) * tl.sigmoid(q)).to(x.dtype)
+        if NORM:  # the norm's scale factors out of the product: sum (x * g) * w over K, times rstd after
+            x = _norm_input(x, r_ptr, m, k, s_rm, M, K, HAS_RES).to(tl.float32)
+            ss += tl.sum(x * x, axis=1)
+            x = x * tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
+        return _product(acc, x, w, DOT, DOT_F32), ss
 
 
     @triton.jit
@@ -224,13 +244,18 @@ def launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, K: int, block
            bias: torch.Tensor | None = None, add: torch.Tensor | None = None, activation: str | None = None,
            limit: float | None = None, alpha: float = 1.702, eps: float = 0.0,
            norm: tuple | None = None, gate: tuple | None = None, second: tuple | None = None,
-           sigmoid_gate: torch.Tensor | None = None) -> None:
+           sigmoid_gate: torch.Tensor | None = None, early: bool | None = None) -> None:
     """One launch of the skinny kernel writing ``y`` [M, N] from x's rows against weight [N, K] at ``block``.
     ``norm`` = (norm weight, residual or None, normed out, sum out): the RMSNorm prologue; ``gate`` = (norm
     weight [HEAD], gate rows [M, K]): the gated head norm; ``second`` = (x2, w2 [N, K2]): a second product, the
     ``activation`` then applying to x2; ``sigmoid_gate`` [M, H, G] (G: K / H, or 1 for one gate per head, any
-    strides): x [M, H, K / H] (any row and head strides, unit channel stride) times its sigmoid."""
+    strides): x [M, H, K / H] (any row and head strides, unit channel stride) times its sigmoid. ``early``: whether
+    the weight's first K step is read before the wait for the kernel before (default: when it is a model weight,
+    :func:`~dayzero.ops.static.preload`)."""
     M, N = y.shape
+    options = preload(x, weight)
+    if early is not None:
+        options["PRELOAD"] = early
     bn, bk, warps = block[:3]
     stages = block[3] if len(block) > 3 else None
     nw, res, normed, res_out = norm or (x, None, x, x)
@@ -254,7 +279,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, K: int, block
         ACT=ACTS[activation][0] if activation else 0, CLAMP=limit is not None,
         HEAD=gw.shape[0] if gate else 0, TWO=second is not None, SGATE=sg is not None, DOT=stages is not None,
         DOT_F32=DOT_F32, EVEN_K=K % bk == 0, BLOCK_M=max(16, next_pow2(M)) if stages else next_pow2(M),
-        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **({"num_stages": stages} if stages else {}), **pdl(x))
+        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **({"num_stages": stages} if stages else {}), **options)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -395,7 +420,7 @@ def cold_copies(weight: torch.Tensor, total: int = 96 << 20, most: int = 16) -> 
     ws = [weight]
     try:
         while len(ws) < min(most, -(-total // max(1, weight.nbytes))):
-            ws.append(weight.clone())
+            ws.append(mark_static(weight.clone()) if is_static(weight) else weight.clone())
     except torch.cuda.OutOfMemoryError:
         pass
     return ws

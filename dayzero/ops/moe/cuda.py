@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from dayzero.ops.moe import direct_kernels, permute_kernels, triton_moe, unpermute_kernels
 from dayzero.ops.moe.reference import _activation, _mlp, permute, unpermute
-from dayzero.ops.registry import register
+from dayzero.ops.registry import call, register
 from dayzero.quant.fp8 import TileScaled, takes_fp8_activations
 from dayzero.quant.workspace import BlockScaled, PackedMXFP4
 
@@ -135,6 +135,28 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
     if direct_kernels.refusal(x, ids, weights, w1, w2, activation, b1, b2, limit) is None:
         return direct_kernels.moe_experts_direct(x, ids, weights, w1, w2, activation, b1, b2, limit, load)
     return sorted_experts(x, ids, weights, w1, w2, activation, b1, b2, limit, load)
+
+
+def _verify_routed(x, h, router_weight, router_bias, w1, w2, *args, **kwargs) -> str | None:
+    return _verify(h, None, w1, w2)
+
+
+@register("moe_experts_routed", "cuda", verifier=_verify_routed,
+          note="few pairs: the router GEMV, then the two direct kernels with the routing inside the first; else "
+               "moe_router, moe_experts")
+def routed_experts(x: torch.Tensor, h: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor | None,
+                   w1, w2, activation: str = "silu", b1: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                   limit: float | None = None, load: torch.Tensor | None = None, *, top_k: int, kind: str = "sigmoid",
+                   correction_bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1,
+                   norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0) -> torch.Tensor:
+    # x: [T, D] the router's input; h: [T, L] the experts'; router_weight: [E, D] fp32
+    routing = (top_k, kind, correction_bias, n_group, topk_group, norm_topk_prob, routed_scaling_factor)
+    if router_weight.shape[0] == w1.shape[0] and direct_kernels.routed_refusal(
+            h, routing, w1, w2, activation, b1, b2, limit) is None:
+        logits = call("linear", x, router_weight, router_bias, out_dtype=torch.float32)  # [T, E]
+        return direct_kernels.moe_experts_routed(h, logits, routing, w1, w2, activation, b1, b2, limit, load)[0]
+    weights, ids = call("moe_router", x, router_weight, router_bias, *routing)
+    return call("moe_experts", h, ids, weights, w1, w2, activation, b1, b2, limit=limit, load=load)
 
 
 def sorted_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w2, activation: str = "silu",

@@ -27,12 +27,13 @@ import functools
 
 import torch
 
-from dayzero.ops.moe import triton_moe
+from dayzero.ops.moe import route_kernels, triton_moe
 from dayzero.ops.triton_support import DOT_F32, HAS_TRITON, next_pow2, pdl, tl, triton
 from dayzero.quant.fp8 import TILE, takes_fp8_activations
 
 if HAS_TRITON:
     from dayzero.ops.moe import triton_moe_kernels as K
+    from dayzero.ops.moe.route_kernels import expert_ranks
     from dayzero.ops.triton_support import grid_dependency
 
 # Formats whose K step may span the whole 4096-element budget; the quantised ones read at most one 128-column tile
@@ -54,19 +55,36 @@ if HAS_TRITON:
             part *= tl.load(s_ptr + e * s_se + (n // 128) * s_sn + (k0 // 128) * s_sk, mask=n_ok, other=0.0)
         return acc + part
 
-    @triton.jit(do_not_specialize=["limit"])
+    @triton.jit(do_not_specialize=["limit", "scale"])
     def _direct_up_kernel(x_ptr, ids_ptr, w_ptr, ws_ptr, b_ptr, h_ptr, load_ptr, limit, E,
                           L: tl.constexpr, I: tl.constexpr, s_xm, s_we, s_wn, s_wk, s_se, s_sn, s_sk, s_be, s_bn,
+                          logits_ptr, corr_ptr, wt_ptr, scale,
                           FMT: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
                           HAS_LIMIT: tl.constexpr, HAS_LOAD: tl.constexpr, TOP_K: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, E_POW2: tl.constexpr, PDL: tl.constexpr,
-                          ACT_FP8: tl.constexpr = False, ROUND_FIRST: tl.constexpr = False):
+                          ACT_FP8: tl.constexpr = False, ROUND_FIRST: tl.constexpr = False,
+                          ROUTE: tl.constexpr = False, GS: tl.constexpr = 1, SQRT_SOFTPLUS: tl.constexpr = False,
+                          HAS_CORR: tl.constexpr = False, NORM: tl.constexpr = False, G: tl.constexpr = 1,
+                          TOPG: tl.constexpr = 1, BG: tl.constexpr = 1):
         # x: [T, L] (unit column stride); ids: [T*k]; w1: [E, r*I, L]; h: [T*k, I]; grid: T*k x cdiv(I, BLOCK_N)
+        # ROUTE: logits [T, E] fp32; ids and wt [T*k] written here, by the programs of the first column block
         grid_dependency(PDL)
         p = tl.program_id(0).to(tl.int64)
         pid_n = tl.program_id(1)
-        e = tl.load(ids_ptr + p).to(tl.int64)
         t = p // TOP_K
+        if ROUTE:  # this pair's token routed here: pair p is its expert of rank p mod k
+            ee, s, rank = expert_ranks(logits_ptr, corr_ptr, t, E, GS, SQRT_SOFTPLUS, HAS_CORR, G, TOPG, TOP_K,
+                                       E_POW2, BG)
+            mine = rank == (p % TOP_K).to(tl.int32)
+            e = tl.sum(tl.where(mine, ee, 0), axis=0).to(tl.int64)
+            if pid_n == 0:
+                w = tl.sum(tl.where(mine, s, 0.0), axis=0)
+                if NORM:
+                    w = w / (tl.sum(tl.where(rank < TOP_K, s, 0.0), axis=0) + 1e-20)
+                tl.store(ids_ptr + p, e)
+                tl.store(wt_ptr + p, w * scale)
+        else:
+            e = tl.load(ids_ptr + p).to(tl.int64)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < I
         acc_a = tl.zeros((BLOCK_N,), dtype=tl.float32)  # gate (or relu2's only) half
@@ -183,16 +201,33 @@ def refusal(x, ids, weights, w1, w2, activation: str = "silu", b1=None, b2=None,
     :func:`direct_max_pairs`) or cannot, or None."""
     if ids.dim() != 2 or weights.shape != ids.shape or x.dim() != 2 or ids.shape[0] != x.shape[0]:
         return "the reference checks these shapes"
-    most = direct_max_pairs(w1.shape[0]) if max_pairs is None else max_pairs
-    if ids.numel() > most:
-        return f"{ids.numel()} (token, expert) pairs: past {most} the sorted path reads less"
-    if ids.shape[1] > MAX_TOP_K:
-        return f"{ids.shape[1]} experts per token exceed the kernel's {MAX_TOP_K}"
-    if x.stride(-1) != 1:
-        return "the token rows must have contiguous columns"
     if ids.device != x.device or ids.is_floating_point():
         return f"ids must be integer expert ids on {x.device}"
+    return _pairs_refusal(x, ids.shape[1], w1, w2, activation, b1, b2, limit, max_pairs)
+
+
+def _pairs_refusal(x, top_k: int, w1, w2, activation, b1, b2, limit, max_pairs: int | None) -> str | None:
+    """:func:`refusal` for ``top_k`` experts per token of ``x``, whatever routes them."""
+    most = direct_max_pairs(w1.shape[0]) if max_pairs is None else max_pairs
+    if x.shape[0] * top_k > most:
+        return f"{x.shape[0] * top_k} (token, expert) pairs: past {most} the sorted path reads less"
+    if top_k > MAX_TOP_K:
+        return f"{top_k} experts per token exceed the kernel's {MAX_TOP_K}"
+    if x.stride(-1) != 1:
+        return "the token rows must have contiguous columns"
     return triton_moe.refusal(x, None, w1, w2, activation, b1, b2, limit)
+
+
+def routed_refusal(x, routing: tuple, w1, w2, activation: str = "silu", b1=None, b2=None, limit=None,
+                   max_pairs: int | None = None) -> str | None:
+    """Why the first kernel should not route the tokens ``x`` itself (:func:`moe_experts_routed`), or None.
+    ``routing``: ``moe_route``'s arguments after the logits (top_k, kind, correction_bias, n_group, topk_group,
+    norm_topk_prob, routed_scaling_factor)."""
+    if x.dim() != 2:
+        return "the reference checks these shapes"
+    E = w1.shape[0]
+    why = route_kernels.route_refusal(x.new_empty((0, E), dtype=torch.float32), *routing)  # the logits' shape
+    return why or _pairs_refusal(x, routing[0], w1, w2, activation, b1, b2, limit, max_pairs)
 
 
 def moe_experts_direct(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w2, activation: str = "silu",
@@ -203,8 +238,35 @@ def moe_experts_direct(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     raised as ``moe_permute`` raises it). Call only when :func:`refusal` is None; ``block`` overrides the
     ((BLOCK_N, BLOCK_K) of the first kernel, that of the second) (tests)."""
     # x: [T, L]; ids, weights: [T, k]; w1: [E, r*I, L]; w2: [E, L, I] -> [T, L]
-    (T, L), k = x.shape, ids.shape[1]
-    E, I = w1.shape[0], w2.shape[-1]
+    flat_ids, wt = ids.reshape(-1).contiguous(), weights.reshape(-1).float().contiguous()
+    return _launch(x, ids.shape[1], flat_ids, wt, w1, w2, activation, b1, b2, limit, load, block)
+
+
+def moe_experts_routed(x: torch.Tensor, logits: torch.Tensor, routing: tuple, w1, w2, activation: str = "silu",
+                       b1: torch.Tensor | None = None, b2: torch.Tensor | None = None, limit: float | None = None,
+                       load: torch.Tensor | None = None, block: tuple[tuple[int, int], tuple[int, int]] | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`moe_experts_direct` of ``moe_route(logits, *routing)``'s choice, routed inside the first kernel: each
+    program ranks its token's experts (``route_kernels.expert_ranks``) and takes the expert of its pair's rank,
+    and the first column block's programs write the ids and weights the second kernel reads, so the routing
+    kernel's launch is gone. Returns (y [T, L], weights fp32 [T, k], ids int64 [T, k]). Call only when
+    :func:`routed_refusal` is None."""
+    # x: [T, L]; logits: [T, E] fp32 contiguous; w1: [E, r*I, L]; w2: [E, L, I]
+    top_k, kind, corr, n_group, topk_group, norm, scale = routing
+    T, E = logits.shape
+    if T != x.shape[0] or E != w1.shape[0] or logits.dtype != torch.float32 or not logits.is_contiguous():
+        raise ValueError(f"logits must be fp32 [T={x.shape[0]}, E={w1.shape[0]}] rows, got {logits.dtype} "
+                         f"{tuple(logits.shape)}")
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
+    constants = route_kernels.route_constants(E, top_k, kind, corr, n_group, topk_group, norm)
+    route = dict(logits=logits, corr=logits if corr is None else corr, scale=float(scale), constants=constants)
+    y = _launch(x, top_k, ids.view(-1), weights.view(-1), w1, w2, activation, b1, b2, limit, load, block, route)
+    return y, weights, ids
+
+
+def _launch(x, k, flat_ids, wt, w1, w2, activation, b1, b2, limit, load, block, route=None) -> torch.Tensor:
+    (T, L), E, I = x.shape, w1.shape[0], w2.shape[-1]
     y = triton_moe.new_buffer(T, L, x)
     if T == 0:
         return y
@@ -217,21 +279,25 @@ def moe_experts_direct(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
         raise ValueError(f"{fmt} weights take K steps of at most {TILE}, not {max(bk1, bk2)} (see PLAIN)")
     if (a1 and bk1 != TILE) or (a2 and bk2 != TILE):
         raise ValueError(f"FP8 activations take K steps of {TILE} (one quantisation group), not {bk1} / {bk2}")
-    flat_ids = ids.reshape(-1).contiguous()
     h = triton_moe.new_buffer(T * k, I, x)
     act = {"silu": K.SILU, "relu2": K.RELU2, "swiglu_oai": K.SWIGLU_OAI}[activation].value
+    routed = {}
+    if route is not None:
+        c = route["constants"]
+        routed = dict(ROUTE=True, GS=c["GS"], SQRT_SOFTPLUS=c["SQRT_SOFTPLUS"], HAS_CORR=c["HAS_BIAS"], NORM=c["NORM"],
+                      G=c["G"], TOPG=c["TOPG"], BG=c["BG"])
 
     f, data, scale, st, ss = triton_moe.weight_operand(w1)
     _direct_up_kernel[(T * k, triton.cdiv(I, bn1))](
         x, flat_ids, data, scale, x if b1 is None else b1, h, flat_ids if load is None else load,
         0.0 if limit is None else float(limit), E, L, I, x.stride(0), *st, *ss,
         *((0, 0) if b1 is None else b1.stride()),
+        *((route["logits"], route["corr"], wt, route["scale"]) if route else (wt, wt, wt, 1.0)),
         FMT=f, ACT=act, GATED=gated, HAS_BIAS=b1 is not None, HAS_LIMIT=limit is not None, HAS_LOAD=load is not None,
-        TOP_K=k, BLOCK_N=bn1, BLOCK_K=bk1, E_POW2=next_pow2(E), ACT_FP8=a1, ROUND_FIRST=DOT_F32,
+        TOP_K=k, BLOCK_N=bn1, BLOCK_K=bk1, E_POW2=next_pow2(E), ACT_FP8=a1, ROUND_FIRST=DOT_F32, **routed,
         num_warps=4, **pdl(x))
 
     f, data, scale, st, ss = triton_moe.weight_operand(w2)
-    wt = weights.reshape(-1).float().contiguous()
     _direct_down_kernel[(T, triton.cdiv(L, bn2))](
         h, flat_ids, wt, data, scale, h if b2 is None else b2, y, L, I, *st, *ss,
         *((0, 0) if b2 is None else b2.stride()), y.stride(0),

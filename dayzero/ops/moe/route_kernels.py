@@ -1,9 +1,16 @@
 """Group-limited sigmoid (or sqrt-softplus) routing as one Triton kernel per step: one program per token
 scores its experts, ranks the groups by the sum of their two best biased scores, keeps ``topk_group`` of
-them and picks the ``top_k`` best experts inside, by repeated arg-max (the reference issues about twenty
-kernels: sigmoid, two top-k's, scatter, mask, gather, the normalisation). Same math as ``reference.route``:
-fp32, the bias only steers the selection, weights renormalised over the chosen experts and scaled. Experts
-come out best first; exact ties between scores may pick a different expert than ``torch.topk``.
+them and picks the ``top_k`` best experts inside (the reference issues about twenty kernels: sigmoid, two
+top-k's, scatter, mask, gather, the normalisation). Same math as ``reference.route``: fp32, the bias only
+steers the selection, weights renormalised over the chosen experts and scaled. Experts come out best first;
+exact ties between scores go to the lower expert id and may pick a different expert than ``torch.topk``.
+
+Selection is by rank, not by repeated arg-max: every group's two best scores come from three reductions over a
+[groups, experts] tile, each group's place from one comparison of all pairs of groups, and up to
+:data:`RANK_MAX` experts each expert's place from one [E, E] comparison, a handful of reductions where ~50
+dependent arg-max reductions ran before (more experts keep ``top_k`` arg-max passes). The ranks
+(:func:`expert_ranks`) are what the routed experts' first kernel reads when it routes in place
+(``dayzero.ops.moe.direct_kernels``).
 
 Softmax routing, hash routing (``fixed_ids``) and more than 32 experts per token or groups are left to the
 reference.
@@ -20,6 +27,10 @@ if HAS_TRITON:
 
 MAX_K = 32
 MAX_GROUPS = 32
+RANK_MAX = 128  # experts up to which a token's ranks come from one [E, E] comparison (else K arg-max passes)
+
+if HAS_TRITON:
+    _RANK_MAX = tl.constexpr(RANK_MAX)
 
 if HAS_TRITON:
     @triton.jit
@@ -32,10 +43,12 @@ if HAS_TRITON:
                     SQRT_SOFTPLUS, HAS_BIAS, NORM, G, TOPG, K, BE, BG)
 
     @triton.jit
-    def route_token(logits_ptr, bias_ptr, w_ptr, id_ptr, t, E, scale, GS: tl.constexpr,
-                    SQRT_SOFTPLUS: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-                    G: tl.constexpr, TOPG: tl.constexpr, K: tl.constexpr, BE: tl.constexpr, BG: tl.constexpr):
-        """Token t's routing: its E logits read from row t, its K weights and ids written to rows t."""
+    def expert_ranks(logits_ptr, bias_ptr, t, E, GS: tl.constexpr, SQRT_SOFTPLUS: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, G: tl.constexpr, TOPG: tl.constexpr, K: tl.constexpr,
+                     BE: tl.constexpr, BG: tl.constexpr):
+        """Token t's routing as ranks: (e = arange(BE), its scores s [BE] fp32 (unbiased), rank [BE] int32).
+        The experts chosen are those of rank < K, best first; the others' ranks are K or more. Ties go to the
+        lower expert id, as arg-max breaks them."""
         e = tl.arange(0, BE)
         valid = e < E
         x = tl.load(logits_ptr + t * E + e, mask=valid, other=0.0).to(tl.float32)
@@ -47,36 +60,43 @@ if HAS_TRITON:
         if HAS_BIAS:
             sel = sel + tl.load(bias_ptr + e, mask=valid, other=0.0).to(tl.float32)
         sel = tl.where(valid, sel, float("-inf"))
-        if G > 1:
-            grp = e // GS
+        if G > 1:  # every group's two best scores at once, then the groups ranked by their sums
             gi = tl.arange(0, BG)
-            gscore = tl.full((BG,), float("-inf"), tl.float32)
-            for g in tl.static_range(G):
-                mine = tl.where(grp == g, sel, float("-inf"))
-                best = tl.max(mine, axis=0)
-                at = tl.argmax(mine, axis=0)
-                total = best
-                if GS > 1:
-                    total = best + tl.max(tl.where(e == at, float("-inf"), mine), axis=0)
-                gscore = tl.where(gi == g, total, gscore)
-            keep = tl.zeros((BG,), dtype=tl.int1)
-            for _ in tl.static_range(TOPG):
-                at = tl.argmax(gscore, axis=0)
-                keep = keep | (gi == at)
-                gscore = tl.where(gi == at, float("-inf"), gscore)
-            kept = tl.sum(tl.where((gi[None, :] == grp[:, None]) & keep[None, :], 1, 0), axis=1) > 0
+            member = (e[None, :] // GS) == gi[:, None]  # [BG, BE]
+            mine = tl.where(member, sel[None, :], float("-inf"))
+            total = tl.max(mine, axis=1)
+            if GS > 1:
+                at = tl.argmax(mine, axis=1)
+                total += tl.max(tl.where(e[None, :] == at[:, None], float("-inf"), mine), axis=1)
+            total = tl.where(gi < G, total, float("-inf"))
+            ahead = (total[None, :] > total[:, None]) | ((total[None, :] == total[:, None]) & (gi[None, :] < gi[:, None]))
+            keep = (tl.sum(ahead.to(tl.int32), axis=1) < TOPG) & (gi < G)
+            kept = tl.max(tl.where(member & keep[:, None], 1, 0), axis=0) > 0
             sel = tl.where(kept, sel, float("-inf"))
+        if BE <= _RANK_MAX:  # each expert's place: the experts ahead of it, all pairs compared at once
+            ahead = (sel[None, :] > sel[:, None]) | ((sel[None, :] == sel[:, None]) & (e[None, :] < e[:, None]))
+            rank = tl.sum(ahead.to(tl.int32), axis=1)
+        else:  # K arg-max passes: a [BE, BE] comparison would not fit a program's registers
+            rank = tl.full((BE,), K, tl.int32)
+            for j in tl.static_range(K):
+                at = tl.argmax(sel, axis=0)
+                rank = tl.where(e == at, j, rank)
+                sel = tl.where(e == at, float("-inf"), sel)
+        return e, s, rank
+
+    @triton.jit
+    def route_token(logits_ptr, bias_ptr, w_ptr, id_ptr, t, E, scale, GS: tl.constexpr,
+                    SQRT_SOFTPLUS: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+                    G: tl.constexpr, TOPG: tl.constexpr, K: tl.constexpr, BE: tl.constexpr, BG: tl.constexpr):
+        """Token t's routing: its E logits read from row t, its K weights and ids written to rows t."""
+        e, s, rank = expert_ranks(logits_ptr, bias_ptr, t, E, GS, SQRT_SOFTPLUS, HAS_BIAS, G, TOPG, K, BE, BG)
         kk = tl.arange(0, K)
-        ids = tl.zeros((K,), dtype=tl.int64)
-        ws = tl.zeros((K,), dtype=tl.float32)
-        for j in tl.static_range(K):
-            at = tl.argmax(sel, axis=0)
-            ids = tl.where(kk == j, at.to(tl.int64), ids)
-            ws = tl.where(kk == j, tl.sum(tl.where(e == at, s, 0.0), axis=0), ws)
-            sel = tl.where(e == at, float("-inf"), sel)
+        pick = rank[None, :] == kk[:, None]  # [K, BE]: slot j holds the expert of rank j
+        ids = tl.sum(tl.where(pick, e[None, :], 0), axis=1)
+        ws = tl.sum(tl.where(pick, s[None, :], 0.0), axis=1)
         if NORM:
-            ws = ws / (tl.sum(ws, axis=0) + 1e-20)
-        tl.store(id_ptr + t * K + kk, ids)
+            ws = ws / (tl.sum(tl.where(rank < K, s, 0.0), axis=0) + 1e-20)
+        tl.store(id_ptr + t * K + kk, ids.to(tl.int64))
         tl.store(w_ptr + t * K + kk, ws * scale)
 
 
