@@ -11,6 +11,7 @@ import torch
 
 import dayzero
 from dayzero.ops import triton_support
+from dayzero.ops.static import mark_static, preload
 
 pytest.importorskip("triton")
 
