@@ -9,7 +9,7 @@ import pytest
 from dayzero import LLM, SamplingParams
 from dayzero.ops import registry, triton_support
 from dayzero.ops.linear import act as linear_act, kernels as linear_kernels, norm as linear_norm
-from dayzero.ops.moe import router_kernels
+from dayzero.ops.moe import direct_kernels, router_kernels
 from tests.engine.families import prompts
 
 
@@ -102,15 +102,22 @@ def test_skinny_linears_and_the_ops_inside_them_give_the_reference_tokens(model_
     """With the skinny kernel chosen for every linear of a few rows (as a GPU's timing may choose it), decode runs
     each layer's input norm inside its fused projection (rms_norm_linear), the MLPs' activations inside their down
     projections (act_linear), KDA's gated norm inside its output projection (rms_norm_gated_linear), a LatentMoE
-    up-projection with its shared expert (dual_linear), the router with its routing (moe_router), gated attention's
-    output gate inside its output projection (sigmoid_gate_linear) and the plain linears through the kernel: the same greedy tokens as the reference engine, in fp32. (In fp32 the dense MLPs
+    up-projection with its shared expert (dual_linear), the routing inside the routed experts' first kernel
+    (moe_experts_routed; the router with its routing, moe_router, on longer steps), gated attention's output gate
+    inside its output projection (sigmoid_gate_linear) and the plain linears through the kernel: the same greedy
+    tokens as the reference engine, in fp32. (In fp32 the dense MLPs
     run the reference ``mlp``: act_linear's kernel runs here inside dual_linear, and alone in tests/ops.)"""
     choose_first_blocks(monkeypatch)
+    routed_inside = []
+    real = direct_kernels.moe_experts_routed
+    monkeypatch.setattr(direct_kernels, "moe_experts_routed", lambda *a, **kw: routed_inside.append(1) or real(*a, **kw))
     want, got, chosen = reference_and_device_tokens(model_dir, monkeypatch, 3, 8)
     assert ("linear", "cuda") in chosen
     called = {name for name, _ in chosen}
-    kernel_routes = ("moe_route", "reference") not in chosen  # softmax routing: neither routing kernel takes it
-    for op in ("rms_norm_linear", "rms_norm_gated_linear", "dual_linear", "moe_router", "sigmoid_gate_linear"):
-        if op in called and (op != "moe_router" or kernel_routes):  # on its decode rows the kernel ran
+    for op in ("rms_norm_linear", "rms_norm_gated_linear", "dual_linear", "sigmoid_gate_linear"):
+        if op in called:  # on its decode rows the kernel ran
             assert (op, "cuda") in chosen, (op, chosen)
+    kernel_routes = ("moe_route", "reference") not in chosen  # softmax routing: no routing kernel takes it
+    if "moe_experts_routed" in called and kernel_routes:  # decode rows routed inside the first expert kernel
+        assert routed_inside, chosen
     assert got == want
