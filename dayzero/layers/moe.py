@@ -5,8 +5,8 @@ expert computation is one GEMM per expert over the tokens routed to it, and so e
 quantised (MXFP4) storage can later replace the tensors without touching the model. The routed experts
 run as separate ops, route -> permute -> grouped expert MLP -> unpermute: none waits on the host on CUDA
 (the block can be captured in a CUDA graph), and expert parallelism can put its all-to-all between them. Without
-expert parallelism and gradients they run as the one op ``moe_experts``, whose CUDA implementation skips the sort
-for a decode step's few pairs.
+expert parallelism and gradients they run with the router as the one op ``moe_experts_routed``, whose CUDA
+implementation, on a decode step's few pairs, skips the sort and routes inside the first expert kernel.
 
 With ``latent_size`` set (LatentMoE, ARCHITECTURE.md 3.3) routing still reads the full-width x, but the
 routed experts run at width L between a shared down-projection ``fc1_latent_proj`` [L, D] and

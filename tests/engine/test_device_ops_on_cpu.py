@@ -110,7 +110,8 @@ def test_skinny_linears_and_the_ops_inside_them_give_the_reference_tokens(model_
     choose_first_blocks(monkeypatch)
     routed_inside = []
     real = direct_kernels.moe_experts_routed
-    monkeypatch.setattr(direct_kernels, "moe_experts_routed", lambda *a, **kw: routed_inside.append(1) or real(*a, **kw))
+    monkeypatch.setattr(direct_kernels, "moe_experts_routed",
+                        lambda *a, **kw: routed_inside.append(1) or real(*a, **kw))
     want, got, chosen = reference_and_device_tokens(model_dir, monkeypatch, 3, 8)
     assert ("linear", "cuda") in chosen
     called = {name for name, _ in chosen}

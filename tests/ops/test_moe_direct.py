@@ -194,7 +194,7 @@ def test_routing_inside_the_first_kernel_matches_the_route_then_the_experts(name
     E, k = logits.shape[1], routing[0]
     x, _, _, w1, w2, b1, b2 = case(T, k, E, 24, 20, bias=True, seed=T)
     assert D.routed_refusal(x, routing, w1, w2, "silu", b1, b2, max_pairs=64) is None
-    load, want_load = torch.full((E,), 3, dtype=torch.int64, device=DEV), torch.full((E,), 3, dtype=torch.int64, device=DEV)
+    load, want_load = (torch.full((E,), 3, dtype=torch.int64, device=DEV) for _ in range(2))
     out, weights, ids = D.moe_experts_routed(x, logits, routing, w1, w2, "silu", b1, b2, None, load)
     w_ref, ids_ref = reference.route(logits, *routing)
     assert torch.equal(ids, ids_ref)  # best first, as the reference's sorted top-k gives them

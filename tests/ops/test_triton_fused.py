@@ -215,7 +215,8 @@ def test_kda_gate_matches_the_reference(lower):
 
 
 ROUTES = {"v3": dict(E=64, k=8, G=8, TG=4, bias=True), "flat": dict(E=40, k=4, G=1, TG=1, bias=False),
-          "v4": dict(E=48, k=8, G=1, TG=1, bias=True, kind="sqrtsoftplus"), "one": dict(E=16, k=1, G=4, TG=2, bias=True),
+          "v4": dict(E=48, k=8, G=1, TG=1, bias=True, kind="sqrtsoftplus"),
+          "one": dict(E=16, k=1, G=4, TG=2, bias=True),
           "wide": dict(E=256, k=8, G=8, TG=4, bias=True),  # past RANK_MAX: arg-max passes
           "ranked": dict(E=128, k=8, G=1, TG=1, bias=True)}  # the widest one comparison takes
 
