@@ -12,6 +12,12 @@ found. ``--write`` merges the choices into the package's table for this GPU mode
 see :mod:`dayzero.ops.choices`) as soon as the measuring build ends, so a job stopped during the second keeps
 them; a build on that model then reads the table while the kernels' sources keep the digest it records.
 ``--measure-only`` runs the first build alone (enough for ``--write``).
+
+A measuring build can outlast a job's time limit (~340 s on a fresh H200 for dayzero-small, most of it compiling
+every candidate block). With ``--resume --cache-dir DIR`` it is done in pieces: every measured key goes into DIR's
+user table as it is measured, Triton's cache is kept in DIR too, and a run with the same options reads the keys
+already measured there (``DAYZERO_CHOICES=table``) and measures only the rest, so each run gets further than the
+one before; ``--write`` then merges what DIR holds. Its seconds say nothing about a fresh machine.
 """
 from __future__ import annotations
 
@@ -50,13 +56,15 @@ def build(args) -> dict:
             "table": str(store.path), "device": store.device_name}
 
 
-def child(config: str, args, mode: str, cache: str) -> dict:
-    with tempfile.TemporaryDirectory() as triton_cache, tempfile.NamedTemporaryFile(suffix=".json") as out:
-        env = dict(os.environ, TRITON_CACHE_DIR=triton_cache, DAYZERO_CACHE_DIR=cache, DAYZERO_CHOICES=mode)
+def child(config: str, args, mode: str, cache: str, triton_cache: str | None = None) -> dict:
+    """One build in a process of its own, with an empty Triton cache unless ``triton_cache`` is given."""
+    with tempfile.TemporaryDirectory() as fresh, tempfile.NamedTemporaryFile(suffix=".json") as out:
+        env = dict(os.environ, TRITON_CACHE_DIR=triton_cache or fresh, DAYZERO_CACHE_DIR=cache, DAYZERO_CHOICES=mode)
         cmd = [sys.executable, os.path.abspath(__file__), "--child", config, "--json", out.name, "--device",
                args.device, "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
                str(args.max_num_batched_tokens), "--max-model-len", str(args.max_model_len)]
-        print(f"{config}: building with DAYZERO_CHOICES={mode} and an empty Triton cache ...", flush=True)
+        kept = f"Triton's cache in {triton_cache}" if triton_cache else "an empty Triton cache"
+        print(f"{config}: building with DAYZERO_CHOICES={mode} and {kept} ...", flush=True)
         if subprocess.run(cmd, env=env).returncode != 0:
             raise SystemExit(f"the build of {config} with DAYZERO_CHOICES={mode} failed")
         return json.loads(Path(out.name).read_text())
@@ -87,23 +95,33 @@ def main() -> int:
     ap.add_argument("--measure-only", action="store_true",
                     help="only the build that measures every key (what --write needs), not the one reading the table")
     ap.add_argument("--cache-dir", default=None, help="the builds' DAYZERO_CACHE_DIR (default: a temporary one)")
+    ap.add_argument("--resume", action="store_true",
+                    help="with --cache-dir: the measuring build reads the keys measured there before and measures the "
+                         "rest, with Triton's cache kept there too (a measurement done over several jobs)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.child:
         Path(args.json).write_text(json.dumps(build(args)))
         return 0
+    if args.resume and not args.cache_dir:
+        ap.error("--resume needs --cache-dir: the directory the measurement goes on in")
     rows = []
     with tempfile.TemporaryDirectory() as temporary:
         cache = args.cache_dir or temporary
         for config in args.config:
-            measured = child(config, args, "measure", cache)
+            if args.resume:  # the keys measured in DIR before are read, the rest measured; compiles reused
+                measured = child(config, args, "table", cache, str(Path(cache).resolve() / "triton"))
+            else:
+                measured = child(config, args, "measure", cache)
             if args.write and measured["table"]:  # at once: a job stopped later keeps what was measured
                 print(f"wrote {write(Path(measured['table']))}", flush=True)
             read = None if args.measure_only else child(config, args, "table", cache)
             rows.append((config, measured, read))
-        print(f"\n{rows[0][1]['device']}: engine builds, each with an empty Triton cache (seconds: the build, of it"
-              " the prefill and decode graph captures)")
+        caches = ("a measurement resumed with Triton's cache kept: not a fresh machine's seconds" if args.resume
+                  else "each with an empty Triton cache")
+        print(f"\n{rows[0][1]['device']}: engine builds, {caches} (seconds: the build, of it the prefill and decode"
+              " graph captures)")
         print(f"{'config':<30} {'choices':<8} {'build s':>8} {'prefill':>8} {'decode':>8} {'other':>8} {'measured':>8} "
               f"{'found':>6}")
         for config, m, r in rows:
