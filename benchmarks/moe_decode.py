@@ -1,0 +1,118 @@
+"""A decode step's MoE routing and routed experts, layer after layer: routing as its own kernel against routing
+inside the first expert kernel, side by side in one run.
+
+    python benchmarks/moe_decode.py --config configs/dayzero-small.json --rows 1 4 [--layers 23] [--replays 50]
+
+Each of ``--layers`` layers has weights of its own (the config's router, fp32, and its routed experts in bf16;
+random) and feeds the next: its routed output is the next layer's expert input, its router input stays the step's
+row. Two chains of the same layers run:
+
+- ``apart``: the router GEMV (the ``linear`` op, fp32 out), the routing kernel (``moe_route``), then the two
+  direct expert kernels reading the ids and weights it wrote (``direct_kernels.moe_experts_direct``): 4 kernels;
+- ``inside``: the router GEMV, then the two direct kernels, the first routing its token itself
+  (``direct_kernels.moe_experts_routed``, what ``moe_experts_routed`` runs on a decode step's few pairs): 3.
+
+On a GPU each chain is captured in a CUDA graph and replayed (programmatic dependent launch as the engine runs
+it); prints µs a chain and a layer, the ratio and the largest difference between the chains' outputs. On the CPU
+(Triton's interpreter, shapes divided by ``--scale``) the chains run once, for the tests.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for benchmarks.* below
+from benchmarks.timing import ms_per_replay  # noqa: E402
+
+
+def moe_shapes(config: str) -> dict:
+    """The config's routed-MoE shapes: D (router input), L (expert input), I, E, the number of MoE layers, whether
+    the router has a correction bias, and ``route(bias)``: ``moe_route``'s arguments after the logits."""
+    from dayzero.models.registry import load_config
+
+    spec = load_config(config)
+    layers = [layer.mlp for layer in spec.layers if layer.mlp_kind == "moe"]
+    if not layers:
+        raise SystemExit(f"{config} has no MoE layers")
+    s = layers[-1]
+    latent = s.latent_size is not None
+    scale = s.routed_scaling_factor if (not s.latent_norm if latent else True) else 1.0  # as MoE._routing
+    return dict(D=spec.hidden_size, L=s.latent_size or spec.hidden_size, I=s.intermediate_size, E=s.n_experts,
+                layers=len(layers), correction_bias=s.correction_bias, top_k=s.top_k,
+                route=lambda bias: (s.top_k, s.router, bias, s.n_group, s.topk_group, s.norm_topk_prob, scale))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/dayzero-small.json")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--layers", type=int, default=None, help="default: the config's MoE layers")
+    ap.add_argument("--replays", type=int, default=50)
+    ap.add_argument("--scale", type=int, default=None, help="divide D, L and I by this (default: 1 on a GPU, 32 on "
+                                                            "the CPU)")
+    args = ap.parse_args(argv)
+    from dayzero import ops
+    from dayzero.ops.moe import direct_kernels as D
+    from dayzero.ops.moe.route_kernels import route
+
+    cuda = torch.cuda.is_available()
+    dev, dtype = torch.device("cuda" if cuda else "cpu"), torch.bfloat16
+    scale = args.scale or (1 if cuda else 32)
+    m = moe_shapes(args.config)
+    (Dm, L, I), E = (max(16, m[n] // scale) for n in ("D", "L", "I")), m["E"]
+    n_layers = args.layers or m["layers"]
+    gen = torch.Generator(dev).manual_seed(0)
+    layers = []
+    for _ in range(n_layers):
+        rw = torch.randn(E, Dm, device=dev, generator=gen) / Dm ** 0.5 * 3  # fp32, as routers are kept
+        bias = 0.1 * torch.randn(E, device=dev, generator=gen) if m["correction_bias"] else None
+        w1 = (torch.randn(E, 2 * I, L, device=dev, generator=gen) / L ** 0.5).to(dtype)
+        w2 = (torch.randn(E, L, I, device=dev, generator=gen) / I ** 0.5).to(dtype)
+        layers.append((rw, bias, w1, w2))
+    print(f"{args.config}: {n_layers} MoE layers of {E} experts (top-{m['top_k']}), router {E} x {Dm} fp32, experts "
+          f"{L} -> {I} bf16" + (f" (shapes / {scale})" if scale > 1 else "") + f"; {dev}", flush=True)
+
+    def chain(x, h0, inside: bool):
+        h = h0
+        for rw, bias, w1, w2 in layers:
+            logits = ops.call("linear", x, rw, None, out_dtype=torch.float32)
+            if inside:
+                h = D.moe_experts_routed(h, logits, m["route"](bias), w1, w2)[0]
+            else:
+                weights, ids = route(logits, *m["route"](bias))
+                h = D.moe_experts_direct(h, ids, weights, w1, w2)
+        return h
+
+    rows_out = []
+    for rows in args.rows:
+        x = torch.randn(rows, Dm, device=dev, generator=gen).to(dtype)
+        h0 = torch.randn(rows, L, device=dev, generator=gen).to(dtype)
+        why = D.routed_refusal(h0, m["route"](layers[0][1]), layers[0][2], layers[0][3])
+        if why:
+            print(f"{rows} rows: {why}; skipped")
+            continue
+        outs, us = {}, {}
+        for name in ("apart", "inside"):
+            outs[name] = chain(x, h0, name == "inside")
+            if cuda:
+                ms = ms_per_replay(lambda n=name: chain(x, h0, n == "inside"), args.replays)
+                us[name] = None if ms is None else 1e3 * ms
+        diff = (outs["inside"].float() - outs["apart"].float()).abs().max().item()
+        rows_out.append(dict(rows=rows, us=us, max_diff=diff))
+    print(f"{'rows':>4} {'apart us':>9} {'inside us':>10} {'apart/layer':>12} {'inside/layer':>13} {'ratio':>6} "
+          f"{'max diff':>9}")
+    for r in rows_out:
+        a, b = r["us"].get("apart"), r["us"].get("inside")
+        if a is not None and b is not None:
+            print(f"{r['rows']:>4} {a:>9.1f} {b:>10.1f} {a / n_layers:>12.2f} {b / n_layers:>13.2f} {a / b:>5.2f}x "
+                  f"{r['max_diff']:>9.2e}")
+        else:
+            print(f"{r['rows']:>4} {'-':>9} {'-':>10} {'-':>12} {'-':>13} {'-':>6} {r['max_diff']:>9.2e}")
+    return {"layers": n_layers, "rows": rows_out}
+
+
+if __name__ == "__main__":
+    main()

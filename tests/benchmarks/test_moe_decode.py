@@ -1,0 +1,23 @@
+"""benchmarks/moe_decode.py on the CPU (Triton's interpreter, shapes divided by 32): both chains run and agree,
+and a step with more pairs than the direct kernels take is skipped with the reason."""
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.moe_decode import main, moe_shapes
+from dayzero.ops import triton_support
+
+pytestmark = pytest.mark.skipif(not triton_support.HAS_TRITON, reason="needs triton")
+
+
+def test_dayzero_smalls_moe_shapes():
+    m = moe_shapes("configs/dayzero-small.json")
+    assert (m["D"], m["L"], m["I"], m["E"], m["layers"]) == (2048, 512, 512, 64, 23)
+    assert m["route"](None) == (8, "sigmoid", None, 8, 4, True, 2.5)
+
+
+def test_both_chains_run_and_agree(capsys):
+    out = main(["--layers", "2", "--rows", "1", "2", "5"])
+    assert [r["rows"] for r in out["rows"]] == [1, 2]
+    assert all(r["max_diff"] < 5e-2 for r in out["rows"])
+    assert "5 rows: 40 (token, expert) pairs" in capsys.readouterr().out
