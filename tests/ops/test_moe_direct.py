@@ -203,6 +203,33 @@ def test_routing_inside_the_first_kernel_matches_the_route_then_the_experts(name
     assert torch.equal(load, want_load)
 
 
+@pytest.mark.parametrize("name", ["v3", "flat"])
+def test_nan_router_logits_of_one_token_leave_the_others_and_memory_alone(name):
+    """A token whose router logits hold NaN (a broken checkpoint, an overflow upstream) gets ids in range, whatever
+    its routing; the step's other tokens route and compute as without it."""
+    logits, routing = routing_case(name, 3)
+    E, k = logits.shape[1], routing[0]
+    logits[1, 3] = float("nan")
+    logits[1, 7] = float("nan")
+    x, _, _, w1, w2, _, _ = case(3, k, E, 24, 20, seed=4)
+    out, weights, ids = D.moe_experts_routed(x, logits, routing, w1, w2)
+    assert ((ids >= 0) & (ids < E)).all()
+    for t in (0, 2):
+        w_ref, ids_ref = reference.route(logits[t:t + 1], *routing)
+        assert torch.equal(ids[t:t + 1], ids_ref)
+        check(out[t:t + 1], reference.grouped_experts(x[t:t + 1], ids_ref, w_ref, w1, w2), torch.float32)
+
+
+def test_ids_out_of_range_read_no_other_experts_memory():
+    """Ids the routing should never give (the device path does not check them on the host, as the reference does)
+    are taken as the nearest expert, never as memory past the experts' weights."""
+    x, ids, weights, w1, w2, _, _ = case(2, 2, 6, 24, 20, seed=5)
+    bad = torch.tensor([[-3, 1], [2, 1000]], device=DEV)
+    out = D.moe_experts_direct(x, bad, weights, w1, w2)
+    want = reference.grouped_experts(x, bad.clamp(0, 5), weights, w1, w2)
+    check(out, want, torch.float32)
+
+
 def test_routing_inside_refuses_what_the_routing_kernel_does_not_take():
     logits, routing = routing_case("v3", 1)
     x, _, _, w1, w2, _, _ = case(1, 8, 64, 16, 16)

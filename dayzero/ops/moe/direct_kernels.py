@@ -76,15 +76,16 @@ if HAS_TRITON:
             ee, s, rank = expert_ranks(logits_ptr, corr_ptr, t, E, GS, SQRT_SOFTPLUS, HAS_CORR, G, TOPG, TOP_K,
                                        E_POW2, BG)
             mine = rank == (p % TOP_K).to(tl.int32)
-            e = tl.sum(tl.where(mine, ee, 0), axis=0).to(tl.int64)
+            # NaN logits may give rank j to no expert or to several: the id stays in range
+            e = tl.minimum(tl.sum(tl.where(mine, ee, 0), axis=0).to(tl.int64), E - 1)
             if pid_n == 0:
                 w = tl.sum(tl.where(mine, s, 0.0), axis=0)
                 if NORM:
                     w = w / (tl.sum(tl.where(rank < TOP_K, s, 0.0), axis=0) + 1e-20)
                 tl.store(ids_ptr + p, e)
                 tl.store(wt_ptr + p, w * scale)
-        else:
-            e = tl.load(ids_ptr + p).to(tl.int64)
+        else:  # an id out of range (the routing of NaN logits) reads no other memory
+            e = tl.minimum(tl.maximum(tl.load(ids_ptr + p).to(tl.int64), 0), E - 1)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < I
         acc_a = tl.zeros((BLOCK_N,), dtype=tl.float32)  # gate (or relu2's only) half
@@ -110,7 +111,7 @@ if HAS_TRITON:
                 tl.atomic_add(load_ptr + idx, tl.full((E_POW2,), 1, tl.int64), mask=(idx >= e) & (idx < E))
 
     @triton.jit
-    def _direct_down_kernel(h_ptr, ids_ptr, wt_ptr, w_ptr, ws_ptr, b_ptr, y_ptr,
+    def _direct_down_kernel(h_ptr, ids_ptr, wt_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, E,
                             L: tl.constexpr, I: tl.constexpr, s_we, s_wn, s_wk, s_se, s_sn, s_sk, s_be, s_bn, s_ym,
                             FMT: tl.constexpr, HAS_BIAS: tl.constexpr, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
@@ -126,7 +127,7 @@ if HAS_TRITON:
         n = tl.program_id(1) * BLOCK_N + r % BLOCK_N
         ok = (j < TOP_K) & (n < L)
         p = t * TOP_K + j  # each row's pair
-        e = tl.load(ids_ptr + p, mask=ok, other=0).to(tl.int64)
+        e = tl.minimum(tl.maximum(tl.load(ids_ptr + p, mask=ok, other=0).to(tl.int64), 0), E - 1)
         w_row, s_row = e * s_we + n * s_wn, e * s_se + n * s_sn
         if FMT == K.TILE:  # one scale row per 128 weight rows
             s_row = e * s_se + (n // 128) * s_sn
@@ -299,7 +300,7 @@ def _launch(x, k, flat_ids, wt, w1, w2, activation, b1, b2, limit, load, block, 
 
     f, data, scale, st, ss = triton_moe.weight_operand(w2)
     _direct_down_kernel[(T, triton.cdiv(L, bn2))](
-        h, flat_ids, wt, data, scale, h if b2 is None else b2, y, L, I, *st, *ss,
+        h, flat_ids, wt, data, scale, h if b2 is None else b2, y, E, L, I, *st, *ss,
         *((0, 0) if b2 is None else b2.stride()), y.stride(0),
         FMT=f, HAS_BIAS=b2 is not None, TOP_K=k, K_POW2=next_pow2(k), BLOCK_N=bn2, BLOCK_K=bk2, ACT_FP8=a2,
         ROUND_FIRST=DOT_F32, num_warps=8, **pdl(h))
