@@ -2,6 +2,7 @@
 inside the first expert kernel, side by side in one run.
 
     python benchmarks/moe_decode.py --config configs/dayzero-small.json --rows 1 4 [--layers 23] [--replays 50]
+        [--up-warps 4 2 1]
 
 Each of ``--layers`` layers has weights of its own (the config's router, fp32, and its routed experts in bf16;
 random) and feeds the next: its routed output is the next layer's expert input, its router input stays the step's
@@ -10,7 +11,9 @@ row. Two chains of the same layers run:
 - ``apart``: the router GEMV (the ``linear`` op, fp32 out), the routing kernel (``moe_route``), then the two
   direct expert kernels reading the ids and weights it wrote (``direct_kernels.moe_experts_direct``): 4 kernels;
 - ``inside``: the router GEMV, then the two direct kernels, the first routing its token itself
-  (``direct_kernels.moe_experts_routed``, what ``moe_experts_routed`` runs on a decode step's few pairs): 3.
+  (``direct_kernels.moe_experts_routed``, what ``moe_experts_routed`` runs on a decode step's few pairs): 3;
+  with ``--up-warps``, once per warp count of that first kernel (the engine's is the first, 4), since each of
+  its programs now routes a token, whose reductions cost more across more warps.
 
 On a GPU each chain is captured in a CUDA graph and replayed (programmatic dependent launch as the engine runs
 it); prints µs a chain and a layer, the ratio and the largest difference between the chains' outputs. On the CPU
@@ -45,12 +48,27 @@ def moe_shapes(config: str) -> dict:
                 route=lambda bias: (s.top_k, s.router, bias, s.n_group, s.topk_group, s.norm_topk_prob, scale))
 
 
+def print_table(rows_out: list[dict], n_layers: int) -> None:
+    """µs a chain and a layer per rows and mode (None: not timed), each against ``apart``."""
+    print(f"{'rows':>4} {'mode':<18} {'us a chain':>11} {'us a layer':>11} {'vs apart':>9}")
+    for r in rows_out:
+        base = r["us"].get("apart")
+        for name, us in r["us"].items():
+            if us is None:
+                print(f"{r['rows']:>4} {name:<18} {'-':>11} {'-':>11} {'-':>9}")
+                continue
+            ratio = f"{base / us:>8.2f}x" if base else f"{'-':>9}"
+            print(f"{r['rows']:>4} {name:<18} {us:>11.1f} {us / n_layers:>11.2f} {ratio}")
+        print(f"{r['rows']:>4} largest difference from apart: {r['max_diff']:.2e}")
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/dayzero-small.json")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--layers", type=int, default=None, help="default: the config's MoE layers")
     ap.add_argument("--replays", type=int, default=50)
+    ap.add_argument("--up-warps", type=int, nargs="+", default=[4], help="warps of the routing expert kernel")
     ap.add_argument("--scale", type=int, default=None, help="divide D, L and I by this (default: 1 on a GPU, 32 on "
                                                             "the CPU)")
     args = ap.parse_args(argv)
@@ -75,12 +93,12 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{args.config}: {n_layers} MoE layers of {E} experts (top-{m['top_k']}), router {E} x {Dm} fp32, experts "
           f"{L} -> {I} bf16" + (f" (shapes / {scale})" if scale > 1 else "") + f"; {dev}", flush=True)
 
-    def chain(x, h0, inside: bool):
+    def chain(x, h0, warps: int | None):  # warps None: the routing kernel apart
         h = h0
         for rw, bias, w1, w2 in layers:
             logits = ops.call("linear", x, rw, None, out_dtype=torch.float32)
-            if inside:
-                h = D.moe_experts_routed(h, logits, m["route"](bias), w1, w2)[0]
+            if warps:
+                h = D.moe_experts_routed(h, logits, m["route"](bias), w1, w2, up_warps=warps)[0]
             else:
                 weights, ids = route(logits, *m["route"](bias))
                 h = D.moe_experts_direct(h, ids, weights, w1, w2)
@@ -95,22 +113,15 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{rows} rows: {why}; skipped")
             continue
         outs, us = {}, {}
-        for name in ("apart", "inside"):
-            outs[name] = chain(x, h0, name == "inside")
+        modes = {"apart": None, **{f"inside, {w} warps": w for w in args.up_warps}}
+        for name, warps in modes.items():
+            outs[name] = chain(x, h0, warps)
             if cuda:
-                ms = ms_per_replay(lambda n=name: chain(x, h0, n == "inside"), args.replays)
+                ms = ms_per_replay(lambda w=warps: chain(x, h0, w), args.replays)
                 us[name] = None if ms is None else 1e3 * ms
-        diff = (outs["inside"].float() - outs["apart"].float()).abs().max().item()
+        diff = max((o.float() - outs["apart"].float()).abs().max().item() for o in outs.values())
         rows_out.append(dict(rows=rows, us=us, max_diff=diff))
-    print(f"{'rows':>4} {'apart us':>9} {'inside us':>10} {'apart/layer':>12} {'inside/layer':>13} {'ratio':>6} "
-          f"{'max diff':>9}")
-    for r in rows_out:
-        a, b = r["us"].get("apart"), r["us"].get("inside")
-        if a is not None and b is not None:
-            print(f"{r['rows']:>4} {a:>9.1f} {b:>10.1f} {a / n_layers:>12.2f} {b / n_layers:>13.2f} {a / b:>5.2f}x "
-                  f"{r['max_diff']:>9.2e}")
-        else:
-            print(f"{r['rows']:>4} {'-':>9} {'-':>10} {'-':>12} {'-':>13} {'-':>6} {r['max_diff']:>9.2e}")
+    print_table(rows_out, n_layers)
     return {"layers": n_layers, "rows": rows_out}
 
 

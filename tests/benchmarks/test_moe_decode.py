@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.moe_decode import main, moe_shapes
+from benchmarks.moe_decode import main, moe_shapes, print_table
 from dayzero.ops import triton_support
 
 pytestmark = pytest.mark.skipif(not triton_support.HAS_TRITON, reason="needs triton")
@@ -21,3 +21,12 @@ def test_both_chains_run_and_agree(capsys):
     assert [r["rows"] for r in out["rows"]] == [1, 2]
     assert all(r["max_diff"] < 5e-2 for r in out["rows"])
     assert "5 rows: 40 (token, expert) pairs" in capsys.readouterr().out
+
+
+def test_the_table_gives_each_mode_against_apart(capsys):
+    print_table([{"rows": 1, "us": {"apart": 230.0, "inside, 4 warps": 200.0, "inside, 2 warps": None},
+                  "max_diff": 0.0}], 23)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split() == ["1", "apart", "230.0", "10.00", "1.00x"]
+    assert lines[2].split() == ["1", "inside,", "4", "warps", "200.0", "8.70", "1.15x"]
+    assert lines[3].split()[-3:] == ["-", "-", "-"]

@@ -246,12 +246,12 @@ def moe_experts_direct(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
 def moe_experts_routed(x: torch.Tensor, logits: torch.Tensor, routing: tuple, w1, w2, activation: str = "silu",
                        b1: torch.Tensor | None = None, b2: torch.Tensor | None = None, limit: float | None = None,
                        load: torch.Tensor | None = None, block: tuple[tuple[int, int], tuple[int, int]] | None = None,
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       up_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`moe_experts_direct` of ``moe_route(logits, *routing)``'s choice, routed inside the first kernel: each
     program ranks its token's experts (``route_kernels.expert_ranks``) and takes the expert of its pair's rank,
     and the first column block's programs write the ids and weights the second kernel reads, so the routing
     kernel's launch is gone. Returns (y [T, L], weights fp32 [T, k], ids int64 [T, k]). Call only when
-    :func:`routed_refusal` is None."""
+    :func:`routed_refusal` is None; ``up_warps``: the first kernel's warps (``benchmarks/moe_decode.py``)."""
     # x: [T, L]; logits: [T, E] fp32 contiguous; w1: [E, r*I, L]; w2: [E, L, I]
     top_k, kind, corr, n_group, topk_group, norm, scale = routing
     T, E = logits.shape
@@ -262,11 +262,13 @@ def moe_experts_routed(x: torch.Tensor, logits: torch.Tensor, routing: tuple, w1
     weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     constants = route_kernels.route_constants(E, top_k, kind, corr, n_group, topk_group, norm)
     route = dict(logits=logits, corr=logits if corr is None else corr, scale=float(scale), constants=constants)
-    y = _launch(x, top_k, ids.view(-1), weights.view(-1), w1, w2, activation, b1, b2, limit, load, block, route)
+    y = _launch(x, top_k, ids.view(-1), weights.view(-1), w1, w2, activation, b1, b2, limit, load, block, route,
+                up_warps)
     return y, weights, ids
 
 
-def _launch(x, k, flat_ids, wt, w1, w2, activation, b1, b2, limit, load, block, route=None) -> torch.Tensor:
+def _launch(x, k, flat_ids, wt, w1, w2, activation, b1, b2, limit, load, block, route=None,
+            up_warps: int = 4) -> torch.Tensor:
     (T, L), E, I = x.shape, w1.shape[0], w2.shape[-1]
     y = triton_moe.new_buffer(T, L, x)
     if T == 0:
@@ -296,7 +298,7 @@ def _launch(x, k, flat_ids, wt, w1, w2, activation, b1, b2, limit, load, block, 
         *((route["logits"], route["corr"], wt, route["scale"]) if route else (wt, wt, wt, 1.0)),
         FMT=f, ACT=act, GATED=gated, HAS_BIAS=b1 is not None, HAS_LIMIT=limit is not None, HAS_LOAD=load is not None,
         TOP_K=k, BLOCK_N=bn1, BLOCK_K=bk1, E_POW2=next_pow2(E), ACT_FP8=a1, ROUND_FIRST=DOT_F32, **routed,
-        num_warps=4, **pdl(x))
+        num_warps=up_warps, **pdl(x))
 
     f, data, scale, st, ss = triton_moe.weight_operand(w2)
     _direct_down_kernel[(T, triton.cdiv(L, bn2))](
