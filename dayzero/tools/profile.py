@@ -46,6 +46,9 @@ PARTS = (
     ("relu", "activation"), ("swiglu", "activation"),
 )
 MOE_PARTS = ("MoE routing", "MoE expert compute", "MoE weight conversion", "MoE dispatch")
+# ops that run other ops for parts of their own: each op called directly inside is timed as its part (renamed where
+# given), the rest of the outer op's time as the outer op's part
+CONTAINERS = {"moe_experts_routed": {"linear": "MoE routing"}}  # the router GEMV, then routing and experts
 
 
 def part_of(op: str) -> str:
@@ -169,6 +172,7 @@ class Profiler:
         self.peaks: dict[int, int] = {}
         self._layer: int | None = None
         self._depth = 0
+        self._open: list | None = None  # [container op, its renames, the end of its last timed piece] while one runs
 
     # --- batches ---------------------------------------------------------------------------------------
     def _batch(self, start: int, n: int):
@@ -237,15 +241,31 @@ class Profiler:
                         handles += [mod.register_forward_pre_hook(lin_pre), mod.register_forward_hook(lin_post)]
 
             def op_hook(op, chosen, reason, fn, args, kwargs):
-                if self._depth:  # an op inside an op is part of the outer one
+                box = self._open
+                if self._depth and (box is None or self._depth > 1):  # an op inside an op is part of the outer one
                     return fn(*args, **kwargs)
-                self._depth += 1
                 a = self.clock.mark()
+                if box is not None:  # directly inside a container: the container's time so far, then this op's
+                    self.records.append((self._layer, part_of(box[0]), box[2], a))
+                elif op in CONTAINERS:
+                    self._open = box = [op, CONTAINERS[op], a]
+                    try:
+                        self._depth += 1
+                        return fn(*args, **kwargs)
+                    finally:
+                        self._depth -= 1
+                        self.records.append((self._layer, part_of(op), box[2], self.clock.mark()))
+                        self._open = None
+                self._depth += 1
                 try:
                     return fn(*args, **kwargs)
                 finally:
-                    self.records.append((self._layer, part_of(op), a, self.clock.mark()))
+                    b = self.clock.mark()
+                    part = (box[1].get(op) or part_of(op)) if box is not None else part_of(op)
+                    self.records.append((self._layer, part, a, b))
                     self._depth -= 1
+                    if box is not None:
+                        box[2] = b
 
             prev = registry.set_hook(op_hook)
             handles.append(_Restore(prev))

@@ -10,6 +10,7 @@ from dayzero import LLM, SamplingParams
 from dayzero.cli import main as cli
 from dayzero.ops import registry
 from dayzero.tools.ops_table import op_table
+from dayzero.tools import profile as P
 from dayzero.tools.profile import MOE_PARTS, profile
 from tests.conftest import CONFIGS
 
@@ -64,6 +65,7 @@ def test_profile_layers_account_for_the_step(tiny_ckpt, tmp_path, one_thread, ca
     assert kinds["dsa+moe"]["parts"]["attention"]["decode_s"] > 0
     assert set(MOE_PARTS) <= set(kinds["gqa+moe"]["parts"])
     assert kinds["gqa+moe"]["parts"]["MoE expert compute"]["decode_s"] > 0
+    assert kinds["gqa+moe"]["parts"]["MoE routing"]["decode_s"] > 0  # the router, inside moe_experts_routed
     # a projection is counted once, under projections, whether a module or the linear ops ran it
     assert all("projections" in k["parts"] and not any("linear" in p for p in k["parts"]) for k in kinds.values())
     assert all(l["weights_bytes"] > 0 and l["cache_bytes"] > 0 for l in r["layers"])
@@ -79,3 +81,49 @@ def test_profile_layers_account_for_the_step(tiny_ckpt, tmp_path, one_thread, ca
     assert png.stat().st_size > 10_000
     table = capsys.readouterr().out.split("routed load per MoE layer")[1]
     assert "by 2 expert-parallel ranks" in table and "pairs by rank" in table
+
+
+def test_a_container_ops_inner_ops_keep_their_parts(monkeypatch):
+    """Inside a container op (moe_experts_routed) each op it calls is timed as its own part (renamed where the
+    container says: its router GEMV as MoE routing), the rest of its time as its part, and the pieces do not
+    overlap; ops deeper down stay in the op that called them."""
+    import time
+
+    calls = []
+
+    @registry.register("test_inner_linear")
+    def inner_linear(x):
+        time.sleep(0.002)
+        return registry.call("test_deeper", x)
+
+    @registry.register("test_deeper")
+    def deeper(x):
+        calls.append("deeper")
+        return x
+
+    @registry.register("test_route_experts")
+    def container(x):
+        time.sleep(0.002)
+        x = registry.call("test_inner_linear", x)
+        time.sleep(0.002)
+        return registry.call("moe_permute", torch.zeros(1, 1, dtype=torch.long), 2)
+
+    monkeypatch.setattr(P, "CONTAINERS", {"test_route_experts": {"test_inner_linear": "MoE routing"}})
+    prof = P.Profiler.__new__(P.Profiler)
+    prof.layers, prof.model, prof.clock = [], torch.nn.Linear(1, 1), P._Clock(torch.device("cpu"))
+    prof.records, prof._layer, prof._depth, prof._open = [], 3, 0, None
+    handles = prof._install(ops=True)
+    try:
+        registry.call("test_route_experts", torch.zeros(1))
+    finally:
+        for h in handles:
+            h.remove()
+        for op in ("test_inner_linear", "test_deeper", "test_route_experts"):
+            registry._OPS.pop(op)
+    parts = [(layer, part) for layer, part, _, _ in prof.records]
+    assert parts == [(3, "test_route_experts"), (3, "MoE routing"), (3, "test_route_experts"), (3, "MoE dispatch"),
+                     (3, "test_route_experts")]
+    ends = [(a, b) for _, _, a, b in prof.records]
+    assert all(a <= b for a, b in ends) and all(b0 <= a1 for (_, b0), (a1, _) in zip(ends, ends[1:]))
+    assert calls == ["deeper"] and prof._depth == 0 and prof._open is None
+    assert ends[1][1] - ends[1][0] >= 0.002  # the inner op's time, its deeper op inside
