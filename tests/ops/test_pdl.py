@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 
 PACKAGE = pathlib.Path(dayzero.__file__).parent
 READS = ("tl.load", "tl.store", "tl.atomic", "return")
-EARLY = {"tl.program_id", "tl.arange", "weight_tile"}  # index arithmetic, the weight tile
+EARLY = {"tl.program_id", "tl.arange", "n.to", "weight_tile"}  # index arithmetic (n.to: a cast), the weight tile
 
 
 def _jit_kernels(tree: ast.Module):
@@ -31,13 +31,17 @@ def test_every_launched_kernel_waits_for_the_one_before_first():
     for path in PACKAGE.rglob("*.py"):
         src = path.read_text()
         tree = ast.parse(src)
-        names = {ast.unparse(c.func.value).split(".")[-1] for c in ast.walk(tree)
-                 if isinstance(c, ast.Call) and isinstance(c.func, ast.Subscript)
-                 and any(isinstance(k.value, ast.Call) and ast.unparse(k.value.func) == "pdl" for k in c.keywords
-                         if k.arg is None)}
+        launches = [c for c in ast.walk(tree) if isinstance(c, ast.Call) and isinstance(c.func, ast.Subscript)]
         kernels = {k.name: k for k in _jit_kernels(tree)}
         if path.name == "triton_moe.py":  # its kernels live in triton_moe_kernels.py
             kernels = {k.name: k for k in _jit_kernels(ast.parse((path.parent / "triton_moe_kernels.py").read_text()))}
+        # kernels launched with pdl()'s options, and any launched kernel taking PDL (whose launch may pass the
+        # options through another name: preload(), a variable)
+        names = {ast.unparse(c.func.value).split(".")[-1] for c in launches
+                 if any(isinstance(k.value, ast.Call) and ast.unparse(k.value.func) == "pdl" for k in c.keywords
+                        if k.arg is None)}
+        names |= {n for c in launches if (n := ast.unparse(c.func.value).split(".")[-1]) in kernels
+                  and "PDL" in [a.arg for a in kernels[n].args.args]}
         for name in names:
             launched += 1
             fn = kernels[name]
