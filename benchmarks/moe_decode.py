@@ -33,7 +33,9 @@ from benchmarks.timing import ms_per_replay  # noqa: E402
 
 def moe_shapes(config: str) -> dict:
     """The config's routed-MoE shapes: D (router input), L (expert input), I, E, the number of MoE layers, whether
-    the router has a correction bias, and ``route(bias)``: ``moe_route``'s arguments after the logits."""
+    the router has a correction bias, and ``route(bias)``: ``moe_route``'s arguments after the logits, as the layer
+    passes them (``MoE.route_args``) with the correction bias ``bias``."""
+    from dayzero.layers.moe import MoE
     from dayzero.models.registry import load_config
 
     spec = load_config(config)
@@ -41,11 +43,12 @@ def moe_shapes(config: str) -> dict:
     if not layers:
         raise SystemExit(f"{config} has no MoE layers")
     s = layers[-1]
-    latent = s.latent_size is not None
-    scale = s.routed_scaling_factor if (not s.latent_norm if latent else True) else 1.0  # as MoE._routing
+    with torch.device("meta"):  # the layer's own routing arguments, no weights allocated
+        moe = MoE(spec.hidden_size, s)
+    args = moe.route_args()
     return dict(D=spec.hidden_size, L=s.latent_size or spec.hidden_size, I=s.intermediate_size, E=s.n_experts,
-                layers=len(layers), correction_bias=s.correction_bias, top_k=s.top_k,
-                route=lambda bias: (s.top_k, s.router, bias, s.n_group, s.topk_group, s.norm_topk_prob, scale))
+                layers=len(layers), correction_bias=moe.e_score_correction_bias is not None, top_k=s.top_k,
+                route=lambda bias: tuple({**args, "correction_bias": bias}.values()))
 
 
 def print_table(rows_out: list[dict], n_layers: int) -> None:

@@ -189,8 +189,8 @@ class MoE(nn.Module):
         # multiplies the output.
         return self.latent_norm is None if self.latent else True
 
-    def _routing(self) -> dict:
-        """``moe_route``'s arguments after the logits, by name."""
+    def route_args(self) -> dict:
+        """``moe_route``'s arguments after the logits, by name (in its order)."""
         s = self.spec
         return dict(top_k=s.top_k, kind=s.router, correction_bias=self.e_score_correction_bias, n_group=s.n_group,
                     topk_group=s.topk_group, norm_topk_prob=s.norm_topk_prob,
@@ -199,12 +199,12 @@ class MoE(nn.Module):
     def _route(self, x: torch.Tensor, batch, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
         """Routing weights fp32 [t, k] and expert ids [t, k] of the tokens ``x`` (rows ``rows`` of the step)."""
         if self.tid2eid is None:  # the router's fp32 logits and their routing (one launch on a decode step's rows)
-            return ops.call("moe_router", x, self.gate.weight, self.gate.bias, **self._routing())
+            return ops.call("moe_router", x, self.gate.weight, self.gate.bias, **self.route_args())
         if batch is None:
             raise ValueError("a hash-routed MoE layer needs the step's batch (its token ids)")
         logits = ops.call("linear", x, self.gate.weight, self.gate.bias, out_dtype=torch.float32)  # [t, E] fp32
         fixed = self.tid2eid[batch.input_ids[rows]]  # [t, k]
-        return ops.call("moe_route", logits, **self._routing(), fixed_ids=fixed)
+        return ops.call("moe_route", logits, **self.route_args(), fixed_ids=fixed)
 
     def _experts(self, h, offsets, order, top_k, w1, w2) -> torch.Tensor:
         return ops.call("moe_experts_grouped", h, offsets, w1, w2, self.spec.activation, self.b1, self.b2,
@@ -215,7 +215,7 @@ class MoE(nn.Module):
         k = self.spec.top_k
         if not torch.is_grad_enabled() and self.tid2eid is None:  # one op, free to route inside the experts' kernels
             y = ops.call("moe_experts_routed", x, h, self.gate.weight, self.gate.bias, w1, w2, self.spec.activation,
-                         self.b1, self.b2, **self.clamp, load=self.load_ends, **self._routing())
+                         self.b1, self.b2, **self.clamp, load=self.load_ends, **self.route_args())
             return etp_all_reduce(y, self.parallel) if self.expert_tp else y
         weights, ids = self._route(x, batch)
         if torch.is_grad_enabled():  # training: the three ops below, each with a backward (the train platform's)

@@ -260,8 +260,10 @@ def moe_experts_routed(x: torch.Tensor, logits: torch.Tensor, routing: tuple, w1
                          f"{tuple(logits.shape)}")
     ids = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
     weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
-    constants = route_kernels.route_constants(E, top_k, kind, corr, n_group, topk_group, norm)
-    route = dict(logits=logits, corr=logits if corr is None else corr, scale=float(scale), constants=constants)
+    c = route_kernels.route_constants(E, top_k, kind, corr, n_group, topk_group, norm)
+    route = ((logits, logits if corr is None else corr, weights, float(scale)),  # the first kernel's routing operands
+             dict(ROUTE=True, GS=c["GS"], SQRT_SOFTPLUS=c["SQRT_SOFTPLUS"], HAS_CORR=c["HAS_BIAS"], NORM=c["NORM"],
+                  G=c["G"], TOPG=c["TOPG"], BG=c["BG"]))
     y = _launch(x, top_k, ids.view(-1), weights.view(-1), w1, w2, activation, b1, b2, limit, load, block, route,
                 up_warps)
     return y, weights, ids
@@ -269,6 +271,8 @@ def moe_experts_routed(x: torch.Tensor, logits: torch.Tensor, routing: tuple, w1
 
 def _launch(x, k, flat_ids, wt, w1, w2, activation, b1, b2, limit, load, block, route=None,
             up_warps: int = 4) -> torch.Tensor:
+    """The two kernels; ``route``: (logits, correction bias, weights out, scale) and the first kernel's routing
+    constants, when it routes (:func:`moe_experts_routed`)."""
     (T, L), E, I = x.shape, w1.shape[0], w2.shape[-1]
     y = triton_moe.new_buffer(T, L, x)
     if T == 0:
@@ -284,18 +288,14 @@ def _launch(x, k, flat_ids, wt, w1, w2, activation, b1, b2, limit, load, block, 
         raise ValueError(f"FP8 activations take K steps of {TILE} (one quantisation group), not {bk1} / {bk2}")
     h = triton_moe.new_buffer(T * k, I, x)
     act = {"silu": K.SILU, "relu2": K.RELU2, "swiglu_oai": K.SWIGLU_OAI}[activation].value
-    routed = {}
-    if route is not None:
-        c = route["constants"]
-        routed = dict(ROUTE=True, GS=c["GS"], SQRT_SOFTPLUS=c["SQRT_SOFTPLUS"], HAS_CORR=c["HAS_BIAS"], NORM=c["NORM"],
-                      G=c["G"], TOPG=c["TOPG"], BG=c["BG"])
+    operands, routed = route or ((wt, wt, wt, 1.0), {})  # unread without ROUTE
 
     f, data, scale, st, ss = triton_moe.weight_operand(w1)
     _direct_up_kernel[(T * k, triton.cdiv(I, bn1))](
         x, flat_ids, data, scale, x if b1 is None else b1, h, flat_ids if load is None else load,
         0.0 if limit is None else float(limit), E, L, I, x.stride(0), *st, *ss,
         *((0, 0) if b1 is None else b1.stride()),
-        *((route["logits"], route["corr"], wt, route["scale"]) if route else (wt, wt, wt, 1.0)),
+        *operands,
         FMT=f, ACT=act, GATED=gated, HAS_BIAS=b1 is not None, HAS_LIMIT=limit is not None, HAS_LOAD=load is not None,
         TOP_K=k, BLOCK_N=bn1, BLOCK_K=bk1, E_POW2=next_pow2(E), ACT_FP8=a1, ROUND_FIRST=DOT_F32, **routed,
         num_warps=up_warps, **pdl(x))
