@@ -309,6 +309,27 @@ def test_norm_refusals_name_the_reason():
     assert "rows" in NL._verify_norm(x.repeat(5, 1), None, g, 1e-6, w)
 
 
+def test_a_fused_launch_is_measured_where_the_linear_alone_keeps_cublas(monkeypatch):
+    """The norm, gated norm, activation and gate launches are judged by their own measurement (fused against the
+    op apart, then the linear's choice), not refused because the plain product measured cuBLAS faster: the op
+    apart would still cost its launch."""
+    x, w, b = operands(2, 24, 64, torch.float32, torch.float32, True)
+    heads, g = x.view(2, 4, 16), torch.ones(64, device=DEV)
+    block = (4, 16, 4)
+    monkeypatch.setattr(L, "measured_choice", lambda *a, **k: None)  # the plain product: cuBLAS
+    assert "cuBLAS" in L._verify(x, w, b)
+    verdicts = lambda: (NL._verify_norm(x, x, g, 1e-6, w, b),  # noqa: E731
+                        NL._verify_gated(heads, g[:16], heads, 1e-6, w, b),
+                        AL._verify_act(torch.cat([x, x], 1), w, b, "silu"),
+                        AL._verify_gate(heads, heads[..., :1], w, b))
+    for module, name in ((NL, "measured_choice"), (NL, "gated_choice"), (AL, "measured_choice"), (AL, "gate_choice")):
+        monkeypatch.setattr(module, name, lambda *a, **k: block)
+    assert verdicts() == (None, None, None, None)
+    for module, name in ((NL, "measured_choice"), (NL, "gated_choice"), (AL, "measured_choice"), (AL, "gate_choice")):
+        monkeypatch.setattr(module, name, lambda *a, **k: None)  # the fused launch measured slower
+    assert all("measured" in why for why in verdicts())
+
+
 @cuda
 @pytest.mark.parametrize("M", [1, 2])
 def test_norm_linear_op_at_the_kda_input_projection(M):

@@ -11,7 +11,8 @@ dense MLP's decode rows take it.
 
 Whether it runs is measured, like the linear's own choice: at a key's first eager call, the fused launch at each
 block shape against the activation kernel followed by the linear's measured choice, each replayed from a CUDA
-graph over L2-cold weight copies; the fused launch runs where it is faster. ``dual_linear`` is measured the same
+graph over L2-cold weight copies; the fused launch runs where it is faster, also where the linear alone keeps
+cuBLAS (the kernel apart still costs a launch). ``dual_linear`` is measured the same
 way against ``act_linear`` and ``linear`` apart, each as its own measurement chose.
 """
 from __future__ import annotations
@@ -42,7 +43,7 @@ def _verify_act(x, weight, bias=None, activation="silu", limit=None, add=None) -
         return f"unknown activation {activation!r}"
     if x.dim() != 2 or x.shape[-1] != K.ACTS[activation][1] * weight.shape[-1]:
         return f"{activation} needs rows of {K.ACTS[activation][1]} x the weight's in-features"
-    why = K._verify(_hidden(x, activation), weight, bias, None, add)
+    why = K.refusal(_hidden(x, activation), weight, bias, None, add)
     if why is None and measured_choice(x, weight, bias, activation, limit, add) is None:
         return "the activation kernel and the linear apart are as fast or faster at this shape (measured)"
     return why
@@ -187,7 +188,7 @@ def _verify_gate(x, gate, weight, bias=None) -> str | None:
         return "x [rows, heads, V] with a gate [rows, heads, V] or [rows, heads, 1]"
     if x.stride(2) != 1 or gate.dtype not in K.DTYPES:
         return "x needs contiguous channels and the gate bf16, fp16 or fp32"
-    why = K._verify(_rows(x), weight, bias)
+    why = K.refusal(_rows(x), weight, bias)
     if why is None and gate_choice(x, gate, weight, bias) is None:
         return "the gate kernel and the linear apart are as fast or faster at this shape (measured)"
     return why
