@@ -6,7 +6,8 @@ is loaded, never by a step's kernels, so a kernel may start reading it before th
 the kernel before (:func:`preload`, :func:`weight_tile`). Parameters count as such; a weight kept as a plain
 tensor (a fused weight made once after loading) is marked with :func:`mark_static` where it is made.
 ``tests/ops/test_pdl.py`` holds every kernel to this one read before its wait (a :func:`weight_tile` under a
-``PRELOAD`` flag) and no other. ``kda_decode`` reads its gates' up-projections so.
+``PRELOAD`` flag) and no other, but for ``kda_decode``'s carried state (its layer's state and windows, which only
+that kernel writes). ``kda_decode`` reads its gates' up-projections so.
 """
 from __future__ import annotations
 

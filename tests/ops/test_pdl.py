@@ -17,7 +17,9 @@ pytest.importorskip("triton")
 
 PACKAGE = pathlib.Path(dayzero.__file__).parent
 READS = ("tl.load", "tl.store", "tl.atomic", "return")
-EARLY = {"tl.program_id", "tl.arange", "n.to", "weight_tile"}  # index arithmetic (n.to: a cast), the weight tile
+# index arithmetic (n.to: a cast), the weight tile, and kda_decode's carried state (its layer's state and conv
+# windows, which no kernel but itself writes, at the slot the step's inputs give)
+EARLY = {"tl.program_id", "tl.arange", "n.to", "weight_tile", "carried_state"}
 
 
 def _jit_kernels(tree: ast.Module):

@@ -16,10 +16,11 @@ The windows: a program owns its value columns' v windows; q's and k's are read w
 head, so the last of them to arrive (a counter per (sequence, head), bumped once by each at its end, with
 acquire-release semantics, and put back to zero by the last) writes them. The counters are one int32 per
 (sequence, head) per layer, made at the layer's first eager call (a layer first met inside a CUDA-graph capture
-runs the composition). Every load that does not wait on another is issued first (the state's columns, the gates'
-weights, the windows), so a program is about one memory round trip, its products and its stores; the gates'
-up-projection rows, a model weight (:mod:`dayzero.ops.static`), are read before the wait for the kernel before,
-while that one still runs (``PRELOAD``). Padding rows
+runs the composition). What a program reads that the kernel before does not write is read before the wait for
+that kernel, while it still runs: the gates' up-projection rows, a model weight (:mod:`dayzero.ops.static`,
+``PRELOAD``), and the sequence's slot, its first chunk of state columns and its conv windows
+(:func:`carried_state`: the layer's pools, which only this kernel writes). After the wait a program reads the
+projection row, so it is about one memory round trip, its products and its stores. Padding rows
 of a captured step all use the null slot 0, which nothing reads. The composition's rounding is kept: the conv's
 output and the forget gate's up-projection are rounded to the activations' dtype as the ops apart store them.
 
@@ -47,20 +48,49 @@ if HAS_TRITON:
     from dayzero.ops.triton_support import grid_dependency, softplus
 
     @triton.jit
-    def _conv_step(row, cw_ptr, win, s_chan, ch, fresh, W: tl.constexpr, BW: tl.constexpr):
-        """SiLU of the causal conv of one token over channels ``ch`` [K] (fp32, unrounded) and the channels' new
-        windows [K, BW] (the old one's columns 1 .. W-2, then the token's input), not yet stored."""
+    def _window(win, s_chan, ch, W: tl.constexpr, BW: tl.constexpr):
+        """The conv windows of channels ``ch`` [K]: their old inputs [K, BW] (columns past W - 2 zero) and the same
+        shifted by one (what stays in the new window), fp32."""
         col = tl.arange(0, BW)
-        old = col < W - 1
-        x = tl.load(row + ch).to(tl.float32)
-        u = tl.load(win + ch[:, None] * s_chan + col[None, :], mask=old[None, :], other=0.0).to(tl.float32)
+        u = tl.load(win + ch[:, None] * s_chan + col[None, :], mask=(col < W - 1)[None, :], other=0.0)
+        later = tl.load(win + ch[:, None] * s_chan + col[None, :] + 1, mask=(col < W - 2)[None, :], other=0.0)
+        return u.to(tl.float32), later.to(tl.float32)
+
+    @triton.jit
+    def _conv(x, u, later, cw_ptr, ch, fresh, W: tl.constexpr, BW: tl.constexpr):
+        """SiLU of the causal conv of one token's inputs ``x`` [K] over channels ``ch`` given their windows
+        (:func:`_window`; zero for a fresh sequence), fp32 and unrounded, and the channels' new windows [K, BW]
+        (the old one's columns 1 .. W-2, then the token's input), not yet stored."""
+        col = tl.arange(0, BW)
         u = tl.where(fresh, 0.0, u)
-        taps = tl.load(cw_ptr + ch[:, None] * W + col[None, :], mask=old[None, :], other=0.0).to(tl.float32)
+        taps = tl.load(cw_ptr + ch[:, None] * W + col[None, :], mask=(col < W - 1)[None, :], other=0.0).to(tl.float32)
         y = tl.sum(u * taps, 1) + x * tl.load(cw_ptr + ch * W + (W - 1)).to(tl.float32)
-        later = tl.load(win + ch[:, None] * s_chan + col[None, :] + 1, mask=(col < W - 2)[None, :],
-                        other=0.0).to(tl.float32)
         new = tl.where((col == W - 2)[None, :], x[:, None], tl.where(fresh, 0.0, later))
         return y * tl.sigmoid(y), new
+
+    @triton.jit
+    def _conv_step(row, cw_ptr, win, s_chan, ch, fresh, W: tl.constexpr, BW: tl.constexpr):
+        """:func:`_conv` of channels ``ch`` of the projection row, their windows read here."""
+        u, later = _window(win, s_chan, ch, W, BW)
+        return _conv(tl.load(row + ch).to(tl.float32), u, later, cw_ptr, ch, fresh, W, BW)
+
+    @triton.jit
+    def carried_state(slot_ptr, fresh_ptr, pid, state_ptr, s_state, win_ptr, s_wslot, s_wchan, h, i, j, P,
+                      K: tl.constexpr, W: tl.constexpr, BW: tl.constexpr):
+        """What a program reads of its sequence's carried state before the wait for the kernel before: the slot
+        and fresh flag (step inputs, in place before the step's first kernel), the head's state at columns ``j``
+        and the q, k and v windows of its channels. The layer's state and windows are written by this kernel
+        alone, in the step before, so the kernel before cannot have touched them; the projection row, which it
+        writes, is read after the wait."""
+        b = pid.to(tl.int64)
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        fresh = tl.load(fresh_ptr + b) != 0
+        rows = state_ptr + slot * s_state + h * K * K + i[:, None] * K  # the head's [K, V] state, by rows
+        win = win_ptr + slot * s_wslot
+        uq, lq = _window(win, s_wchan, h * K + i, W, BW)
+        uk, lk = _window(win, s_wchan, P + h * K + i, W, BW)
+        uv, lv = _window(win, s_wchan, 2 * P + h * K + j, W, BW)
+        return b, slot, fresh, tl.load(rows + j[None, :]), uq, lq, uk, lk, uv, lv
 
     @triton.jit
     def _kda_decode_kernel(proj_ptr, s_proj, cw_ptr, win_ptr, s_wslot, s_wchan, up_ptr, f_ptr, s_f, og_ptr,
@@ -78,21 +108,20 @@ if HAS_TRITON:
         if PRELOAD:  # model weights: read while the kernel before still runs
             wf = weight_tile(wf_rows, i, i < K, K, True)
             wg = weight_tile(wg_rows, i, hv >= 0, K, True)
+        jc = tl.arange(0, BC)
+        # the sequence's state and windows (its first chunk of columns), not written by the kernel before either
+        b, slot, fresh, S, uq, lq, uk, lk, uv, lv = carried_state(
+            slot_ptr, fresh_ptr, tl.program_id(0), state_ptr, s_state, win_ptr, s_wslot, s_wchan, h, i, j0 + jc, P,
+            K, W, BW)
         grid_dependency(PDL)
-        b = tl.program_id(0).to(tl.int64)
         H = tl.num_programs(1)
         dt = proj_ptr.dtype.element_ty
         wdt = win_ptr.dtype.element_ty
-        slot = tl.load(slot_ptr + b).to(tl.int64)
-        fresh = tl.load(fresh_ptr + b) != 0
-        jc = tl.arange(0, BC)
         row = proj_ptr + b * s_proj
         gates = row + 3 * P  # [f_a | g_a | b]
         win = win_ptr + slot * s_wslot
         rows = state_ptr + slot * s_state + h * K * K + i[:, None] * K  # the head's [K, V] state, by rows
-        # every load that does not depend on another first, so their latencies overlap: the state's first chunk
-        # of columns, the gates' weights and inputs, then the conv's windows
-        S = tl.load(rows + (j0 + jc)[None, :])
+        # the loads that wait on the projection row: the gates' inputs, then the conv's inputs
         if UP:
             if not PRELOAD:
                 wf = weight_tile(wf_rows, i, i < K, K, True)
@@ -104,9 +133,10 @@ if HAS_TRITON:
         dtb = tl.load(dtb_ptr + hk).to(tl.float32)
         a = tl.exp(tl.load(a_ptr + h).to(tl.float32))
         beta = tl.sigmoid(tl.load(gates + 2 * K + h).to(tl.float32))
-        q, wq = _conv_step(row, cw_ptr, win, s_wchan, hk, fresh, W, BW)
-        k, wk = _conv_step(row, cw_ptr, win, s_wchan, P + hk, fresh, W, BW)
-        v, wv = _conv_step(row, cw_ptr, win, s_wchan, 2 * P + h * K + j0 + jc, fresh, W, BW)
+        q, wq = _conv(tl.load(row + hk).to(tl.float32), uq, lq, cw_ptr, hk, fresh, W, BW)
+        k, wk = _conv(tl.load(row + P + hk).to(tl.float32), uk, lk, cw_ptr, P + hk, fresh, W, BW)
+        vc = 2 * P + h * K + j0 + jc
+        v, wv = _conv(tl.load(row + vc).to(tl.float32), uv, lv, cw_ptr, vc, fresh, W, BW)
         q, k = q.to(dt).to(tl.float32), k.to(dt).to(tl.float32)
 
         if UP:
