@@ -1,4 +1,4 @@
-"""The one-pass greedy sampling kernel against the sampler's torch ops (the reference): first maxima under ties,
+"""The greedy sampling kernels (a pass per slice of each row, then a merge) against the sampler's torch ops (the reference): first maxima under ties,
 rows with NaN or ±inf, odd vocabularies across the kernel's blocks, bf16 and fp32 logits; and the sampler's fast
 path giving what its general path gives. On the CPU the kernel runs through Triton's interpreter."""
 from __future__ import annotations
@@ -29,7 +29,7 @@ def agree(logits):
     return ids, lp
 
 
-@pytest.mark.parametrize("V", [7, K.BLOCK, K.BLOCK + 1, 3 * K.BLOCK - 5], ids=str)
+@pytest.mark.parametrize("V", [7, K.BLOCK, K.BLOCK + 1, 3 * K.BLOCK - 5, 2 * K.SLICE + 1], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_random_rows(V, dtype):
     g = torch.Generator(DEV).manual_seed(V)
@@ -46,11 +46,25 @@ def test_ties_take_the_first_maximum_across_lanes_and_blocks():
     assert ids.tolist() == [5, K.BLOCK + 3, 2 * K.BLOCK + 10, 0]
 
 
+def test_ties_take_the_first_maximum_across_slices():
+    V = 2 * K.SLICE + 7
+    x = torch.zeros(3, V, device=DEV)
+    x[0, [K.SLICE + 9, 2 * K.SLICE + 1]] = 4.0  # slices 1 and 2: the first is in slice 1
+    x[1, [2 * K.SLICE + 6, K.SLICE - 1, 3]] = 5.0  # the last of slice 0 and the first lane, the latter first
+    x[2, 2 * K.SLICE + 6] = 1.0  # the vocabulary's last logit, alone in the ragged slice's last lanes
+    ids, lp = agree(x)
+    assert ids.tolist() == [K.SLICE + 9, 3, 2 * K.SLICE + 6]
+
+
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's inf - inf
 def test_rows_with_nan_or_inf_fail_alone():
     x = torch.randn(5, 300, device=DEV)
     x[0, 17], x[1, 299], x[2, 0] = float("nan"), float("inf"), float("-inf")
     ids, lp = agree(x)
+    y = torch.randn(3, 2 * K.SLICE + 5, device=DEV)
+    y[0, K.SLICE + 2] = float("nan")  # a failing slice that is not the row's first
+    ids2, _ = agree(y)
+    assert ids2[0] == -1 and (ids2[1:] >= 0).all()
     assert ids[:3].tolist() == [-1, -1, -1] and lp[:3].isnan().all()
     assert (ids[3:] >= 0).all() and (lp[3:] <= 0).all()
 
