@@ -15,6 +15,7 @@ from dayzero.cache.planner import (SPARE_SNAPSHOTS_PER_SEAT, CacheMemoryError, C
                                    available_memory, block_groups, plan_cache)
 from dayzero.cache.spec import PagedSpec, StateSpec
 from dayzero.engine.model_runner import ModelRunner
+from dayzero.layers.rotary import reserve_tables
 from dayzero.ops import choices
 from dayzero.ops.indexer.triton_indexer import scratch_bytes as indexer_scratch_bytes
 
@@ -123,6 +124,7 @@ def assemble(model, device: torch.device, dtype: torch.dtype, *, block_size: int
                                             measure_step_bytes, prefill_seats, prefill_token_buckets)
 
     runner = ModelRunner(model, device, dtype, kv_cache_dtype, index_cache_dtype)
+    reserve_tables(model, max_model_len, device)  # RoPE's cos/sin gathered in one launch a step, not computed in six
     block_size = block_size or auto_block_size(runner.specs)
     max_blocks = -(-max_model_len // block_size)
     graphs_on = cuda_graphs and device.type == "cuda"

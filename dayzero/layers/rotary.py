@@ -1,8 +1,14 @@
-"""RoPE frequencies, plain or YaRN (ARCHITECTURE.md 2.1), computed per position on the fly.
+"""RoPE frequencies, plain or YaRN (ARCHITECTURE.md 2.1), computed per position on the fly, or gathered from a
+table where an engine on a CUDA device reserved one.
 
-Tables are not precomputed for every position: with 1M-token contexts a [1M, D/2] table per layer kind
-would be hundreds of MB, while ``positions ⊗ inv_freq`` for the tokens of one step is tiny. The
-frequencies follow transformers' definitions (fp32 ``inv_freq``), so parity tests match to fp32 rounding.
+Tables are not made for every position by default: with 1M-token contexts a [1M, D/2] table per layer kind
+would be hundreds of MB, while ``positions ⊗ inv_freq`` for the tokens of one step is tiny. But computing them
+takes six small kernels a step (the cast, the product, cos, sin and two scalings: ~11 µs of a batch-1 decode
+step on the H100), so an engine reserves a table for its longest sequence (:meth:`RotaryEmbedding.reserve`,
+shared by rotaries of equal frequencies) where it takes at most :data:`TABLE_MAX_BYTES`: a step then gathers
+its rows in one launch. The table is those same ops over every position, so its rows equal what a step would
+compute. The frequencies follow transformers' definitions (fp32 ``inv_freq``), so parity tests match to fp32
+rounding.
 
 Multimodal RoPE (Qwen3-VL, Qwen3.5; ``spec.mrope_section = (s_t, s_h, s_w)``): each token has a temporal, a
 height and a width position, and frequency slot j takes its angle from one of them, interleaved as
@@ -49,6 +55,10 @@ def _yarn(dim: int, base: float, s: RopeScaling) -> tuple[torch.Tensor, float]:
     return inv, factor
 
 
+TABLE_MAX_BYTES = 64 << 20  # a reserved cos/sin table, at most
+_TABLES: dict[tuple, torch.Tensor] = {}  # (frequencies' key, device, positions) -> [positions, 2, dim/2] fp32
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, spec: RopeSpec):
         super().__init__()
@@ -64,9 +74,30 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("axes", axes, persistent=False)
         # what the frequencies depend on: rotaries with equal keys share one cos/sin per step
         self.key = (spec.dim, spec.theta, spec.scaling, spec.mrope_section)
+        self.table: torch.Tensor | None = None  # [positions, 2, dim/2]: cos and sin of every position, reserved
+
+    def reserve(self, positions: int, device: torch.device) -> bool:
+        """Make (or share) the cos/sin table of positions [0, ``positions``) on ``device``, so :meth:`cos_sin` of
+        positions below it gathers rows in one launch; for 1-D positions, where it takes at most
+        :data:`TABLE_MAX_BYTES`. The caller vouches that no step reads a position past the table (an engine: its
+        longest sequence). Returns whether the rotary has a table."""
+        if self.axes is not None or positions * self.dim * 4 > TABLE_MAX_BYTES:
+            return False
+        key = (self.key, device, positions)
+        if key not in _TABLES:
+            cos, sin = self._compute(torch.arange(positions, device=device))
+            _TABLES[key] = torch.stack([cos, sin], 1)
+        self.table = _TABLES[key]
+        return True
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [T] -> cos, sin: [T, dim/2] fp32
+        # positions: [T] -> cos, sin: [T, dim/2] fp32 (views of one gathered [T, 2, dim/2] with a reserved table)
+        if self.table is not None and self.table.device == positions.device:
+            both = self.table.index_select(0, positions)
+            return both[:, 0], both[:, 1]
+        return self._compute(positions)
+
+    def _compute(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
         return freqs.cos() * self.cos_scale, freqs.sin() * self.cos_scale
 
@@ -108,6 +139,14 @@ class RotaryEmbedding(nn.Module):
         if width == self.dim:
             return None
         return width - self.dim if self.last else 0
+
+
+def reserve_tables(model: nn.Module, positions: int, device: torch.device) -> int:
+    """:meth:`RotaryEmbedding.reserve` for every rotary of ``model`` on a CUDA device (where the six launches cost;
+    the CPU computes a step's rows as cheaply); returns how many have a table."""
+    if device.type != "cuda":
+        return 0
+    return sum(m.reserve(positions, device) for m in model.modules() if isinstance(m, RotaryEmbedding))
 
 
 def mrope_axes(section: tuple[int, ...], half: int) -> torch.Tensor:
