@@ -244,6 +244,22 @@ def test_routing_ties_go_to_the_lower_expert_id(E):
     close(w, torch.full_like(w, 0.25), 1e-6)
 
 
+@pytest.mark.parametrize("E,G,TG", [(16, 1, 1), (16, 4, 2), (256, 8, 4)])  # one comparison, with groups, arg-max
+def test_nan_scores_rank_last_and_every_rank_goes_to_one_expert(E, G, TG):
+    logits = rand(3, E, seed=34) * 3
+    logits[0, [1, 5, E - 1]] = float("nan")
+    logits[1] = float("nan")  # a token whose every score is NaN
+    w, ids = route_k.route(logits, 8, "sigmoid", None, G, TG, True, 1.0)
+    assert ((ids >= 0) & (ids < E)).all()
+    assert all(len(set(row)) == 8 for row in ids.tolist())  # K distinct experts for every token
+    if G == 1:  # the numbers come first (in groups, a kept group's NaN expert may still be needed)
+        assert not {1, 5, E - 1} & set(ids[0].tolist())
+    for t in (0, 2):  # the tokens with numbers route as the reference with NaN taken as last
+        fixed = logits[t:t + 1].nan_to_num(-1e30)
+        w_ref, ids_ref = moe_ref.route(fixed, 8, "sigmoid", None, G, TG, True, 1.0)
+        assert torch.equal(ids[t:t + 1].sort(-1).values, ids_ref.sort(-1).values)
+
+
 def test_routing_refuses_what_the_kernel_does_not_take():
     logits = rand(4, 16, seed=27)
     assert "softmax" in route_k.route_refusal(logits, 2, "softmax")

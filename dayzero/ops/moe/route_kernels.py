@@ -31,8 +31,8 @@ RANK_MAX = 128  # experts up to which a token's ranks come from one [E, E] compa
 
 if HAS_TRITON:
     _RANK_MAX = tl.constexpr(RANK_MAX)
+    _LOWEST = tl.constexpr(-3.4028234663852886e38)  # the lowest fp32 number: where a NaN score ranks
 
-if HAS_TRITON:
     @triton.jit
     def _route_kernel(logits_ptr, bias_ptr, w_ptr, id_ptr, E, scale, GS: tl.constexpr,
                       SQRT_SOFTPLUS: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
@@ -48,7 +48,8 @@ if HAS_TRITON:
                      BE: tl.constexpr, BG: tl.constexpr):
         """Token t's routing as ranks: (e = arange(BE), its scores s [BE] fp32 (unbiased), rank [BE] int32).
         The experts chosen are those of rank < K, best first; the others' ranks are K or more. Ties go to the
-        lower expert id, as arg-max breaks them."""
+        lower expert id, as arg-max breaks them. A NaN score (NaN logits) ranks after every number, so each rank
+        below K still goes to exactly one expert, K distinct ids."""
         e = tl.arange(0, BE)
         valid = e < E
         x = tl.load(logits_ptr + t * E + e, mask=valid, other=0.0).to(tl.float32)
@@ -59,7 +60,7 @@ if HAS_TRITON:
         sel = s
         if HAS_BIAS:
             sel = sel + tl.load(bias_ptr + e, mask=valid, other=0.0).to(tl.float32)
-        sel = tl.where(valid, sel, float("-inf"))
+        sel = tl.where(valid, tl.where(sel == sel, sel, _LOWEST), float("-inf"))  # NaN: below every number
         if G > 1:  # every group's two best scores at once, then the groups ranked by their sums
             gi = tl.arange(0, BG)
             member = (e[None, :] // GS) == gi[:, None]  # [BG, BE]
