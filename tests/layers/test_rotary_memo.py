@@ -18,8 +18,9 @@ def test_cos_sin_is_computed_once_per_forward_and_never_reused_across_steps(tiny
 
     sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     prompt = {"prompt_token_ids": list(range(3, 20))}
-    want = LLM(str(tiny_ckpt), dtype="float32").generate([prompt], sp)[0].outputs[0].token_ids
-    llm = LLM(str(tiny_ckpt), dtype="float32")
+    # eager: a replayed CUDA graph runs no Python, so the counting below would not see its steps
+    want = LLM(str(tiny_ckpt), dtype="float32", enforce_eager=True).generate([prompt], sp)[0].outputs[0].token_ids
+    llm = LLM(str(tiny_ckpt), dtype="float32", enforce_eager=True)
     rotaries = [m for m in llm.engine.model.modules() if isinstance(m, RotaryEmbedding)]
     keys = {m.key for m in rotaries}
     assert len(rotaries) > len(keys)  # the tiny model has rotaries that share their frequencies

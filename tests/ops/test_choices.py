@@ -136,7 +136,7 @@ def test_every_shipped_table_was_measured_with_these_kernels():
     """A package table is read only while the kernels keep its digest: a change to them leaves it unread, so it
     must be measured again on its GPU (``benchmarks/choice_table.py --write``) or removed."""
     shipped = sorted(C.PACKAGE_TABLES.glob("*.json"))
-    assert shipped  # the H200's, measured 2026-12-06
+    assert shipped  # the H100's, measured 2026-12-06
     for path in shipped:
         table = json.loads(path.read_text())
         assert path.name == C.file_name(table["device"]), path.name
