@@ -56,7 +56,6 @@ def _yarn(dim: int, base: float, s: RopeScaling) -> tuple[torch.Tensor, float]:
 
 
 TABLE_MAX_BYTES = 64 << 20  # a reserved cos/sin table, at most
-_TABLES: dict[tuple, torch.Tensor] = {}  # (frequencies' key, device, positions) -> [positions, 2, dim/2] fp32
 
 
 class RotaryEmbedding(nn.Module):
@@ -76,18 +75,19 @@ class RotaryEmbedding(nn.Module):
         self.key = (spec.dim, spec.theta, spec.scaling, spec.mrope_section)
         self.table: torch.Tensor | None = None  # [positions, 2, dim/2]: cos and sin of every position, reserved
 
-    def reserve(self, positions: int, device: torch.device) -> bool:
-        """Make (or share) the cos/sin table of positions [0, ``positions``) on ``device``, so :meth:`cos_sin` of
+    def reserve(self, positions: int, shared: dict | None = None) -> bool:
+        """Make the cos/sin table of positions [0, ``positions``) on the rotary's device, so :meth:`cos_sin` of
         positions below it gathers rows in one launch; for 1-D positions, where it takes at most
-        :data:`TABLE_MAX_BYTES`. The caller vouches that no step reads a position past the table (an engine: its
-        longest sequence). Returns whether the rotary has a table."""
+        :data:`TABLE_MAX_BYTES`. ``shared`` (frequencies' key -> table) gives the tables of rotaries reserved
+        before, reused where the frequencies are equal. The caller vouches that no step reads a position past the
+        table (an engine: its longest sequence). Returns whether the rotary has a table."""
         if self.axes is not None or positions * self.dim * 4 > TABLE_MAX_BYTES:
             return False
-        key = (self.key, device, positions)
-        if key not in _TABLES:
-            cos, sin = self._compute(torch.arange(positions, device=device))
-            _TABLES[key] = torch.stack([cos, sin], 1)
-        self.table = _TABLES[key]
+        shared = {} if shared is None else shared
+        if self.key not in shared:
+            cos, sin = self._compute(torch.arange(positions, device=self.inv_freq.device))
+            shared[self.key] = torch.stack([cos, sin], 1)
+        self.table = shared[self.key]
         return True
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,7 +146,8 @@ def reserve_tables(model: nn.Module, positions: int, device: torch.device) -> in
     the CPU computes a step's rows as cheaply); returns how many have a table."""
     if device.type != "cuda":
         return 0
-    return sum(m.reserve(positions, device) for m in model.modules() if isinstance(m, RotaryEmbedding))
+    shared: dict = {}  # rotaries of equal frequencies (the MLA and indexer rotaries of all layers) share one
+    return sum(m.reserve(positions, shared) for m in model.modules() if isinstance(m, RotaryEmbedding))
 
 
 def mrope_axes(section: tuple[int, ...], half: int) -> torch.Tensor:

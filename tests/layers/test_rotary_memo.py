@@ -49,9 +49,10 @@ def test_a_reserved_table_gives_the_rows_a_step_computes_and_is_shared_by_equal_
         a, b, other = _rotary(scaling=scaling), _rotary(scaling=scaling), _rotary(dim=32, scaling=scaling)
         positions = torch.tensor([0, 5, 4095, 17, 5])
         want = a.cos_sin(positions)  # no table: computed
-        assert a.reserve(4096, torch.device("cpu")) and b.reserve(4096, torch.device("cpu"))
+        shared = {}
+        assert a.reserve(4096, shared) and b.reserve(4096, shared) and other.reserve(4096, shared)
         assert a.table is b.table and a.table.shape == (4096, 2, 32)
-        assert other.reserve(4096, torch.device("cpu")) and other.table is not a.table
+        assert other.table is not a.table and len(shared) == 2
         got = a.cos_sin(positions)
         for w, g in zip(want, got):  # the same ops over every position (CUDA: equal bits; the CPU's vector and
             torch.testing.assert_close(g, w, rtol=2e-7, atol=2e-7)  # scalar paths may differ in the last bit)
@@ -63,8 +64,8 @@ def test_no_table_past_its_budget_nor_for_multimodal_positions_nor_on_the_cpu_en
     from dayzero.layers import rotary as R
 
     monkeypatch.setattr(R, "TABLE_MAX_BYTES", 4096 * 64 * 4 - 1)
-    assert not _rotary().reserve(4096, torch.device("cpu")) and _rotary().reserve(4095, torch.device("cpu"))
-    assert not RotaryEmbedding(RopeSpec(dim=64, theta=1e4, mrope_section=(12, 10, 10))).reserve(8, torch.device("cpu"))
+    assert not _rotary().reserve(4096) and _rotary().reserve(4095)
+    assert not RotaryEmbedding(RopeSpec(dim=64, theta=1e4, mrope_section=(12, 10, 10))).reserve(8)
     model = torch.nn.Sequential(_rotary(), _rotary())
     assert R.reserve_tables(model, 16, torch.device("cpu")) == 0 and model[0].table is None
 
@@ -74,9 +75,8 @@ def test_on_a_gpu_the_table_holds_the_same_bits_a_step_computes():
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    rot, dev = _rotary(), torch.device("cuda")
-    rot.inv_freq = rot.inv_freq.to(dev)
-    positions = torch.randint(0, 131072, (257,), device=dev)
+    rot = _rotary().cuda()
+    positions = torch.randint(0, 131072, (257,), device="cuda")
     want = rot.cos_sin(positions)
-    assert rot.reserve(131072, dev)
+    assert rot.reserve(131072)
     assert all(torch.equal(g, w) for g, w in zip(rot.cos_sin(positions), want))
