@@ -385,12 +385,12 @@ class LLMEngine:
             self.rebalance_experts()
         self.runner.copy_states(self.cache.take_restores())  # prefix hits start from their snapshot's states
         images, rope = self.images.step_inputs(scheduled) if self.images is not None else (None, None)
-        batch = self.runner.build_batch(scheduled, self.cache, eager=images is not None or rope is not None)
+        batch = self.runner.build_batch(scheduled, self.cache, eager=images is not None or rope is not None,
+                                        # inputs still on the device: the previous step's samples
+                                        pending=pending_inputs(scheduled, prev) if prev is not None else None)
         batch.images = images
         if rope is not None:  # [3, T] over the 1-D positions the runner wrote
             batch.rope_positions = rope
-        if prev is not None:  # inputs still on the device: the previous step's samples
-            self.runner.patch_inputs(batch, *pending_inputs(scheduled, prev))
         logits = self.runner.execute(batch)
         to_sample = [s.seq for s in scheduled if s.samples]
         for s in scheduled:

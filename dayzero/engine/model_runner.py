@@ -99,8 +99,13 @@ class ModelRunner:
                                  grow(buf.max_blocks if buf else 0, blocks))
         return self.buffers
 
-    def build_batch(self, scheduled: list[ScheduledSeq], cache: CacheManager, eager: bool = False) -> ForwardBatch:
-        """The step's batch; ``eager``: never a captured graph (a step with image inputs, which graphs do not read)."""
+    def build_batch(self, scheduled: list[ScheduledSeq], cache: CacheManager, eager: bool = False,
+                    pending: tuple[list[int], list[int], torch.Tensor] | None = None) -> ForwardBatch:
+        """The step's batch; ``eager``: never a captured graph (a step with image inputs, which graphs do not read).
+        ``pending`` = (rows, src, tokens): rows ``rows`` of the input ids become ``tokens[src]`` on the device (a
+        step overlapped with the previous one takes that step's samples; -1, a row whose logits were not finite,
+        reads token 0: that sequence ends with an error when the host sees it). Their indices go over with the
+        step's other inputs."""
         bs = cache.block_size
         handles = [cache.handle(s.seq.seq_id) for s in scheduled]
         width = max((len(h.blocks) for h in handles), default=0) or 1
@@ -167,7 +172,13 @@ class ModelRunner:
         )
         if rope is not None:
             batch.rope_positions = buf.put("rope_positions", rope)
+        patch = None
+        if pending is not None and pending[0]:
+            patch = buf.put("patch_rows", pending[0]), buf.put("patch_src", pending[1])
         buf.end()
+        if patch is not None:
+            r, j = patch
+            batch.input_ids.index_copy_(0, r, pending[2].index_select(0, j).clamp_min(0))
         batch.graph, batch.graph_set = key, graphs if key is not None else None
         return batch
 
@@ -178,15 +189,6 @@ class ModelRunner:
         if self.groups < 2:
             return None
         return buf.put("slot_mapping1", slots), buf.put_table(tables, rows, width, "block_tables1")
-
-    def patch_inputs(self, batch: ForwardBatch, rows: list[int], src: list[int], tokens: torch.Tensor) -> None:
-        """Rows ``rows`` of the batch's input ids become ``tokens[src]`` on the device (a step overlapped with the
-        previous one takes that step's samples; -1, a row whose logits were not finite, reads token 0: that
-        sequence ends with an error when the host sees it)."""
-        if not rows:
-            return
-        r, j = to_device(rows, torch.int64, self.device), to_device(src, torch.int64, self.device)
-        batch.input_ids.index_copy_(0, r, tokens.index_select(0, j).clamp_min(0))
 
     def padding_batch(self, rows: int, width: int, block_size: int) -> ForwardBatch:
         """A decode step of ``rows`` padding rows over ``width`` table columns, written into the step buffers:

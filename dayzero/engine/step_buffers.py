@@ -34,7 +34,9 @@ class StepBuffers:
         self.staged = device.type == "cuda" if staged is None else staged
         self.sizes = {"input_ids": max_tokens, "positions": max_tokens, "rope_positions": max_tokens, "slot_mapping": max_tokens,
                       "state_slots": max_seqs, "logits_indices": max_seqs, "cu_seqlens": max_seqs + 1,
-                      "block_tables": max_seqs * max_blocks}
+                      "block_tables": max_seqs * max_blocks,
+                      # an overlapped step's rows that take the previous step's samples, and those samples' rows
+                      "patch_rows": max_seqs, "patch_src": max_seqs}
         if groups > 1:
             self.sizes.update(slot_mapping1=max_tokens, block_tables1=max_seqs * max_blocks)
         self.sizes["fresh"] = -(-max_seqs // 8)  # int64 words holding one bool byte per sequence

@@ -54,3 +54,23 @@ def test_unstaged_buffers_are_the_host_buffers():
     view = buf.put("fresh", [True, False, True])
     buf.end()
     assert view.dtype == torch.bool and view.tolist() == [True, False, True]
+
+
+def test_an_engine_on_staged_buffers_generates_what_it_does_on_plain_ones(tiny_ckpt, monkeypatch):
+    """The packed copy under a whole engine (as a CUDA device runs it), overlapped steps included: their rows
+    that take the previous step's samples go over with the step's other inputs."""
+    from dayzero import LLM, SamplingParams
+
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 17, 9)]
+    run = lambda llm: [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]  # noqa: E731
+    want = run(LLM(str(tiny_ckpt), dtype="float32", async_scheduling=True))
+    real = SB.StepBuffers.__init__
+    monkeypatch.setattr(SB.StepBuffers, "__init__", lambda self, *a, **k: real(self, *a, **{**k, "staged": True}))
+    packed = []
+    real_end = SB.StepBuffers.end
+    monkeypatch.setattr(SB.StepBuffers, "end", lambda self: packed.append(sorted(self._puts)) or real_end(self))
+    llm = LLM(str(tiny_ckpt), dtype="float32", async_scheduling=True)
+    assert llm.engine.runner.buffers.staged
+    assert run(llm) == want
+    assert any("patch_rows" in names for names in packed)  # overlapped steps patched their inputs
