@@ -82,6 +82,8 @@ def test_no_rows_and_refusals():
     assert K.greedy_sample_triton(torch.zeros(0, 10, device=DEV))[0].shape == (0,)
     assert K.refusal(torch.zeros(2, 10, device=DEV)) is None
     assert "contiguous" in K.refusal(torch.zeros(10, 2, device=DEV).t())
+    assert "vocabularies past" in K.refusal(torch.empty(1, K.MAX_SLICES * K.SLICE + 1, device=DEV))
+    assert K.refusal(torch.empty(1, K.MAX_SLICES * K.SLICE, device=DEV)) is None
     assert "float64" in K.refusal(torch.zeros(2, 10, dtype=torch.float64, device=DEV))
 
 

@@ -26,6 +26,7 @@ if HAS_TRITON:
 
 BLOCK = 1024  # logits a program holds per step of its slice
 SLICE = 2 * BLOCK  # logits of a row one program reads
+MAX_SLICES = 4096  # slices the merge's program holds: vocabularies up to 8M ids
 
 if HAS_TRITON:
     @triton.jit
@@ -99,8 +100,8 @@ def refusal(logits: torch.Tensor) -> str | None:
         return "logits must be [B, V] with contiguous rows"
     if logits.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"{logits.dtype} logits"
-    if logits.shape[1] >= 2**31:
-        return "vocabularies past 2**31 ids"
+    if logits.shape[1] > MAX_SLICES * SLICE:
+        return f"vocabularies past {MAX_SLICES * SLICE} ids (the merge holds a row's {MAX_SLICES} slices at most)"
     return None
 
 
