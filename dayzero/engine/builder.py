@@ -125,6 +125,7 @@ def assemble(model, device: torch.device, dtype: torch.dtype, *, block_size: int
 
     runner = ModelRunner(model, device, dtype, kv_cache_dtype, index_cache_dtype)
     reserve_tables(model, max_model_len, device)  # RoPE's cos/sin gathered in one launch a step, not computed in six
+    runner.max_positions = max_model_len
     block_size = block_size or auto_block_size(runner.specs)
     max_blocks = -(-max_model_len // block_size)
     graphs_on = cuda_graphs and device.type == "cuda"

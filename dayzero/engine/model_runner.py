@@ -32,6 +32,8 @@ class ModelRunner:
         self.layer_specs = [parts(layer.cache_spec(cache_dtype)) for _, layer in self.layers]
         self.specs = [s for specs in self.layer_specs for s in specs]  # every spec, for planning
         self.buffers: StepBuffers | None = None
+        # positions a step may hold (the engine's longest sequence): what the RoPE tables were reserved for
+        self.max_positions: int | None = None
         self.graphs = None  # DecodeGraphs once captured
         self.prefill_graphs = None  # PrefillGraphs once captured
         # steps run, by kind ("decode": one row per sequence; "prefill": any other) and how ("graph": replayed)
@@ -121,6 +123,11 @@ class ModelRunner:
             key = graphs.lookup(sum(s.num_tokens for s in scheduled), rows, width)
             if key is not None:
                 rows, width = key[1:]  # then rows sequences, the padding one and the empty ones included
+        last = max((s.seq.num_computed + s.num_tokens for s in scheduled), default=0)
+        if self.max_positions is not None and last > self.max_positions:
+            # a device gather past a table would stop the whole process; the engine's admission never lets it come
+            raise RuntimeError(f"a step reaches position {last - 1}, past the {self.max_positions} positions the "
+                               "engine was built for")
         G = self.groups
         if any(len(h.tables) != G for h in handles):
             raise RuntimeError(f"the cache manager keeps {len(handles[0].tables)} block tables a sequence, the runner's "

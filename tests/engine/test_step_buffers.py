@@ -74,3 +74,15 @@ def test_an_engine_on_staged_buffers_generates_what_it_does_on_plain_ones(tiny_c
     assert llm.engine.runner.buffers.staged
     assert run(llm) == want
     assert any("patch_rows" in names for names in packed)  # overlapped steps patched their inputs
+
+
+def test_a_step_past_the_positions_the_engine_was_built_for_is_refused_on_the_host(tiny_ckpt):
+    """The RoPE tables hold the engine's longest sequence: a step reaching past it (which admission never lets
+    happen) stops with an error on the host, not with a device gather past the table."""
+    from dayzero import LLM, SamplingParams
+
+    llm = LLM(str(tiny_ckpt), dtype="float32", max_model_len=64)
+    assert llm.engine.runner.max_positions == 64
+    llm.engine.runner.max_positions = 8  # as if built for 8 positions
+    with pytest.raises(RuntimeError, match="reaches position 9, past the 8 positions"):
+        llm.generate([{"prompt_token_ids": list(range(3, 13))}], SamplingParams(max_tokens=2))
