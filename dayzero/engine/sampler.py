@@ -53,6 +53,7 @@ class SamplerOutput:
     logprobs: torch.Tensor   # [B] fp32; raw log-probability of token_ids, NaN where -1
     top_ids: torch.Tensor | None = None       # [B, K] the K most likely tokens of the raw distribution
     top_logprobs: torch.Tensor | None = None  # [B, K] their log-probabilities (K = the largest params.logprobs)
+    rows: torch.Tensor | None = None  # [B, 2] fp64 (id, log-probability) where the sampling wrote them so
 
     def to_host(self, num_top: Sequence[int] | None = None) -> HostSample:
         """The step's results as Python lists, in a single device→host copy.
@@ -71,7 +72,10 @@ class SamplerOutput:
             cols += [self.top_ids, self.top_logprobs]
         # one fp64 buffer: fp64 holds every fp32 value (NaN and inf included) and every integer
         # below 2**53 exactly, so ids come back unrounded (fp32 would round ids above 2**24)
-        dev = torch.cat([c.to(torch.float64) for c in cols], dim=1)  # [B, 2 + 2K]
+        if self.rows is not None and not K:
+            dev = self.rows  # [B, 2] as the greedy kernel wrote it
+        else:
+            dev = torch.cat([c.to(torch.float64) for c in cols], dim=1)  # [B, 2 + 2K]
         if dev.device.type != "cuda":
             return PendingSample(dev, None, K, num_top)
         host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
@@ -118,10 +122,12 @@ def penalised_rows(params: Sequence[SamplingParams], output_token_ids: Sequence[
     return [i for i, p in enumerate(params) if output_token_ids[i] and p.penalised]
 
 
-def greedy_fast(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, log-probabilities) of an all-greedy step without penalties or alternatives: the ``greedy_sample`` op
-    (one Triton launch on CUDA)."""
-    return ops.call("greedy_sample", logits)
+def greedy_fast(logits: torch.Tensor) -> SamplerOutput:
+    """The sampling of an all-greedy step without penalties or alternatives: the ``greedy_sample`` op (two Triton
+    launches on CUDA), which also writes the (id, log-probability) rows the host copy takes."""
+    rows = torch.empty(logits.shape[0], 2, dtype=torch.float64, device=logits.device)
+    ids, logprobs = ops.call("greedy_sample", logits, rows)
+    return SamplerOutput(token_ids=ids, logprobs=logprobs, rows=rows)
 
 
 def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -230,8 +236,7 @@ class Sampler:
                                 else f", {len(output_token_ids)} output_token_ids"))
         k = min(max((p.logprobs or 0) for p in params), V) if B else 0
         if k == 0 and all(p.greedy for p in params) and not penalised_rows(params, output_token_ids):
-            ids, logprobs = greedy_fast(logits)
-            return SamplerOutput(token_ids=ids, logprobs=logprobs)
+            return greedy_fast(logits)
         dev = logits.device
         x = logits.to(torch.float32, copy=True)  # the caller's logits are never modified
         ok = torch.isfinite(x).all(dim=-1)  # ok: [B]

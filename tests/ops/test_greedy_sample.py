@@ -78,6 +78,20 @@ def test_one_hot_row_has_logprob_zero_and_a_flat_row_minus_log_v():
     assert abs(lp[0].item()) < 1e-6 and abs(lp[1].item() + math.log(500)) < 1e-5
 
 
+def test_the_host_rows_hold_each_rows_id_and_log_probability():
+    g = torch.Generator(DEV).manual_seed(9)
+    logits = torch.randn(4, K.SLICE + 77, generator=g, device=DEV)
+    logits[2, 5] = float("nan")
+    rows = torch.full((4, 2), 7.0, dtype=torch.float64, device=DEV)
+    ids, lp = K.greedy_sample_triton(logits, rows)
+    want = torch.stack([ids.double(), lp.double()], 1)
+    assert torch.equal(rows.nan_to_num(3.0), want.nan_to_num(3.0)) and rows[2, 0] == -1
+    ref_rows = torch.zeros_like(rows)
+    greedy_sample(logits, ref_rows)
+    assert torch.equal(ref_rows[:, 0], rows[:, 0])
+    assert "fp64 [B, 2]" in K.refusal(logits, rows[:3])
+
+
 def test_no_rows_and_refusals():
     assert K.greedy_sample_triton(torch.zeros(0, 10, device=DEV))[0].shape == (0,)
     assert K.refusal(torch.zeros(2, 10, device=DEV)) is None
@@ -93,7 +107,8 @@ def test_sampler_fast_path_equals_its_general_path(monkeypatch):
     import dayzero.engine.sampler as S
 
     taken = []
-    monkeypatch.setattr(S, "greedy_fast", lambda logits: taken.append(1) or K.greedy_sample_triton(logits))
+    real = S.greedy_fast
+    monkeypatch.setattr(S, "greedy_fast", lambda logits: taken.append(1) or real(logits))
     g = torch.Generator(DEV).manual_seed(0)
     logits = torch.randn(6, 1000, generator=g, device=DEV).to(torch.bfloat16)
     logits[4, 3] = float("nan")
@@ -103,6 +118,10 @@ def test_sampler_fast_path_equals_its_general_path(monkeypatch):
     general = Sampler()(logits, [SamplingParams(temperature=0.0, max_tokens=4, logprobs=1)] * 6, [None] * 6)
     assert torch.equal(fast.token_ids, general.token_ids)
     assert torch.allclose(fast.logprobs, general.logprobs, equal_nan=True, rtol=1e-5, atol=1e-5)
+    assert fast.rows is not None  # the host copy takes the rows the kernel wrote, not a concatenation
+    got, want = fast.to_host(), general.to_host()
+    assert got.token_ids == want.token_ids and got.top is None
+    assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(want.logprobs), equal_nan=True, atol=1e-5)
     Sampler()(logits, [SamplingParams(temperature=0.0, max_tokens=4, repetition_penalty=1.3)] * 6, [None] * 6,
               [[1, 2]] * 6)
     assert taken == [1]  # penalised rows keep the general path

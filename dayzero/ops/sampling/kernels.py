@@ -10,6 +10,8 @@ flight at once.
 
 The sampler takes this path when every row of a step is greedy, none is penalised and none asks for
 alternatives: two launches instead of the ~20 small torch kernels (and their host launches) of the general path.
+The merge also writes each row's (id, log-probability) as the fp64 pair the sampler copies to the host, where the
+sampler converted and concatenated them in three more kernels.
 """
 from __future__ import annotations
 
@@ -59,8 +61,10 @@ if HAS_TRITON:
         tl.store(i_ptr + tl.num_programs(0) * tl.num_programs(1) + part, tl.max(bad, 0))
 
     @triton.jit
-    def _greedy_merge_kernel(m_ptr, s_ptr, i_ptr, ids_ptr, lp_ptr, S, V, BS: tl.constexpr, PDL: tl.constexpr):
-        # the slices of one row (see _greedy_slice_kernel) -> ids: [B] int64, lp: [B] fp32; grid: B
+    def _greedy_merge_kernel(m_ptr, s_ptr, i_ptr, ids_ptr, lp_ptr, rows_ptr, S, V, BS: tl.constexpr,
+                             ROWS: tl.constexpr, PDL: tl.constexpr):
+        # the slices of one row (see _greedy_slice_kernel) -> ids: [B] int64, lp: [B] fp32, and with ROWS
+        # rows: [B, 2] fp64 (id, log-probability); grid: B
         grid_dependency(PDL)
         row = tl.program_id(0).to(tl.int64)
         j = tl.arange(0, BS)
@@ -73,11 +77,16 @@ if HAS_TRITON:
         idx = tl.min(tl.where(m == top, arg, V), 0)  # slices in order: the lowest index of the maxima is the first
         total = tl.sum(tl.where(m > float("-inf"), s * tl.exp(m - top), 0.0), 0)
         failed = tl.max(bad, 0) > 0
-        tl.store(ids_ptr + row, tl.where(failed, -1, idx).to(tl.int64))
-        tl.store(lp_ptr + row, tl.where(failed, float("nan"), -tl.log(total)))
+        idx = tl.where(failed, -1, idx).to(tl.int64)
+        lp = tl.where(failed, float("nan"), -tl.log(total))
+        tl.store(ids_ptr + row, idx)
+        tl.store(lp_ptr + row, lp)
+        if ROWS:
+            tl.store(rows_ptr + 2 * row, idx.to(tl.float64))
+            tl.store(rows_ptr + 2 * row + 1, lp.to(tl.float64))
 
 
-def greedy_sample_triton(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy_sample_triton(logits: torch.Tensor, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     B, V = logits.shape
     ids = torch.empty(B, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(B, dtype=torch.float32, device=logits.device)
@@ -88,14 +97,18 @@ def greedy_sample_triton(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
         options = pdl(logits)
         _greedy_slice_kernel[(B, S)](logits, m[0], m[1], i, V, logits.stride(0), BLOCK=BLOCK, SLICE=SLICE,
                                      num_warps=4, **options)
-        _greedy_merge_kernel[(B,)](m[0], m[1], i, ids, logprobs, S, V, BS=next_pow2(S), num_warps=4, **options)
+        _greedy_merge_kernel[(B,)](m[0], m[1], i, ids, logprobs, ids if rows is None else rows, S, V,
+                                   BS=next_pow2(S), ROWS=rows is not None, num_warps=4, **options)
     return ids, logprobs
 
 
-def refusal(logits: torch.Tensor) -> str | None:
+def refusal(logits: torch.Tensor, rows: torch.Tensor | None = None) -> str | None:
     why = triton_refusal(logits)
     if why is not None:
         return why
+    if rows is not None and (rows.shape != (logits.shape[0], 2) or rows.dtype != torch.float64
+                             or not rows.is_contiguous()):
+        return "rows must be a contiguous fp64 [B, 2]"
     if logits.dim() != 2 or logits.stride(-1) != 1:
         return "logits must be [B, V] with contiguous rows"
     if logits.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -106,5 +119,5 @@ def refusal(logits: torch.Tensor) -> str | None:
 
 
 @register("greedy_sample", "cuda", verifier=refusal, note="Triton, a pass per slice of each row, then a merge")
-def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return greedy_sample_triton(logits)
+def greedy_sample(logits: torch.Tensor, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return greedy_sample_triton(logits, rows)
