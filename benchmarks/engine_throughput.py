@@ -18,7 +18,9 @@ and prints both side by side with the ratio: only numbers measured in one run ar
 ``DAYZERO_PDL=0`` for this version without programmatic dependent launch; given more than once, each is a
 baseline of its own, every one run before this version and compared with it.
 ``--busy B`` profiles a few decode steps at batch B with the torch profiler
-and reports the fraction of each step the GPU spends in kernels.
+and reports the fraction of each step the GPU spends in kernels; with a baseline, on both sides, and the side by
+side flags a side busy less than :data:`IDLE_WARNING` of its steps (its GPU waited on its host in that run, so
+that run's ratio is not the kernels').
 """
 from __future__ import annotations
 
@@ -228,6 +230,22 @@ def prefill_profile(llm, prompt_len: int, vocab: int, table_file: str) -> dict:
     return {"prompt_len": prompt_len, "wall_ms": 1e3 * wall, "busy_fraction": busy * 1e-6 / wall, "kernels": kernels}
 
 
+IDLE_WARNING = 0.75  # a side busy less than this share of its profiled steps is flagged as waiting on its host
+
+
+def busy_line(base: dict, this: dict) -> str:
+    """The side by side of two ``gpu_busy`` results, flagged where a side's GPU mostly waits on its host (then the
+    decode ratio of that run says more about the host than about the kernels)."""
+    line = (f"GPU busy at batch {this['batch']} (profiled steps): {base['busy_fraction']:.1%} -> "
+            f"{this['busy_fraction']:.1%}, {base['kernels_per_step']:.0f} -> {this['kernels_per_step']:.0f} kernels "
+            "a step")
+    idle = [side for side, b in (("baseline", base), ("this version", this)) if b["busy_fraction"] < IDLE_WARNING]
+    if idle:
+        line += (f"; {' and '.join(idle)} busy less than {IDLE_WARNING:.0%}: waiting on the host, the decode ratio "
+                 "is not the kernels'")
+    return line
+
+
 def run_baseline(args, settings: str | None = None) -> dict | None:
     """This script's numbers for the baseline: ``--baseline``'s package (else this one) with the environment
     ``settings`` (``K=V,K=V``) applied, or this version without overlapped steps (``--compare-async``)."""
@@ -243,6 +261,8 @@ def run_baseline(args, settings: str | None = None) -> dict | None:
         cmd += ["--expert-compute", args.expert_compute]
     if args.fp8_activations:
         cmd.append("--fp8-activations")
+    if args.busy:  # both sides profiled: a side whose GPU waits on its host shows it
+        cmd += ["--busy", str(args.busy)]
     env = {}
     for item in filter(None, (settings or "").split(",")):
         key, sep, value = item.partition("=")
@@ -352,6 +372,8 @@ def main() -> None:
                   f"{r['prefill_tok_s'] / b['prefill_tok_s']:>5.2f}x {b['decode_tok_s']:>8.1f} -> {r['decode_tok_s']:>8.1f} "
                   f"{r['decode_tok_s'] / b['decode_tok_s']:>5.2f}x "
                   f"{b['decode_roofline_ms'] / b['decode_step_ms']:>6.1%} -> {r['decode_roofline_ms'] / r['decode_step_ms']:>6.1%}")
+        if busy is not None and base.get("busy"):
+            print(busy_line(base["busy"], busy))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": args.config, "device": str(dev), "bandwidth": bw, "flops": flops, "rows": rows,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.engine_throughput import active_params, timeline, weight_bytes
+from benchmarks.engine_throughput import IDLE_WARNING, active_params, busy_line, timeline, weight_bytes
 from dayzero.models.registry import load_config
 from dayzero.tools.probe import build_uninitialised
 
@@ -44,3 +44,11 @@ def test_the_step_timeline_counts_overlapping_kernels_once():
     assert [float(r[2]) for r in rows] == [0.0, -2.0, -7.0, 3.0]
     summary = text.split("time added to the step by kernel (15.0 us in all):")[1].splitlines()
     assert summary[2].split()[:4] == ["11.0", "73.3%", "2", "5.50"] and summary[2].endswith("linear")
+
+
+def test_the_side_by_side_flags_a_side_whose_gpu_waits_on_its_host():
+    side = lambda f, k: {"batch": 1, "busy_fraction": f, "kernels_per_step": k, "step_ms": 1.5}  # noqa: E731
+    calm = busy_line(side(0.82, 287), side(0.81, 275))
+    assert "82.0% -> 81.0%" in calm and "287 -> 275" in calm and "host" not in calm
+    flagged = busy_line(side(0.9, 287), side(IDLE_WARNING - 0.2, 275))
+    assert "this version busy less than" in flagged and "baseline" not in flagged.split(";")[1]
