@@ -14,11 +14,11 @@ def _step(buf: SB.StepBuffers, rows: int, width: int, seed: int) -> dict:
     ints = lambda n: torch.randint(0, 1 << 40, (n,), generator=g).tolist()  # noqa: E731 - past 32 bits
     fresh = (torch.rand(rows, generator=g) < 0.5).tolist()
     tables = [ints(int(torch.randint(0, width + 1, (1,), generator=g))) for _ in range(rows)]
+    ids = ints(rows)
     buf.begin()
-    out = {"input_ids": (buf.put("input_ids", ints(rows)), None), "fresh": (buf.put("fresh", fresh), fresh),
+    out = {"input_ids": (buf.put("input_ids", ids), ids), "fresh": (buf.put("fresh", fresh), fresh),
            "cu_seqlens": (buf.put("cu_seqlens", list(range(rows + 1))), list(range(rows + 1))),
            "block_tables": (buf.put_table(tables, rows, width), [t + [0] * (width - len(t)) for t in tables])}
-    out["input_ids"] = (out["input_ids"][0], buf.host["input_ids"][:rows].tolist())
     buf.end()
     return out
 

@@ -81,7 +81,8 @@ if HAS_TRITON:
         and fresh flag (step inputs, in place before the step's first kernel), the head's state at columns ``j``
         and the q, k and v windows of its channels. The layer's state and windows are written by this kernel
         alone, in the step before, so the kernel before cannot have touched them; the projection row, which it
-        writes, is read after the wait."""
+        writes, is read after the wait. Returns the sequence's row, fresh flag, state rows and windows' addresses,
+        then what they read."""
         b = pid.to(tl.int64)
         slot = tl.load(slot_ptr + b).to(tl.int64)
         fresh = tl.load(fresh_ptr + b) != 0
@@ -90,7 +91,7 @@ if HAS_TRITON:
         uq, lq = _window(win, s_wchan, h * K + i, W, BW)
         uk, lk = _window(win, s_wchan, P + h * K + i, W, BW)
         uv, lv = _window(win, s_wchan, 2 * P + h * K + j, W, BW)
-        return b, slot, fresh, tl.load(rows + j[None, :]), uq, lq, uk, lk, uv, lv
+        return b, fresh, rows, win, tl.load(rows + j[None, :]), uq, lq, uk, lk, uv, lv
 
     @triton.jit
     def _kda_decode_kernel(proj_ptr, s_proj, cw_ptr, win_ptr, s_wslot, s_wchan, up_ptr, f_ptr, s_f, og_ptr,
@@ -110,7 +111,7 @@ if HAS_TRITON:
             wg = weight_tile(wg_rows, i, hv >= 0, K, True)
         jc = tl.arange(0, BC)
         # the sequence's state and windows (its first chunk of columns), not written by the kernel before either
-        b, slot, fresh, S, uq, lq, uk, lk, uv, lv = carried_state(
+        b, fresh, rows, win, S, uq, lq, uk, lk, uv, lv = carried_state(
             slot_ptr, fresh_ptr, tl.program_id(0), state_ptr, s_state, win_ptr, s_wslot, s_wchan, h, i, j0 + jc, P,
             K, W, BW)
         grid_dependency(PDL)
@@ -119,8 +120,6 @@ if HAS_TRITON:
         wdt = win_ptr.dtype.element_ty
         row = proj_ptr + b * s_proj
         gates = row + 3 * P  # [f_a | g_a | b]
-        win = win_ptr + slot * s_wslot
-        rows = state_ptr + slot * s_state + h * K * K + i[:, None] * K  # the head's [K, V] state, by rows
         # the loads that wait on the projection row: the gates' inputs, then the conv's inputs
         if UP:
             if not PRELOAD:

@@ -32,10 +32,10 @@ MAX_SLICES = 4096  # slices the merge's program holds: vocabularies up to 8M ids
 
 if HAS_TRITON:
     @triton.jit
-    def _greedy_slice_kernel(x_ptr, m_ptr, s_ptr, i_ptr, V, s_x, BLOCK: tl.constexpr, SLICE: tl.constexpr,
-                             PDL: tl.constexpr):
-        # x: [B, V] (unit column stride); m, s: [B, S] fp32 and i: [2, B, S] int32 (first index, not-finite
-        # flag), S = cdiv(V, SLICE); grid: (B, S)
+    def _greedy_slice_kernel(x_ptr, m_ptr, s_ptr, i_ptr, bad_ptr, V, s_x, BLOCK: tl.constexpr,
+                             SLICE: tl.constexpr, PDL: tl.constexpr):
+        # x: [B, V] (unit column stride); each slice's max m, sum s (fp32), first index i and not-finite flag bad
+        # (int32): [B, S], S = cdiv(V, SLICE); grid: (B, S)
         grid_dependency(PDL)
         row = tl.program_id(0).to(tl.int64)
         part = row * tl.num_programs(1) + tl.program_id(1)
@@ -58,10 +58,10 @@ if HAS_TRITON:
         tl.store(m_ptr + part, top)
         tl.store(i_ptr + part, tl.min(tl.where(m == top, arg, V), 0))  # the first of the lanes' first maxima
         tl.store(s_ptr + part, tl.sum(tl.where(m > float("-inf"), s * tl.exp(m - top), 0.0), 0))
-        tl.store(i_ptr + tl.num_programs(0) * tl.num_programs(1) + part, tl.max(bad, 0))
+        tl.store(bad_ptr + part, tl.max(bad, 0))
 
     @triton.jit
-    def _greedy_merge_kernel(m_ptr, s_ptr, i_ptr, ids_ptr, lp_ptr, rows_ptr, S, V, BS: tl.constexpr,
+    def _greedy_merge_kernel(m_ptr, s_ptr, i_ptr, bad_ptr, ids_ptr, lp_ptr, rows_ptr, S, V, BS: tl.constexpr,
                              ROWS: tl.constexpr, PDL: tl.constexpr):
         # the slices of one row (see _greedy_slice_kernel) -> ids: [B] int64, lp: [B] fp32, and with ROWS
         # rows: [B, 2] fp64 (id, log-probability); grid: B
@@ -72,7 +72,7 @@ if HAS_TRITON:
         m = tl.load(m_ptr + row * S + j, mask=ok, other=float("-inf"))
         s = tl.load(s_ptr + row * S + j, mask=ok, other=0.0)
         arg = tl.load(i_ptr + row * S + j, mask=ok, other=V)
-        bad = tl.load(i_ptr + tl.num_programs(0) * S + row * S + j, mask=ok, other=0)
+        bad = tl.load(bad_ptr + row * S + j, mask=ok, other=0)
         top = tl.max(m, 0)
         idx = tl.min(tl.where(m == top, arg, V), 0)  # slices in order: the lowest index of the maxima is the first
         total = tl.sum(tl.where(m > float("-inf"), s * tl.exp(m - top), 0.0), 0)
@@ -95,9 +95,9 @@ def greedy_sample_triton(logits: torch.Tensor, rows: torch.Tensor | None = None)
         m = torch.empty(2, B, S, dtype=torch.float32, device=logits.device)  # each slice's max and sum
         i = torch.empty(2, B, S, dtype=torch.int32, device=logits.device)  # its first index and not-finite flag
         options = pdl(logits)
-        _greedy_slice_kernel[(B, S)](logits, m[0], m[1], i, V, logits.stride(0), BLOCK=BLOCK, SLICE=SLICE,
-                                     num_warps=4, **options)
-        _greedy_merge_kernel[(B,)](m[0], m[1], i, ids, logprobs, ids if rows is None else rows, S, V,
+        _greedy_slice_kernel[(B, S)](logits, m[0], m[1], i[0], i[1], V, logits.stride(0), BLOCK=BLOCK,
+                                     SLICE=SLICE, num_warps=4, **options)
+        _greedy_merge_kernel[(B,)](m[0], m[1], i[0], i[1], ids, logprobs, ids if rows is None else rows, S, V,
                                    BS=next_pow2(S), ROWS=rows is not None, num_warps=4, **options)
     return ids, logprobs
 
