@@ -77,15 +77,18 @@ if HAS_TRITON:
         # per head), rounded to x's dtype.
         # DOT: each K step's product on the tensor cores (tl.dot, x's rows padded to BLOCK_M >= 16 and rounded to
         # the weight's dtype), its loads pipelined by the compiler; else on the CUDA cores in fp32.
-        # PRELOAD: w is written by no kernel of the step (a model weight), so its first K step is read before the
-        # wait for the kernel before this one, while that one still runs (the first product's only).
+        # PRELOAD: w (and w2) are written by no kernel of the step (model weights), so their first K steps are
+        # read before the wait for the kernel before this one, while that one still runs.
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
         n_ok, m_ok = n < N, m < M
         w_rows = w_ptr + n.to(tl.int64)[:, None] * s_wn
         x_rows = x_ptr + m[:, None] * s_xm
+        w2_rows = w2_ptr + n.to(tl.int64)[:, None] * s_w2n
         if PRELOAD:
             w_first = weight_tile(w_rows, tl.arange(0, BLOCK_K), n_ok, K, EVEN_K)
+            if TWO:  # the second product's first K step too: its weight is as static as the first's
+                w2_first = weight_tile(w2_rows, tl.arange(0, BLOCK_K), n_ok, K2, False)
         grid_dependency(PDL)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -116,15 +119,13 @@ if HAS_TRITON:
                 tl.store(xn_ptr + m[:, None] * K + k[None, :], xn.to(xn_ptr.dtype.element_ty), mask=ok)
         if TWO:
             x2_rows = x2_ptr + m[:, None] * s_x2m
-            w2_rows = w2_ptr + n.to(tl.int64)[:, None] * s_w2n
-            for k0 in range(0, K2, BLOCK_K):
+            if PRELOAD:
+                acc = _second_step(acc, w2_first, tl.arange(0, BLOCK_K), x2_rows, m_ok, K2, limit, alpha, ACT,
+                                   CLAMP, DOT, DOT_F32)
+            for k0 in range(BLOCK_K if PRELOAD else 0, K2, BLOCK_K):
                 k = k0 + tl.arange(0, BLOCK_K)
-                k_ok = k < K2
-                w = tl.load(w2_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                x = tl.load(x2_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                if ACT != 0:
-                    x = _act_input(x, x2_rows, k, m_ok, K2, limit, alpha, ACT, CLAMP)
-                acc = _product(acc, x, w, DOT, DOT_F32)
+                w = weight_tile(w2_rows, k, n_ok, K2, False)
+                acc = _second_step(acc, w, k, x2_rows, m_ok, K2, limit, alpha, ACT, CLAMP, DOT, DOT_F32)
         if HAS_BIAS:
             acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if HAS_ADD:
@@ -162,6 +163,15 @@ if HAS_TRITON:
             x = x * tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
         return _product(acc, x, w, DOT, DOT_F32), ss
 
+
+    @triton.jit
+    def _second_step(acc, w, k, x2_rows, m_ok, K2, limit, alpha, ACT: tl.constexpr, CLAMP: tl.constexpr,
+                     DOT: tl.constexpr, DOT_F32: tl.constexpr):
+        """One K step of the second product (``TWO``): x2's columns ``k`` (through the activation) times ``w``."""
+        x = tl.load(x2_rows + k[None, :], mask=m_ok[:, None] & (k < K2)[None, :], other=0.0)
+        if ACT != 0:
+            x = _act_input(x, x2_rows, k, m_ok, K2, limit, alpha, ACT, CLAMP)
+        return _product(acc, x, w, DOT, DOT_F32)
 
     @triton.jit
     def _product(acc, x, w, DOT: tl.constexpr, DOT_F32: tl.constexpr):
@@ -261,6 +271,8 @@ def launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, K: int, block
     nw, res, normed, res_out = norm or (x, None, x, x)
     gw, grows = gate or (nw, x)
     x2, w2 = second or (x, weight)
+    if second is not None and early is None and not is_static(w2):
+        options["PRELOAD"] = False  # the second weight is read before the wait too: it must be a model weight
     if stages is not None and not (weight.dtype in MMA_DTYPES and w2.dtype in MMA_DTYPES):
         raise ValueError(f"tensor-core block {block} takes bf16 or fp16 weights, got {weight.dtype}, {w2.dtype}")
     sg = sigmoid_gate
