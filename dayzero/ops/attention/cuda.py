@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from dayzero.cache.rows import read_rows, slots_of
-from dayzero.ops.attention import triton_mla, triton_paged
+from dayzero.ops.attention import head_kernels, triton_mla, triton_paged
 from dayzero.ops.attention.reference import sink_softmax
 from dayzero.ops.registry import register
 
@@ -132,7 +132,7 @@ def _mla_rows(q_nope, q_pe, latent_cache, kv_b_weight, v_head_dim, batch, scale,
     # path, stay in fp32.
     ct = q_nope.dtype if use_triton else torch.float32
     # the absorbed query q~ = [q_nope W_UK | q_pe], one shared latent key/value head
-    q_lat = torch.einsum("bhn,hnr->bhr", q_nope.to(ct), w[:, :N].to(ct))
+    q_lat = _head_product(q_nope.to(ct), w[:, :N], kv_b_weight, ct, use_triton)  # [T, H, R]
     if use_triton:  # the kernel reads q~'s two parts apart and writes o_lat in ct: no concatenation, no cast
         seq_of_row = None if batch.is_decode else batch.seq_of_row  # prefill rows read their sequence's table
         o_lat = triton_mla.mla_decode(q_lat, latent_cache, batch.block_tables, batch.positions, batch.block_size,
@@ -147,4 +147,15 @@ def _mla_rows(q_nope, q_pe, latent_cache, kv_b_weight, v_head_dim, batch, scale,
             kp, ok = selection, selection >= 0
         lat = read_rows(latent_cache, slots_of(batch.block_tables, kp, batch.block_size)).float()  # [B, K, R+P]
         o_lat = _attend(q_abs[:, None], lat[:, :, None], lat[:, :, None, :R], ok, scale, sinks)[:, 0]  # [B, H, R]
-    return torch.einsum("bhr,hvr->bhv", o_lat.to(ct), w[:, N:].to(ct)).to(q_nope.dtype)
+    return _head_product(o_lat.to(ct), w[:, N:].transpose(1, 2), kv_b_weight, ct, use_triton).to(q_nope.dtype)
+
+
+def _head_product(x: torch.Tensor, w: torch.Tensor, weight: torch.Tensor, ct: torch.dtype,
+                  use_triton: bool) -> torch.Tensor:
+    """``x [T, H, I]`` times each head's ``w [H, I, J]`` (a view of the model weight ``weight``) in ``ct``: one
+    Triton launch for a decode step's few rows (:mod:`head_kernels`), else an einsum (a batched GEMM)."""
+    static = weight if w.dtype == ct else None  # a converted copy is made in the step: not read early
+    w = w.to(ct)
+    if use_triton and head_kernels.refusal(x, w) is None:
+        return head_kernels.head_product(x, w, static)
+    return torch.einsum("thi,hij->thj", x, w)

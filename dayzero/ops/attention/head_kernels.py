@@ -1,0 +1,129 @@
+"""Per-head products of a decode step's few rows as one Triton launch: MLA's absorbed query and its output.
+
+Absorbed MLA multiplies each head's rows by that head's slice of ``kv_b_proj`` twice a layer: q~ = q_nope · W_UK
+before the attention ([T, H, N] by [H, N, R]) and o = o_lat · W_UVᵀ after it ([T, H, R] by [H, V, R]ᵀ). As
+einsums these are batched cuBLAS GEMMs, and at a decode step's one to eight rows each is a matrix-vector product
+per head, bound by reading the 2 MB of weights (dayzero-small: 16 heads of 128 x 512). A cuBLAS kernel also
+leaves the programmatic-dependent-launch chain of the step's Triton kernels: it starts only after the kernel
+before it has finished, and the kernel after it too, so neither overlaps its start with the other's end.
+
+:func:`head_product` computes ``y[t, h, j] = Σ_i x[t, h, i] · w[h, i, j]`` for any strides of w, with one program
+per (head, block of output columns j) holding its whole slice of the head's weight when it fits one tile
+(:data:`TILE` elements): a model weight (``PRELOAD``) is then read entirely before the wait for the kernel
+before, and after it a program reads its head's rows of x (a few KB), multiplies in fp32 and stores. The tile's
+layout follows the weight's unit stride: rows of outputs with the reduction contiguous (W_UV as stored) or rows
+of the reduction with the outputs contiguous (W_UK). Results are rounded to the output dtype once, as cuBLAS's
+fp32-accumulating GEMM rounds them.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from dayzero.ops.static import preload
+from dayzero.ops.triton_support import HAS_TRITON, next_pow2, tl, triton, triton_refusal
+
+MAX_ROWS = 8  # a decode step's rows: the fp32 products [rows, BLOCK_I, BLOCK_J] stay in registers
+TILE = 4096  # weight elements a program holds per step (32 fp32 registers a thread at 4 warps)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+if HAS_TRITON:
+    from dayzero.ops.static import weight_tile
+    from dayzero.ops.triton_support import grid_dependency
+
+    @triton.jit
+    def _step(acc, w, k, x_rows, m_ok, I, OUT_ROWS: tl.constexpr):
+        """acc [BLOCK_M, BLOCK_J] plus x's columns ``k`` times the weight tile w ([BLOCK_J, k] when OUT_ROWS, else
+        [k, BLOCK_J]), in fp32."""
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < I)[None, :], other=0.0).to(tl.float32)
+        if OUT_ROWS:
+            return acc + tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        return acc + tl.sum(x[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
+
+    @triton.jit
+    def _head_product_kernel(x_ptr, w_ptr, y_ptr, M, I, J, s_xm, s_xh, s_wh, s_wi, s_wj, s_ym, s_yh,
+                             OUT_ROWS: tl.constexpr, EVEN_I: tl.constexpr, EVEN_J: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr,
+                             PRELOAD: tl.constexpr, PDL: tl.constexpr):
+        # x: [M, H, I] (unit stride along I); w: [H, I, J] (unit stride along I when OUT_ROWS, else along J);
+        # y: [M, H, J] (unit stride along J); grid: (H, cdiv(J, BLOCK_J)).
+        # OUT_ROWS: the weight tile is [BLOCK_J, BLOCK_I], a row per output column; else [BLOCK_I, BLOCK_J].
+        h = tl.program_id(0)
+        j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
+        i = tl.arange(0, BLOCK_I)
+        w_head = w_ptr + h * s_wh
+        if OUT_ROWS:
+            w_rows = w_head + j[:, None] * s_wj
+        else:
+            w_rows = w_head + i[:, None] * s_wi
+        if PRELOAD:
+            if OUT_ROWS:
+                w_first = weight_tile(w_rows, i, j < J, I, EVEN_I)
+            else:
+                w_first = weight_tile(w_rows, j, i < I, J, EVEN_J)
+        grid_dependency(PDL)
+        m = tl.arange(0, BLOCK_M)
+        m_ok, j_ok = m < M, j < J
+        x_rows = x_ptr + m[:, None] * s_xm + h * s_xh
+        acc = tl.zeros((BLOCK_M, BLOCK_J), dtype=tl.float32)
+        if PRELOAD:
+            acc = _step(acc, w_first, i, x_rows, m_ok, I, OUT_ROWS)
+        for i0 in range(BLOCK_I if PRELOAD else 0, I, BLOCK_I):
+            k = i0 + i
+            if OUT_ROWS:
+                w = tl.load(w_rows + k[None, :], mask=j_ok[:, None] & (k < I)[None, :], other=0.0)
+            else:
+                w = tl.load(w_head + k[:, None] * s_wi + j[None, :], mask=(k < I)[:, None] & j_ok[None, :], other=0.0)
+            acc = _step(acc, w, k, x_rows, m_ok, I, OUT_ROWS)
+        tl.store(y_ptr + m[:, None] * s_ym + h * s_yh + j[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & j_ok[None, :])
+
+
+def refusal(x: torch.Tensor, w: torch.Tensor) -> str | None:
+    """Why :func:`head_product` cannot take x [T, H, I] and w [H, I, J], or None."""
+    why = triton_refusal(x)
+    if why is not None:
+        return why
+    if x.dim() != 3 or w.dim() != 3 or x.shape[1] != w.shape[0] or x.shape[2] != w.shape[1]:
+        return f"x [rows, heads, I] and w [heads, I, J], got {tuple(x.shape)} and {tuple(w.shape)}"
+    if not 0 < x.shape[0] <= MAX_ROWS:
+        return f"{x.shape[0]} rows: the kernel takes 1 to {MAX_ROWS} (decode steps), a GEMM the rest"
+    if x.dtype not in DTYPES or w.dtype != x.dtype:
+        return f"x and w of one dtype among bf16, fp16 and fp32, got {x.dtype} and {w.dtype}"
+    if x.stride(2) != 1 or 1 not in (w.stride(1), w.stride(2)):
+        return "x needs a unit stride along I and w along I or J"
+    if max(w.numel(), x.numel()) >= 2 ** 31 or w.storage_offset() + w.stride(0) * w.shape[0] >= 2 ** 31:
+        return "operands of 2^31 elements or more"
+    return None
+
+
+@functools.lru_cache(maxsize=8)
+def _programs_wanted(device: torch.device) -> int:
+    """Programs that fill the device about twice (two per SM)."""
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
+def blocks(rows: int, heads: int, i: int, j: int, programs: int = 256) -> tuple[int, int]:
+    """(BLOCK_I, BLOCK_J): output columns per program so that heads x column blocks come to about ``programs``
+    (4 to 64 columns), and a reduction step as long as keeps the fp32 products at :data:`TILE` elements."""
+    bj = max(4, min(64, next_pow2(max(1, heads * j // programs)), next_pow2(j)))
+    bi = max(16, min(next_pow2(i), TILE // (next_pow2(rows) * bj)))
+    return bi, bj
+
+
+def head_product(x: torch.Tensor, w: torch.Tensor, weight: torch.Tensor | None = None,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``y[t, h, j] = Σ_i x[t, h, i] · w[h, i, j]`` [T, H, J] in ``out_dtype`` (default x's), one launch (see
+    :func:`refusal`). ``weight``: the tensor w is a view of, when that is a model weight: then each program reads
+    its weight before waiting for the kernel before (its first tile: all of it at dayzero-small's shapes)."""
+    T, H, I = x.shape
+    J = w.shape[2]
+    y = torch.empty(T, H, J, dtype=out_dtype or x.dtype, device=x.device)
+    out_rows = w.stride(1) == 1
+    bi, bj = blocks(T, H, I, J, _programs_wanted(x.device))
+    _head_product_kernel[(H, triton.cdiv(J, bj))](
+        x, w, y, T, I, J, x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), y.stride(0), y.stride(1),
+        OUT_ROWS=out_rows, EVEN_I=I % bi == 0, EVEN_J=J % bj == 0, BLOCK_M=next_pow2(T), BLOCK_I=bi, BLOCK_J=bj,
+        num_warps=4, **preload(x, weight if weight is not None else w))
+    return y
