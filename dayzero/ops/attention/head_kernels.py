@@ -37,9 +37,11 @@ if HAS_TRITON:
         """acc [BLOCK_M, BLOCK_J] plus x's columns ``k`` times the weight tile w ([BLOCK_J, k] when OUT_ROWS, else
         [k, BLOCK_J]), in fp32."""
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < I)[None, :], other=0.0).to(tl.float32)
-        if OUT_ROWS:
-            return acc + tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-        return acc + tl.sum(x[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
+        if OUT_ROWS:  # one return: a compiled kernel would build a second one after a constexpr branch's
+            part = tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        else:
+            part = tl.sum(x[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
+        return acc + part
 
     @triton.jit
     def _head_product_kernel(x_ptr, w_ptr, y_ptr, M, I, J, s_xm, s_xh, s_wh, s_wi, s_wj, s_ym, s_yh,
