@@ -24,7 +24,7 @@ import torch
 from dayzero.ops.static import preload
 from dayzero.ops.triton_support import HAS_TRITON, next_pow2, tl, triton, triton_refusal
 
-MAX_ROWS = 8  # a decode step's rows: the fp32 products [rows, BLOCK_I, BLOCK_J] stay in registers
+MAX_ROWS = 8  # a decode step's rows, each through the program's weight tile in turn
 TILE = 4096  # weight elements a program holds per step (32 fp32 registers a thread at 4 warps)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -33,15 +33,19 @@ if HAS_TRITON:
     from dayzero.ops.triton_support import grid_dependency
 
     @triton.jit
-    def _step(acc, w, k, x_rows, m_ok, I, OUT_ROWS: tl.constexpr):
-        """acc [BLOCK_M, BLOCK_J] plus x's columns ``k`` times the weight tile w ([BLOCK_J, k] when OUT_ROWS, else
-        [k, BLOCK_J]), in fp32."""
-        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < I)[None, :], other=0.0).to(tl.float32)
-        if OUT_ROWS:  # one return: a compiled kernel would build a second one after a constexpr branch's
-            part = tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-        else:
-            part = tl.sum(x[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
-        return acc + part
+    def _step(acc, w, k, x_rows, s_xm, M, I, OUT_ROWS: tl.constexpr, BLOCK_M: tl.constexpr):
+        """acc [BLOCK_M, BLOCK_J] plus each row's columns ``k`` of x times the weight tile w ([BLOCK_J, k] when
+        OUT_ROWS, else [k, BLOCK_J]) in fp32, a row at a time: the tile is held once, whatever the rows."""
+        w = w.to(tl.float32)
+        m = tl.arange(0, BLOCK_M)
+        for r in tl.static_range(BLOCK_M):
+            x = tl.load(x_rows + r * s_xm + k, mask=(k < I) & (r < M), other=0.0).to(tl.float32)
+            if OUT_ROWS:
+                part = tl.sum(x[None, :] * w, axis=1)
+            else:
+                part = tl.sum(x[:, None] * w, axis=0)
+            acc = tl.where((m == r)[:, None], acc + part[None, :], acc)
+        return acc
 
     @triton.jit
     def _head_product_kernel(x_ptr, w_ptr, y_ptr, M, I, J, s_xm, s_xh, s_wh, s_wi, s_wj, s_ym, s_yh,
@@ -67,17 +71,17 @@ if HAS_TRITON:
         grid_dependency(PDL)
         m = tl.arange(0, BLOCK_M)
         m_ok, j_ok = m < M, j < J
-        x_rows = x_ptr + m[:, None] * s_xm + h * s_xh
+        x_rows = x_ptr + h * s_xh
         acc = tl.zeros((BLOCK_M, BLOCK_J), dtype=tl.float32)
         if PRELOAD:
-            acc = _step(acc, w_first, i, x_rows, m_ok, I, OUT_ROWS)
+            acc = _step(acc, w_first, i, x_rows, s_xm, M, I, OUT_ROWS, BLOCK_M)
         for i0 in range(BLOCK_I if PRELOAD else 0, I, BLOCK_I):
             k = i0 + i
             if OUT_ROWS:
                 w = tl.load(w_rows + k[None, :], mask=j_ok[:, None] & (k < I)[None, :], other=0.0)
             else:
                 w = tl.load(w_head + k[:, None] * s_wi + j[None, :], mask=(k < I)[:, None] & j_ok[None, :], other=0.0)
-            acc = _step(acc, w, k, x_rows, m_ok, I, OUT_ROWS)
+            acc = _step(acc, w, k, x_rows, s_xm, M, I, OUT_ROWS, BLOCK_M)
         tl.store(y_ptr + m[:, None] * s_ym + h * s_yh + j[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & j_ok[None, :])
 
@@ -108,9 +112,10 @@ def _programs_wanted(device: torch.device) -> int:
 
 def blocks(rows: int, heads: int, i: int, j: int, programs: int = 256) -> tuple[int, int]:
     """(BLOCK_I, BLOCK_J): output columns per program so that heads x column blocks come to about ``programs``
-    (4 to 64 columns), and a reduction step as long as keeps the fp32 products at :data:`TILE` elements."""
+    (4 to 64 columns), and a reduction step as long as keeps the weight tile at :data:`TILE` elements (the rows
+    go through it one at a time, so their count does not shorten it)."""
     bj = max(4, min(64, next_pow2(max(1, heads * j // programs)), next_pow2(j)))
-    bi = max(16, min(next_pow2(i), TILE // (next_pow2(rows) * bj)))
+    bi = max(16, min(next_pow2(i), TILE // bj))
     return bi, bj
 
 
