@@ -210,12 +210,24 @@ class MoE(nn.Module):
         return ops.call("moe_experts_grouped", h, offsets, w1, w2, self.spec.activation, self.b1, self.b2,
                         **self.clamp, order=order, top_k=top_k)
 
-    def _routed(self, x, h, w1, w2, batch) -> torch.Tensor:
-        """The routed experts' weighted sum [T, L] for every token, all experts on this rank."""
+    def router_first(self) -> nn.Linear | None:
+        """The router, when the decoder layer computes its logits with the input norm, before this layer's own
+        input projection (``forward(logits=)``): the experts' input h is then a projection run between the two,
+        so the routed experts' first kernel may route and read its expert's weights before waiting for it
+        (``moe_experts_routed``). None where h is x itself (no latent projection), or the routing is by hash,
+        across expert-parallel ranks or for training."""
+        if (not self.latent or self.tid2eid is not None or self.parallel.ep_size > 1 or torch.is_grad_enabled()
+                or type(self.gate) is not nn.Linear):
+            return None
+        return self.gate
+
+    def _routed(self, x, h, w1, w2, batch, logits: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed experts' weighted sum [T, L] for every token, all experts on this rank; ``logits``: the
+        router's, computed before h (:meth:`router_first`)."""
         k = self.spec.top_k
         if not torch.is_grad_enabled() and self.tid2eid is None:  # one op, free to route inside the experts' kernels
             y = ops.call("moe_experts_routed", x, h, self.gate.weight, self.gate.bias, w1, w2, self.spec.activation,
-                         self.b1, self.b2, **self.clamp, load=self.load_ends, **self.route_args())
+                         self.b1, self.b2, **self.clamp, load=self.load_ends, **self.route_args(), logits=logits)
             return etp_all_reduce(y, self.parallel) if self.expert_tp else y
         weights, ids = self._route(x, batch)
         if torch.is_grad_enabled():  # training: the three ops below, each with a backward (the train platform's)
@@ -311,10 +323,14 @@ class MoE(nn.Module):
                 and self.shared_expert_gate is None and (self._scale_in_weights or s.routed_scaling_factor == 1.0)
                 and _plain(self.fc2_latent_proj) and _plain(self.shared_experts.down_proj))
 
-    def forward(self, x: torch.Tensor, batch=None, projected: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch=None, projected: torch.Tensor | None = None,
+                logits: torch.Tensor | None = None) -> torch.Tensor:
         # x: [T, D]; ``batch`` gives hash routing its token ids; ``projected``: ``fused_in(x)`` when the caller
-        # computed it (with the input norm, DecoderLayer._mix)
+        # computed it (with the input norm, DecoderLayer._mix); ``logits``: the router's fp32 logits of x when the
+        # caller computed them (with the input norm, :meth:`router_first`), in which case h is projected here
         s = self.spec
+        if logits is not None and (projected is not None or self.router_first() is None):
+            raise ValueError("router logits are taken only by a layer that routes first, with h projected after them")
         fused = {}  # member name -> its output, when the input projections run as one GEMM
         if "fused_in" in self._modules:
             fused = dict(zip(self.in_proj_members, project(self, "fused_in", self.in_proj_members, x, projected)))
@@ -322,7 +338,8 @@ class MoE(nn.Module):
         if self.latent:
             h = fused["fc1_latent_proj"] if fused else self.fc1_latent_proj(x)
         w1, w2 = self._expert_weights(x.shape[0])
-        y = self._routed(x, h, w1, w2, batch) if self.parallel.ep_size == 1 else self._routed_ep(x, h, w1, w2, batch)
+        y = (self._routed(x, h, w1, w2, batch, logits) if self.parallel.ep_size == 1
+             else self._routed_ep(x, h, w1, w2, batch))
         if self.packed:
             self.workspace.release(self)
         shared = None

@@ -78,7 +78,13 @@ class DecoderLayer(nn.Module):
     def _mix(self, norm: nn.Module, mixer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, batch):
         """``mixer(norm(x + residual))`` and the new residual. A mixer whose first step is its fused input
         projection (``takes_projected``) gets it from here, computed with the norm (``rms_norm_linear``: on a
-        decode step's few rows one kernel where the norm and the GEMM were two)."""
+        decode step's few rows one kernel where the norm and the GEMM were two). A MoE that routes first
+        (``router_first``) gets its router's logits that way instead, and projects its input after them."""
+        router = mixer.router_first() if type(norm) is RMSNorm and hasattr(mixer, "router_first") else None
+        if router is not None:  # the MoE router's logits with the norm; the experts' projection after them
+            logits, x, residual = ops.call("rms_norm_linear", x, residual, norm.scale(), norm.eps, router.weight,
+                                           router.bias, torch.float32)
+            return mixer(x, batch, logits=logits), residual
         fused = mixer._modules.get("fused_in") if getattr(mixer, "takes_projected", False) else None
         if fused is None or type(norm) is not RMSNorm:
             x, residual = self._norm(norm, x, residual)

@@ -3,6 +3,8 @@ included, but run on CPU tensors: greedy tokens equal the reference engine's, in
 decode runs through the batch-wide ops. This checks the device decode path in CI, where no GPU exists."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
 
 import pytest
 
@@ -62,8 +64,8 @@ def choose_first_blocks(monkeypatch) -> None:
         key = linear_kernels._key(x, weight, bias, out_dtype, add)
         return first(linear_kernels._CHOICE, key, linear_kernels.candidates(key[0], weight.shape[0], x.shape[1])[0])
 
-    def norm(x, residual, norm_weight, eps, weight, bias=None):
-        key = linear_norm._key(x, residual, norm_weight, weight, bias)
+    def norm(x, residual, norm_weight, eps, weight, bias=None, out_dtype=None):
+        key = linear_norm._key(x, residual, norm_weight, weight, bias, out_dtype)
         return first(linear_norm._CHOICE, key, linear_kernels.candidates(key[0], weight.shape[0], x.shape[1])[0])
 
     def act(x, weight, bias=None, activation="silu", limit=None, add=None):
@@ -111,7 +113,7 @@ def test_skinny_linears_and_the_ops_inside_them_give_the_reference_tokens(model_
     routed_inside = []
     real = direct_kernels.moe_experts_routed
     monkeypatch.setattr(direct_kernels, "moe_experts_routed",
-                        lambda *a, **kw: routed_inside.append(1) or real(*a, **kw))
+                        lambda *a, **kw: routed_inside.append(kw.get("early", False)) or real(*a, **kw))
     want, got, chosen = reference_and_device_tokens(model_dir, monkeypatch, 3, 8)
     assert ("linear", "cuda") in chosen
     called = {name for name, _ in chosen}
@@ -121,4 +123,7 @@ def test_skinny_linears_and_the_ops_inside_them_give_the_reference_tokens(model_
     kernel_routes = ("moe_route", "reference") not in chosen  # softmax routing: no routing kernel takes it
     if "moe_experts_routed" in called and kernel_routes:  # decode rows routed inside the first expert kernel
         assert routed_inside, chosen
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        if config.get("moe_latent_size"):  # a LatentMoE routes first: its logits are routed before the wait
+            assert any(routed_inside)
     assert got == want

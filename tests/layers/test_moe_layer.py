@@ -58,6 +58,30 @@ def test_latent_moe_equals_definition(latent_norm):
     assert rel < 1e-5, f"relative error {rel:.2e}"
 
 
+def test_router_first_gives_the_same_output_and_is_refused_where_h_is_x():
+    """A LatentMoE given its router's logits (computed ahead, with the input norm) equals one routing x itself; a
+    MoE whose experts read x (no latent projection between the router and them), hash routing and training do
+    not route first, and a layer that does not is refused the logits."""
+    m = HybridConfig.from_dict(tiny_config()).to_spec()
+    moe = init_random_weights(MoE(m.hidden_size, m.layers[-1].mlp).float(), seed=3, std=0.2)
+    moe.process_weights_after_loading()
+    x = torch.randn(5, m.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        router = moe.router_first()
+        assert router is moe.gate
+        logits = torch.nn.functional.linear(x, router.weight, router.bias)
+        assert torch.equal(moe(x, logits=logits), moe(x))
+        with pytest.raises(ValueError, match="routes first"):
+            moe(x, projected=torch.zeros(5, sum(moe.fused_in.widths)), logits=logits)
+    assert moe.router_first() is None  # grad enabled: training routes in its own ops
+    plain = HybridConfig.from_dict(tiny_config(moe_latent_size=None)).to_spec()
+    flat = init_random_weights(MoE(plain.hidden_size, plain.layers[-1].mlp).float(), seed=4)
+    with torch.no_grad():
+        assert flat.router_first() is None and _hash_moe().router_first() is None
+        with pytest.raises(ValueError, match="routes first"):
+            flat(x, logits=logits)
+
+
 def test_plain_moe_without_latent_runs_at_full_width():
     m = HybridConfig.from_dict(tiny_config(moe_latent_size=None, router="softmax", n_group=1, topk_group=1)).to_spec()
     spec = m.layers[-1].mlp

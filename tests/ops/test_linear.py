@@ -300,6 +300,40 @@ def test_norm_in_the_kernel_matches_fp64_and_the_reference(M, N, K, residual, dt
     assert torch.equal(rs, want_s)
 
 
+@pytest.mark.parametrize("M,K", [(1, 100), (3, 256), (8, 48)], ids=str)
+@pytest.mark.parametrize("residual", [False, True], ids=["first", "residual"])
+def test_router_norm_reads_the_rows_the_norm_op_writes(M, K, residual):
+    """A bf16 model's router: fp32 weight and logits. The fused launch (``rounded``) takes the rows' scale in a
+    first pass and multiplies the normalised rows rounded to bf16, as the two ops apart do: its logits are the
+    product of exactly the rows it writes (up to the fp32 sums' order), where the factored norm's differ from them
+    by the rows' rounding. (Triton's interpreter truncates fp32 to bf16 where a GPU rounds to nearest, so the
+    rows are compared with the norm op's within a bf16 step, as elsewhere here.)"""
+    E = 20
+    g = torch.Generator(DEV).manual_seed(2)
+    x = (2 * torch.randn(M, K, generator=g, device=DEV)).to(torch.bfloat16)
+    r = torch.randn(M, K, generator=g, device=DEV).to(torch.bfloat16) if residual else None
+    gw = (1 + 0.1 * torch.randn(K, generator=g, device=DEV)).to(torch.bfloat16)
+    w = torch.randn(E, K, generator=g, device=DEV) / K ** 0.5
+    b = 0.1 * torch.randn(E, generator=g, device=DEV)
+    assert NL.rounded(x, w, torch.float32) and not NL.rounded(x, x.new_empty(E, K), None)
+    ry, rn, rs = reference_norm(x, r, gw, 1e-6, w, b, torch.float32)  # the two ops apart
+    assert ry.dtype == torch.float32
+    for block in L.candidates(M, E, K) + [(4, 16, 4)]:  # several K steps in both passes
+        y, n, s = NL.norm_skinny_linear(x, r, gw, 1e-6, w, b, block, torch.float32)
+        assert y.dtype == torch.float32
+        close(n, rn, torch.bfloat16)
+        same_sum(s, rs)
+        exact = n.double() @ w.double().T + b.double()  # the rows the kernel wrote, multiplied in fp64
+        torch.testing.assert_close(y.double(), exact, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(y, ry, rtol=2e-2, atol=2e-2)
+    assert NL.rounded(x, w, None)  # an fp32 weight alone asks for the rounded rows too
+    # the factored norm's logits (its scale applied after the product) miss the rows' rounding: told apart here
+    factored = torch.empty_like(ry)
+    L.launch(x, w, factored, K, (4, 16, 4), bias=b, eps=1e-6,
+             norm=(gw, r, torch.empty_like(x), x if r is None else torch.empty_like(x)))
+    assert not torch.allclose(factored.double(), exact, rtol=1e-5, atol=1e-5)
+
+
 def test_norm_refusals_name_the_reason():
     x, w, _ = operands(2, 8, 16, torch.float32, torch.float32, False)
     g = torch.ones(16, device=DEV)

@@ -203,6 +203,72 @@ def test_routing_inside_the_first_kernel_matches_the_route_then_the_experts(name
     assert torch.equal(load, want_load)
 
 
+@pytest.mark.parametrize("name", ["v3", "odd"])
+@pytest.mark.parametrize("activation", ["silu", "relu2"])
+def test_routing_before_the_wait_matches_routing_after_it(name, activation, monkeypatch):
+    """``early``: logits written two kernels back are routed before the wait, and the expert's first weight step
+    of a model weight read too (PRELOAD); the same ids, weights, rows and load counters as routing after it."""
+    from dayzero.ops.static import mark_static
+
+    T = 2
+    logits, routing = routing_case(name, T, seed=3)
+    E, k = logits.shape[1], routing[0]
+    x, _, _, w1, w2, b1, b2 = case(T, k, E, 24, 20, activation, bias=True, seed=8)
+    mark_static(w1)
+    launched = []
+    real = D._direct_up_kernel
+    monkeypatch.setattr(D, "_direct_up_kernel", _Spy(real, launched))
+    outs = []
+    for early in (False, True):
+        load = torch.zeros(E, dtype=torch.int64, device=DEV)
+        outs.append((*D.moe_experts_routed(x, logits, routing, w1, w2, activation, b1, b2, None, load,
+                                           early=early), load))
+    assert launched == [(False, False), (True, True)]  # (EARLY, PRELOAD) of each launch
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    w_ref, ids_ref = reference.route(logits, *routing)
+    assert torch.equal(outs[1][2], ids_ref)
+
+
+class _Spy:
+    """A kernel launcher that records each launch's (EARLY, PRELOAD) and then launches."""
+
+    def __init__(self, kernel, seen):
+        self.kernel, self.seen = kernel, seen
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.seen.append((kwargs.get("EARLY", False), kwargs.get("PRELOAD", False)))
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def test_cuda_routed_op_with_logits_computed_ahead(monkeypatch):
+    """Logits given (a layer that routes first): the op routes them early on the direct path and through
+    ``moe_route`` on the sorted one, the same as routing its router input itself."""
+    from dayzero.ops.moe.cuda import routed_experts
+
+    E, D_ = 8, 40
+    x, _, _, w1, w2, b1, b2 = case(9, 2, E, 32, 32, bias=True, seed=6)
+    g = torch.Generator(DEV).manual_seed(7)
+    router_in = torch.randn(9, D_, generator=g, device=DEV)
+    rw, rb = torch.randn(E, D_, generator=g, device=DEV) / D_ ** 0.5, 0.1 * torch.randn(E, generator=g, device=DEV)
+    routing = dict(top_k=2, kind="sigmoid", correction_bias=None, n_group=1, topk_group=1, norm_topk_prob=True,
+                   routed_scaling_factor=2.0)
+    early = []
+    real = D.moe_experts_routed
+    monkeypatch.setattr(D, "moe_experts_routed", lambda *a, **kw: early.append(kw["early"]) or real(*a, **kw))
+    for T in (4, 9):  # 8 pairs (direct), 18 (sorted)
+        logits = torch.nn.functional.linear(router_in[:T], rw, rb)
+        load, want = torch.zeros(E, dtype=torch.int64, device=DEV), torch.zeros(E, dtype=torch.int64, device=DEV)
+        out = routed_experts(router_in[:T], x[:T], rw, rb, w1, w2, "silu", b1, b2, load=load, logits=logits,
+                             **routing)
+        ref = routed_experts(router_in[:T], x[:T], rw, rb, w1, w2, "silu", b1, b2, load=want, **routing)
+        check(out, ref, torch.float32)
+        assert torch.equal(load, want)
+    assert early == [True, False]
+
+
 @pytest.mark.parametrize("name", ["v3", "flat"])
 def test_nan_router_logits_of_one_token_leave_the_others_and_memory_alone(name):
     """A token whose router logits hold NaN (a broken checkpoint, an overflow upstream) gets ids in range, whatever

@@ -17,9 +17,11 @@ pytest.importorskip("triton")
 
 PACKAGE = pathlib.Path(dayzero.__file__).parent
 READS = ("tl.load", "tl.store", "tl.atomic", "return")
-# index arithmetic (n.to: a cast), the weight tile, and kda_decode's carried state (its layer's state and conv
-# windows, which no kernel but itself writes, at the slot the step's inputs give)
-EARLY = {"tl.program_id", "tl.arange", "n.to", "weight_tile", "carried_state"}
+# index arithmetic (n.to: a cast), the weight tile, kda_decode's carried state (its layer's state and conv
+# windows, which no kernel but itself writes, at the slot the step's inputs give), and the routed experts' routing
+# of logits written two kernels or more before (under EARLY: the kernel before starts this one only after its own
+# wait) with their expert's weight tile (under PRELOAD)
+EARLY = {"tl.program_id", "tl.arange", "n.to", "weight_tile", "carried_state", "route_pair", "expert_weight_tile"}
 
 
 def _jit_kernels(tree: ast.Module):
@@ -62,6 +64,9 @@ def test_every_launched_kernel_waits_for_the_one_before_first():
                 if "weight_tile" in ast.unparse(s):
                     assert isinstance(s, ast.If) and ast.unparse(s.test) == "PRELOAD", \
                         f"{path.name}: {name} reads a weight before the wait without the PRELOAD flag"
+                if "route_pair" in ast.unparse(s):
+                    assert isinstance(s, ast.If) and ast.unparse(s.test) == "EARLY", \
+                        f"{path.name}: {name} routes before the wait without the EARLY flag"
             # a wait under a condition could be skipped by some programs
             assert all(isinstance(s, (ast.Expr, ast.Assign, ast.If)) for s in fn.body[:waits[0]])
     assert launched >= 20  # every kernel of the package, not a few found by accident

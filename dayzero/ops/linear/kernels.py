@@ -66,7 +66,9 @@ if HAS_TRITON:
         # x: [M, K], w: [N, K], add: [M, N] (unit column strides); y: [M, N]; grid: cdiv(N, BLOCK_N).
         # NORM: x is first RMS-normalised with weight g [K] (after adding the residual r [M, K] when HAS_RES,
         # rounded to x's dtype); the programs also write the normalised rows xn and the sum ro, both [M, K], a K
-        # step each in turn.
+        # step each in turn. NORM 1: the scale factors out of the product (applied to the sums at the end); NORM
+        # 2: a first pass over the rows takes their scale, and the product reads the normalised rows rounded to
+        # x's dtype, exactly what the norm op writes (a high-precision product such as the router's reads them).
         # ACT (:data:`ACTS`): x holds the activation's input, [gate | up] rows [M, 2K] for the gated kinds, and the
         # product reads act(x) rounded to x's dtype, as the activation op would have written it.
         # HEAD > 0 (a power of two dividing BLOCK_K): x is [M, K / HEAD heads of HEAD], each head RMS-normalised
@@ -92,19 +94,28 @@ if HAS_TRITON:
         grid_dependency(PDL)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        if NORM == 2:  # the rows' scale first (a pass over them), so that the product reads the rounded rows
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                x = _norm_input(tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0),
+                                r_ptr, m, k, s_rm, M, K, HAS_RES).to(tl.float32)
+                ss += tl.sum(x * x, axis=1)
+            rstd = tl.rsqrt(ss / K + eps)
         if PRELOAD:
-            acc, ss = _k_step(acc, ss, w_first, tl.arange(0, BLOCK_K), x_rows, m, m_ok, M, K, s_xh, r_ptr, s_rm, g_ptr,
+            acc, ss = _k_step(acc, ss, rstd, w_first, tl.arange(0, BLOCK_K), x_rows, m, m_ok, M, K, s_xh, r_ptr, s_rm, g_ptr,
                               q_ptr, s_qm, s_qh, s_qc, GV, eps, limit, alpha, NORM, HAS_RES, ACT, CLAMP, HEAD, TWO,
                               SGATE, DOT, DOT_F32, EVEN_K, BLOCK_M, BLOCK_K)
         for k0 in range(BLOCK_K if PRELOAD else 0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             w = weight_tile(w_rows, k, n_ok, K, EVEN_K)
-            acc, ss = _k_step(acc, ss, w, k, x_rows, m, m_ok, M, K, s_xh, r_ptr, s_rm, g_ptr, q_ptr, s_qm, s_qh, s_qc,
+            acc, ss = _k_step(acc, ss, rstd, w, k, x_rows, m, m_ok, M, K, s_xh, r_ptr, s_rm, g_ptr, q_ptr, s_qm, s_qh, s_qc,
                               GV, eps, limit, alpha, NORM, HAS_RES, ACT, CLAMP, HEAD, TWO, SGATE, DOT, DOT_F32,
                               EVEN_K, BLOCK_M, BLOCK_K)
-        if NORM:
+        if NORM == 1:
             rstd = tl.rsqrt(ss / K + eps)
             acc *= rstd[:, None]
+        if NORM:
             # the normalised rows and the residual sum, for the layer's other readers: K steps dealt out to the
             # programs in turn (one program writing them all was a serial tail after the others had finished)
             for k0 in range(tl.program_id(0) * BLOCK_K, K, tl.num_programs(0) * BLOCK_K):
@@ -136,12 +147,13 @@ if HAS_TRITON:
 
 
     @triton.jit
-    def _k_step(acc, ss, w, k, x_rows, m, m_ok, M, K, s_xh, r_ptr, s_rm, g_ptr, q_ptr, s_qm, s_qh, s_qc, GV, eps, limit,
+    def _k_step(acc, ss, rstd, w, k, x_rows, m, m_ok, M, K, s_xh, r_ptr, s_rm, g_ptr, q_ptr, s_qm, s_qh, s_qc, GV, eps, limit,
                 alpha, NORM: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr, CLAMP: tl.constexpr,
                 HEAD: tl.constexpr, TWO: tl.constexpr, SGATE: tl.constexpr, DOT: tl.constexpr, DOT_F32: tl.constexpr,
                 EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
         """One K step of the first product: x's columns ``k`` read (through the prologue the flags ask for) and
-        multiplied with the weight tile ``w`` [BLOCK_N, BLOCK_K] into acc; ss gathers the norm's sums of squares."""
+        multiplied with the weight tile ``w`` [BLOCK_N, BLOCK_K] into acc; ss gathers the norm's sums of squares
+        (NORM 1), or the rows are normalised by ``rstd`` and rounded to x's dtype first (NORM 2)."""
         xk = k
         if SGATE:  # heads side by side at any head stride
             xk = (k // GV) * s_xh + k % GV
@@ -157,7 +169,10 @@ if HAS_TRITON:
             q = tl.load(q_ptr + m[:, None] * s_qm + (k // GV)[None, :] * s_qh + (k % GV)[None, :] * s_qc,
                         mask=m_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
             x = (x.to(tl.float32) * tl.sigmoid(q)).to(x.dtype)
-        if NORM:  # the norm's scale factors out of the product: sum (x * g) * w over K, times rstd after
+        if NORM == 2:  # the rows the norm op writes: x * rstd * g rounded to x's dtype
+            g = tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
+            x = (_norm_input(x, r_ptr, m, k, s_rm, M, K, HAS_RES).to(tl.float32) * rstd[:, None] * g).to(x.dtype)
+        elif NORM:  # the norm's scale factors out of the product: sum (x * g) * w over K, times rstd after
             x = _norm_input(x, r_ptr, m, k, s_rm, M, K, HAS_RES).to(tl.float32)
             ss += tl.sum(x * x, axis=1)
             x = x * tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
@@ -254,9 +269,11 @@ def launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, K: int, block
            bias: torch.Tensor | None = None, add: torch.Tensor | None = None, activation: str | None = None,
            limit: float | None = None, alpha: float = 1.702, eps: float = 0.0,
            norm: tuple | None = None, gate: tuple | None = None, second: tuple | None = None,
-           sigmoid_gate: torch.Tensor | None = None, early: bool | None = None) -> None:
+           sigmoid_gate: torch.Tensor | None = None, early: bool | None = None, rounded: bool = False) -> None:
     """One launch of the skinny kernel writing ``y`` [M, N] from x's rows against weight [N, K] at ``block``.
-    ``norm`` = (norm weight, residual or None, normed out, sum out): the RMSNorm prologue; ``gate`` = (norm
+    ``norm`` = (norm weight, residual or None, normed out, sum out): the RMSNorm prologue (``rounded``: the
+    product reads the normalised rows rounded as the norm op writes them, after a first pass for their scale;
+    else the scale factors out of it); ``gate`` = (norm
     weight [HEAD], gate rows [M, K]): the gated head norm; ``second`` = (x2, w2 [N, K2]): a second product, the
     ``activation`` then applying to x2; ``sigmoid_gate`` [M, H, G] (G: K / H, or 1 for one gate per head, any
     strides): x [M, H, K / H] (any row and head strides, unit channel stride) times its sigmoid. ``early``: whether
@@ -287,7 +304,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, K: int, block
         x2, w2, w2.shape[1] if second else 0, x2.stride(0), w2.stride(0),
         sg.stride(1) if sg is not None else 0, sg.stride(2) if sg is not None and sg.shape[2] > 1 else 0, GV,
         x.stride(1) if sg is not None else 0,
-        HAS_BIAS=bias is not None, HAS_ADD=add is not None, NORM=norm is not None, HAS_RES=res is not None,
+        HAS_BIAS=bias is not None, HAS_ADD=add is not None, NORM=0 if norm is None else 2 if rounded else 1, HAS_RES=res is not None,
         ACT=ACTS[activation][0] if activation else 0, CLAMP=limit is not None,
         HEAD=gw.shape[0] if gate else 0, TWO=second is not None, SGATE=sg is not None, DOT=stages is not None,
         DOT_F32=DOT_F32, EVEN_K=K % bk == 0, BLOCK_M=max(16, next_pow2(M)) if stages else next_pow2(M),

@@ -31,64 +31,74 @@ _CHOICE: dict[tuple, K.Block | None] = {}  # key -> the fused launch's block sha
 
 
 def norm_skinny_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                       weight: torch.Tensor, bias: torch.Tensor | None = None,
-                       block: K.Block | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       weight: torch.Tensor, bias: torch.Tensor | None = None, block: K.Block | None = None,
+                       out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``rms_norm`` then ``linear`` as one launch of the skinny kernel: (the projection [M, N], the normalised
     rows [M, K], the residual sum [M, K] (``x`` itself without a residual)). Each program sums the squares of
-    the rows it reads anyway; program 0 writes the normalised rows and the sum."""
+    the rows it reads anyway; the programs write the normalised rows and the sum in turn. A product in a higher
+    precision than x's (:func:`rounded`: the router's fp32) reads the normalised rows rounded, as the ops apart."""
     (M, Kd), N = x.shape, weight.shape[0]
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    y = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
     normed = torch.empty(M, Kd, dtype=x.dtype, device=x.device)
     res_out = x if residual is None else torch.empty(M, Kd, dtype=x.dtype, device=x.device)
     if M == 0:
         return y, normed, res_out
     K.launch(x, weight, y, Kd, block or K.candidates(M, N, Kd)[0], bias=bias, eps=eps,
-             norm=(norm_weight, residual, normed, res_out))
+             norm=(norm_weight, residual, normed, res_out), rounded=rounded(x, weight, out_dtype))
     return y, normed, res_out
 
 
-def _verify_norm(x, residual, norm_weight, eps, weight, bias=None) -> str | None:
+def rounded(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None) -> bool:
+    """Whether the fused product reads the normalised rows rounded to x's dtype (a first pass over the rows for
+    their scale): for a weight or an output of a higher precision than x's, whose reader (the MoE router's
+    ranking) should see the values the ops apart give, not the factored norm's."""
+    return weight.dtype != x.dtype or (out_dtype or x.dtype) != x.dtype
+
+
+def _verify_norm(x, residual, norm_weight, eps, weight, bias=None, out_dtype=None) -> str | None:
     if norm_weight is None or norm_weight.shape != (x.shape[-1],):
         return "the norm needs a weight of the rows' width"
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1):
         return "the residual must be contiguous rows of x's shape and dtype"
     if norm_weight.dtype not in K.DTYPES or norm_weight.stride(0) != 1:
         return "the norm weight must be contiguous bf16, fp16 or fp32"
-    why = K.refusal(x, weight, bias)
-    if why is None and measured_choice(x, residual, norm_weight, eps, weight, bias) is None:
+    why = K.refusal(x, weight, bias, out_dtype)
+    if why is None and measured_choice(x, residual, norm_weight, eps, weight, bias, out_dtype) is None:
         return "the norm kernel and the linear apart are as fast or faster at this shape (measured)"
     return why
 
 
-def _key(x, residual, norm_weight, weight, bias) -> tuple:
-    return K._key(x, weight, bias, None, None) + (residual is not None, norm_weight.dtype)
+def _key(x, residual, norm_weight, weight, bias, out_dtype=None) -> tuple:
+    return K._key(x, weight, bias, out_dtype, None) + (residual is not None, norm_weight.dtype)
 
 
-def timings(x, residual, norm_weight, eps, weight, bias=None) -> dict[K.Block | None, float]:
+def timings(x, residual, norm_weight, eps, weight, bias=None, out_dtype=None) -> dict[K.Block | None, float]:
     """:func:`kernels.fused_timings` of the norm kernel then the linear's own choice (None) against the fused
     launch, on random rows of x's shape (a residual too when one is given)."""
     from dayzero.ops.norm.kernels import rms_norm
 
     xs = torch.randn(x.shape, device=x.device).to(x.dtype)
     rs = None if residual is None else torch.randn_like(xs)
-    apart_block = K.measured_choice(xs, weight, bias)
+    apart_block = K.measured_choice(xs, weight, bias, out_dtype)
 
     def apart(w):
         normed, _ = rms_norm(xs, norm_weight, eps, rs)
-        return K.chosen_linear(normed, w, bias, None, None, apart_block)
+        return K.chosen_linear(normed, w, bias, out_dtype, None, apart_block)
 
     mma = K.tensor_cores(x.dtype, weight.dtype)
-    return K.fused_timings(weight, apart, lambda w, b: norm_skinny_linear(xs, rs, norm_weight, eps, w, bias, b),
+    return K.fused_timings(weight, apart,
+                           lambda w, b: norm_skinny_linear(xs, rs, norm_weight, eps, w, bias, b, out_dtype),
                            K.candidates(xs.shape[0], weight.shape[0], xs.shape[1], mma))
 
 
-def measured_choice(x, residual, norm_weight, eps, weight, bias=None) -> K.Block | None:
+def measured_choice(x, residual, norm_weight, eps, weight, bias=None, out_dtype=None) -> K.Block | None:
     """The block shape of the fused launch when it ran faster than the norm apart (measured at the key's first
     call, on the key's bucket of rows), else None."""
-    key = _key(x, residual, norm_weight, weight, bias)
+    key = _key(x, residual, norm_weight, weight, bias, out_dtype)
     xs = K.bucket_rows(x, key[0])  # the bucket's shape (timings draws its own rows)
     return K.measure_once(_CHOICE, key, x.device, lambda: K.fused_choice(
-        f"rms_norm_linear {key[0]} x [{key[1]}, {key[2]}]", timings(xs, residual, norm_weight, eps, weight, bias)),
+        f"rms_norm_linear {key[0]} x [{key[1]}, {key[2]}]", timings(xs, residual, norm_weight, eps, weight, bias,
+                                                                                out_dtype)),
         "rms_norm_linear")
 
 
@@ -96,9 +106,9 @@ def measured_choice(x, residual, norm_weight, eps, weight, bias=None) -> K.Block
           note="the RMSNorm inside the skinny linear kernel "
                "(1-8 rows, up to 64 on the tensor cores, where measured faster than the two apart)")
 def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                    weight: torch.Tensor, bias: torch.Tensor | None = None):
+                    weight: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None):
     return norm_skinny_linear(x, residual, norm_weight, eps, weight, bias,
-                              _CHOICE[_key(x, residual, norm_weight, weight, bias)])
+                              _CHOICE[_key(x, residual, norm_weight, weight, bias, out_dtype)], out_dtype)
 
 
 # --- rms_norm_gated_linear: KDA's gated output norm inside its output projection --------------------------------

@@ -27,13 +27,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 @register("rms_norm_linear")
 def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                    weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """``rms_norm`` (with the residual added first) then ``linear`` of the normalised rows: returns (the
-    projection, the normalised rows, the residual sum), the sum being ``x`` itself without a residual. Each step is
-    its own op here (and so its own kernels on a device); a decode layer's input norm and first projection."""
+                    weight: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None):
+    """``rms_norm`` (with the residual added first) then ``linear`` of the normalised rows (in ``out_dtype``,
+    default x's): returns (the projection, the normalised rows, the residual sum), the sum being ``x`` itself
+    without a residual. Each step is its own op here (and so its own kernels on a device); a decode layer's input
+    norm and first projection, or its MoE router (fp32 logits)."""
     # x, residual: [..., K]; norm_weight: [K]; weight: [N, K] -> ([..., N], [..., K], [..., K])
     normed, res = call("rms_norm", x, norm_weight, eps, residual)
-    return call("linear", normed, weight, bias), normed, res
+    return call("linear", normed, weight, bias, out_dtype=out_dtype), normed, res
 
 
 @register("act_linear")

@@ -148,13 +148,21 @@ def routed_experts(x: torch.Tensor, h: torch.Tensor, router_weight: torch.Tensor
                    w1, w2, activation: str = "silu", b1: torch.Tensor | None = None, b2: torch.Tensor | None = None,
                    limit: float | None = None, load: torch.Tensor | None = None, *, top_k: int, kind: str = "sigmoid",
                    correction_bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1,
-                   norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0) -> torch.Tensor:
-    # x: [T, D] the router's input; h: [T, L] the experts'; router_weight: [E, D] fp32
+                   norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0,
+                   logits: torch.Tensor | None = None) -> torch.Tensor:
+    # x: [T, D] the router's input; h: [T, L] the experts'; router_weight: [E, D] fp32; logits: [T, E] fp32, when
+    # the caller computed them before h (its projection ran in between: the first kernel may route early)
     routing = (top_k, kind, correction_bias, n_group, topk_group, norm_topk_prob, routed_scaling_factor)
     if router_weight.shape[0] == w1.shape[0] and direct_kernels.routed_refusal(
             h, routing, w1, w2, activation, b1, b2, limit) is None:
-        logits = call("linear", x, router_weight, router_bias, out_dtype=torch.float32)  # [T, E]
-        return direct_kernels.moe_experts_routed(h, logits, routing, w1, w2, activation, b1, b2, limit, load)[0]
+        ahead = logits is not None and logits.is_contiguous()
+        if not ahead:
+            logits = call("linear", x, router_weight, router_bias, out_dtype=torch.float32)  # [T, E]
+        return direct_kernels.moe_experts_routed(h, logits, routing, w1, w2, activation, b1, b2, limit, load,
+                                                 early=ahead)[0]
+    if logits is not None:
+        weights, ids = call("moe_route", logits, *routing)
+        return call("moe_experts", h, ids, weights, w1, w2, activation, b1, b2, limit=limit, load=load)
     weights, ids = call("moe_router", x, router_weight, router_bias, *routing)
     return call("moe_experts", h, ids, weights, w1, w2, activation, b1, b2, limit=limit, load=load)
 

@@ -28,6 +28,7 @@ import functools
 import torch
 
 from dayzero.ops.moe import route_kernels, triton_moe
+from dayzero.ops.static import preload
 from dayzero.ops.triton_support import DOT_F32, HAS_TRITON, next_pow2, pdl, tl, triton
 from dayzero.quant.fp8 import TILE, takes_fp8_activations
 
@@ -55,6 +56,35 @@ if HAS_TRITON:
             part *= tl.load(s_ptr + e * s_se + (n // 128) * s_sn + (k0 // 128) * s_sk, mask=n_ok, other=0.0)
         return acc + part
 
+    @triton.jit
+    def _x_step(x_ptr, t, s_xm, k0, L, ACT_FP8: tl.constexpr, ROUND_FIRST: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Columns k0..k0+BLOCK_K of token t's row, fp32 (through e4m3 with FP8 activations)."""
+        k = k0 + tl.arange(0, BLOCK_K)
+        v = tl.load(x_ptr + t * s_xm + k, mask=k < L, other=0.0).to(tl.float32)
+        return tl.reshape(K.fake_quantize_rows(tl.reshape(v, (1, BLOCK_K)), ACT_FP8, ROUND_FIRST), (BLOCK_K,))
+
+    @triton.jit
+    def route_pair(logits_ptr, corr_ptr, t, p, scale, E, TOP_K: tl.constexpr, GS: tl.constexpr,
+                   SQRT_SOFTPLUS: tl.constexpr, HAS_CORR: tl.constexpr, NORM: tl.constexpr, G: tl.constexpr,
+                   TOPG: tl.constexpr, E_POW2: tl.constexpr, BG: tl.constexpr):
+        """Pair p's expert (of rank p mod k among token t's, int64) and its routing weight (fp32)."""
+        ee, s, rank = expert_ranks(logits_ptr, corr_ptr, t, E, GS, SQRT_SOFTPLUS, HAS_CORR, G, TOPG, TOP_K,
+                                   E_POW2, BG)
+        mine = rank == (p % TOP_K).to(tl.int32)
+        # NaN logits may give rank j to no expert or to several: the id stays in range
+        e = tl.minimum(tl.sum(tl.where(mine, ee, 0), axis=0).to(tl.int64), E - 1)
+        w = tl.sum(tl.where(mine, s, 0.0), axis=0)
+        if NORM:
+            w = w / (tl.sum(tl.where(rank < TOP_K, s, 0.0), axis=0) + 1e-20)
+        return e, w * scale
+
+    @triton.jit
+    def expert_weight_tile(w_ptr, s_ptr, e, n, n_ok, KW, s_we, s_wn, s_wk, s_se, s_sn, s_sk, FMT: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Expert e's weight rows ``n``, first K step, as the GEMV reads them (a plain format: no scales)."""
+        return K.weight_tile(w_ptr, s_ptr, e, n, n_ok, 0, KW, s_we, s_wn, s_wk, s_se, s_sn, s_sk, FMT, BLOCK_N,
+                             BLOCK_K, tl.float32)
+
     @triton.jit(do_not_specialize=["limit", "scale"])
     def _direct_up_kernel(x_ptr, ids_ptr, w_ptr, ws_ptr, b_ptr, h_ptr, load_ptr, limit, E,
                           L: tl.constexpr, I: tl.constexpr, s_xm, s_we, s_wn, s_wk, s_se, s_sn, s_sk, s_be, s_bn,
@@ -65,35 +95,49 @@ if HAS_TRITON:
                           ACT_FP8: tl.constexpr = False, ROUND_FIRST: tl.constexpr = False,
                           ROUTE: tl.constexpr = False, GS: tl.constexpr = 1, SQRT_SOFTPLUS: tl.constexpr = False,
                           HAS_CORR: tl.constexpr = False, NORM: tl.constexpr = False, G: tl.constexpr = 1,
-                          TOPG: tl.constexpr = 1, BG: tl.constexpr = 1):
+                          TOPG: tl.constexpr = 1, BG: tl.constexpr = 1, EARLY: tl.constexpr = False,
+                          PRELOAD: tl.constexpr = False):
         # x: [T, L] (unit column stride); ids: [T*k]; w1: [E, r*I, L]; h: [T*k, I]; grid: T*k x cdiv(I, BLOCK_N)
-        # ROUTE: logits [T, E] fp32; ids and wt [T*k] written here, by the programs of the first column block
-        grid_dependency(PDL)
-        p = tl.program_id(0).to(tl.int64)
+        # ROUTE: logits [T, E] fp32; ids and wt [T*k] written here, by the programs of the first column block.
+        # EARLY (with ROUTE): the logits were written two kernels or more before this one, so they are final once
+        # this kernel runs at all (the kernel before lets it start only after its own wait, for the kernels
+        # before it): the pair is routed before the wait, and with PRELOAD (a model weight in a plain format)
+        # the expert's first K step is read too, while the kernel before still runs.
+        pid_p = tl.program_id(0)
         pid_n = tl.program_id(1)
-        t = p // TOP_K
-        if ROUTE:  # this pair's token routed here: pair p is its expert of rank p mod k
-            ee, s, rank = expert_ranks(logits_ptr, corr_ptr, t, E, GS, SQRT_SOFTPLUS, HAS_CORR, G, TOPG, TOP_K,
-                                       E_POW2, BG)
-            mine = rank == (p % TOP_K).to(tl.int32)
-            # NaN logits may give rank j to no expert or to several: the id stays in range
-            e = tl.minimum(tl.sum(tl.where(mine, ee, 0), axis=0).to(tl.int64), E - 1)
-            if pid_n == 0:
-                w = tl.sum(tl.where(mine, s, 0.0), axis=0)
-                if NORM:
-                    w = w / (tl.sum(tl.where(rank < TOP_K, s, 0.0), axis=0) + 1e-20)
-                tl.store(ids_ptr + p, e)
-                tl.store(wt_ptr + p, w * scale)
-        else:  # an id out of range (the routing of NaN logits) reads no other memory
-            e = tl.minimum(tl.maximum(tl.load(ids_ptr + p).to(tl.int64), 0), E - 1)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < I
+        if EARLY:
+            e, w = route_pair(logits_ptr, corr_ptr, pid_p // TOP_K, pid_p, scale, E, TOP_K, GS, SQRT_SOFTPLUS,
+                              HAS_CORR, NORM, G, TOPG, E_POW2, BG)
+        if PRELOAD:
+            wa_first = expert_weight_tile(w_ptr, ws_ptr, e, cols, col_ok, L, s_we, s_wn, s_wk, s_se, s_sn, s_sk,
+                                          FMT, BLOCK_N, BLOCK_K)
+            if GATED:
+                wb_first = expert_weight_tile(w_ptr, ws_ptr, e, cols + I, col_ok, L, s_we, s_wn, s_wk, s_se, s_sn,
+                                              s_sk, FMT, BLOCK_N, BLOCK_K)
+        grid_dependency(PDL)
+        p = pid_p.to(tl.int64)
+        t = p // TOP_K
+        if not EARLY:
+            if ROUTE:  # this pair's token routed here: pair p is its expert of rank p mod k
+                e, w = route_pair(logits_ptr, corr_ptr, t, p, scale, E, TOP_K, GS, SQRT_SOFTPLUS, HAS_CORR, NORM,
+                                  G, TOPG, E_POW2, BG)
+            else:  # an id out of range (the routing of NaN logits) reads no other memory
+                e = tl.minimum(tl.maximum(tl.load(ids_ptr + p).to(tl.int64), 0), E - 1)
+        if ROUTE:
+            if pid_n == 0:
+                tl.store(ids_ptr + p, e)
+                tl.store(wt_ptr + p, w)
         acc_a = tl.zeros((BLOCK_N,), dtype=tl.float32)  # gate (or relu2's only) half
         acc_b = tl.zeros((BLOCK_N,), dtype=tl.float32)  # up half
-        for k0 in range(0, L, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            v = tl.load(x_ptr + t * s_xm + k, mask=k < L, other=0.0).to(tl.float32)
-            v = tl.reshape(K.fake_quantize_rows(tl.reshape(v, (1, BLOCK_K)), ACT_FP8, ROUND_FIRST), (BLOCK_K,))
+        if PRELOAD:  # a plain format: the tiles' product, no scale
+            v = _x_step(x_ptr, t, s_xm, 0, L, ACT_FP8, ROUND_FIRST, BLOCK_K)
+            acc_a += tl.sum(wa_first * v[None, :], 1)
+            if GATED:
+                acc_b += tl.sum(wb_first * v[None, :], 1)
+        for k0 in range(BLOCK_K if PRELOAD else 0, L, BLOCK_K):
+            v = _x_step(x_ptr, t, s_xm, k0, L, ACT_FP8, ROUND_FIRST, BLOCK_K)
             acc_a = _gemv(acc_a, v, w_ptr, ws_ptr, e, cols, col_ok, k0, L, s_we, s_wn, s_wk, s_se, s_sn, s_sk,
                           FMT, BLOCK_N, BLOCK_K)
             if GATED:
@@ -246,12 +290,17 @@ def moe_experts_direct(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
 def moe_experts_routed(x: torch.Tensor, logits: torch.Tensor, routing: tuple, w1, w2, activation: str = "silu",
                        b1: torch.Tensor | None = None, b2: torch.Tensor | None = None, limit: float | None = None,
                        load: torch.Tensor | None = None, block: tuple[tuple[int, int], tuple[int, int]] | None = None,
-                       up_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       up_warps: int = 4, early: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`moe_experts_direct` of ``moe_route(logits, *routing)``'s choice, routed inside the first kernel: each
     program ranks its token's experts (``route_kernels.expert_ranks``) and takes the expert of its pair's rank,
     and the first column block's programs write the ids and weights the second kernel reads, so the routing
     kernel's launch is gone. Returns (y [T, L], weights fp32 [T, k], ids int64 [T, k]). Call only when
-    :func:`routed_refusal` is None; ``up_warps``: the first kernel's warps (``benchmarks/moe_decode.py``)."""
+    :func:`routed_refusal` is None; ``up_warps``: the first kernel's warps (``benchmarks/moe_decode.py``).
+
+    ``early``: the logits were written at least two kernels before this op's first (the caller ran another kernel
+    in between: MoE layers compute the router first, then the experts' input projection). The first kernel then
+    routes before waiting for the kernel before it, and reads its expert's first weight step too (a model weight
+    in bf16, fp16 or fp32), while that kernel runs. Passing it for logits of the kernel just before is a race."""
     # x: [T, L]; logits: [T, E] fp32 contiguous; w1: [E, r*I, L]; w2: [E, L, I]
     top_k, kind, corr, n_group, topk_group, norm, scale = routing
     T, E = logits.shape
@@ -263,7 +312,7 @@ def moe_experts_routed(x: torch.Tensor, logits: torch.Tensor, routing: tuple, w1
     c = route_kernels.route_constants(E, top_k, kind, corr, n_group, topk_group, norm)
     route = ((logits, logits if corr is None else corr, weights, float(scale)),  # the first kernel's routing operands
              dict(ROUTE=True, GS=c["GS"], SQRT_SOFTPLUS=c["SQRT_SOFTPLUS"], HAS_CORR=c["HAS_BIAS"], NORM=c["NORM"],
-                  G=c["G"], TOPG=c["TOPG"], BG=c["BG"]))
+                  G=c["G"], TOPG=c["TOPG"], BG=c["BG"], EARLY=early))
     y = _launch(x, top_k, ids.view(-1), weights.view(-1), w1, w2, activation, b1, b2, limit, load, block, route,
                 up_warps)
     return y, weights, ids
@@ -291,6 +340,8 @@ def _launch(x, k, flat_ids, wt, w1, w2, activation, b1, b2, limit, load, block, 
     operands, routed = route or ((wt, wt, wt, 1.0), {})  # unread without ROUTE
 
     f, data, scale, st, ss = triton_moe.weight_operand(w1)
+    options = preload(x, data)  # the expert's first K step before the wait: routed early, a plain model weight
+    options["PRELOAD"] = options["PRELOAD"] and routed.get("EARLY", False) and fmt in PLAIN
     _direct_up_kernel[(T * k, triton.cdiv(I, bn1))](
         x, flat_ids, data, scale, x if b1 is None else b1, h, flat_ids if load is None else load,
         0.0 if limit is None else float(limit), E, L, I, x.stride(0), *st, *ss,
@@ -298,7 +349,7 @@ def _launch(x, k, flat_ids, wt, w1, w2, activation, b1, b2, limit, load, block, 
         *operands,
         FMT=f, ACT=act, GATED=gated, HAS_BIAS=b1 is not None, HAS_LIMIT=limit is not None, HAS_LOAD=load is not None,
         TOP_K=k, BLOCK_N=bn1, BLOCK_K=bk1, E_POW2=next_pow2(E), ACT_FP8=a1, ROUND_FIRST=DOT_F32, **routed,
-        num_warps=up_warps, **pdl(x))
+        num_warps=up_warps, **options)
 
     f, data, scale, st, ss = triton_moe.weight_operand(w2)
     _direct_down_kernel[(T, triton.cdiv(L, bn2))](

@@ -255,14 +255,18 @@ def routed_experts(x: torch.Tensor, h: torch.Tensor, router_weight: torch.Tensor
                    w1: torch.Tensor, w2: torch.Tensor, activation: str = "silu", b1: torch.Tensor | None = None,
                    b2: torch.Tensor | None = None, limit: float | None = None, load: torch.Tensor | None = None, *,
                    top_k: int, kind: str = "sigmoid", correction_bias: torch.Tensor | None = None, n_group: int = 1,
-                   topk_group: int = 1, norm_topk_prob: bool = True,
-                   routed_scaling_factor: float = 1.0) -> torch.Tensor:
+                   topk_group: int = 1, norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0,
+                   logits: torch.Tensor | None = None) -> torch.Tensor:
     """``moe_router`` of the router input ``x`` then ``moe_experts`` of the experts' input ``h`` (x itself, or
     its LatentMoE down-projection): the routing and the routed experts as one op, so that a device may route
-    inside the experts' first kernel. Here each is its own op."""
-    # x: [T, D]; h: [T, L]; router_weight: [E, D]; w1: [E, r*I, L]; w2: [E, L, I] -> [T, L]
-    weights, ids = call("moe_router", x, router_weight, router_bias, top_k, kind, correction_bias, n_group,
-                        topk_group, norm_topk_prob, routed_scaling_factor)
+    inside the experts' first kernel. Here each is its own op. ``logits``: the router's fp32 logits of x when the
+    caller computed them before h (a MoE layer that runs its router first); then only ``moe_route`` runs here."""
+    # x: [T, D]; h: [T, L]; router_weight: [E, D]; w1: [E, r*I, L]; w2: [E, L, I]; logits: [T, E] -> [T, L]
+    routing = (top_k, kind, correction_bias, n_group, topk_group, norm_topk_prob, routed_scaling_factor)
+    if logits is not None:
+        weights, ids = call("moe_route", logits, *routing)
+    else:
+        weights, ids = call("moe_router", x, router_weight, router_bias, *routing)
     return call("moe_experts", h, ids, weights, w1, w2, activation, b1, b2, limit=limit, load=load)
 
 
