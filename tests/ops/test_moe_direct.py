@@ -411,3 +411,44 @@ def test_routed_inside_replayed_in_a_cuda_graph_with_other_logits():
     want = torch.zeros_like(load)
     check(out, reference.grouped_experts(x, ids_ref, w_ref, w1, w2, load=want), torch.bfloat16)
     assert torch.equal(load, want)
+
+
+@cuda
+def test_routed_early_behind_two_dependent_kernels_in_a_cuda_graph():
+    """As a layer that routes first runs it: the router's skinny GEMV writes the logits, the experts' input
+    projection (another skinny launch, waiting on the router) writes h, and the first expert kernel routes the
+    logits and reads its expert's weights before waiting on that projection (programmatic dependent launch on a
+    Hopper GPU). Replayed with new router inputs: the same ids, rows and counters as the reference."""
+    from dayzero.ops.linear import kernels as LK
+    from dayzero.ops.static import mark_static
+
+    T, E, Dm, L = 2, 64, 256, 512
+    _, routing = routing_case("v3", T)
+    g = torch.Generator(DEV).manual_seed(11)
+    xr = torch.randn(T, Dm, generator=g, device=DEV).to(torch.bfloat16)
+    rw = mark_static(torch.randn(E, Dm, generator=g, device=DEV) / Dm ** 0.5 * 3)
+    proj = mark_static((torch.randn(L, Dm, generator=g, device=DEV) / Dm ** 0.5).to(torch.bfloat16))
+    _, _, _, w1, w2, _, _ = case(T, 8, E, L, 256, dtype=torch.bfloat16)
+    mark_static(w1)
+    load = torch.zeros(E, dtype=torch.int64, device=DEV)
+
+    def step():
+        logits = LK.skinny_linear(xr, rw, out_dtype=torch.float32, block=(4, 256, 4))
+        h = LK.skinny_linear(xr, proj, block=(8, 256, 4))
+        return (logits, h, *D.moe_experts_routed(h, logits, routing, w1, w2, load=load, early=True))
+
+    step()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        logits, h, out, weights, ids = step()
+    for seed in (12, 13):
+        xr.copy_(torch.randn(T, Dm, generator=torch.Generator(DEV).manual_seed(seed), device=DEV))
+        load.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        w_ref, ids_ref = reference.route(logits, *routing)
+        assert torch.equal(ids, ids_ref)
+        torch.testing.assert_close(weights, w_ref, rtol=1e-5, atol=1e-7)
+        want = torch.zeros_like(load)
+        check(out, reference.grouped_experts(h, ids_ref, w_ref, w1, w2, load=want), torch.bfloat16)
+        assert torch.equal(load, want)
