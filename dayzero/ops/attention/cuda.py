@@ -150,12 +150,17 @@ def _mla_rows(q_nope, q_pe, latent_cache, kv_b_weight, v_head_dim, batch, scale,
     return _head_product(o_lat.to(ct), w[:, N:].transpose(1, 2), kv_b_weight, ct, use_triton).to(q_nope.dtype)
 
 
+# rows the per-head kernel takes here: at one row it ran 2.04x the einsum (1.77 against 3.62 us a product on the
+# H100, dayzero-small's shapes); its rows loop for 2-8 rows is tested on the GPU but its speed is not measured yet
+HEAD_KERNEL_ROWS = 1
+
+
 def _head_product(x: torch.Tensor, w: torch.Tensor, weight: torch.Tensor, ct: torch.dtype,
                   use_triton: bool) -> torch.Tensor:
     """``x [T, H, I]`` times each head's ``w [H, I, J]`` (a view of the model weight ``weight``) in ``ct``: one
     Triton launch for a decode step's few rows (:mod:`head_kernels`), else an einsum (a batched GEMM)."""
     static = weight if w.dtype == ct else None  # a converted copy is made in the step: not read early
     w = w.to(ct)
-    if use_triton and head_kernels.refusal(x, w) is None:
+    if use_triton and x.shape[0] <= HEAD_KERNEL_ROWS and head_kernels.refusal(x, w) is None:
         return head_kernels.head_product(x, w, static)
     return torch.einsum("thi,hij->thj", x, w)
