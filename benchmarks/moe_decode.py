@@ -18,6 +18,12 @@ row. Two chains of the same layers run:
 On a GPU each chain is captured in a CUDA graph and replayed (programmatic dependent launch as the engine runs
 it); prints µs a chain and a layer, the ratio and the largest difference between the chains' outputs. On the CPU
 (Triton's interpreter, shapes divided by ``--scale``) the chains run once, for the tests.
+
+``--dual``: the block's output too, as a LatentMoE layer ends (rows routed inside the first kernel): the latent
+up-projection of the routed sum plus the shared expert's activation and down-projection (``dual_linear``), apart
+(two skinny/cuBLAS ops as chosen) and as one launch at each block shape, its second weight read before the wait
+(``early``) or after it; each layer's output's first L columns, copied, are the next layer's expert input. Prints
+µs a layer and what the output adds to the chain without it.
 """
 from __future__ import annotations
 
@@ -32,9 +38,9 @@ from benchmarks.timing import ms_per_replay  # noqa: E402
 
 
 def moe_shapes(config: str) -> dict:
-    """The config's routed-MoE shapes: D (router input), L (expert input), I, E, the number of MoE layers, whether
-    the router has a correction bias, and ``route(bias)``: ``moe_route``'s arguments after the logits, as the layer
-    passes them (``MoE.route_args``) with the correction bias ``bias``."""
+    """The config's routed-MoE shapes: D (router input), L (expert input), I, E, S (the shared expert's width), the
+    number of MoE layers, whether the router has a correction bias, and ``route(bias)``: ``moe_route``'s arguments
+    after the logits, as the layer passes them (``MoE.route_args``) with the correction bias ``bias``."""
     from dayzero.layers.moe import MoE
     from dayzero.models.registry import load_config
 
@@ -47,6 +53,7 @@ def moe_shapes(config: str) -> dict:
         moe = MoE(spec.hidden_size, s)
     args = moe.route_args()
     return dict(D=spec.hidden_size, L=s.latent_size or spec.hidden_size, I=s.intermediate_size, E=s.n_experts,
+                S=s.shared_intermediate_size or s.intermediate_size,
                 layers=len(layers), correction_bias=moe.e_score_correction_bias is not None, top_k=s.top_k,
                 route=lambda bias: tuple({**args, "correction_bias": bias}.values()))
 
@@ -72,6 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--layers", type=int, default=None, help="default: the config's MoE layers")
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--up-warps", type=int, nargs="+", default=[4], help="warps of the routing expert kernel")
+    ap.add_argument("--dual", action="store_true", help="time the block's output launch (see the docstring)")
     ap.add_argument("--scale", type=int, default=None, help="divide D, L and I by this (default: 1 on a GPU, 32 on "
                                                             "the CPU)")
     args = ap.parse_args(argv)
@@ -107,6 +115,8 @@ def main(argv: list[str] | None = None) -> dict:
                 h = D.moe_experts_direct(h, ids, weights, w1, w2)
         return h
 
+    if args.dual:
+        return dual_chains(args, m, layers, Dm, L, dev, dtype, gen, cuda, scale)
     rows_out = []
     for rows in args.rows:
         x = torch.randn(rows, Dm, device=dev, generator=gen).to(dtype)
@@ -126,6 +136,60 @@ def main(argv: list[str] | None = None) -> dict:
         rows_out.append(dict(rows=rows, us=us, max_diff=diff))
     print_table(rows_out, n_layers)
     return {"layers": n_layers, "rows": rows_out}
+
+
+def dual_chains(args, m, layers, Dm, L, dev, dtype, gen, cuda, scale: int) -> dict:
+    """``--dual``: each layer's router, routed experts and output launch, per variant of the output."""
+    from dayzero import ops
+    from dayzero.ops.linear import act as A, kernels as K
+    from dayzero.ops.moe import direct_kernels as D
+    from dayzero.ops.static import mark_static
+
+    shared = max(16, m["S"] // scale)  # the shared expert's width
+    outs = [(mark_static((torch.randn(Dm, L, device=dev, generator=gen) / L ** 0.5).to(dtype)),
+             mark_static((torch.randn(Dm, shared, device=dev, generator=gen) / shared ** 0.5).to(dtype)))
+            for _ in layers]
+    results = []
+    for rows in args.rows:
+        x = torch.randn(rows, Dm, device=dev, generator=gen).to(dtype)
+        h0 = torch.randn(rows, L, device=dev, generator=gen).to(dtype)
+        x2 = torch.randn(rows, 2 * shared, device=dev, generator=gen).to(dtype)  # the shared expert's [gate | up]
+
+        def chain(variant):
+            h = h0
+            for (rw, bias, w1, w2), (wu, ws) in zip(layers, outs):
+                logits = ops.call("linear", x, rw, None, out_dtype=torch.float32)
+                y = D.moe_experts_routed(h, logits, m["route"](bias), w1, w2)[0]
+                if variant is None:
+                    h = y
+                    continue
+                if variant == "apart":
+                    out = ops.call("linear", y, wu, add=ops.call("act_linear", x2, ws, None, "silu", None))
+                else:
+                    out = torch.empty(rows, Dm, device=dev, dtype=dtype)
+                    K.launch(y, wu, out, L, variant[0], activation="silu", second=(x2, ws), early=variant[1])
+                h = out[:, :L].contiguous()
+            return h
+
+        variants = {"experts only": None, "output apart": "apart"}
+        for b in A.dual_candidates(rows, Dm, L, shared):
+            variants[f"output {b}, early"] = (b, True)
+            variants[f"output {b}, after"] = (b, False)
+        print(f"{rows} rows: {'variant':<30} {'us a layer':>11} {'output adds':>12}")
+        base, row, got = None, {}, {}
+        for name, v in variants.items():
+            got[name] = chain(v).float()
+            if not cuda:
+                continue
+            ms = ms_per_replay(lambda v=v: chain(v), args.replays)
+            us = None if ms is None else 1e3 * ms / len(layers)
+            row[name] = us
+            base = us if base is None else base
+            print(f"{rows:>4} rows: {name:<30} {us:>11.2f} {us - base:>12.2f}", flush=True)
+        diff = max((o - got["output apart"]).abs().max().item() for n, o in got.items() if n != "experts only")
+        print(f"{rows:>4} rows: largest difference from the output apart: {diff:.2e}")
+        results.append(dict(rows=rows, us=row, max_diff=diff, variants=list(variants)))
+    return {"layers": len(layers), "dual": results}
 
 
 if __name__ == "__main__":

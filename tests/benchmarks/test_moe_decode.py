@@ -1,5 +1,6 @@
 """benchmarks/moe_decode.py on the CPU (Triton's interpreter, shapes divided by 32): both chains run and agree,
-and a step with more pairs than the direct kernels take is skipped with the reason."""
+as do the block output's variants (``--dual``), and a step with more pairs than the direct kernels take is skipped
+with the reason."""
 from __future__ import annotations
 
 import pytest
@@ -21,6 +22,13 @@ def test_both_chains_run_and_agree(capsys):
     assert [r["rows"] for r in out["rows"]] == [1, 2]
     assert all(r["max_diff"] < 5e-2 for r in out["rows"])
     assert "5 rows: 40 (token, expert) pairs" in capsys.readouterr().out
+
+
+def test_the_output_launch_variants_run_and_agree():
+    out = main(["--layers", "2", "--rows", "1", "--dual"])
+    (r,) = out["dual"]
+    assert "output apart" in r["variants"] and any(v.endswith("early") for v in r["variants"])
+    assert r["max_diff"] < 5e-2
 
 
 def test_the_table_gives_each_mode_against_apart(capsys):
