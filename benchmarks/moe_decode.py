@@ -21,8 +21,8 @@ it); prints µs a chain and a layer, the ratio and the largest difference betwee
 
 ``--dual``: the block's output too, as a LatentMoE layer ends (rows routed inside the first kernel): the latent
 up-projection of the routed sum plus the shared expert's activation and down-projection (``dual_linear``), apart
-(two skinny/cuBLAS ops as chosen) and as one launch at each block shape, its second weight read before the wait
-(``early``) or after it; each layer's output's first L columns, copied, are the next layer's expert input. Prints
+(two skinny/cuBLAS ops as chosen) and as one launch at each block shape, its weights' first K steps read before
+the wait (``early``) or after it; each layer's output's first L columns, copied, are the next layer's expert input. Prints
 µs a layer and what the output adds to the chain without it.
 """
 from __future__ import annotations
