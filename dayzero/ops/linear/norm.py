@@ -3,12 +3,9 @@
 
 The norm's scale is a per-row factor, so each program sums the squares of the input rows as it streams them
 through the product and multiplies its outputs by ``rsqrt(mean + eps)`` at the end; the norm weight multiplies
-the rows as they are read. The programs also write the normalised rows and the residual sum, in turn, for the
-layer's other readers (the DSA indexer, a LatentMoE's experts' projection). The product reads the normalised rows
-in fp32 where the two ops apart round them to the model dtype first (the difference is that rounding), except
-for a product of a higher precision than the rows' (:func:`rounded`: a MoE router's fp32 weight and logits, which
-rank the experts): its programs take the rows' scale in a first pass over them and multiply the rounded rows, the
-values the ops apart multiply.
+the rows as they are read. Program 0 also writes the normalised rows and the residual sum for the layer's other
+readers (the MoE router, the DSA indexer). The product reads the normalised rows in fp32 where the two ops apart
+round them to the model dtype first (the difference is that rounding).
 
 Whether it runs is measured, like the linear's own choice: at a key's first eager call, the fused launch at each
 block shape against the norm kernel followed by the linear's measured choice, each replayed from a CUDA graph
