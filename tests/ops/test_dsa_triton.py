@@ -5,6 +5,7 @@ in a CUDA graph. Pools hold NaN wherever no sequence owns a row, and ±inf/NaN i
 sequence's last (reused) block, so a kernel that reads a row it must not read fails."""
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -72,6 +73,15 @@ def quantised_pool(plain: torch.Tensor, kind: str, out_dtype) -> QuantPagedPool:
     pool.data.view(torch.uint8)[dead] = 0x7F  # NaN in e4m3, 127 in int8
     pool.scale[dead] = float("inf")
     return pool
+
+
+def fp32_rows(pool):
+    """A quantised pool read as fp32 rows (the same codes and scales), or a plain pool itself."""
+    if not isinstance(pool, QuantPagedPool):
+        return pool
+    view = copy.copy(pool)
+    view.out_dtype = torch.float32
+    return view
 
 
 def decode_step(case: str, seed: int = 0) -> ForwardBatch:
@@ -428,7 +438,9 @@ def test_gpu_indexer_decode_at_real_shapes(heads, bs, pool):
         k = quantised_pool(k.float(), pool, torch.bfloat16)
     q = randn(3, heads, 128, seed=32, dtype=torch.bfloat16)
     w = randn(3, heads, seed=33, scale=(heads * 128) ** -0.5)
-    ref = idx_dev.decode_scores_torch(q, w, k, batch)
+    # the torch path reads a quantised pool's rows dequantised to its dtype (bf16: a 2^-9 rounding of each key),
+    # where the kernel multiplies the codes and applies each row's scale after: its reference reads them in fp32
+    ref = idx_dev.decode_scores_torch(q, w, fp32_rows(k), batch)
     out = triton_indexer.decode_scores(q, w, k, batch.block_tables, batch.positions, bs)
     assert torch.equal(out.isinf(), ref.isinf())
     close(out[ref.isfinite()], ref[ref.isfinite()], 1e-4)
