@@ -2,7 +2,7 @@
 inside the first expert kernel, side by side in one run.
 
     python benchmarks/moe_decode.py --config configs/dayzero-small.json --rows 1 4 [--layers 23] [--replays 50]
-        [--up-warps 4 2 1]
+        [--up-warps 4 2 1] [--dual] [--early [--up-widths 16 32]]
 
 Each of ``--layers`` layers has weights of its own (the config's router, fp32, and its routed experts in bf16;
 random) and feeds the next: its routed output is the next layer's expert input, its router input stays the step's
@@ -24,6 +24,12 @@ up-projection of the routed sum plus the shared expert's activation and down-pro
 (two skinny/cuBLAS ops as chosen) and as one launch at each block shape, its weights' first K steps read before
 the wait (``early``) or after it; each layer's output's first L columns, copied, are the next layer's expert input. Prints
 µs a layer and what the output adds to the chain without it.
+
+``--early``: each layer as a LatentMoE layer that routes first runs it: the router's GEMV, the experts' input
+projection, then the two expert kernels, the first routing after its wait (``late``) or before it with its
+expert's first weight step (``early``, ``moe_experts_routed(early=True)``), the latter at the default column
+blocks of the first kernel and at the widths ``--up-widths`` (fewer, wider programs: more of them resident beside
+the projection's). Weights are marked as model weights, so every launch reads its first step early.
 """
 from __future__ import annotations
 
@@ -80,6 +86,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--up-warps", type=int, nargs="+", default=[4], help="warps of the routing expert kernel")
     ap.add_argument("--dual", action="store_true", help="time the block's output launch (see the docstring)")
+    ap.add_argument("--early", action="store_true", help="time the routing before the wait (see the docstring)")
+    ap.add_argument("--up-widths", type=int, nargs="+", default=[16, 32],
+                    help="with --early: the first kernel's column blocks to time besides its default")
     ap.add_argument("--scale", type=int, default=None, help="divide D, L and I by this (default: 1 on a GPU, 32 on "
                                                             "the CPU)")
     args = ap.parse_args(argv)
@@ -117,6 +126,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     if args.dual:
         return dual_chains(args, m, layers, Dm, L, dev, dtype, gen, cuda, scale)
+    if args.early:
+        return early_chains(args, m, layers, Dm, L, dev, dtype, gen, cuda)
     rows_out = []
     for rows in args.rows:
         x = torch.randn(rows, Dm, device=dev, generator=gen).to(dtype)
@@ -190,6 +201,54 @@ def dual_chains(args, m, layers, Dm, L, dev, dtype, gen, cuda, scale: int) -> di
         print(f"{rows:>4} rows: largest difference from the output apart: {diff:.2e}")
         results.append(dict(rows=rows, us=row, max_diff=diff, variants=list(variants)))
     return {"layers": len(layers), "dual": results}
+
+
+def early_chains(args, m, layers, Dm, L, dev, dtype, gen, cuda) -> dict:
+    """``--early``: router, projection and the expert kernels per layer, routed after or before the wait."""
+    from dayzero import ops
+    from dayzero.ops.moe import direct_kernels as D
+    from dayzero.ops.static import mark_static
+
+    for rw, _, w1, w2 in layers:
+        mark_static(rw), mark_static(w1), mark_static(w2)
+    projs = [mark_static((torch.randn(L, Dm, device=dev, generator=gen) / Dm ** 0.5).to(dtype)) for _ in layers]
+    I, k = layers[0][3].shape[-1], m["top_k"]
+    results = []
+    for rows in args.rows:
+        x = torch.randn(rows, Dm, device=dev, generator=gen).to(dtype)
+        want = D._programs_wanted(dev)
+        down = D.down_blocks(rows, k, L, I, want, "bfloat16")
+        variants = {"late": (False, None), "early": (True, None)}
+        for bn in args.up_widths:
+            variants[f"early, {bn} columns"] = (True, ((bn, D._k_step(bn, L, "bfloat16")), down))
+
+        def chain(early, block):
+            out = []
+            for (rw, bias, w1, w2), proj in zip(layers, projs):
+                logits = ops.call("linear", x, rw, None, out_dtype=torch.float32)
+                h = ops.call("linear", x, proj)
+                out.append(D.moe_experts_routed(h, logits, m["route"](bias), w1, w2, block=block, early=early)[0])
+            return torch.cat(out)
+
+        why = D.routed_refusal(x.new_empty(rows, L), m["route"](layers[0][1]), layers[0][2], layers[0][3])
+        if why:
+            print(f"{rows} rows: {why}; skipped")
+            continue
+        print(f"{rows} rows: {'variant':<24} {'us a layer':>11} {'vs late':>8}")
+        got, row, base = {}, {}, None
+        for name, (early, block) in variants.items():
+            got[name] = chain(early, block).float()
+            if not cuda:
+                continue
+            ms = ms_per_replay(lambda e=early, b=block: chain(e, b), args.replays)
+            us = None if ms is None else 1e3 * ms / len(layers)
+            row[name] = us
+            base = us if base is None else base
+            print(f"{rows:>4} rows: {name:<24} {us:>11.2f} {base / us:>7.2f}x", flush=True)
+        diff = max((o - got["late"]).abs().max().item() for o in got.values())
+        print(f"{rows:>4} rows: largest difference from late: {diff:.2e}")
+        results.append(dict(rows=rows, us=row, max_diff=diff, variants=list(variants)))
+    return {"layers": len(layers), "early": results}
 
 
 if __name__ == "__main__":

@@ -31,6 +31,13 @@ def test_the_output_launch_variants_run_and_agree():
     assert r["max_diff"] < 5e-2
 
 
+def test_the_early_routing_variants_run_and_agree():
+    out = main(["--layers", "2", "--rows", "1", "--early", "--up-widths", "8"])
+    (r,) = out["early"]
+    assert r["variants"] == ["late", "early", "early, 8 columns"]
+    assert r["max_diff"] == 0.0  # the same kernels' arithmetic, routed before or after the wait
+
+
 def test_the_table_gives_each_mode_against_apart(capsys):
     print_table([{"rows": 1, "us": {"apart": 230.0, "inside, 4 warps": 200.0, "inside, 2 warps": None},
                   "max_diff": 0.0}], 23)
