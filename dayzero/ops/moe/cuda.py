@@ -162,8 +162,8 @@ def routed_experts(x: torch.Tensor, h: torch.Tensor, router_weight: torch.Tensor
                                                  early=ahead)[0]
     if logits is not None:
         weights, ids = call("moe_route", logits, *routing)
-        return call("moe_experts", h, ids, weights, w1, w2, activation, b1, b2, limit=limit, load=load)
-    weights, ids = call("moe_router", x, router_weight, router_bias, *routing)
+    else:
+        weights, ids = call("moe_router", x, router_weight, router_bias, *routing)
     return call("moe_experts", h, ids, weights, w1, w2, activation, b1, b2, limit=limit, load=load)
 
 
