@@ -17,8 +17,6 @@ fp32-accumulating GEMM rounds them.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from dayzero.ops.static import preload
@@ -26,6 +24,7 @@ from dayzero.ops.triton_support import HAS_TRITON, next_pow2, tl, triton, triton
 
 MAX_ROWS = 8  # a decode step's rows, each through the program's weight tile in turn
 TILE = 4096  # weight elements a program holds per step (32 fp32 registers a thread at 4 warps)
+TARGET_PROGRAMS = 256  # about two per SM of an H100 or H200
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 if HAS_TRITON:
@@ -104,13 +103,7 @@ def refusal(x: torch.Tensor, w: torch.Tensor) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=8)
-def _programs_wanted(device: torch.device) -> int:
-    """Programs that fill the device about twice (two per SM)."""
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-
-
-def blocks(rows: int, heads: int, i: int, j: int, programs: int = 256) -> tuple[int, int]:
+def blocks(rows: int, heads: int, i: int, j: int, programs: int = TARGET_PROGRAMS) -> tuple[int, int]:
     """(BLOCK_I, BLOCK_J): output columns per program so that heads x column blocks come to about ``programs``
     (4 to 64 columns), and a reduction step as long as keeps the weight tile at :data:`TILE` elements (the rows
     go through it one at a time, so their count does not shorten it)."""
@@ -128,7 +121,7 @@ def head_product(x: torch.Tensor, w: torch.Tensor, weight: torch.Tensor | None =
     J = w.shape[2]
     y = torch.empty(T, H, J, dtype=out_dtype or x.dtype, device=x.device)
     out_rows = w.stride(1) == 1
-    bi, bj = blocks(T, H, I, J, _programs_wanted(x.device))
+    bi, bj = blocks(T, H, I, J)
     _head_product_kernel[(H, triton.cdiv(J, bj))](
         x, w, y, T, I, J, x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), y.stride(0), y.stride(1),
         OUT_ROWS=out_rows, EVEN_I=I % bi == 0, EVEN_J=J % bj == 0, BLOCK_M=next_pow2(T), BLOCK_I=bi, BLOCK_J=bj,
