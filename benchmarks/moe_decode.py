@@ -22,8 +22,8 @@ it); prints µs a chain and a layer, the ratio and the largest difference betwee
 ``--dual``: the block's output too, as a LatentMoE layer ends (rows routed inside the first kernel): the latent
 up-projection of the routed sum plus the shared expert's activation and down-projection (``dual_linear``), apart
 (two skinny/cuBLAS ops as chosen) and as one launch at each block shape, its weights' first K steps read before
-the wait (``early``) or after it; each layer's output's first L columns, copied, are the next layer's expert input. Prints
-µs a layer and what the output adds to the chain without it.
+the wait (``early``) or after it; each layer's output's first L columns, copied, are the next layer's expert
+input. Prints µs a layer and what the output adds to the chain without it.
 
 ``--early``: each layer as a LatentMoE layer that routes first runs it: the router's GEMV, the experts' input
 projection, then the two expert kernels, the first routing after its wait (``late``) or before it with its
@@ -149,6 +149,31 @@ def main(argv: list[str] | None = None) -> dict:
     return {"layers": n_layers, "rows": rows_out}
 
 
+def time_variants(rows: int, variants: dict, chain, n_layers: int, replays: int, cuda: bool, reference: str,
+                  against: str, skip: tuple = ()) -> dict:
+    """``chain(variant)`` of every variant (by name), and on a GPU its µs a layer replayed from a CUDA graph,
+    printed beside the first variant's (``against``: "adds", the difference; "ratio", the first's time over it);
+    then the largest difference of the outputs (those named in ``skip`` aside) from the ``reference`` variant's."""
+    width = max(map(len, variants))
+    print(f"{rows} rows: {'variant':<{width}} {'us a layer':>11} {'vs ' + next(iter(variants)):>12}")
+    got, times, base = {}, {}, None
+    for name, v in variants.items():
+        got[name] = chain(v).float()
+        if not cuda:
+            continue
+        ms = ms_per_replay(lambda v=v: chain(v), replays)
+        times[name] = us = None if ms is None else 1e3 * ms / n_layers
+        if us is None:
+            print(f"{rows:>4} rows: {name:<{width}} {'-':>11} {'-':>12}", flush=True)
+            continue
+        base = us if base is None else base
+        versus = f"{us - base:+.2f}" if against == "adds" else f"{base / us:.2f}x"
+        print(f"{rows:>4} rows: {name:<{width}} {us:>11.2f} {versus:>12}", flush=True)
+    diff = max((o - got[reference]).abs().max().item() for n, o in got.items() if n not in skip)
+    print(f"{rows:>4} rows: largest difference from {reference}: {diff:.2e}")
+    return dict(rows=rows, us=times, max_diff=diff, variants=list(variants))
+
+
 def dual_chains(args, m, layers, Dm, L, dev, dtype, gen, cuda, scale: int) -> dict:
     """``--dual``: each layer's router, routed experts and output launch, per variant of the output."""
     from dayzero import ops
@@ -186,20 +211,8 @@ def dual_chains(args, m, layers, Dm, L, dev, dtype, gen, cuda, scale: int) -> di
         for b in A.dual_candidates(rows, Dm, L, shared):
             variants[f"output {b}, early"] = (b, True)
             variants[f"output {b}, after"] = (b, False)
-        print(f"{rows} rows: {'variant':<30} {'us a layer':>11} {'output adds':>12}")
-        base, row, got = None, {}, {}
-        for name, v in variants.items():
-            got[name] = chain(v).float()
-            if not cuda:
-                continue
-            ms = ms_per_replay(lambda v=v: chain(v), args.replays)
-            us = None if ms is None else 1e3 * ms / len(layers)
-            row[name] = us
-            base = us if base is None else base
-            print(f"{rows:>4} rows: {name:<30} {us:>11.2f} {us - base:>12.2f}", flush=True)
-        diff = max((o - got["output apart"]).abs().max().item() for n, o in got.items() if n != "experts only")
-        print(f"{rows:>4} rows: largest difference from the output apart: {diff:.2e}")
-        results.append(dict(rows=rows, us=row, max_diff=diff, variants=list(variants)))
+        results.append(time_variants(rows, variants, chain, len(layers), args.replays, cuda, "output apart",
+                                     "adds", skip=("experts only",)))
     return {"layers": len(layers), "dual": results}
 
 
@@ -234,20 +247,8 @@ def early_chains(args, m, layers, Dm, L, dev, dtype, gen, cuda) -> dict:
         if why:
             print(f"{rows} rows: {why}; skipped")
             continue
-        print(f"{rows} rows: {'variant':<24} {'us a layer':>11} {'vs late':>8}")
-        got, row, base = {}, {}, None
-        for name, (early, block) in variants.items():
-            got[name] = chain(early, block).float()
-            if not cuda:
-                continue
-            ms = ms_per_replay(lambda e=early, b=block: chain(e, b), args.replays)
-            us = None if ms is None else 1e3 * ms / len(layers)
-            row[name] = us
-            base = us if base is None else base
-            print(f"{rows:>4} rows: {name:<24} {us:>11.2f} {base / us:>7.2f}x", flush=True)
-        diff = max((o - got["late"]).abs().max().item() for o in got.values())
-        print(f"{rows:>4} rows: largest difference from late: {diff:.2e}")
-        results.append(dict(rows=rows, us=row, max_diff=diff, variants=list(variants)))
+        results.append(time_variants(rows, variants, lambda v: chain(*v), len(layers), args.replays, cuda, "late",
+                                     "ratio"))
     return {"layers": len(layers), "early": results}
 
 
