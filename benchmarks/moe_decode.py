@@ -2,7 +2,7 @@
 inside the first expert kernel, side by side in one run.
 
     python benchmarks/moe_decode.py --config configs/dayzero-small.json --rows 1 4 [--layers 23] [--replays 50]
-        [--up-warps 4 2 1] [--dual] [--early [--up-widths 16 32]]
+        [--up-warps 4 2 1] [--dual] [--early [--up-widths 16 32] [--down-widths 2 4]]
 
 Each of ``--layers`` layers has weights of its own (the config's router, fp32, and its routed experts in bf16;
 random) and feeds the next: its routed output is the next layer's expert input, its router input stays the step's
@@ -27,9 +27,11 @@ input. Prints µs a layer and what the output adds to the chain without it.
 
 ``--early``: each layer as a LatentMoE layer that routes first runs it: the router's GEMV, the experts' input
 projection, then the two expert kernels, the first routing after its wait (``late``) or before it with its
-expert's first weight step (``early``, ``moe_experts_routed(early=True)``), the latter at the default column
-blocks of the first kernel and at the widths ``--up-widths`` (fewer, wider programs: more of them resident beside
-the projection's). Weights are marked as model weights, so every launch reads its first step early.
+expert's first weight step (``moe_experts_routed(early=True)``): the second kernel ranking its slots' experts
+after its wait (``early, up only``) or before it with their first weight step (``early``; the engine's choice
+from ``direct_kernels.DOWN_EARLY_ROWS`` tokens), the latter at the default column blocks and at the first kernel's
+widths ``--up-widths`` (fewer, wider programs: more of them resident beside the projection's) and the second's
+``--down-widths``. Weights are marked as model weights, so every launch reads its first step early.
 """
 from __future__ import annotations
 
@@ -89,6 +91,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--early", action="store_true", help="time the routing before the wait (see the docstring)")
     ap.add_argument("--up-widths", type=int, nargs="+", default=[16, 32],
                     help="with --early: the first kernel's column blocks to time besides its default")
+    ap.add_argument("--down-widths", type=int, nargs="+", default=[],
+                    help="with --early: the second kernel's column blocks to time besides its default")
     ap.add_argument("--scale", type=int, default=None, help="divide D, L and I by this (default: 1 on a GPU, 32 on "
                                                             "the CPU)")
     args = ap.parse_args(argv)
@@ -221,6 +225,7 @@ def early_chains(args, m, layers, Dm, L, dev, dtype, gen, cuda) -> dict:
     from dayzero import ops
     from dayzero.ops.moe import direct_kernels as D
     from dayzero.ops.static import mark_static
+    from dayzero.ops.triton_support import next_pow2
 
     for rw, _, w1, w2 in layers:
         mark_static(rw), mark_static(w1), mark_static(w2)
@@ -230,17 +235,26 @@ def early_chains(args, m, layers, Dm, L, dev, dtype, gen, cuda) -> dict:
     for rows in args.rows:
         x = torch.randn(rows, Dm, device=dev, generator=gen).to(dtype)
         want = D._programs_wanted(dev)
-        down = D.down_blocks(rows, k, L, I, want, "bfloat16")
-        variants = {"late": (False, None), "early": (True, None)}
+        up, down = D.blocks(rows * k, I, L, want, "bfloat16"), D.down_blocks(rows, k, L, I, want, "bfloat16")
+        variants = {"late": (False, False, None), "early, up only": (True, False, None), "early": (True, True, None)}
         for bn in args.up_widths:
-            variants[f"early, {bn} columns"] = (True, ((bn, D._k_step(bn, L, "bfloat16")), down))
+            variants[f"early, up {bn} columns"] = (True, True, ((bn, D._k_step(bn, L, "bfloat16")), down))
+        for bn in args.down_widths:
+            down_k = D._k_step(next_pow2(k) * bn, I, "bfloat16", 2 * D.TILE_ELEMS)
+            variants[f"early, down {bn} columns"] = (True, True, (up, (bn, down_k)))
 
-        def chain(early, block):
-            out = []
-            for (rw, bias, w1, w2), proj in zip(layers, projs):
-                logits = ops.call("linear", x, rw, None, out_dtype=torch.float32)
-                h = ops.call("linear", x, proj)
-                out.append(D.moe_experts_routed(h, logits, m["route"](bias), w1, w2, block=block, early=early)[0])
+        rule = D.DOWN_EARLY_ROWS
+
+        def chain(early, down_early, block):
+            out, D.DOWN_EARLY_ROWS = [], 1 if down_early else 1 << 30
+            try:
+                for (rw, bias, w1, w2), proj in zip(layers, projs):
+                    logits = ops.call("linear", x, rw, None, out_dtype=torch.float32)
+                    h = ops.call("linear", x, proj)
+                    out.append(D.moe_experts_routed(h, logits, m["route"](bias), w1, w2, block=block,
+                                                    early=early)[0])
+            finally:
+                D.DOWN_EARLY_ROWS = rule
             return torch.cat(out)
 
         why = D.routed_refusal(x.new_empty(rows, L), m["route"](layers[0][1]), layers[0][2], layers[0][3])

@@ -203,31 +203,67 @@ def test_routing_inside_the_first_kernel_matches_the_route_then_the_experts(name
     assert torch.equal(load, want_load)
 
 
-@pytest.mark.parametrize("name", ["v3", "odd"])
+@pytest.mark.parametrize("name", ["v3", "odd", "wide"])
 @pytest.mark.parametrize("activation", ["silu", "relu2"])
-def test_routing_before_the_wait_matches_routing_after_it(name, activation, monkeypatch):
+@pytest.mark.parametrize("blocks", [None, ((8, 32), (4, 32))])  # the default's one K step, or several
+def test_routing_before_the_wait_matches_routing_after_it(name, activation, blocks, monkeypatch):
     """``early``: logits written two kernels back are routed before the wait, and the expert's first weight step
-    of a model weight read too (PRELOAD); the same ids, weights, rows and load counters as routing after it."""
+    of a model weight read too (PRELOAD); the second kernel ranks its slots' experts before its own wait and
+    reads their first step too. The same ids, weights, rows and load counters as routing after it."""
     from dayzero.ops.static import mark_static
 
     T = 2
     logits, routing = routing_case(name, T, seed=3)
     E, k = logits.shape[1], routing[0]
-    x, _, _, w1, w2, b1, b2 = case(T, k, E, 24, 20, activation, bias=True, seed=8)
-    mark_static(w1)
-    launched = []
-    real = D._direct_up_kernel
-    monkeypatch.setattr(D, "_direct_up_kernel", _Spy(real, launched))
+    x, _, _, w1, w2, b1, b2 = case(T, k, E, 40, 72, activation, bias=True, seed=8)
+    mark_static(w1), mark_static(w2)
+    monkeypatch.setattr(D, "DOWN_EARLY_ROWS", 1)
+    up, down = [], []
+    monkeypatch.setattr(D, "_direct_up_kernel", _Spy(D._direct_up_kernel, up))
+    monkeypatch.setattr(D, "_direct_down_kernel", _Spy(D._direct_down_kernel, down))
     outs = []
     for early in (False, True):
         load = torch.zeros(E, dtype=torch.int64, device=DEV)
-        outs.append((*D.moe_experts_routed(x, logits, routing, w1, w2, activation, b1, b2, None, load,
+        outs.append((*D.moe_experts_routed(x, logits, routing, w1, w2, activation, b1, b2, None, load, blocks,
                                            early=early), load))
-    assert launched == [(False, False), (True, True)]  # (EARLY, PRELOAD) of each launch
+    assert up == down == [(False, False), (True, True)]  # (EARLY, PRELOAD) of each launch
     for a, b in zip(*outs):
         assert torch.equal(a, b)
     w_ref, ids_ref = reference.route(logits, *routing)
     assert torch.equal(outs[1][2], ids_ref)
+    check(outs[1][0], reference.grouped_experts(x, ids_ref, w_ref, w1, w2, activation, b1, b2), torch.float32)
+
+
+def test_the_second_kernel_ranks_early_from_its_token_count(monkeypatch):
+    """Below ``DOWN_EARLY_ROWS`` tokens only the first kernel routes early; from it the second ranks early too."""
+    from dayzero.ops.static import mark_static
+
+    logits, routing = routing_case("v3", D.DOWN_EARLY_ROWS, seed=4)
+    E, k = logits.shape[1], routing[0]
+    x, _, _, w1, w2, _, _ = case(D.DOWN_EARLY_ROWS, k, E, 24, 20, seed=9)
+    mark_static(w1), mark_static(w2)
+    down = []
+    monkeypatch.setattr(D, "_direct_down_kernel", _Spy(D._direct_down_kernel, down))
+    for T in (D.DOWN_EARLY_ROWS - 1, D.DOWN_EARLY_ROWS):
+        D.moe_experts_routed(x[:T], logits[:T], routing, w1, w2, early=True)
+    assert down == [(False, False), (True, True)]
+
+
+def test_early_routing_of_nan_logits_reads_the_experts_the_first_kernel_wrote(monkeypatch):
+    """NaN logits routed early: the second kernel's own ranking gives the ids the first kernel wrote (in range),
+    so its rows are those of routing after the wait."""
+    from dayzero.ops.static import mark_static
+
+    logits, routing = routing_case("v3", 2, seed=5)
+    logits[0, 3] = logits[0, 9] = float("nan")
+    E, k = logits.shape[1], routing[0]
+    x, _, _, w1, w2, _, _ = case(2, k, E, 24, 20, seed=9)
+    mark_static(w1), mark_static(w2)
+    monkeypatch.setattr(D, "DOWN_EARLY_ROWS", 1)
+    late, early = (D.moe_experts_routed(x, logits, routing, w1, w2, early=e) for e in (False, True))
+    assert ((early[2] >= 0) & (early[2] < E)).all()
+    for a, b in zip(late, early):
+        assert torch.equal(a, b)
 
 
 class _Spy:
@@ -414,22 +450,24 @@ def test_routed_inside_replayed_in_a_cuda_graph_with_other_logits():
 
 
 @cuda
-def test_routed_early_behind_two_dependent_kernels_in_a_cuda_graph():
+@pytest.mark.parametrize("T", [2, D.DOWN_EARLY_ROWS])
+def test_routed_early_behind_two_dependent_kernels_in_a_cuda_graph(T):
     """As a layer that routes first runs it: the router's skinny GEMV writes the logits, the experts' input
     projection (another skinny launch, waiting on the router) writes h, and the first expert kernel routes the
     logits and reads its expert's weights before waiting on that projection (programmatic dependent launch on a
-    Hopper GPU). Replayed with new router inputs: the same ids, rows and counters as the reference."""
+    Hopper GPU), the second too from ``DOWN_EARLY_ROWS`` tokens. Replayed with new router inputs: the same ids,
+    rows and counters as the reference."""
     from dayzero.ops.linear import kernels as LK
     from dayzero.ops.static import mark_static
 
-    T, E, Dm, L = 2, 64, 256, 512
+    E, Dm, L = 64, 256, 512
     _, routing = routing_case("v3", T)
     g = torch.Generator(DEV).manual_seed(11)
     xr = torch.randn(T, Dm, generator=g, device=DEV).to(torch.bfloat16)
     rw = mark_static(torch.randn(E, Dm, generator=g, device=DEV) / Dm ** 0.5 * 3)
     proj = mark_static((torch.randn(L, Dm, generator=g, device=DEV) / Dm ** 0.5).to(torch.bfloat16))
     _, _, _, w1, w2, _, _ = case(T, 8, E, L, 256, dtype=torch.bfloat16)
-    mark_static(w1)
+    mark_static(w1), mark_static(w2)
     load = torch.zeros(E, dtype=torch.int64, device=DEV)
 
     def step():

@@ -20,8 +20,9 @@ READS = ("tl.load", "tl.store", "tl.atomic", "return")
 # index arithmetic (n.to: a cast), the weight tile, kda_decode's carried state (its layer's state and conv
 # windows, which no kernel but itself writes, at the slot the step's inputs give), and the routed experts' routing
 # of logits written two kernels or more before (under EARLY: the kernel before starts this one only after its own
-# wait) with their expert's weight tile (under PRELOAD)
-EARLY = {"tl.program_id", "tl.arange", "n.to", "weight_tile", "carried_state", "route_pair", "expert_weight_tile"}
+# wait) with their experts' weight tiles (under PRELOAD)
+EARLY = {"tl.program_id", "tl.arange", "n.to", "weight_tile", "carried_state", "route_pair", "expert_weight_tile",
+         "route_slots", "slot_weight_tile"}
 
 
 def _jit_kernels(tree: ast.Module):
@@ -64,7 +65,7 @@ def test_every_launched_kernel_waits_for_the_one_before_first():
                 if "weight_tile" in ast.unparse(s):
                     assert isinstance(s, ast.If) and ast.unparse(s.test) == "PRELOAD", \
                         f"{path.name}: {name} reads a weight before the wait without the PRELOAD flag"
-                if "route_pair" in ast.unparse(s):
+                if "route_pair" in ast.unparse(s) or "route_slots" in ast.unparse(s):
                     assert isinstance(s, ast.If) and ast.unparse(s.test) == "EARLY", \
                         f"{path.name}: {name} routes before the wait without the EARLY flag"
             # a wait under a condition could be skipped by some programs

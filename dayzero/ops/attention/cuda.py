@@ -150,9 +150,9 @@ def _mla_rows(q_nope, q_pe, latent_cache, kv_b_weight, v_head_dim, batch, scale,
     return _head_product(o_lat.to(ct), w[:, N:].transpose(1, 2), kv_b_weight, ct, use_triton).to(q_nope.dtype)
 
 
-# rows the per-head kernel takes here: at one row it ran 2.04x the einsum (1.77 against 3.62 us a product on the
-# H100, dayzero-small's shapes); its rows loop for 2-8 rows is tested on the GPU but its speed is not measured yet
-HEAD_KERNEL_ROWS = 1
+# rows the per-head kernel takes here: against the einsum, a product at dayzero-small's shapes on the H100 ran
+# 2.09x at one row, 1.82x at two, 1.21x at four and 0.61x at eight (1.74, 2.00, 3.02 and 6.04 us)
+HEAD_KERNEL_ROWS = 4
 
 
 def _head_product(x: torch.Tensor, w: torch.Tensor, weight: torch.Tensor, ct: torch.dtype,

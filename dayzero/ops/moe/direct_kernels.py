@@ -43,6 +43,10 @@ if HAS_TRITON:
 PLAIN = ("bfloat16", "float16", "float32")
 MAX_TOP_K = 32  # the second kernel holds a row block per slot
 TILE_ELEMS = 4096  # weight elements a program holds per K step (fp32 products: 32 registers a thread at 4 warps)
+# early routing (moe_experts_routed(early=True)) ranks the second kernel's slots early too from this many tokens: in
+# a chain of dayzero-small's 23 MoE layers on the H100 (benchmarks/moe_decode.py --early) it took a layer 14.13 ->
+# 17.21 us at one token (every program ranks 64 experts for 8 weight rows) and 29.98 -> 28.28 us at four
+DOWN_EARLY_ROWS = 4
 
 if HAS_TRITON:
     @triton.jit
@@ -64,6 +68,14 @@ if HAS_TRITON:
         return tl.reshape(K.fake_quantize_rows(tl.reshape(v, (1, BLOCK_K)), ACT_FP8, ROUND_FIRST), (BLOCK_K,))
 
     @triton.jit
+    def _h_step(h_ptr, p, ok, k0, I, ACT_FP8: tl.constexpr, ROUND_FIRST: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Columns k0..k0+BLOCK_K of the pairs' ``p`` [R] hidden rows (rows not ``ok`` zero), fp32 (through e4m3
+        with FP8 activations)."""
+        k = k0 + tl.arange(0, BLOCK_K)
+        v = tl.load(h_ptr + p[:, None] * I + k[None, :], mask=ok[:, None] & (k[None, :] < I), other=0.0)
+        return K.fake_quantize_rows(v.to(tl.float32), ACT_FP8, ROUND_FIRST)
+
+    @triton.jit
     def route_pair(logits_ptr, corr_ptr, t, p, scale, E, TOP_K: tl.constexpr, GS: tl.constexpr,
                    SQRT_SOFTPLUS: tl.constexpr, HAS_CORR: tl.constexpr, NORM: tl.constexpr, G: tl.constexpr,
                    TOPG: tl.constexpr, E_POW2: tl.constexpr, BG: tl.constexpr):
@@ -77,6 +89,23 @@ if HAS_TRITON:
         if NORM:
             w = w / (tl.sum(tl.where(rank < TOP_K, s, 0.0), axis=0) + 1e-20)
         return e, w * scale
+
+    @triton.jit
+    def route_slots(logits_ptr, corr_ptr, t, j, E, TOP_K: tl.constexpr, GS: tl.constexpr,
+                    SQRT_SOFTPLUS: tl.constexpr, HAS_CORR: tl.constexpr, G: tl.constexpr, TOPG: tl.constexpr,
+                    E_POW2: tl.constexpr, BG: tl.constexpr):
+        """The experts of ranks ``j`` [R] among token t's (int64), each as :func:`route_pair` takes it."""
+        ee, s, rank = expert_ranks(logits_ptr, corr_ptr, t, E, GS, SQRT_SOFTPLUS, HAS_CORR, G, TOPG, TOP_K,
+                                   E_POW2, BG)
+        mine = rank[None, :] == j[:, None].to(tl.int32)  # [R, E_POW2]
+        return tl.minimum(tl.sum(tl.where(mine, ee[None, :], 0), axis=1).to(tl.int64), E - 1)
+
+    @triton.jit
+    def slot_weight_tile(w_ptr, s_ptr, e, n, ok, KW, s_we, s_wn, s_wk, s_se, s_sn, s_sk, FMT: tl.constexpr,
+                         R: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Rows ``n`` of experts ``e`` [R], first K step, as the second kernel reads them (a plain format)."""
+        return K.weight_rows(w_ptr, s_ptr, e * s_we + n * s_wn, e * s_se + n * s_sn, ok, 0, KW, s_wk, s_sk, FMT, R,
+                             BLOCK_K, tl.float32)
 
     @triton.jit
     def expert_weight_tile(w_ptr, s_ptr, e, n, n_ok, KW, s_we, s_wn, s_wk, s_se, s_sn, s_sk, FMT: tl.constexpr,
@@ -157,30 +186,44 @@ if HAS_TRITON:
     @triton.jit
     def _direct_down_kernel(h_ptr, ids_ptr, wt_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, E,
                             L: tl.constexpr, I: tl.constexpr, s_we, s_wn, s_wk, s_se, s_sn, s_sk, s_be, s_bn, s_ym,
+                            logits_ptr, corr_ptr,
                             FMT: tl.constexpr, HAS_BIAS: tl.constexpr, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                            ACT_FP8: tl.constexpr = False, ROUND_FIRST: tl.constexpr = False):
+                            ACT_FP8: tl.constexpr = False, ROUND_FIRST: tl.constexpr = False,
+                            GS: tl.constexpr = 1, SQRT_SOFTPLUS: tl.constexpr = False, HAS_CORR: tl.constexpr = False,
+                            G: tl.constexpr = 1, TOPG: tl.constexpr = 1, E_POW2: tl.constexpr = 1,
+                            BG: tl.constexpr = 1, EARLY: tl.constexpr = False, PRELOAD: tl.constexpr = False):
         # h: [T*k, I]; ids, wt: [T*k]; w2: [E, L, I]; y: [T, L]; grid: T x cdiv(L, BLOCK_N)
         # The program's rows are (slot j, column n) for all k slots at once, so the k experts' weights are read
-        # in one go rather than one expert after another: R = K_POW2 * BLOCK_N rows, r = j * BLOCK_N + c.
+        # in one go rather than one expert after another: K_POW2 * BLOCK_N rows, r = j * BLOCK_N + c.
+        # EARLY: the logits [T, E] fp32 were written three kernels or more before this one (the first kernel
+        # routed early): the slots' experts are ranked here before the wait, as the first kernel ranked them, and
+        # with PRELOAD (a model weight in a plain format) their first K step is read too.
+        r = tl.arange(0, K_POW2 * BLOCK_N)
+        n = tl.program_id(1) * BLOCK_N + r % BLOCK_N
+        ok = (r // BLOCK_N < TOP_K) & (n < L)
+        if EARLY:
+            e = route_slots(logits_ptr, corr_ptr, tl.program_id(0), r // BLOCK_N, E, TOP_K, GS, SQRT_SOFTPLUS,
+                            HAS_CORR, G, TOPG, E_POW2, BG)
+        if PRELOAD:
+            w_first = slot_weight_tile(w_ptr, ws_ptr, e, n, ok, I, s_we, s_wn, s_wk, s_se, s_sn, s_sk, FMT,
+                                       K_POW2 * BLOCK_N, BLOCK_K)
         grid_dependency(PDL)
         R: tl.constexpr = K_POW2 * BLOCK_N
         t = tl.program_id(0).to(tl.int64)
-        r = tl.arange(0, R)
         j = r // BLOCK_N
-        n = tl.program_id(1) * BLOCK_N + r % BLOCK_N
-        ok = (j < TOP_K) & (n < L)
         p = t * TOP_K + j  # each row's pair
-        e = tl.minimum(tl.maximum(tl.load(ids_ptr + p, mask=ok, other=0).to(tl.int64), 0), E - 1)
+        if not EARLY:
+            e = tl.minimum(tl.maximum(tl.load(ids_ptr + p, mask=ok, other=0).to(tl.int64), 0), E - 1)
         w_row, s_row = e * s_we + n * s_wn, e * s_se + n * s_sn
         if FMT == K.TILE:  # one scale row per 128 weight rows
             s_row = e * s_se + (n // 128) * s_sn
         acc = tl.zeros((R,), dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            v = tl.load(h_ptr + p[:, None] * I + k[None, :], mask=ok[:, None] & (k[None, :] < I), other=0.0)
+        if PRELOAD:  # a plain format: the tile's product, no scale
+            acc += tl.sum(w_first * _h_step(h_ptr, p, ok, 0, I, ACT_FP8, ROUND_FIRST, BLOCK_K), 1)
+        for k0 in range(BLOCK_K if PRELOAD else 0, I, BLOCK_K):
             w = K.weight_rows(w_ptr, ws_ptr, w_row, s_row, ok, k0, I, s_wk, s_sk, FMT, R, BLOCK_K, tl.float32)
-            part = tl.sum(w * K.fake_quantize_rows(v.to(tl.float32), ACT_FP8, ROUND_FIRST), 1)
+            part = tl.sum(w * _h_step(h_ptr, p, ok, k0, I, ACT_FP8, ROUND_FIRST, BLOCK_K), 1)
             if FMT == K.TILE:  # one scale per 128x128 tile, constant over this K step (BLOCK_K divides 128)
                 part *= tl.load(ws_ptr + s_row + (k0 // 128) * s_sk, mask=ok, other=0.0)
             acc += part
@@ -300,7 +343,9 @@ def moe_experts_routed(x: torch.Tensor, logits: torch.Tensor, routing: tuple, w1
     ``early``: the logits were written at least two kernels before this op's first (the caller ran another kernel
     in between: MoE layers compute the router first, then the experts' input projection). The first kernel then
     routes before waiting for the kernel before it, and reads its expert's first weight step too (a model weight
-    in bf16, fp16 or fp32), while that kernel runs. Passing it for logits of the kernel just before is a race."""
+    in bf16, fp16 or fp32), while that kernel runs; the second kernel ranks its slots' experts the same way
+    before its own wait and reads their first weight step (from :data:`DOWN_EARLY_ROWS` tokens). Passing it for
+    logits of the kernel just before is a race."""
     # x: [T, L]; logits: [T, E] fp32 contiguous; w1: [E, r*I, L]; w2: [E, L, I]
     top_k, kind, corr, n_group, topk_group, norm, scale = routing
     T, E = logits.shape
@@ -352,9 +397,14 @@ def _launch(x, k, flat_ids, wt, w1, w2, activation, b1, b2, limit, load, block, 
         num_warps=up_warps, **options)
 
     f, data, scale, st, ss = triton_moe.weight_operand(w2)
+    early = {}  # the slots ranked before the wait, as the first kernel ranked them, and their first weight step
+    if routed.get("EARLY", False) and T >= DOWN_EARLY_ROWS:
+        early = {name: routed[name] for name in ("GS", "SQRT_SOFTPLUS", "HAS_CORR", "G", "TOPG", "BG", "EARLY")}
+        early.update(E_POW2=next_pow2(E), **preload(h, data))
+        early["PRELOAD"] = early["PRELOAD"] and fmt in PLAIN
     _direct_down_kernel[(T, triton.cdiv(L, bn2))](
         h, flat_ids, wt, data, scale, h if b2 is None else b2, y, E, L, I, *st, *ss,
-        *((0, 0) if b2 is None else b2.stride()), y.stride(0),
+        *((0, 0) if b2 is None else b2.stride()), y.stride(0), *operands[:2],
         FMT=f, HAS_BIAS=b2 is not None, TOP_K=k, K_POW2=next_pow2(k), BLOCK_N=bn2, BLOCK_K=bk2, ACT_FP8=a2,
-        ROUND_FIRST=DOT_F32, num_warps=8, **pdl(h))
+        ROUND_FIRST=DOT_F32, num_warps=8, **{**pdl(h), **early})
     return y
