@@ -47,12 +47,14 @@ def _run(fn, case, lower):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("lower", [None, -5.0])
 @pytest.mark.parametrize("up", [True, False], ids=["up_in_kernel", "up_as_gemm"])
-def test_the_kernel_gives_the_composition(H, K, W, dtype, lower, up, monkeypatch):
+@pytest.mark.parametrize("dot", [True, False], ids=["gates_dot", "gates_fma"])
+def test_the_kernel_gives_the_composition(H, K, W, dtype, lower, up, dot, monkeypatch):
+    monkeypatch.setattr(D, "GATE_DOT", dot)
     _check(H, K, W, dtype, lower, up, monkeypatch)
     if up:  # the gates' weights read after the wait, as for a weight that is not the model's
         monkeypatch.setenv("DAYZERO_WEIGHT_PRELOAD", "0")
         _check(H, K, W, dtype, lower, up, monkeypatch)
-    assert D._splits(4, H, K) == {16: 1, 32: 1, 64: 2, 128: 4}[K]  # heads split by columns
+    assert D._splits(4, H, K) == {16: 1, 32: 2, 64: 4, 128: 8}[K]  # heads split by columns of 16 or more
 
 
 @pytest.mark.parametrize("H,K,W,splits,cols", [(2, 16, 4, 1, 8), (3, 32, 2, 1, 8), (1, 64, 5, 2, 16),
@@ -124,7 +126,7 @@ def test_refusals_leave_the_composition_to_run():
 
 def test_every_sequence_of_a_full_pool_splits_its_heads_with_counters_of_its_own():
     case = _case(3, 128, 4, torch.float32, starts=list(range(SLOTS - 1)))  # every slot taken: 45 counters in use
-    assert D._splits(SLOTS - 1, 3, 128) == 4
+    assert D._splits(SLOTS - 1, 3, 128) == 8
     want, got = _run(step.kda_decode, case, -5.0), _run(D.kda_decode, case, -5.0)
     real = case[-1].state_slots
     for w, o in zip(want[:2], got[:2]):
