@@ -138,11 +138,11 @@ def test_every_sequence_of_a_full_pool_splits_its_heads_with_counters_of_its_own
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_replays_of_a_captured_step_equal_eager_steps():
-    """Three replays of one captured launch (heads split over 4 programs: the counters must be back at zero after
+    """Three replays of one captured launch (heads split over 8 programs: the counters must be back at zero after
     each) leave the windows and states that three eager launches leave."""
     case = _case(2, 128, 4, torch.bfloat16, starts=[5, 7, 9])
     proj, conv_weight, conv_pool, gate_up, A_log, dt_bias, state, batch = case
-    assert D._splits(3, 2, 128) == 4
+    assert D._splits(3, 2, 128) == 8
     args = lambda pool, st: (proj, conv_weight, pool, gate_up, A_log, dt_bias, -5.0, 0.1, st, batch)  # noqa: E731
     eager_pool, eager_state = conv_pool.clone(), state.clone()
     for _ in range(3):
