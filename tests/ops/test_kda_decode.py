@@ -47,9 +47,7 @@ def _run(fn, case, lower):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("lower", [None, -5.0])
 @pytest.mark.parametrize("up", [True, False], ids=["up_in_kernel", "up_as_gemm"])
-@pytest.mark.parametrize("dot", [True, False], ids=["gates_dot", "gates_fma"])
-def test_the_kernel_gives_the_composition(H, K, W, dtype, lower, up, dot, monkeypatch):
-    monkeypatch.setattr(D, "GATE_DOT", dot)
+def test_the_kernel_gives_the_composition(H, K, W, dtype, lower, up, monkeypatch):
     _check(H, K, W, dtype, lower, up, monkeypatch)
     if up:  # the gates' weights read after the wait, as for a weight that is not the model's
         monkeypatch.setenv("DAYZERO_WEIGHT_PRELOAD", "0")

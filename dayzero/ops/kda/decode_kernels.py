@@ -36,14 +36,13 @@ from dayzero.ops.attention.cuda import NOT_DECODE
 from dayzero.ops.kda.step import gate_ups, split_projection
 from dayzero.ops.registry import register
 from dayzero.ops.static import preload
-from dayzero.ops.triton_support import DOT_F32, HAS_TRITON, next_pow2, tl, triton, triton_refusal
+from dayzero.ops.triton_support import HAS_TRITON, next_pow2, tl, triton, triton_refusal
 
 UP_MAX_ROWS = 4  # up to this many sequences the programs run the gates' up-projections themselves
 TARGET_PROGRAMS = 256  # split heads' value columns until a step has about this many programs
 CHUNK_COLS = 64  # a program's value columns go through the delta rule this many at a time, the next one loading
 MAX_TAPS = 8
-GATE_DOT = True  # the gates' up-projections in the kernel (UP) as tensor-core products, not fp32 FMAs
-MIN_COLS = 16  # a head's value columns split no finer than this (the output gate's product needs 16 for its dot)
+MIN_COLS = 16  # a head's value columns split no finer than this
 
 if HAS_TRITON:
     from dayzero.ops.static import weight_tile
@@ -77,18 +76,6 @@ if HAS_TRITON:
         return _conv(tl.load(row + ch).to(tl.float32), u, later, cw_ptr, ch, fresh, W, BW)
 
     @triton.jit
-    def _row_product(x, w, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
-        """``w [N, K] · x [K]``, fp32 [N], on the tensor cores: x as the first of 16 rows, the others zero (the
-        products are exact for x in w's dtype, the sums fp32)."""
-        rows = tl.arange(0, 16)
-        x16 = tl.where(rows[:, None] == 0, x[None, :], 0.0).to(w.dtype)
-        if DOT_F32:  # Triton's interpreter multiplies bf16 operands wrongly (see triton_support)
-            y = tl.dot(x16.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        else:
-            y = tl.dot(x16, tl.trans(w), input_precision=PRECISION)
-        return tl.sum(y, 0)
-
-    @triton.jit
     def carried_state(slot_ptr, fresh_ptr, pid, state_ptr, s_state, win_ptr, s_wslot, s_wchan, h, i, j, P,
                       K: tl.constexpr, W: tl.constexpr, BW: tl.constexpr):
         """What a program reads of its sequence's carried state before the wait for the kernel before: the slot
@@ -112,8 +99,7 @@ if HAS_TRITON:
                            a_ptr, dtb_ptr, state_ptr, s_state, o_ptr, slot_ptr, fresh_ptr, count_ptr, P, scale,
                            lower, K: tl.constexpr, NV: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
                            W: tl.constexpr, BW: tl.constexpr, UP: tl.constexpr, LOWER: tl.constexpr,
-                           PRELOAD: tl.constexpr, PDL: tl.constexpr, DOT: tl.constexpr = False,
-                           DOT_F32: tl.constexpr = False, PRECISION: tl.constexpr = "ieee"):
+                           PRELOAD: tl.constexpr, PDL: tl.constexpr):
         h = tl.program_id(1)
         i = tl.arange(0, K)
         j0 = tl.program_id(2) * BV  # this program's first value column; its BV columns go in chunks of BC
@@ -154,12 +140,8 @@ if HAS_TRITON:
         q, k = q.to(dt).to(tl.float32), k.to(dt).to(tl.float32)
 
         if UP:
-            if DOT:
-                f = _row_product(fa, wf, DOT_F32, PRECISION).to(dt).to(tl.float32)
-                og = _row_product(ga, wg, DOT_F32, PRECISION)
-            else:
-                f = tl.sum(wf.to(tl.float32) * fa[None, :], 1).to(dt).to(tl.float32)
-                og = tl.sum(wg.to(tl.float32) * ga[None, :], 1)
+            f = tl.sum(wf.to(tl.float32) * fa[None, :], 1).to(dt).to(tl.float32)
+            og = tl.sum(wg.to(tl.float32) * ga[None, :], 1)
             tl.store(og_ptr + b * P + hv, og.to(og_ptr.dtype.element_ty))
         x = f + dtb
         if LOWER:
@@ -296,6 +278,5 @@ def kda_decode(proj, conv_weight, conv_pool, gate_up, A_log, dt_bias, lower_boun
             f.stride(0), og, A_log, dt_bias, state_pool, state_pool.stride(0), o, batch.state_slots, batch.fresh,
             _counters(state_pool) if nv > 1 else batch.fresh, P, float(scale), float(lower_bound or 0.0), K=K,
             NV=nv, BV=K // nv, BC=_chunk(K // nv), W=W, BW=next_pow2(W - 1), UP=up, LOWER=lower_bound is not None,
-            DOT=GATE_DOT, DOT_F32=DOT_F32, PRECISION="ieee" if gate_up.dtype == torch.float32 else "tf32",
             num_warps=8 if K >= 64 else 4, **_early(preload(proj, gate_up), up))
     return o, og
