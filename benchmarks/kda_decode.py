@@ -10,6 +10,15 @@ measured in the same run. ``split`` is the value-column programs per head (``dec
 one per batch size), ``chunk`` the columns a program updates at a time, the next chunk loading meanwhile
 (``decode_kernels.CHUNK_COLS``; a chunk of all of a program's columns is the kernel without the pipeline); ``*``
 marks what the engine runs; "vs first" is against the batch's first row.
+
+``--chain N``: the kernel as the engine runs it, behind the KDA input projection (the ``linear`` op, hidden
+``--hidden`` to the projection row, weights marked as the model's, so every launch reads its first weight step
+before its wait): N layers, each with weights, state and windows of its own, replayed from one CUDA graph, once
+per split at ``--batch``'s first size. Prints µs a layer and what the kernel adds to the projections alone. On
+the CPU (Triton's interpreter, tiny shapes) the chain runs once per split, for the tests: every split must give
+the same outputs.
+
+    python benchmarks/kda_decode.py --chain 18 --batch 1 --splits 1 2 4 8
 """
 from __future__ import annotations
 
@@ -57,12 +66,16 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--conv", type=int, default=4, help="conv taps")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 32, 64])
-    ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--chunk-cols", type=int, nargs="+", default=[128, 64, 32, 16],
                     help="value columns a program updates at a time (decode_kernels.CHUNK_COLS)")
     ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--chain", type=int, default=0, help="layers of the chain behind the input projection")
+    ap.add_argument("--hidden", type=int, default=2048, help="the input projection's input width (with --chain)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.chain:
+        return chain(args)
     if not torch.cuda.is_available():
         raise SystemExit("kda_decode.py times CUDA-graph replays: it needs a CUDA device")
     H, K, W = args.heads, args.head_dim, args.conv
@@ -73,7 +86,7 @@ def main(argv=None) -> list[dict]:
     for B in args.batch:
         first = None
         for nv in args.splits:
-            if nv * 32 > K:
+            if nv * D.MIN_COLS > K:
                 continue
             for chunk in args.chunk_cols:
                 if chunk > K // nv:
@@ -95,6 +108,65 @@ def main(argv=None) -> list[dict]:
                              "bytes": nbytes, "of_copy": nbytes / (ms * 1e-3) / bw})
     if args.json:
         Path(args.json).write_text(json.dumps({"copy_bytes_per_s": bw, "rows": rows}, indent=1))
+    return rows
+
+
+def chain(args) -> list[dict]:
+    """``--chain``: per split, µs a layer of the projection then the kernel, and over the projections alone."""
+    from dayzero import ops
+    from dayzero.ops.static import mark_static
+
+    cuda = torch.cuda.is_available()
+    dev = "cuda" if cuda else "cpu"
+    H, K, W, B, n = args.heads, args.head_dim, args.conv, args.batch[0], args.chain
+    g = torch.Generator().manual_seed(1)
+    layers = []
+    for _ in range(n):
+        a = list(inputs(B, H, K, W, dev))
+        mark_static(a[3])  # the gates' up-projections: a model weight, read before the wait
+        w = mark_static((torch.randn(a[0].shape[1], args.hidden, generator=g) / args.hidden ** 0.5).bfloat16().to(dev))
+        layers.append((a, w))
+    x = torch.randn(B, args.hidden, generator=g).bfloat16().to(dev)
+    picked = D._splits
+
+    def run(nv):  # nv None: the projections alone
+        out = []
+        for a, w in layers:
+            a[0] = ops.call("linear", x, w)
+            out.append(a[0][:, :K] if nv is None else D.kda_decode(*a)[0].reshape(B, -1))
+        return torch.cat(out, 1)
+
+    def timed(nv):
+        D._splits = picked if nv is None else (lambda b, h, k: nv)
+        try:
+            carried = [(a[2].clone(), a[8].clone()) for a, _ in layers]  # conv windows, states
+            got = run(nv)
+            ms = ms_per_replay(lambda: run(nv), args.repeats) if cuda else None
+            for (a, _), (win, st) in zip(layers, carried):  # every split starts from the same windows and states
+                a[2].copy_(win)
+                a[8].copy_(st)
+            return got, None if ms is None else 1e3 * ms / n
+        finally:
+            D._splits = picked
+
+    _, alone = timed(None)
+    head = f"{torch.cuda.get_device_name()}" if cuda else "cpu (interpreter, untimed)"
+    print(f"{head}: {n} layers of the projection ({args.hidden} -> {layers[0][0][0].shape[1]}) then kda_decode; "
+          f"batch {B}, H {H}, K {K}" + (f"; the projections alone {alone:.2f} us a layer" if cuda else ""))
+    print(f"{'split':>6} {'us a layer':>11} {'kda adds':>9}")
+    rows, first = [], None
+    for nv in args.splits:
+        if nv * D.MIN_COLS > K:
+            continue
+        out, us = timed(nv)
+        first = out if first is None else first
+        mark = "*" if picked(B, H, K) == nv else ""
+        if us is not None:
+            print(f"{str(nv) + mark:>6} {us:>11.2f} {us - alone:>9.2f}")
+        rows.append({"batch": B, "splits": nv, "chosen": bool(mark), "us": us,
+                     "adds": None if us is None else us - alone,
+                     "max_diff": (out.float() - first.float()).abs().max().item()})
+    print(f"largest difference between splits: {max(r['max_diff'] for r in rows):.2e}")
     return rows
 
 
