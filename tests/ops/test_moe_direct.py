@@ -249,6 +249,34 @@ def test_the_second_kernel_ranks_early_from_its_token_count(monkeypatch):
     assert down == [(False, False), (True, True)]
 
 
+def test_the_early_first_kernel_takes_wider_column_blocks(monkeypatch):
+    """Routed early, the first kernel's column blocks are at least ``EARLY_MIN_COLS`` wide where the rule of about
+    two programs an SM would make them narrower; routed late they keep that rule. The rows are the same."""
+    from dayzero.ops.static import mark_static
+
+    assert D.blocks(8, 512, 512, 264, "bfloat16") == (8, 512)  # dayzero-small at one token
+    assert D.blocks(8, 512, 512, 264, "bfloat16", least=D.EARLY_MIN_COLS) == (16, 256)
+    monkeypatch.setattr(D, "_programs_wanted", lambda device: 130)
+    logits, routing = routing_case("v3", 1, seed=6)
+    E, k = logits.shape[1], routing[0]
+    x, _, _, w1, w2, _, _ = case(1, k, E, 24, 64, seed=9)
+    mark_static(w1), mark_static(w2)
+    widths, outs = [], []
+    real = D._direct_up_kernel
+
+    class Widths(_Spy):
+        def __getitem__(self, grid):
+            widths.append(grid[1])
+            return real[grid]
+
+    monkeypatch.setattr(D, "_direct_up_kernel", Widths(real, []))
+    for early in (False, True):
+        outs.append(D.moe_experts_routed(x, logits, routing, w1, w2, early=early))
+    assert widths == [64 // 4, 64 // D.EARLY_MIN_COLS]  # column blocks a pair: 4 wide late, 16 early
+    check(outs[1][0], outs[0][0], torch.float32)
+    assert torch.equal(outs[1][2], outs[0][2])
+
+
 def test_early_routing_of_nan_logits_reads_the_experts_the_first_kernel_wrote(monkeypatch):
     """NaN logits routed early: the second kernel's own ranking gives the ids the first kernel wrote (in range),
     so its rows are those of routing after the wait."""

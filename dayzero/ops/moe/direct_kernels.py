@@ -47,6 +47,11 @@ TILE_ELEMS = 4096  # weight elements a program holds per K step (fp32 products: 
 # a chain of dayzero-small's 23 MoE layers on the H100 (benchmarks/moe_decode.py --early) it took a layer 14.13 ->
 # 17.21 us at one token (every program ranks 64 experts for 8 weight rows) and 29.98 -> 28.28 us at four
 DOWN_EARLY_ROWS = 4
+# the early-routed first kernel's column blocks are at least this wide: fewer programs, more of them resident (and
+# routed, their first weight step read) while the kernel before runs. In that chain at one token (8 pairs, where
+# the rule of about two programs an SM gives 8 columns) 16 columns took 13.35 us a layer against 14.02 at 8 (and
+# 15.29 against 17.21 with the second kernel early too); at four tokens the rule gives 32 already
+EARLY_MIN_COLS = 16
 
 if HAS_TRITON:
     @triton.jit
@@ -261,11 +266,12 @@ def _k_step(rows: int, depth: int, fmt: str, elems: int = TILE_ELEMS, act_fp8: b
     return bk if fmt in PLAIN else min(bk, TILE)
 
 
-def blocks(rows: int, width: int, depth: int, want: int, fmt: str, act_fp8: bool = False) -> tuple[int, int]:
+def blocks(rows: int, width: int, depth: int, want: int, fmt: str, act_fp8: bool = False,
+           least: int = 4) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K) of the first kernel, ``rows`` GEMVs of ``width`` outputs over ``depth`` inputs: column
-    blocks as wide as leaves about ``want`` programs (4 to 64 columns), then the K step (:func:`_k_step`)."""
+    blocks as wide as leaves about ``want`` programs (``least`` to 64 columns), then the K step (:func:`_k_step`)."""
     bn = 64
-    while bn > 4 and rows * -(-width // bn) < want:
+    while bn > least and rows * -(-width // bn) < want:
         bn //= 2
     bn = min(bn, next_pow2(width))
     return bn, _k_step(bn, depth, fmt, act_fp8=act_fp8)
@@ -363,6 +369,11 @@ def moe_experts_routed(x: torch.Tensor, logits: torch.Tensor, routing: tuple, w1
     return y, weights, ids
 
 
+def routed_early(route) -> bool:
+    """Whether :func:`_launch`'s ``route`` routes before the first kernel's wait."""
+    return route is not None and route[1].get("EARLY", False)
+
+
 def _launch(x, k, flat_ids, wt, w1, w2, activation, b1, b2, limit, load, block, route=None,
             up_warps: int = 4) -> torch.Tensor:
     """The two kernels; ``route``: (logits, correction bias, weights out, scale) and the first kernel's routing
@@ -375,7 +386,10 @@ def _launch(x, k, flat_ids, wt, w1, w2, activation, b1, b2, limit, load, block, 
     fmt = triton_moe.format_key(w1, w2)
     want = _programs_wanted(x.device)
     a1, a2 = takes_fp8_activations(w1), takes_fp8_activations(w2)
-    (bn1, bk1), (bn2, bk2) = block or (blocks(T * k, I, L, want, fmt, a1), down_blocks(T, k, L, I, want, fmt, a2))
+    early = routed_early(route) and fmt in PLAIN  # routed (and weights read) before the kernels' waits
+    least = EARLY_MIN_COLS if early else 4
+    (bn1, bk1), (bn2, bk2) = block or (blocks(T * k, I, L, want, fmt, a1, least),
+                                       down_blocks(T, k, L, I, want, fmt, a2))
     if fmt not in PLAIN and max(bk1, bk2) > TILE:
         raise ValueError(f"{fmt} weights take K steps of at most {TILE}, not {max(bk1, bk2)} (see PLAIN)")
     if (a1 and bk1 != TILE) or (a2 and bk2 != TILE):
@@ -386,7 +400,7 @@ def _launch(x, k, flat_ids, wt, w1, w2, activation, b1, b2, limit, load, block, 
 
     f, data, scale, st, ss = triton_moe.weight_operand(w1)
     options = preload(x, data)  # the expert's first K step before the wait: routed early, a plain model weight
-    options["PRELOAD"] = options["PRELOAD"] and routed.get("EARLY", False) and fmt in PLAIN
+    options["PRELOAD"] = options["PRELOAD"] and early
     _direct_up_kernel[(T * k, triton.cdiv(I, bn1))](
         x, flat_ids, data, scale, x if b1 is None else b1, h, flat_ids if load is None else load,
         0.0 if limit is None else float(limit), E, L, I, x.stride(0), *st, *ss,
@@ -397,14 +411,14 @@ def _launch(x, k, flat_ids, wt, w1, w2, activation, b1, b2, limit, load, block, 
         num_warps=up_warps, **options)
 
     f, data, scale, st, ss = triton_moe.weight_operand(w2)
-    early = {}  # the slots ranked before the wait, as the first kernel ranked them, and their first weight step
-    if routed.get("EARLY", False) and T >= DOWN_EARLY_ROWS:
-        early = {name: routed[name] for name in ("GS", "SQRT_SOFTPLUS", "HAS_CORR", "G", "TOPG", "BG", "EARLY")}
-        early.update(E_POW2=next_pow2(E), **preload(h, data))
-        early["PRELOAD"] = early["PRELOAD"] and fmt in PLAIN
+    ranks = {}  # the slots ranked before the wait, as the first kernel ranked them, and their first weight step
+    if routed_early(route) and T >= DOWN_EARLY_ROWS:
+        ranks = {name: routed[name] for name in ("GS", "SQRT_SOFTPLUS", "HAS_CORR", "G", "TOPG", "BG", "EARLY")}
+        ranks.update(E_POW2=next_pow2(E), **preload(h, data))
+        ranks["PRELOAD"] = ranks["PRELOAD"] and fmt in PLAIN
     _direct_down_kernel[(T, triton.cdiv(L, bn2))](
         h, flat_ids, wt, data, scale, h if b2 is None else b2, y, E, L, I, *st, *ss,
         *((0, 0) if b2 is None else b2.stride()), y.stride(0), *operands[:2],
         FMT=f, HAS_BIAS=b2 is not None, TOP_K=k, K_POW2=next_pow2(k), BLOCK_N=bn2, BLOCK_K=bk2, ACT_FP8=a2,
-        ROUND_FIRST=DOT_F32, num_warps=8, **{**pdl(h), **early})
+        ROUND_FIRST=DOT_F32, num_warps=8, **{**pdl(h), **ranks})
     return y
