@@ -22,7 +22,7 @@ READS = ("tl.load", "tl.store", "tl.atomic", "return")
 # of logits written two kernels or more before (under EARLY: the kernel before starts this one only after its own
 # wait) with their experts' weight tiles (under PRELOAD)
 EARLY = {"tl.program_id", "tl.arange", "n.to", "weight_tile", "carried_state", "route_pair", "expert_weight_tile",
-         "route_slots", "slot_weight_tile"}
+         "route_slots"}
 
 
 def _jit_kernels(tree: ast.Module):

@@ -106,16 +106,10 @@ if HAS_TRITON:
         return tl.minimum(tl.sum(tl.where(mine, ee[None, :], 0), axis=1).to(tl.int64), E - 1)
 
     @triton.jit
-    def slot_weight_tile(w_ptr, s_ptr, e, n, ok, KW, s_we, s_wn, s_wk, s_se, s_sn, s_sk, FMT: tl.constexpr,
-                         R: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Rows ``n`` of experts ``e`` [R], first K step, as the second kernel reads them (a plain format)."""
-        return K.weight_rows(w_ptr, s_ptr, e * s_we + n * s_wn, e * s_se + n * s_sn, ok, 0, KW, s_wk, s_sk, FMT, R,
-                             BLOCK_K, tl.float32)
-
-    @triton.jit
     def expert_weight_tile(w_ptr, s_ptr, e, n, n_ok, KW, s_we, s_wn, s_wk, s_se, s_sn, s_sk, FMT: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Expert e's weight rows ``n``, first K step, as the GEMV reads them (a plain format: no scales)."""
+        """Expert e's weight rows ``n``, first K step, as the GEMV reads them (a plain format: no scales); ``e``
+        may be one expert or one per row (the second kernel's slots)."""
         return K.weight_tile(w_ptr, s_ptr, e, n, n_ok, 0, KW, s_we, s_wn, s_wk, s_se, s_sn, s_sk, FMT, BLOCK_N,
                              BLOCK_K, tl.float32)
 
@@ -211,8 +205,8 @@ if HAS_TRITON:
             e = route_slots(logits_ptr, corr_ptr, tl.program_id(0), r // BLOCK_N, E, TOP_K, GS, SQRT_SOFTPLUS,
                             HAS_CORR, G, TOPG, E_POW2, BG)
         if PRELOAD:
-            w_first = slot_weight_tile(w_ptr, ws_ptr, e, n, ok, I, s_we, s_wn, s_wk, s_se, s_sn, s_sk, FMT,
-                                       K_POW2 * BLOCK_N, BLOCK_K)
+            w_first = expert_weight_tile(w_ptr, ws_ptr, e, n, ok, I, s_we, s_wn, s_wk, s_se, s_sn, s_sk, FMT,
+                                         K_POW2 * BLOCK_N, BLOCK_K)
         grid_dependency(PDL)
         R: tl.constexpr = K_POW2 * BLOCK_N
         t = tl.program_id(0).to(tl.int64)
@@ -369,11 +363,6 @@ def moe_experts_routed(x: torch.Tensor, logits: torch.Tensor, routing: tuple, w1
     return y, weights, ids
 
 
-def routed_early(route) -> bool:
-    """Whether :func:`_launch`'s ``route`` routes before the first kernel's wait."""
-    return route is not None and route[1].get("EARLY", False)
-
-
 def _launch(x, k, flat_ids, wt, w1, w2, activation, b1, b2, limit, load, block, route=None,
             up_warps: int = 4) -> torch.Tensor:
     """The two kernels; ``route``: (logits, correction bias, weights out, scale) and the first kernel's routing
@@ -386,9 +375,10 @@ def _launch(x, k, flat_ids, wt, w1, w2, activation, b1, b2, limit, load, block, 
     fmt = triton_moe.format_key(w1, w2)
     want = _programs_wanted(x.device)
     a1, a2 = takes_fp8_activations(w1), takes_fp8_activations(w2)
-    early = routed_early(route) and fmt in PLAIN  # routed (and weights read) before the kernels' waits
-    least = EARLY_MIN_COLS if early else 4
-    (bn1, bk1), (bn2, bk2) = block or (blocks(T * k, I, L, want, fmt, a1, least),
+    operands, routed = route or ((wt, wt, wt, 1.0), {})  # unread without ROUTE
+    early = routed.get("EARLY", False)  # routed before the kernels' waits
+    preloads = early and fmt in PLAIN  # and their first weight steps read there
+    (bn1, bk1), (bn2, bk2) = block or (blocks(T * k, I, L, want, fmt, a1, EARLY_MIN_COLS if preloads else 4),
                                        down_blocks(T, k, L, I, want, fmt, a2))
     if fmt not in PLAIN and max(bk1, bk2) > TILE:
         raise ValueError(f"{fmt} weights take K steps of at most {TILE}, not {max(bk1, bk2)} (see PLAIN)")
@@ -396,11 +386,10 @@ def _launch(x, k, flat_ids, wt, w1, w2, activation, b1, b2, limit, load, block, 
         raise ValueError(f"FP8 activations take K steps of {TILE} (one quantisation group), not {bk1} / {bk2}")
     h = triton_moe.new_buffer(T * k, I, x)
     act = {"silu": K.SILU, "relu2": K.RELU2, "swiglu_oai": K.SWIGLU_OAI}[activation].value
-    operands, routed = route or ((wt, wt, wt, 1.0), {})  # unread without ROUTE
 
     f, data, scale, st, ss = triton_moe.weight_operand(w1)
     options = preload(x, data)  # the expert's first K step before the wait: routed early, a plain model weight
-    options["PRELOAD"] = options["PRELOAD"] and early
+    options["PRELOAD"] = options["PRELOAD"] and preloads
     _direct_up_kernel[(T * k, triton.cdiv(I, bn1))](
         x, flat_ids, data, scale, x if b1 is None else b1, h, flat_ids if load is None else load,
         0.0 if limit is None else float(limit), E, L, I, x.stride(0), *st, *ss,
@@ -412,10 +401,10 @@ def _launch(x, k, flat_ids, wt, w1, w2, activation, b1, b2, limit, load, block, 
 
     f, data, scale, st, ss = triton_moe.weight_operand(w2)
     ranks = {}  # the slots ranked before the wait, as the first kernel ranked them, and their first weight step
-    if routed_early(route) and T >= DOWN_EARLY_ROWS:
+    if early and T >= DOWN_EARLY_ROWS:
         ranks = {name: routed[name] for name in ("GS", "SQRT_SOFTPLUS", "HAS_CORR", "G", "TOPG", "BG", "EARLY")}
         ranks.update(E_POW2=next_pow2(E), **preload(h, data))
-        ranks["PRELOAD"] = ranks["PRELOAD"] and fmt in PLAIN
+        ranks["PRELOAD"] = ranks["PRELOAD"] and preloads
     _direct_down_kernel[(T, triton.cdiv(L, bn2))](
         h, flat_ids, wt, data, scale, h if b2 is None else b2, y, E, L, I, *st, *ss,
         *((0, 0) if b2 is None else b2.stride()), y.stride(0), *operands[:2],
