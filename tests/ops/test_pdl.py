@@ -20,9 +20,9 @@ READS = ("tl.load", "tl.store", "tl.atomic", "return")
 # index arithmetic (n.to: a cast), the weight tile, kda_decode's carried state (its layer's state and conv
 # windows, which no kernel but itself writes, at the slot the step's inputs give), and the routed experts' routing
 # of logits written two kernels or more before (under EARLY: the kernel before starts this one only after its own
-# wait) with their experts' weight tiles (under PRELOAD)
+# wait) with their experts' weight tiles (under PRELOAD), and kda_decode's arrival at its head's counter (its own)
 EARLY = {"tl.program_id", "tl.arange", "n.to", "weight_tile", "carried_state", "route_pair", "expert_weight_tile",
-         "route_slots"}
+         "route_slots", "head_arrival", "tl.num_programs"}
 
 
 def _jit_kernels(tree: ast.Module):

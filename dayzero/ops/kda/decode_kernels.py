@@ -13,10 +13,12 @@ anything; NV grows as the step's sequences x heads fall below the GPU's width (a
 read by one program would take longer than the four kernels it replaces).
 
 The windows: a program owns its value columns' v windows; q's and k's are read whole by all NV programs of the
-head, so the last of them to arrive (a counter per (sequence, head), bumped once by each at its end, with
-acquire-release semantics, and put back to zero by the last) writes them. The counters are one int32 per
-(sequence, head) per layer, made at the layer's first eager call (a layer first met inside a CUDA-graph capture
-runs the composition). What a program reads that the kernel before does not write is read before the wait for
+head, so the last of them to arrive writes them (:func:`head_arrival`: a counter per (sequence, head), which each
+program raises by COUNT_PERIOD / NV with acquire-release semantics right after reading the windows, before the
+wait; the program that brings it to a multiple of :data:`COUNT_PERIOD` is the last, whatever NV the launches
+before had, so nothing puts it back and no atomic or fence is left for a program's end). The counters are one
+int32 per (sequence, head) per layer, made at the layer's first eager call (a layer first met inside a CUDA-graph
+capture runs the composition). What a program reads that the kernel before does not write is read before the wait for
 that kernel, while it still runs: the gates' up-projection rows, a model weight (:mod:`dayzero.ops.static`,
 ``PRELOAD``), and the sequence's slot, its first chunk of state columns and its conv windows
 (:func:`carried_state`: the layer's pools, which only this kernel writes). After the wait a program reads the
@@ -43,6 +45,7 @@ TARGET_PROGRAMS = 256  # split heads' value columns until a step has about this 
 CHUNK_COLS = 64  # a program's value columns go through the delta rule this many at a time, the next one loading
 MAX_TAPS = 8
 MIN_COLS = 16  # a head's value columns split no finer than this
+COUNT_PERIOD = 64  # a power of two at least any split: each launch raises a (sequence, head) counter by this much
 
 if HAS_TRITON:
     from dayzero.ops.static import weight_tile
@@ -95,11 +98,21 @@ if HAS_TRITON:
         return b, fresh, rows, win, tl.load(rows + j[None, :]), uq, lq, uk, lk, uv, lv
 
     @triton.jit
+    def head_arrival(count_ptr, b, h, H, NV: tl.constexpr, PERIOD: tl.constexpr):
+        """This program's arrival at its (sequence, head)'s counter, after its reads of the head's q and k windows
+        (the acquire-release atomic orders them before it): whether it is the head's last program to arrive, the
+        one to write those windows. The counter is this kernel's own (no other kernel touches it, and this one's
+        launch before has finished), so the arrival need not wait for the kernel before."""
+        step = PERIOD // NV
+        done = tl.atomic_add(count_ptr + b * H + h, step, sem="acq_rel")
+        return ((done + step) & (PERIOD - 1)) == 0
+
+    @triton.jit
     def _kda_decode_kernel(proj_ptr, s_proj, cw_ptr, win_ptr, s_wslot, s_wchan, up_ptr, f_ptr, s_f, og_ptr,
                            a_ptr, dtb_ptr, state_ptr, s_state, o_ptr, slot_ptr, fresh_ptr, count_ptr, P, scale,
                            lower, K: tl.constexpr, NV: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
                            W: tl.constexpr, BW: tl.constexpr, UP: tl.constexpr, LOWER: tl.constexpr,
-                           PRELOAD: tl.constexpr, PDL: tl.constexpr):
+                           PRELOAD: tl.constexpr, PDL: tl.constexpr, PERIOD: tl.constexpr):
         h = tl.program_id(1)
         i = tl.arange(0, K)
         j0 = tl.program_id(2) * BV  # this program's first value column; its BV columns go in chunks of BC
@@ -115,6 +128,8 @@ if HAS_TRITON:
         b, fresh, rows, win, S, uq, lq, uk, lk, uv, lv = carried_state(
             slot_ptr, fresh_ptr, tl.program_id(0), state_ptr, s_state, win_ptr, s_wslot, s_wchan, h, i, j0 + jc, P,
             K, W, BW)
+        if NV > 1:  # the head's last program to arrive writes its q and k windows (after every program read them)
+            last = head_arrival(count_ptr, b, h, tl.num_programs(1), NV, PERIOD)
         grid_dependency(PDL)
         H = tl.num_programs(1)
         dt = proj_ptr.dtype.element_ty
@@ -175,12 +190,9 @@ if HAS_TRITON:
                 S, v, wv = S_next, v_next, wv_next
 
         # q's and k's new windows, last: they are read by every program of the head, so the last of them to
-        # arrive writes them
+        # arrive (before the wait) writes them
         if NV > 1:
-            done = tl.atomic_add(count_ptr + b * H + h, 1, sem="acq_rel")  # after this program's reads
-            if done == NV - 1:
-                tl.atomic_xchg(count_ptr + b * H + h, 0)
-            keep_qk = keep & (done == NV - 1)
+            keep_qk = keep & last
         else:
             keep_qk = keep
         tl.store(win + hk[:, None] * s_wchan + col[None, :], wq.to(wdt), mask=keep_qk)
@@ -278,5 +290,5 @@ def kda_decode(proj, conv_weight, conv_pool, gate_up, A_log, dt_bias, lower_boun
             f.stride(0), og, A_log, dt_bias, state_pool, state_pool.stride(0), o, batch.state_slots, batch.fresh,
             _counters(state_pool) if nv > 1 else batch.fresh, P, float(scale), float(lower_bound or 0.0), K=K,
             NV=nv, BV=K // nv, BC=_chunk(K // nv), W=W, BW=next_pow2(W - 1), UP=up, LOWER=lower_bound is not None,
-            num_warps=8 if K >= 64 else 4, **_early(preload(proj, gate_up), up))
+            PERIOD=COUNT_PERIOD, num_warps=8 if K >= 64 else 4, **_early(preload(proj, gate_up), up))
     return o, og
