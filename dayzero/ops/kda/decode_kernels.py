@@ -18,8 +18,8 @@ program raises by COUNT_PERIOD / NV with acquire-release semantics right after r
 wait; the program that brings it to a multiple of :data:`COUNT_PERIOD` is the last, whatever NV the launches
 before had, so nothing puts it back and no atomic or fence is left for a program's end). The counters are one
 int32 per (sequence, head) per layer, made at the layer's first eager call (a layer first met inside a CUDA-graph
-capture runs the composition). What a program reads that the kernel before does not write is read before the wait for
-that kernel, while it still runs: the gates' up-projection rows, a model weight (:mod:`dayzero.ops.static`,
+capture runs the composition). What a program reads that the kernel before does not write is read before the wait
+for that kernel, while it still runs: the gates' up-projection rows, a model weight (:mod:`dayzero.ops.static`,
 ``PRELOAD``), and the sequence's slot, its first chunk of state columns and its conv windows
 (:func:`carried_state`: the layer's pools, which only this kernel writes). After the wait a program reads the
 projection row, so it is about one memory round trip, its products and its stores. Padding rows
@@ -104,6 +104,7 @@ if HAS_TRITON:
         one to write those windows. The counter is this kernel's own (no other kernel touches it, and this one's
         launch before has finished), so the arrival need not wait for the kernel before."""
         step = PERIOD // NV
+        tl.debug_barrier()  # every thread's window loads performed before the one thread's atomic releases them
         done = tl.atomic_add(count_ptr + b * H + h, step, sem="acq_rel")
         return ((done + step) & (PERIOD - 1)) == 0
 
