@@ -36,7 +36,7 @@ from dayzero.distributed import SINGLE, ParallelState, divide, tp_all_reduce
 from dayzero.layers.attention.base import CachedLayer
 from dayzero.layers.fused import fuse, project
 from dayzero.layers.norm import LayerNorm, RMSNorm
-from dayzero.layers.parallel import Linear, Shard, column_linear, fused_product, row_linear
+from dayzero.layers.parallel import PLAIN_LINEARS, Linear, Shard, column_linear, fused_product, row_linear
 from dayzero.layers.rotary import RotaryEmbedding
 from dayzero.ops.indexer.triton_indexer import chunk_rows
 from dayzero.layers.fp8_linear import dense_weight
@@ -60,12 +60,14 @@ class Indexer(nn.Module):
         self.weight_scale = spec.n_heads**-0.5 * self.Dh**-0.5  # of all heads, whatever the rank holds
         self.rotary = RotaryEmbedding(spec.rope)  # rotates the first rope.dim dims, or the last with rope.last
 
-    def project(self, x, c_q, batch, pool, k=None):
+    def project(self, x, c_q, batch, pool, k=None, q=None):
         """(q, weights) of the indexer at the step's positions, its key normed, rotated and written to ``pool`` at
-        the step's slots (one op); ``k``: ``wk(x)`` when the caller computed it (in a fused GEMM)."""
+        the step's slots (one op); ``k``: ``wk(x)`` and ``q``: ``wq_b(c_q)`` when the caller computed them (in
+        fused GEMMs)."""
         T = x.shape[0]
         cos, sin = self.rotary.step_cos_sin(batch)
-        q = self.rotary(self.wq_b(c_q).view(T, self.H, self.Dh), cos, sin)  # [T, Hi, Di]
+        q = self.wq_b(c_q) if q is None else q
+        q = self.rotary(q.view(T, self.H, self.Dh), cos, sin)  # [T, Hi, Di]
         k = self.wk(x) if k is None else k  # [T, Di]
         ops.call("indexer_key_write", k, self.k_norm.weight, self.k_norm.bias, self.k_norm.eps, cos, sin,
                  self.rotary.interleaved, self.rotary.start(self.Dh), pool, batch.slot_mapping)
@@ -139,6 +141,8 @@ class MLAAttention(CachedLayer):
         self.scale = spec.scale
         # the projections of the layer's input, one GEMM once fused (dayzero.layers.fused); biases only on the first two
         self.in_proj_members = ["q_a_proj" if spec.q_lora_rank else "q_proj", "kv_a_proj_with_mqa"]
+        # the projections of the normed query latent: the heads' queries and the indexer's
+        self.q_members = ["q_b_proj"] + ["indexer.wq_b"] * (self.indexer is not None) if spec.q_lora_rank else []
         if not spec.bias:
             self.in_proj_members += ["indexer.wk"] * (self.indexer is not None) + ["g_proj"] * (self.g_proj is not None)
 
@@ -150,6 +154,7 @@ class MLAAttention(CachedLayer):
     def process_weights_after_loading(self) -> None:
         self.kv_b_weight()  # a block-FP8 kv_b is dequantised here, once, not in a step
         fuse(self, "fused_in", self.in_proj_members)
+        fuse(self, "fused_q", self.q_members)
 
     def kv_b_weight(self) -> torch.Tensor:
         """kv_b_proj's weight [H*(N+V), R] dense, in the model dtype (that of the latent norm's weight)."""
@@ -172,15 +177,29 @@ class MLAAttention(CachedLayer):
         k_pe = rot(k_pe.reshape(-1, 1, self.P), cos, sin)[:, 0]
         self.write_rows("latent", batch.slot_mapping, torch.cat((self.kv_a_layernorm(c_kv), k_pe), dim=-1))
 
+    def _query(self, q_a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(c_q, q, the indexer's ``wq_b(c_q)`` or None): the query latent normed, then its projections,
+        ``q_b_proj`` and the indexer's ``wq_b`` (one GEMM once fused, ``fused_q``). With an RMSNorm and a plain or
+        fused projection, one op (``rms_norm_linear``: on a decode step's few rows the norm runs inside the
+        projection's kernel where that measured faster than the two apart)."""
+        norm, fused = self.q_a_layernorm, self._modules.get("fused_q")
+        up = fused if fused is not None else self.q_b_proj
+        if type(norm) is RMSNorm and (fused is not None or type(up) in PLAIN_LINEARS):
+            y, c_q, _ = ops.call("rms_norm_linear", q_a, None, norm.scale(), norm.eps, up.weight, up.bias)
+            outs = project(self, "fused_q", self.q_members, c_q, y) if fused is not None else (y,)
+        else:
+            c_q = norm(q_a)
+            outs = project(self, "fused_q", self.q_members, c_q)
+        return c_q, outs[0], outs[1] if len(outs) > 1 else None
+
     def forward(self, x: torch.Tensor, batch, projected: torch.Tensor | None = None) -> torch.Tensor:
         """``projected``: ``fused_in(x)`` when the caller computed it (with the input norm, DecoderLayer._mix)."""
         T = x.shape[0]
         proj = dict(zip(self.in_proj_members, project(self, "fused_in", self.in_proj_members, x, projected)))
         if self.spec.q_lora_rank:
-            c_q = self.q_a_layernorm(proj["q_a_proj"])
-            q = self.q_b_proj(c_q)
+            c_q, q, iq = self._query(proj["q_a_proj"])
         else:
-            c_q, q = x, proj["q_proj"]
+            c_q, q, iq = x, proj["q_proj"], None
         q_nope, q_pe = q.view(T, self.H, self.N + self.P).split([self.N, self.P], dim=-1)
         c_kv, k_pe = proj["kv_a_proj_with_mqa"].split([self.R, self.P], dim=-1)
         cos = sin = None
@@ -189,7 +208,7 @@ class MLAAttention(CachedLayer):
             q_pe = self.rotary(q_pe, cos, sin)
         self._write_latent(c_kv, k_pe, cos, sin, batch)
         if self.indexer is not None:
-            iq, iw = self.indexer.project(x, c_q, batch, self.cache["index_k"], proj.get("indexer.wk"))
+            iq, iw = self.indexer.project(x, c_q, batch, self.cache["index_k"], proj.get("indexer.wk"), iq)
 
         if self.indexer is not None:
             selection = None
