@@ -96,12 +96,17 @@ def active_params(model, spec) -> tuple[int, int]:
     return total, int(total - inactive - model.model.embed_tokens.weight.numel())
 
 
-def weight_bytes(model, spec, batch: int) -> float:
+def weight_bytes(model, spec, batch: int, context: int | None = None) -> float:
     """Bytes of weights a decode step of ``batch`` sequences reads, embeddings aside: every dense weight once, and
     of each MoE layer's routed experts (in their stored format) the share that ``batch`` tokens hit, by uniform
-    routing 1 - (1 - k/E)^batch."""
+    routing 1 - (1 - k/E)^batch. With ``context`` (tokens a sequence holds) no more than a DSA indexer's topk,
+    that indexer selects every key, so its query and head-weight projections are not counted (only its key's)."""
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
     dense -= model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
+    for m in model.modules():
+        indexer = getattr(m, "indexer", None)
+        if context is not None and indexer is not None and hasattr(indexer, "wq_b") and context <= indexer.topk:
+            dense -= sum(p.numel() * p.element_size() for p in (indexer.wq_b.weight, indexer.weights_proj.weight))
     hit = 0.0
     for mlp, ms in _moe_layers(model, spec):
         _, nbytes = _routed(mlp)
@@ -340,7 +345,8 @@ def main() -> None:
         prefill_s, decode_s, steps, _ = timed(eng, draw(args.prompt_len), args.decode, dev)
         # a decode step reads its weights once (the experts its tokens hit), every sequence's KV rows, and reads +
         # writes its states
-        step_bytes = weight_bytes(eng.model, spec, bsz) + bsz * (args.prompt_len * kv_bytes + 2 * state_bytes)
+        context = args.prompt_len + args.decode
+        step_bytes = weight_bytes(eng.model, spec, bsz, context) + bsz * (args.prompt_len * kv_bytes + 2 * state_bytes)
         rows.append({
             "batch": bsz, "prefill_tok_s": bsz * args.prompt_len / prefill_s, "decode_tok_s": bsz * steps / decode_s,
             "decode_step_ms": 1e3 * decode_s / steps,

@@ -52,3 +52,13 @@ def test_the_side_by_side_flags_a_side_whose_gpu_waits_on_its_host():
     assert "82.0% -> 81.0%" in calm and "287 -> 275" in calm and "host" not in calm
     flagged = busy_line(side(0.9, 287), side(IDLE_WARNING - 0.2, 275))
     assert "this version busy less than" in flagged and "baseline" not in flagged.split(";")[1]
+
+
+def test_weight_bytes_leave_out_the_indexers_query_where_every_key_is_selected():
+    """At a context of at most topk tokens a DSA indexer selects every key: its query (768 -> 32 x 128, bf16) and
+    head-weight (2048 -> 32, fp32) projections are not read, in each of dayzero-small's 6 DSA layers; past topk they
+    are."""
+    dense, spec = _model("configs/dayzero-small.json")
+    query = 6 * (768 * 32 * 128 * 2 + 2048 * 32 * 4)
+    assert weight_bytes(dense, spec, 1) - weight_bytes(dense, spec, 1, context=2048) == query
+    assert weight_bytes(dense, spec, 1, context=2049) == weight_bytes(dense, spec, 1)

@@ -60,17 +60,20 @@ class Indexer(nn.Module):
         self.weight_scale = spec.n_heads**-0.5 * self.Dh**-0.5  # of all heads, whatever the rank holds
         self.rotary = RotaryEmbedding(spec.rope)  # rotates the first rope.dim dims, or the last with rope.last
 
-    def project(self, x, c_q, batch, pool, k=None, q=None):
+    def project(self, x, c_q, batch, pool, k=None, q=None, selects: bool = True):
         """(q, weights) of the indexer at the step's positions, its key normed, rotated and written to ``pool`` at
         the step's slots (one op); ``k``: ``wk(x)`` and ``q``: ``wq_b(c_q)`` when the caller computed them (in
-        fused GEMMs)."""
+        fused GEMMs). Without ``selects`` (a step whose block tables address no more than ``topk`` keys: every
+        key is selected) only the key is written, and (None, None) returned."""
         T = x.shape[0]
         cos, sin = self.rotary.step_cos_sin(batch)
-        q = self.wq_b(c_q) if q is None else q
-        q = self.rotary(q.view(T, self.H, self.Dh), cos, sin)  # [T, Hi, Di]
         k = self.wk(x) if k is None else k  # [T, Di]
         ops.call("indexer_key_write", k, self.k_norm.weight, self.k_norm.bias, self.k_norm.eps, cos, sin,
                  self.rotary.interleaved, self.rotary.start(self.Dh), pool, batch.slot_mapping)
+        if not selects:
+            return None, None
+        q = self.wq_b(c_q) if q is None else q
+        q = self.rotary(q.view(T, self.H, self.Dh), cos, sin)  # [T, Hi, Di]
         scaled = getattr(self, "_scaled_weights", None)
         if scaled is not None:  # the scale folded into the weights: one GEMV
             w = ops.call("linear", x, scaled, out_dtype=torch.float32)  # [T, Hi]
@@ -177,27 +180,34 @@ class MLAAttention(CachedLayer):
         k_pe = rot(k_pe.reshape(-1, 1, self.P), cos, sin)[:, 0]
         self.write_rows("latent", batch.slot_mapping, torch.cat((self.kv_a_layernorm(c_kv), k_pe), dim=-1))
 
-    def _query(self, q_a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _query(self, q_a: torch.Tensor, selects: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(c_q, q, the indexer's ``wq_b(c_q)`` or None): the query latent normed, then its projections,
-        ``q_b_proj`` and the indexer's ``wq_b`` (one GEMM once fused, ``fused_q``). With an RMSNorm and a plain or
+        ``q_b_proj`` and, when the step ``selects`` keys, the indexer's ``wq_b`` (one GEMM once fused,
+        ``fused_q``; without ``selects`` only ``q_b_proj``'s rows of it are read). With an RMSNorm and a plain or
         fused projection, one op (``rms_norm_linear``: on a decode step's few rows the norm runs inside the
         projection's kernel where that measured faster than the two apart)."""
         norm, fused = self.q_a_layernorm, self._modules.get("fused_q")
-        up = fused if fused is not None else self.q_b_proj
-        if type(norm) is RMSNorm and (fused is not None or type(up) in PLAIN_LINEARS):
+        up = fused if fused is not None and selects else self.q_b_proj  # (a member's weight: a view of the fused)
+        if type(norm) is RMSNorm and (up is fused or type(up) in PLAIN_LINEARS):
             y, c_q, _ = ops.call("rms_norm_linear", q_a, None, norm.scale(), norm.eps, up.weight, up.bias)
-            outs = project(self, "fused_q", self.q_members, c_q, y) if fused is not None else (y,)
-        else:
-            c_q = norm(q_a)
-            outs = project(self, "fused_q", self.q_members, c_q)
+            if up is fused:
+                q, iq = y.split(fused.widths, dim=-1)
+                return c_q, q, iq
+            return c_q, y, None
+        c_q = norm(q_a)
+        if not selects:
+            return c_q, self.q_b_proj(c_q), None
+        outs = project(self, "fused_q", self.q_members, c_q)
         return c_q, outs[0], outs[1] if len(outs) > 1 else None
 
     def forward(self, x: torch.Tensor, batch, projected: torch.Tensor | None = None) -> torch.Tensor:
         """``projected``: ``fused_in(x)`` when the caller computed it (with the input norm, DecoderLayer._mix)."""
         T = x.shape[0]
         proj = dict(zip(self.in_proj_members, project(self, "fused_in", self.in_proj_members, x, projected)))
+        # a step whose block tables address no more than topk keys selects them all: no query or weights needed
+        selects = self.indexer is not None and batch.key_width > self.indexer.topk
         if self.spec.q_lora_rank:
-            c_q, q, iq = self._query(proj["q_a_proj"])
+            c_q, q, iq = self._query(proj["q_a_proj"], selects)
         else:
             c_q, q, iq = x, proj["q_proj"], None
         q_nope, q_pe = q.view(T, self.H, self.N + self.P).split([self.N, self.P], dim=-1)
@@ -208,11 +218,11 @@ class MLAAttention(CachedLayer):
             q_pe = self.rotary(q_pe, cos, sin)
         self._write_latent(c_kv, k_pe, cos, sin, batch)
         if self.indexer is not None:
-            iq, iw = self.indexer.project(x, c_q, batch, self.cache["index_k"], proj.get("indexer.wk"), iq)
+            iq, iw = self.indexer.project(x, c_q, batch, self.cache["index_k"], proj.get("indexer.wk"), iq, selects)
 
         if self.indexer is not None:
             selection = None
-            if batch.key_width > self.indexer.topk:
+            if selects:
                 selection = self.indexer.select(iq, iw, self.cache["index_k"], batch)  # [T, topk] key positions
             batch.selection, batch.selection_set = selection, True
         elif self.shares_selection:
