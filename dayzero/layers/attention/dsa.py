@@ -186,18 +186,15 @@ class MLAAttention(CachedLayer):
         ``fused_q``; without ``selects`` only ``q_b_proj``'s rows of it are read). With an RMSNorm and a plain or
         fused projection, one op (``rms_norm_linear``: on a decode step's few rows the norm runs inside the
         projection's kernel where that measured faster than the two apart)."""
-        norm, fused = self.q_a_layernorm, self._modules.get("fused_q")
-        up = fused if fused is not None and selects else self.q_b_proj  # (a member's weight: a view of the fused)
-        if type(norm) is RMSNorm and (up is fused or type(up) in PLAIN_LINEARS):
+        norm = self.q_a_layernorm
+        fused = self._modules.get("fused_q") if selects else None
+        up = fused if fused is not None else self.q_b_proj  # (q_b_proj's weight: a view of the fused one)
+        if type(norm) is RMSNorm and (fused is not None or type(up) in PLAIN_LINEARS):
             y, c_q, _ = ops.call("rms_norm_linear", q_a, None, norm.scale(), norm.eps, up.weight, up.bias)
-            if up is fused:
-                q, iq = y.split(fused.widths, dim=-1)
-                return c_q, q, iq
-            return c_q, y, None
-        c_q = norm(q_a)
-        if not selects:
-            return c_q, self.q_b_proj(c_q), None
-        outs = project(self, "fused_q", self.q_members, c_q)
+            outs = project(self, "fused_q", self.q_members, c_q, y) if fused is not None else (y,)
+        else:
+            c_q = norm(q_a)
+            outs = project(self, "fused_q", self.q_members, c_q) if selects else (self.q_b_proj(c_q),)
         return c_q, outs[0], outs[1] if len(outs) > 1 else None
 
     def forward(self, x: torch.Tensor, batch, projected: torch.Tensor | None = None) -> torch.Tensor:
