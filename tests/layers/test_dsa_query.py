@@ -51,18 +51,21 @@ def test_query_projections_fused_with_the_norm_equal_them_apart(device_ops, monk
     attn = _layer()
     q_a = torch.randn(3, attn.q_a_layernorm.weight.shape[0], generator=torch.Generator().manual_seed(1))
     want = _apart(attn, q_a)
-    attn.process_weights_after_loading()
+    if device_ops and torch.cuda.is_available():  # the kernel itself, compiled for the GPU
+        attn, q_a = attn.cuda(), q_a.cuda()
+    attn.process_weights_after_loading()  # (after the move: the members' weights are views of the fused one)
     assert isinstance(attn.fused_q, FusedLinear) and attn.fused_q.members == ["q_b_proj", "indexer.wq_b"]
     if device_ops:
         choose_first_blocks(monkeypatch)
-        monkeypatch.setattr(registry, "platform_of", lambda device: "cuda")
+        if not torch.cuda.is_available():  # through Triton's interpreter on the CPU's tensors
+            monkeypatch.setattr(registry, "platform_of", lambda device: "cuda")
     got, calls = _recorded_with(attn, q_a)
     norm_calls = [(c, args) for op, c, args in calls if op == "rms_norm_linear"]
     assert len(norm_calls) == 1 and norm_calls[0][1][4] is attn.fused_q.weight  # one op: the norm and both GEMMs
     assert norm_calls[0][0] == ("cuda" if device_ops else "reference")
     assert [t.shape for t in got] == [t.shape for t in want]
     for g_, w in zip(got, want):
-        torch.testing.assert_close(g_, w, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(g_.cpu(), w, rtol=1e-5, atol=1e-5)
 
 
 def test_the_indexers_query_comes_from_the_fused_gemm(monkeypatch):
