@@ -2,7 +2,7 @@
 inside the first expert kernel, side by side in one run.
 
     python benchmarks/moe_decode.py --config configs/dayzero-small.json --rows 1 4 [--layers 23] [--replays 50]
-        [--up-warps 4 2 1] [--dual] [--early [--up-widths 16 32] [--down-widths 2 4]]
+        [--up-warps 4 2 1] [--dual] [--early [--up-widths 16 32] [--down-widths 2 4] [--down-warps 4]]
 
 Each of ``--layers`` layers has weights of its own (the config's router, fp32, and its routed experts in bf16;
 random) and feeds the next: its routed output is the next layer's expert input, its router input stays the step's
@@ -31,7 +31,8 @@ expert's first weight step (``moe_experts_routed(early=True)``): the second kern
 after its wait (``early, up only``) or before it with their first weight step (``early``; the engine's choice
 from ``direct_kernels.DOWN_EARLY_ROWS`` tokens), the latter at the default column blocks and at the first kernel's
 widths ``--up-widths`` (fewer, wider programs: more of them resident beside the projection's) and the second's
-``--down-widths``. Weights are marked as model weights, so every launch reads its first step early.
+``--down-widths``, and with the second kernel's warps ``--down-warps`` (ranking early from the engine's
+``DOWN_EARLY_ROWS``). Weights are marked as model weights, so every launch reads its first step early.
 """
 from __future__ import annotations
 
@@ -93,6 +94,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="with --early: the first kernel's column blocks to time besides its default")
     ap.add_argument("--down-widths", type=int, nargs="+", default=[],
                     help="with --early: the second kernel's column blocks to time besides its default")
+    ap.add_argument("--down-warps", type=int, nargs="+", default=[],
+                    help="with --early: the second kernel's warps to time besides its default (8)")
     ap.add_argument("--scale", type=int, default=None, help="divide D, L and I by this (default: 1 on a GPU, 32 on "
                                                             "the CPU)")
     args = ap.parse_args(argv)
@@ -242,11 +245,14 @@ def early_chains(args, m, layers, Dm, L, dev, dtype, gen, cuda) -> dict:
         for bn in args.down_widths:
             down_k = D._k_step(next_pow2(k) * bn, I, "bfloat16", 2 * D.TILE_ELEMS)
             variants[f"early, down {bn} columns"] = (True, True, (up, (bn, down_k)))
+        for w in args.down_warps:
+            variants[f"early, down {w} warps"] = (True, rows >= D.DOWN_EARLY_ROWS, None, w)  # as the engine ranks
 
         rule = D.DOWN_EARLY_ROWS
 
-        def chain(early, down_early, block):
+        def chain(early, down_early, block, down_warps=D.DOWN_WARPS):
             out, D.DOWN_EARLY_ROWS = [], 1 if down_early else 1 << 30
+            warps, D.DOWN_WARPS = D.DOWN_WARPS, down_warps
             try:
                 for (rw, bias, w1, w2), proj in zip(layers, projs):
                     logits = ops.call("linear", x, rw, None, out_dtype=torch.float32)
@@ -254,7 +260,7 @@ def early_chains(args, m, layers, Dm, L, dev, dtype, gen, cuda) -> dict:
                     out.append(D.moe_experts_routed(h, logits, m["route"](bias), w1, w2, block=block,
                                                     early=early)[0])
             finally:
-                D.DOWN_EARLY_ROWS = rule
+                D.DOWN_EARLY_ROWS, D.DOWN_WARPS = rule, warps
             return torch.cat(out)
 
         why = D.routed_refusal(x.new_empty(rows, L), m["route"](layers[0][1]), layers[0][2], layers[0][3])

@@ -40,8 +40,8 @@ def topk_cut_gap(llm: LLM, sequences) -> float:
     captured = []
 
     def spy(project):
-        def wrapped(x, c_q, batch, pool, k=None, q=None, selects=True):
-            q, w = project(x, c_q, batch, pool, k, q, selects)
+        def wrapped(x, c_q, batch, pool, k=None, q=None, selects=True, key_written=False):
+            q, w = project(x, c_q, batch, pool, k, q, selects, key_written)
             if q is None:  # no more keys than topk: nothing selected, no query
                 return q, w
             k = read_rows(pool, batch.slot_mapping)  # the step's keys, as written

@@ -91,3 +91,51 @@ def test_index_key_refusals():
     assert "inside" in K._index_refusal(k, w, b, 1e-6, cos, cos, False, 40, pool, slots)
     assert "inside" in K._index_refusal(k, w, b, 1e-6, cos, cos, False, None, pool, slots)  # full needs 2·half = D
     assert "LayerNorm" in K._index_refusal(k, w, None, 1e-6, cos, cos, False, 0, pool, slots)
+
+
+@pytest.mark.parametrize("T,H,R,P", [(1, 16, 512, 64), (3, 5, 48, 16)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("with_index", [True, False], ids=["index", "no-index"])
+def test_the_step_rows_kernel_does_what_the_three_ops_do(T, H, R, P, dtype, interleaved, with_index):
+    """``mla_step_rows``: the query heads' rope channels rotated (read from a view of the heads' queries), the
+    latent rows and the indexer keys written, in one launch: equal to the rotary and both writes apart."""
+    c_kv, weight, k_pe, cos, sin, pool, slots = _case(T, R, P, dtype, dtype, seed=2)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(T, H, 24 + P, generator=g).to(dtype).to(DEV)
+    q_pe = q[..., 24:]  # the rope channels of each head: a strided view
+    index = None
+    if with_index:
+        D, half = 40, 8
+        k = torch.randn(T, D + 8, generator=g).to(dtype).to(DEV)[:, 4:4 + D]
+        angles = torch.rand(T, half, generator=g) * 6
+        index = (k, (1 + 0.1 * torch.randn(D, generator=g)).to(dtype).to(DEV),
+                 (0.1 * torch.randn(D, generator=g)).to(dtype).to(DEV), 1e-6, angles.cos().to(DEV),
+                 angles.sin().to(DEV), not interleaved, 8, torch.randn(5, 4, D, generator=g).to(dtype).to(DEV))
+    args = (q_pe, c_kv, weight, 1e-6, k_pe, cos, sin, interleaved)
+    assert K._step_refusal(*args, pool, slots, index) is None
+    want_pool, got_pool = pool.clone(), pool.clone()
+    want_index = got_index = None
+    if index is not None:
+        want_index, got_index = index[8].clone(), index[8].clone()
+    want = latent.mla_step_rows(*args, want_pool, slots, index and (*index[:8], want_index))
+    got = K.mla_step_rows(*args, got_pool, slots, index and (*index[:8], got_index))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(got_pool.float(), want_pool.float(), rtol=tol, atol=tol)
+    assert not torch.equal(got_pool, pool)
+    if index is not None:
+        torch.testing.assert_close(got_index.float(), want_index.float(), rtol=tol, atol=tol)
+        assert not torch.equal(got_index, index[8])
+
+
+def test_step_rows_refusals():
+    c_kv, weight, k_pe, cos, sin, pool, slots = _case(2, 32, 8, torch.float32, torch.float32)
+    q_pe = torch.randn(2, 3, 8, device=DEV)
+    args = (c_kv, weight, 1e-6, k_pe, cos, sin, False)
+    assert K._step_refusal(q_pe, *args, pool, slots) is None
+    assert "quantised" in K._step_refusal(q_pe, *args, object(), slots)
+    assert "same rotary" in K._step_refusal(torch.randn(2, 3, 4, device=DEV), *args, pool, slots)
+    index = (torch.randn(2, 64, device=DEV), torch.ones(64, device=DEV), None, 1e-6, cos, sin, False, 0,
+             torch.zeros(2, 4, 64, device=DEV))
+    assert "LayerNorm" in K._step_refusal(q_pe, *args, pool, slots, index)

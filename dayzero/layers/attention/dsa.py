@@ -60,18 +60,26 @@ class Indexer(nn.Module):
         self.weight_scale = spec.n_heads**-0.5 * self.Dh**-0.5  # of all heads, whatever the rank holds
         self.rotary = RotaryEmbedding(spec.rope)  # rotates the first rope.dim dims, or the last with rope.last
 
-    def project(self, x, c_q, batch, pool, k=None, q=None, selects: bool = True):
-        """(q, weights) of the indexer at the step's positions, its key normed, rotated and written to ``pool`` at
-        the step's slots (one op); ``k``: ``wk(x)`` and ``q``: ``wq_b(c_q)`` when the caller computed them (in
-        fused GEMMs). Without ``selects`` (a step whose block tables address no more than ``topk`` keys: every
-        key is selected) only the key is written, and (None, None) returned."""
-        T = x.shape[0]
+    def key_args(self, x, batch, pool, k=None) -> tuple:
+        """``indexer_key_write``'s arguments before the slots: the key ``k`` (``wk(x)`` unless the caller computed
+        it), its LayerNorm, the rotary of the step's positions and ``pool``."""
         cos, sin = self.rotary.step_cos_sin(batch)
         k = self.wk(x) if k is None else k  # [T, Di]
-        ops.call("indexer_key_write", k, self.k_norm.weight, self.k_norm.bias, self.k_norm.eps, cos, sin,
-                 self.rotary.interleaved, self.rotary.start(self.Dh), pool, batch.slot_mapping)
+        return (k, self.k_norm.weight, self.k_norm.bias, self.k_norm.eps, cos, sin, self.rotary.interleaved,
+                self.rotary.start(self.Dh), pool)
+
+    def project(self, x, c_q, batch, pool, k=None, q=None, selects: bool = True, key_written: bool = False):
+        """(q, weights) of the indexer at the step's positions, its key normed, rotated and written to ``pool`` at
+        the step's slots (one op, unless ``key_written``: the caller wrote it with :meth:`key_args`); ``k``:
+        ``wk(x)`` and ``q``: ``wq_b(c_q)`` when the caller computed them (in fused GEMMs). Without ``selects`` (a
+        step whose block tables address no more than ``topk`` keys: every key is selected) only the key is
+        written, and (None, None) returned."""
+        T = x.shape[0]
+        if not key_written:
+            ops.call("indexer_key_write", *self.key_args(x, batch, pool, k), batch.slot_mapping)
         if not selects:
             return None, None
+        cos, sin = self.rotary.step_cos_sin(batch)
         q = self.wq_b(c_q) if q is None else q
         q = self.rotary(q.view(T, self.H, self.Dh), cos, sin)  # [T, Hi, Di]
         scaled = getattr(self, "_scaled_weights", None)
@@ -210,12 +218,24 @@ class MLAAttention(CachedLayer):
         q_nope, q_pe = q.view(T, self.H, self.N + self.P).split([self.N, self.P], dim=-1)
         c_kv, k_pe = proj["kv_a_proj_with_mqa"].split([self.R, self.P], dim=-1)
         cos = sin = None
+        written = False  # the indexer's key with them
         if self.rotary is not None:
             cos, sin = self.rotary.step_cos_sin(batch)
-            q_pe = self.rotary(q_pe, cos, sin)
-        self._write_latent(c_kv, k_pe, cos, sin, batch)
+            if self.rotary.dim == self.P:  # the query's rotary and the step's cache rows as one op
+                index = None
+                if self.indexer is not None:
+                    index = self.indexer.key_args(x, batch, self.cache["index_k"], proj.get("indexer.wk"))
+                q_pe = ops.call("mla_step_rows", q_pe, c_kv, self.kv_a_layernorm.scale(), self.kv_a_layernorm.eps,
+                                k_pe, cos, sin, self.rotary.interleaved, self.cache["latent"], batch.slot_mapping,
+                                index)
+                written = True
+            else:
+                q_pe = self.rotary(q_pe, cos, sin)
+        if not written:
+            self._write_latent(c_kv, k_pe, cos, sin, batch)
         if self.indexer is not None:
-            iq, iw = self.indexer.project(x, c_q, batch, self.cache["index_k"], proj.get("indexer.wk"), iq, selects)
+            iq, iw = self.indexer.project(x, c_q, batch, self.cache["index_k"], proj.get("indexer.wk"), iq, selects,
+                                          key_written=written)
 
         if self.indexer is not None:
             selection = None

@@ -4,9 +4,10 @@ The compressed KV ``c_kv`` [T, R] goes through the latent RMSNorm, the shared ro
 the rotary, and ``[norm(c_kv) | rope(k_pe)]`` is written at each token's slot of the latent pool: four kernels
 by the ops apart (norm, rotary, concatenation, scatter), one in :mod:`dayzero.ops.attention.latent_kernels`.
 Likewise the indexer's key (``indexer_key_write``): LayerNorm, the rotary of its rope channels, the scatter into
-the indexer-key pool (three kernels apart). Same rounding as apart: each part in the input's dtype, then the
-pool's. The composition calls the norm and rotary ops, so where the one kernel refuses (a quantised pool) each
-part still runs its best implementation.
+the indexer-key pool (three kernels apart). A DSA layer's step runs both writes and the rotary of its query's rope
+channels as one op (``mla_step_rows``, one launch on a GPU). Same rounding as apart: each part in the input's
+dtype, then the pool's. The compositions call the norm and rotary ops, so where the one kernel refuses (a
+quantised pool) each part still runs its best implementation.
 """
 from __future__ import annotations
 
@@ -32,3 +33,17 @@ def indexer_key_write(k: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     # (all of them when start is None); slots: [T] -> pool rows
     y = call("rotary", call("layer_norm", k, weight, bias, eps)[:, None], cos, sin, interleaved, start=start)
     write_rows(pool, slots, y[:, 0])
+
+
+@register("mla_step_rows")
+def mla_step_rows(q_pe: torch.Tensor, c_kv: torch.Tensor, weight: torch.Tensor, eps: float, k_pe: torch.Tensor,
+                  cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, pool, slots: torch.Tensor,
+                  index: tuple | None = None) -> torch.Tensor:
+    # q_pe: [T, H, P] (the query heads' rope channels) -> rotated [T, H, P]; the latent rows written as
+    # mla_latent_write writes them, with the same rotary; index: (k, weight, bias, eps, cos, sin, interleaved,
+    # start, pool) of indexer_key_write at the same slots, or None
+    q = call("rotary", q_pe, cos, sin, interleaved)
+    call("mla_latent_write", c_kv, weight, eps, k_pe, cos, sin, interleaved, pool, slots)
+    if index is not None:
+        call("indexer_key_write", *index, slots)
+    return q

@@ -47,6 +47,7 @@ TILE_ELEMS = 4096  # weight elements a program holds per K step (fp32 products: 
 # a chain of dayzero-small's 23 MoE layers on the H100 (benchmarks/moe_decode.py --early) it took a layer 14.13 ->
 # 17.21 us at one token (every program ranks 64 experts for 8 weight rows) and 29.98 -> 28.28 us at four
 DOWN_EARLY_ROWS = 4
+DOWN_WARPS = 8  # the second kernel's warps
 # the early-routed first kernel's column blocks are at least this wide: fewer programs, more of them resident (and
 # routed, their first weight step read) while the kernel before runs. In that chain at one token (8 pairs, where
 # the rule of about two programs an SM gives 8 columns) 16 columns took 13.35 us a layer against 14.02 at 8 (and
@@ -409,5 +410,5 @@ def _launch(x, k, flat_ids, wt, w1, w2, activation, b1, b2, limit, load, block, 
         h, flat_ids, wt, data, scale, h if b2 is None else b2, y, E, L, I, *st, *ss,
         *((0, 0) if b2 is None else b2.stride()), y.stride(0), *operands[:2],
         FMT=f, HAS_BIAS=b2 is not None, TOP_K=k, K_POW2=next_pow2(k), BLOCK_N=bn2, BLOCK_K=bk2, ACT_FP8=a2,
-        ROUND_FIRST=DOT_F32, num_warps=8, **{**pdl(h), **ranks})
+        ROUND_FIRST=DOT_F32, num_warps=DOWN_WARPS, **{**pdl(h), **ranks})
     return y

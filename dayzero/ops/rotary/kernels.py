@@ -21,8 +21,14 @@ if HAS_TRITON:
         """Rotates channels start .. start + 2·half of each head; with BP > 0 the head's other D_out - 2·half
         channels are copied through (a partial rotary in one pass, no split and concatenation)."""
         grid_dependency(PDL)
-        t = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1) * BH + tl.arange(0, BH)
+        rotate_heads(tl.program_id(0).to(tl.int64), tl.program_id(1) * BH + tl.arange(0, BH), x_ptr, cos_ptr,
+                     sin_ptr, y_ptr, H, half, sxt, sxh, sct, D_out, start, INTERLEAVED, BD, BP)
+
+    @triton.jit
+    def rotate_heads(t, h, x_ptr, cos_ptr, sin_ptr, y_ptr, H, half, sxt, sxh, sct, D_out, start,
+                     INTERLEAVED: tl.constexpr, BD: tl.constexpr, BP: tl.constexpr):
+        """Token t's heads h (those < H) rotated from x into y ([T, H, D_out], contiguous), as
+        :func:`_rotary_kernel` describes (also a part of other kernels' programs)."""
         i = tl.arange(0, BD)
         mask = (h[:, None] < H) & (i[None, :] < half)
         c = tl.load(cos_ptr + t * sct + i, mask=i < half, other=0.0).to(tl.float32)[None, :]
@@ -46,7 +52,7 @@ if HAS_TRITON:
         tl.store(yrow + b[None, :], (x2 * c + x1 * s).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _verify(x, cos, sin, interleaved=False, start=None) -> str | None:
+def refusal(x, cos, sin, interleaved=False, start=None) -> str | None:
     why = triton_refusal(x)
     if why is not None:
         return why
@@ -58,7 +64,7 @@ def _verify(x, cos, sin, interleaved=False, start=None) -> str | None:
     return None
 
 
-@register("rotary", "cuda", verifier=_verify, note="Triton")
+@register("rotary", "cuda", verifier=refusal, note="Triton")
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,
                  start: int | None = None) -> torch.Tensor:
     # x: [T, H, D]; cos, sin: [T, R/2] -> [T, H, D] in x.dtype; R = D unless ``start`` (see reference.apply_rotary)
