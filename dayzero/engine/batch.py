@@ -97,6 +97,9 @@ class ForwardBatch:
         self.block_tables = block_tables  # [B, W] int64, 0 (the null block) where unused
         self.state_slots = state_slots  # [B] int64, 0 (the null slot) for padding rows
         self.logits_indices = logits_indices  # [S] int64 rows whose next-token logits are sampled
+        # S when those rows are 0 .. S-1 in order (a decode step's), known on the host: the runner takes the first S
+        # rows as a view, no gather kernel; None otherwise
+        self.leading_samples: int | None = None
         if cu_seqlens is None:
             cu_seqlens = torch.tensor(self.plan.query_start, dtype=torch.int64, device=dev)
         if fresh is None:

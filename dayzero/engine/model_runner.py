@@ -179,13 +179,12 @@ class ModelRunner:
         )
         if rope is not None:
             batch.rope_positions = buf.put("rope_positions", rope)
+        if sample_rows == list(range(len(sample_rows))):
+            batch.leading_samples = len(sample_rows)
         patch = None
         if pending is not None and pending[0]:
-            patch = buf.put("patch_rows", pending[0]), buf.put("patch_src", pending[1])
-        buf.end()
-        if patch is not None:
-            r, j = patch
-            batch.input_ids.index_copy_(0, r, pending[2].index_select(0, j).clamp_min(0))
+            patch = batch.input_ids, buf.put("patch_rows", pending[0]), buf.put("patch_src", pending[1]), pending[2]
+        buf.end(patch)
         batch.graph, batch.graph_set = key, graphs if key is not None else None
         return batch
 
@@ -251,4 +250,5 @@ class ModelRunner:
             self.host_copies.before_step()
         self.step_counts["decode" if batch.is_decode else "prefill", "eager" if batch.graph is None else "graph"] += 1
         hidden = batch.graph_set.replay(batch.graph) if batch.graph is not None else self.model(batch)
-        return self.model.compute_logits(hidden[batch.logits_indices])
+        n = batch.leading_samples
+        return self.model.compute_logits(hidden[:n] if n is not None else hidden[batch.logits_indices])

@@ -8,7 +8,8 @@ themselves.
 
 The device buffers are views of one int64 arena (``fresh``'s flags are bytes of its words), so a step's fields go
 over in two operations, not one copy each: the values and their places in the arena packed into one staging
-buffer, one copy of it, and one ``index_copy_`` into the arena. Ten copies of a few bytes each took 27 µs of a
+buffer, one copy of it, and one scatter into the arena (the ``step_inputs`` op, which also patches an overlapped
+step's input ids with the previous step's samples: one Triton launch on a GPU). Ten copies of a few bytes each took 27 µs of a
 batch-1 decode step on the H100, ~2.7 µs apiece. A step with more than :data:`PACKED_MAX` values (long prefill
 steps, wide block tables) copies field by field, as the staging buffer is sized for decode steps.
 
@@ -21,6 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
+from dayzero.ops import call
 
 PACKED_MAX = 1 << 14  # values a step may send through the packed copy
 
@@ -95,10 +98,13 @@ class StepBuffers:
             return self._np["fresh"][:8 * k].view(np.int64), k
         return self._np[name][:n], n
 
-    def end(self) -> None:
+    def end(self, patch: tuple | None = None) -> None:
         """Send the values staged since :meth:`begin` to the device, and mark the staging buffers in use until
-        those copies have run."""
+        those copies have run. ``patch`` = (ids, rows, src, tokens): then ``ids[rows[i]] = tokens[src[i]]`` (at
+        least 0) on the device, rows and src being staged views (``step_inputs``: one launch with the scatter)."""
         if not self.staged:
+            if patch is not None:
+                call("step_inputs", self.arena, self.arena[:0], 0, patch)
             return
         words = [(name, *self._words(name, n)) for name, n in self._puts.items()]
         total = sum(k for _, _, k in words)
@@ -110,10 +116,12 @@ class StepBuffers:
                 at += k
             dev = self._dev_stage[:2 * total]
             dev.copy_(self._stage[:2 * total], non_blocking=True)
-            self.arena.index_copy_(0, dev[total:], dev[:total])
+            call("step_inputs", self.arena, dev, total, patch)
         else:
             for name, n in self._puts.items():
                 self.dev[name][:n].copy_(self.host[name][:n], non_blocking=True)
+            if patch is not None:
+                call("step_inputs", self.arena, self.arena[:0], 0, patch)
         self._puts.clear()
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()

@@ -16,6 +16,7 @@ from dayzero.ops.norm import reference as _norm  # noqa: F401,E402
 from dayzero.ops.rotary import reference as _rotary  # noqa: F401,E402
 from dayzero.ops.sampling import reference as _sampling  # noqa: F401,E402
 from dayzero.ops.ssd import reference as _ssd  # noqa: F401,E402
+from dayzero.ops.step import reference as _step  # noqa: F401,E402
 
 # Batch-wide ops (one call per layer over the whole step) and their device implementations.
 from dayzero.ops.attention import paged as _paged  # noqa: F401,E402
@@ -34,6 +35,7 @@ from dayzero.ops.linear import norm as _linear_norm  # noqa: F401,E402
 from dayzero.ops.linear import act as _linear_act  # noqa: F401,E402
 from dayzero.ops.sampling import kernels as _sampling_kernels  # noqa: F401,E402
 from dayzero.ops.rotary import kernels as _rotary_kernels  # noqa: F401,E402
+from dayzero.ops.step import kernels as _step_kernels  # noqa: F401,E402
 from dayzero.ops.attention import latent_kernels as _latent_kernels  # noqa: F401,E402
 from dayzero.ops.activation import kernels as _activation_kernels  # noqa: F401,E402
 from dayzero.ops.moe import route_kernels as _route_kernels  # noqa: F401,E402

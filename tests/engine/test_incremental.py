@@ -65,3 +65,35 @@ def test_two_sequences_in_one_batch_equal_alone(engine):
     engine.cache.release(sb.seq_id)
     torch.testing.assert_close(logits[:30], solo_a, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(logits[30], solo_b[-1], rtol=1e-4, atol=1e-5)
+
+
+def test_a_decode_steps_sampled_rows_are_taken_as_its_first_rows(engine):
+    """A step whose sampled rows are 0 .. S-1 (every sequence decoding one token) marks them on the host
+    (``leading_samples``) and ``execute`` takes those rows as a view; each sequence still gets its solo logits. A
+    step whose sampled rows are others (a prompt's last row after its chunk) keeps the gather."""
+    g = torch.Generator().manual_seed(2)
+    a = torch.randint(0, 250, (6,), generator=g).tolist()
+    b = torch.randint(0, 250, (9,), generator=g).tolist()
+    solo_a, solo_b = run_chunks(engine, a, [5, 1]), run_chunks(engine, b, [8, 1])
+    sa = Sequence("a", 0, a, 6, SamplingParams())
+    sb = Sequence("b", 0, b, 9, SamplingParams())
+    with torch.inference_mode():
+        for s, n in ((sa, 5), (sb, 8)):
+            assert engine.cache.grow(s.seq_id, n)
+            prompt = engine.runner.build_batch([ScheduledSeq(s, n)], engine.cache)
+            assert prompt.leading_samples == 0  # the chunk ends before the sequence: no row sampled
+            engine.model(prompt)
+            s.num_computed = n
+        assert engine.cache.grow(sa.seq_id, 6) and engine.cache.grow(sb.seq_id, 9)
+        batch = engine.runner.build_batch([ScheduledSeq(sa, 1), ScheduledSeq(sb, 1)], engine.cache)
+        assert batch.leading_samples == 2
+        logits = engine.runner.execute(batch)
+    engine.cache.release(sa.seq_id)
+    engine.cache.release(sb.seq_id)
+    torch.testing.assert_close(logits[0], solo_a[-1], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(logits[1], solo_b[-1], rtol=1e-4, atol=1e-5)
+    c = Sequence("c", 0, b[:3], 3, SamplingParams())
+    assert engine.cache.grow(c.seq_id, 3)
+    last = engine.runner.build_batch([ScheduledSeq(c, 3)], engine.cache)  # samples row 2 of 0 .. 2
+    engine.cache.release(c.seq_id)
+    assert last.leading_samples is None and last.logits_indices.tolist() == [2]

@@ -69,7 +69,8 @@ def test_an_engine_on_staged_buffers_generates_what_it_does_on_plain_ones(tiny_c
     monkeypatch.setattr(SB.StepBuffers, "__init__", lambda self, *a, **k: real(self, *a, **{**k, "staged": True}))
     packed = []
     real_end = SB.StepBuffers.end
-    monkeypatch.setattr(SB.StepBuffers, "end", lambda self: packed.append(sorted(self._puts)) or real_end(self))
+    monkeypatch.setattr(SB.StepBuffers, "end",
+                        lambda self, patch=None: packed.append(sorted(self._puts)) or real_end(self, patch))
     llm = LLM(str(tiny_ckpt), dtype="float32", async_scheduling=True)
     assert llm.engine.runner.buffers.staged
     assert run(llm) == want
