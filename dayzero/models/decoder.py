@@ -231,6 +231,8 @@ class CausalLM(nn.Module):
         w = self.lm_head.weight
         if w.dtype == torch.float32:
             logits = torch.nn.functional.linear(hidden.float(), w)
+        elif hidden.is_cuda and hidden.dim() == 2:  # cuBLAS writes the fp32 logits itself: no bf16 copy, no cast
+            logits = torch.mm(hidden.to(w.dtype), w.t(), out_dtype=torch.float32)
         else:
             logits = torch.nn.functional.linear(hidden.to(w.dtype), w).float()
         return pp_broadcast_last(gather_logits(logits, self.config.vocab_size, self.parallel), self.parallel)
