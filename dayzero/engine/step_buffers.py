@@ -9,8 +9,8 @@ themselves.
 The device buffers are views of one int64 arena (``fresh``'s flags are bytes of its words), so a step's fields go
 over in two operations, not one copy each: the values and their places in the arena packed into one staging
 buffer, one copy of it, and one scatter into the arena (the ``step_inputs`` op, which also patches an overlapped
-step's input ids with the previous step's samples: one Triton launch on a GPU). Ten copies of a few bytes each took 27 µs of a
-batch-1 decode step on the H100, ~2.7 µs apiece. A step with more than :data:`PACKED_MAX` values (long prefill
+step's input ids with the previous step's samples: one Triton launch on a GPU). Ten copies of a few bytes each
+took 27 µs of a batch-1 decode step on the H100, ~2.7 µs apiece. A step with more than :data:`PACKED_MAX` values (long prefill
 steps, wide block tables) copies field by field, as the staging buffer is sized for decode steps.
 
 The block tables of a step are laid out densely at the start of their buffer, ``[B, W]`` for B sequences and

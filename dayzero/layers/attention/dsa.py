@@ -205,6 +205,25 @@ class MLAAttention(CachedLayer):
             outs = project(self, "fused_q", self.q_members, c_q) if selects else (self.q_b_proj(c_q),)
         return c_q, outs[0], outs[1] if len(outs) > 1 else None
 
+    def _step_rows(self, x, q_pe, c_kv, k_pe, proj, batch):
+        """(q_pe rotated, whether the indexer's key was written): the query's rope channels rotated and
+        the step's latent rows written, with the indexer's key as one op (``mla_step_rows``) where the rotary turns
+        the whole rope key, else apart."""
+        if self.rotary is None:
+            self._write_latent(c_kv, k_pe, None, None, batch)
+            return q_pe, False
+        cos, sin = self.rotary.step_cos_sin(batch)
+        if self.rotary.dim != self.P:
+            q_pe = self.rotary(q_pe, cos, sin)
+            self._write_latent(c_kv, k_pe, cos, sin, batch)
+            return q_pe, False
+        index = None
+        if self.indexer is not None:
+            index = self.indexer.key_args(x, batch, self.cache["index_k"], proj.get("indexer.wk"))
+        q_pe = ops.call("mla_step_rows", q_pe, c_kv, self.kv_a_layernorm.scale(), self.kv_a_layernorm.eps, k_pe, cos,
+                        sin, self.rotary.interleaved, self.cache["latent"], batch.slot_mapping, index)
+        return q_pe, index is not None
+
     def forward(self, x: torch.Tensor, batch, projected: torch.Tensor | None = None) -> torch.Tensor:
         """``projected``: ``fused_in(x)`` when the caller computed it (with the input norm, DecoderLayer._mix)."""
         T = x.shape[0]
@@ -217,22 +236,7 @@ class MLAAttention(CachedLayer):
             c_q, q, iq = x, proj["q_proj"], None
         q_nope, q_pe = q.view(T, self.H, self.N + self.P).split([self.N, self.P], dim=-1)
         c_kv, k_pe = proj["kv_a_proj_with_mqa"].split([self.R, self.P], dim=-1)
-        cos = sin = None
-        written = False  # the indexer's key with them
-        if self.rotary is not None:
-            cos, sin = self.rotary.step_cos_sin(batch)
-            if self.rotary.dim == self.P:  # the query's rotary and the step's cache rows as one op
-                index = None
-                if self.indexer is not None:
-                    index = self.indexer.key_args(x, batch, self.cache["index_k"], proj.get("indexer.wk"))
-                q_pe = ops.call("mla_step_rows", q_pe, c_kv, self.kv_a_layernorm.scale(), self.kv_a_layernorm.eps,
-                                k_pe, cos, sin, self.rotary.interleaved, self.cache["latent"], batch.slot_mapping,
-                                index)
-                written = True
-            else:
-                q_pe = self.rotary(q_pe, cos, sin)
-        if not written:
-            self._write_latent(c_kv, k_pe, cos, sin, batch)
+        q_pe, written = self._step_rows(x, q_pe, c_kv, k_pe, proj, batch)
         if self.indexer is not None:
             iq, iw = self.indexer.project(x, c_q, batch, self.cache["index_k"], proj.get("indexer.wk"), iq, selects,
                                           key_written=written)

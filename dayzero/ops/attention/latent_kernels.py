@@ -97,8 +97,6 @@ if HAS_TRITON:
         return (h - mean) * rstd * tl.load(w_ptr + j, mask=ok, other=0.0).to(tl.float32) \
             + tl.load(b_ptr + j, mask=ok, other=0.0).to(tl.float32)
 
-
-if HAS_TRITON:
     @triton.jit
     def _step_rows_kernel(q_ptr, qo_ptr, H, s_qt, s_qh, c_ptr, w_ptr, k_ptr, cos_ptr, sin_ptr, pool_ptr, slot_ptr, R,
                           half, s_c, s_k, s_cos, W, eps, ik_ptr, iw_ptr, ib_ptr, icos_ptr, isin_ptr, ipool_ptr, D,
