@@ -56,6 +56,10 @@ MLPS = {
 }
 
 
+# torch.mm(..., out_dtype=torch.float32) of fp16 / bf16 operands (a CUDA overload of torch 2.8+)
+MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, m: ModelSpec, spec: LayerSpec, parallel: ParallelState = SINGLE):
         super().__init__()
@@ -231,7 +235,7 @@ class CausalLM(nn.Module):
         w = self.lm_head.weight
         if w.dtype == torch.float32:
             logits = torch.nn.functional.linear(hidden.float(), w)
-        elif hidden.is_cuda and hidden.dim() == 2:  # cuBLAS writes the fp32 logits itself: no bf16 copy, no cast
+        elif hidden.is_cuda and hidden.dim() == 2 and MM_OUT_DTYPE:  # cuBLAS writes the fp32 logits: no cast after
             logits = torch.mm(hidden.to(w.dtype), w.t(), out_dtype=torch.float32)
         else:
             logits = torch.nn.functional.linear(hidden.to(w.dtype), w).float()
