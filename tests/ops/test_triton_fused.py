@@ -164,7 +164,7 @@ def test_rotary_matches_the_reference(interleaved, dtype, tol):
         keep = torch.ones(40, dtype=torch.bool)
         keep[start:start + 24] = False
         assert torch.equal(got[..., keep], wide[..., keep])
-    assert "inside it" in rope_k._verify(wide, cos, sin, interleaved, start=17)
+    assert "inside it" in rope_k.refusal(wide, cos, sin, interleaved, start=17)
 
 
 @pytest.mark.parametrize("name,limit", [("silu", None), ("silu", 0.5), ("relu2", None), ("swiglu_oai", None)])
