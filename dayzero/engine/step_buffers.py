@@ -10,8 +10,8 @@ The device buffers are views of one int64 arena (``fresh``'s flags are bytes of 
 over in two operations, not one copy each: the values and their places in the arena packed into one staging
 buffer, one copy of it, and one scatter into the arena (the ``step_inputs`` op, which also patches an overlapped
 step's input ids with the previous step's samples: one Triton launch on a GPU). Ten copies of a few bytes each
-took 27 µs of a batch-1 decode step on the H100, ~2.7 µs apiece. A step with more than :data:`PACKED_MAX` values (long prefill
-steps, wide block tables) copies field by field, as the staging buffer is sized for decode steps.
+took 27 µs of a batch-1 decode step on the H100, ~2.7 µs apiece. A step with more than :data:`PACKED_MAX` values
+(long prefill steps, wide block tables) copies field by field, as the staging buffer is sized for decode steps.
 
 The block tables of a step are laid out densely at the start of their buffer, ``[B, W]`` for B sequences and
 W columns, so a graph captured for (B, W) reads exactly what a step of that shape writes. With ``groups`` = 2
@@ -62,6 +62,11 @@ class StepBuffers:
         self.topk = torch.full((max_tokens, max(topk, 1)), -1, dtype=torch.int64, device=device)
         self._copied: torch.cuda.Event | None = None
 
+    def _patch(self, patch: tuple | None) -> None:
+        """:meth:`end`'s patch alone, where no packed scatter carries it."""
+        if patch is not None:
+            call("step_inputs", self.arena, self.arena[:0], 0, patch)
+
     def fits(self, tokens: int, seqs: int, blocks: int) -> bool:
         return tokens <= self.max_tokens and seqs <= self.max_seqs and blocks <= self.max_blocks
 
@@ -103,8 +108,7 @@ class StepBuffers:
         those copies have run. ``patch`` = (ids, rows, src, tokens): then ``ids[rows[i]] = tokens[src[i]]`` (at
         least 0) on the device, rows and src being staged views (``step_inputs``: one launch with the scatter)."""
         if not self.staged:
-            if patch is not None:
-                call("step_inputs", self.arena, self.arena[:0], 0, patch)
+            self._patch(patch)
             return
         words = [(name, *self._words(name, n)) for name, n in self._puts.items()]
         total = sum(k for _, _, k in words)
@@ -120,8 +124,7 @@ class StepBuffers:
         else:
             for name, n in self._puts.items():
                 self.dev[name][:n].copy_(self.host[name][:n], non_blocking=True)
-            if patch is not None:
-                call("step_inputs", self.arena, self.arena[:0], 0, patch)
+            self._patch(patch)
         self._puts.clear()
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()

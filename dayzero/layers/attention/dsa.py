@@ -209,19 +209,16 @@ class MLAAttention(CachedLayer):
         """(q_pe rotated, whether the indexer's key was written): the query's rope channels rotated and
         the step's latent rows written, with the indexer's key as one op (``mla_step_rows``) where the rotary turns
         the whole rope key, else apart."""
-        if self.rotary is None:
-            self._write_latent(c_kv, k_pe, None, None, batch)
-            return q_pe, False
-        cos, sin = self.rotary.step_cos_sin(batch)
-        if self.rotary.dim != self.P:
-            q_pe = self.rotary(q_pe, cos, sin)
+        rot = self.rotary
+        cos, sin = rot.step_cos_sin(batch) if rot is not None else (None, None)
+        if rot is None or rot.dim != self.P:
             self._write_latent(c_kv, k_pe, cos, sin, batch)
-            return q_pe, False
+            return (q_pe if rot is None else rot(q_pe, cos, sin)), False
         index = None
         if self.indexer is not None:
             index = self.indexer.key_args(x, batch, self.cache["index_k"], proj.get("indexer.wk"))
         q_pe = ops.call("mla_step_rows", q_pe, c_kv, self.kv_a_layernorm.scale(), self.kv_a_layernorm.eps, k_pe, cos,
-                        sin, self.rotary.interleaved, self.cache["latent"], batch.slot_mapping, index)
+                        sin, rot.interleaved, self.cache["latent"], batch.slot_mapping, index)
         return q_pe, index is not None
 
     def forward(self, x: torch.Tensor, batch, projected: torch.Tensor | None = None) -> torch.Tensor:

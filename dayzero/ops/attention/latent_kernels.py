@@ -183,9 +183,9 @@ def indexer_key_write(k: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
 
 
 def _step_refusal(q_pe, c_kv, weight, eps, k_pe, cos, sin, interleaved, pool, slots, index=None) -> str | None:
+    if cos is None or q_pe.shape[-1] != k_pe.shape[-1]:
+        return "the query's rope channels and the latent's rope key turn by the same rotary"
     why = _refusal(c_kv, weight, eps, k_pe, cos, sin, interleaved, pool, slots) or rotary_refusal(q_pe, cos, sin)
-    if why is None and (cos is None or q_pe.shape[-1] != k_pe.shape[-1]):
-        why = "the query's rope channels and the latent's rope key turn by the same rotary"
     if why is None and index is not None:
         why = _index_refusal(*index[:8], index[8], slots)
     return why
