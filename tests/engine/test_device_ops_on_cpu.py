@@ -17,9 +17,11 @@ from tests.engine.families import prompts
 
 # CPU tensors reach the Triton kernels through the interpreter only (tests/conftest.py turns it on without a GPU);
 # on a GPU machine the device paths run on the device in tests/engine/test_cuda_graphs.py and the ops' own tests
-pytestmark = pytest.mark.skipif(torch.cuda.is_available() and not triton_support.INTERPRET,
+# (also the marker of test_prefill_graphs.py's tests that patch the platform the same way)
+interpreted = pytest.mark.skipif(torch.cuda.is_available() and not triton_support.INTERPRET,
                                 reason="runs the device kernels on CPU tensors through Triton's interpreter, which "
                                        "is off on a GPU machine")
+pytestmark = interpreted
 
 KW = dict(device="cpu", dtype="float32", load_format="dummy", block_size=4, num_cache_blocks=256, max_num_seqs=8,
           max_model_len=128)

@@ -16,6 +16,7 @@ from dayzero.engine.cuda_graphs import DecodeGraphs, PrefillGraphs, prefill_seat
 from dayzero.engine.engine import EngineConfig
 from dayzero.ops import registry
 from tests.engine.families import hf_config, prompts
+from tests.engine.test_device_ops_on_cpu import interpreted
 
 
 class EagerReplayMixin:
@@ -93,6 +94,7 @@ def _engine(path: str, **kw) -> LLM:
                max_num_seqs=8, max_model_len=128, **kw)
 
 
+@interpreted
 def test_padded_layout(tiny_ckpt, monkeypatch):
     monkeypatch.setattr(registry, "platform_of", lambda device: "cuda")
     llm = _engine(str(tiny_ckpt), max_num_batched_tokens=32)
@@ -128,6 +130,7 @@ def _family_dir(name: str, tmp_path, tiny_ckpt) -> str:
 @pytest.mark.parametrize("family,chunk,overlap", [("dayzero_hybrid", 7, False), ("deepseek_v32", 64, False),
                                                   ("kimi_linear", 64, False), ("qwen3_next", 7, False),
                                                   ("kimi_linear", 7, True)])
+@interpreted
 def test_replayed_prefill_gives_the_plain_engines_tokens(family, chunk, overlap, tmp_path, tiny_ckpt, monkeypatch):
     """Greedy tokens of prompts of 1..29 tokens, prefilled in steps of up to 64 rows or in chunks of 7 (mixed
     steps), and a second round served from the prefix cache: equal to the engine that runs every step eagerly,
@@ -146,6 +149,7 @@ def test_replayed_prefill_gives_the_plain_engines_tokens(family, chunk, overlap,
     assert got == want
 
 
+@interpreted
 def test_a_family_whose_prefill_reads_host_lengths_is_not_captured(tmp_path, tiny_ckpt, monkeypatch):
     """DeepSeek-V4's compressed attention runs prefill rows per sequence from the host lengths: the warm pass of
     a capture fails by name (the engine then runs its prefill steps eagerly and says why)."""
@@ -155,6 +159,7 @@ def test_a_family_whose_prefill_reads_host_lengths_is_not_captured(tmp_path, tin
         with_replayed_prefill(llm, [16], [8])
 
 
+@interpreted
 def test_replayed_prefill_logits_match(tiny_ckpt, monkeypatch):
     """The prompt logits of one replayed prefill step equal the eager step's within fp32 rounding."""
     monkeypatch.setattr(registry, "platform_of", lambda device: "cuda")
@@ -173,6 +178,7 @@ def test_replayed_prefill_logits_match(tiny_ckpt, monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["dayzero_hybrid", "deepseek_v32"])
+@interpreted
 def test_replayed_decode_and_prefill_give_the_plain_engines_tokens(family, tmp_path, tiny_ckpt, monkeypatch):
     """Decode steps replayed too (padded to batch sizes 2 and 8, block-table widths 8 and 32): with every step
     replayed that fits a capture, greedy tokens equal the plain engine's."""
@@ -195,6 +201,7 @@ def test_replayed_decode_and_prefill_give_the_plain_engines_tokens(family, tmp_p
 
 @pytest.mark.parametrize("family", ["deepseek_v32", "dayzero_hybrid"])
 @pytest.mark.parametrize("kv", ["fp8", "int8"])
+@interpreted
 def test_quantised_cache_prefill_is_replayed(family, kv, tmp_path, tiny_ckpt, monkeypatch):
     """FP8 / INT8 KV caches (the latent rows and the indexer keys): the MLA and indexer kernels read the codes
     and their per-token scales on the device, so a prefill step captures (it used to read host lengths in the
