@@ -19,6 +19,10 @@ the CPU (Triton's interpreter, tiny shapes) the chain runs once per split, for t
 the same outputs.
 
     python benchmarks/kda_decode.py --chain 18 --batch 1 --splits 1 2 4 8
+
+``--proj-blocks BN:BK:WARPS ...``: the chain again with the projection launched at each of these skinny-kernel
+blocks (its default is the linear op's choice): a block of fewer registers a program leaves room for
+``kda_decode``'s programs to arrive, and read their state, while the projection still runs.
 """
 from __future__ import annotations
 
@@ -72,6 +76,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--chain", type=int, default=0, help="layers of the chain behind the input projection")
     ap.add_argument("--hidden", type=int, default=2048, help="the input projection's input width (with --chain)")
+    ap.add_argument("--proj-blocks", nargs="+", default=[], metavar="BN:BK:WARPS",
+                    help="with --chain: the projection at these skinny-kernel blocks too (registers it leaves "
+                         "kda_decode's programs)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.chain:
@@ -112,8 +119,10 @@ def main(argv=None) -> list[dict]:
 
 
 def chain(args) -> list[dict]:
-    """``--chain``: per split, µs a layer of the projection then the kernel, and over the projections alone."""
+    """``--chain``: per projection block and split, µs a layer of the projection then the kernel, and over the
+    projections alone."""
     from dayzero import ops
+    from dayzero.ops.linear import kernels as LK
     from dayzero.ops.static import mark_static
 
     cuda = torch.cuda.is_available()
@@ -129,19 +138,26 @@ def chain(args) -> list[dict]:
     x = torch.randn(B, args.hidden, generator=g).bfloat16().to(dev)
     picked = D._splits
 
-    def run(nv):  # nv None: the projections alone
+    def project(w, block):  # block None: the linear op's choice
+        if block is None:
+            return ops.call("linear", x, w)
+        y = x.new_empty(B, w.shape[0])
+        LK.launch(x, w, y, args.hidden, block)
+        return y
+
+    def run(nv, block):  # nv None: the projections alone
         out = []
         for a, w in layers:
-            a[0] = ops.call("linear", x, w)
+            a[0] = project(w, block)
             out.append(a[0][:, :K] if nv is None else D.kda_decode(*a)[0].reshape(B, -1))
         return torch.cat(out, 1)
 
-    def timed(nv):
+    def timed(nv, block):
         D._splits = picked if nv is None else (lambda b, h, k: nv)
         try:
             carried = [(a[2].clone(), a[8].clone()) for a, _ in layers]  # conv windows, states
-            got = run(nv)
-            ms = ms_per_replay(lambda: run(nv), args.repeats) if cuda else None
+            got = run(nv, block)
+            ms = ms_per_replay(lambda: run(nv, block), args.repeats) if cuda else None
             for (a, _), (win, st) in zip(layers, carried):  # every split starts from the same windows and states
                 a[2].copy_(win)
                 a[8].copy_(st)
@@ -149,26 +165,34 @@ def chain(args) -> list[dict]:
         finally:
             D._splits = picked
 
-    _, alone = timed(None)
     head = f"{torch.cuda.get_device_name()}" if cuda else "cpu (interpreter, untimed)"
     print(f"{head}: {n} layers of the projection ({args.hidden} -> {layers[0][0][0].shape[1]}) then kda_decode; "
-          f"batch {B}, H {H}, K {K}" + (f"; the projections alone {alone:.2f} us a layer" if cuda else ""))
-    print(f"{'split':>6} {'us a layer':>11} {'kda adds':>9}")
-    rows, first = [], None
-    for nv in args.splits:
-        if nv * D.MIN_COLS > K:
-            continue
-        out, us = timed(nv)
-        first = out if first is None else first
-        mark = "*" if picked(B, H, K) == nv else ""
-        if us is not None:
-            print(f"{str(nv) + mark:>6} {us:>11.2f} {us - alone:>9.2f}")
-        rows.append({"batch": B, "splits": nv, "chosen": bool(mark), "us": us,
-                     "adds": None if us is None else us - alone,
-                     "max_diff": (out.float() - first.float()).abs().max().item()})
-    print(f"largest difference between splits: {max(r['max_diff'] for r in rows):.2e}")
+          f"batch {B}, H {H}, K {K}")
+    print(f"{'projection block':>17} {'alone':>7} {'split':>6} {'us a layer':>11} {'kda adds':>9} {'vs first':>9}")
+    rows, very_first, first_us = [], None, None
+    for spec in [None] + list(args.proj_blocks):
+        block = None if spec is None else tuple(int(v) for v in spec.split(":"))
+        _, alone = timed(None, block)
+        name = "the op's choice" if block is None else spec
+        first = None  # this block's first split
+        for nv in args.splits:
+            if nv * D.MIN_COLS > K:
+                continue
+            out, us = timed(nv, block)
+            first = out if first is None else first
+            very_first = out if very_first is None else very_first
+            mark = "*" if picked(B, H, K) == nv else ""
+            if us is not None:
+                first_us = first_us or us
+                print(f"{name:>17} {alone:>7.2f} {str(nv) + mark:>6} {us:>11.2f} {us - alone:>9.2f} "
+                      f"{first_us / us:>8.2f}x", flush=True)
+            rows.append({"batch": B, "splits": nv, "block": spec, "chosen": bool(mark), "us": us,
+                         "alone": alone, "adds": None if us is None else us - alone,
+                         "max_diff": (out.float() - first.float()).abs().max().item(),
+                         "block_diff": (out.float() - very_first.float()).abs().max().item()})
+    print(f"largest difference between splits: {max(r['max_diff'] for r in rows):.2e}; between projection blocks: "
+          f"{max(r['block_diff'] for r in rows):.2e}")
     return rows
-
 
 if __name__ == "__main__":
     main()

@@ -2,7 +2,8 @@
 inside the first expert kernel, side by side in one run.
 
     python benchmarks/moe_decode.py --config configs/dayzero-small.json --rows 1 4 [--layers 23] [--replays 50]
-        [--up-warps 4 2 1] [--dual] [--early [--up-widths 16 32] [--down-widths 2 4] [--down-warps 4]]
+        [--up-warps 4 2 1] [--dual] [--early [--up-widths 16 32] [--down-widths 2 4] [--down-warps 4]
+        [--up-blocks 16:512:8]]
 
 Each of ``--layers`` layers has weights of its own (the config's router, fp32, and its routed experts in bf16;
 random) and feeds the next: its routed output is the next layer's expert input, its router input stays the step's
@@ -32,7 +33,8 @@ after its wait (``early, up only``) or before it with their first weight step (`
 from ``direct_kernels.DOWN_EARLY_ROWS`` tokens), the latter at the default column blocks and at the first kernel's
 widths ``--up-widths`` (fewer, wider programs: more of them resident beside the projection's) and the second's
 ``--down-widths``, and with the second kernel's warps ``--down-warps`` (ranking early from the engine's
-``DOWN_EARLY_ROWS``). Weights are marked as model weights, so every launch reads its first step early.
+``DOWN_EARLY_ROWS``); ``--up-blocks BN:BK:WARPS``: the first kernel at these columns, K step (the part of each
+half read before the wait) and warps, the second as the engine runs it. Weights are marked as model weights, so every launch reads its first step early.
 """
 from __future__ import annotations
 
@@ -96,6 +98,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="with --early: the second kernel's column blocks to time besides its default")
     ap.add_argument("--down-warps", type=int, nargs="+", default=[],
                     help="with --early: the second kernel's warps to time besides its default (8)")
+    ap.add_argument("--up-blocks", nargs="+", default=[], metavar="BN:BK:WARPS",
+                    help="with --early: the first kernel's (columns, K step, warps) to time, the second as the "
+                         "engine runs it")
     ap.add_argument("--scale", type=int, default=None, help="divide D, L and I by this (default: 1 on a GPU, 32 on "
                                                             "the CPU)")
     args = ap.parse_args(argv)
@@ -247,10 +252,14 @@ def early_chains(args, m, layers, Dm, L, dev, dtype, gen, cuda) -> dict:
             variants[f"early, down {bn} columns"] = (True, True, (up, (bn, down_k)))
         for w in args.down_warps:
             variants[f"early, down {w} warps"] = (True, rows >= D.DOWN_EARLY_ROWS, None, w)  # as the engine ranks
+        for spec in args.up_blocks:  # the second kernel as the engine runs it
+            bn, bk, w = (int(v) for v in spec.split(":"))
+            variants[f"early, up {bn}x{bk}, {w} warps"] = (True, rows >= D.DOWN_EARLY_ROWS, ((bn, bk), down),
+                                                             D.DOWN_WARPS, w)
 
         rule = D.DOWN_EARLY_ROWS
 
-        def chain(early, down_early, block, down_warps=D.DOWN_WARPS):
+        def chain(early, down_early, block, down_warps=D.DOWN_WARPS, up_warps=None):
             out, D.DOWN_EARLY_ROWS = [], 1 if down_early else 1 << 30
             warps, D.DOWN_WARPS = D.DOWN_WARPS, down_warps
             try:
@@ -258,7 +267,7 @@ def early_chains(args, m, layers, Dm, L, dev, dtype, gen, cuda) -> dict:
                     logits = ops.call("linear", x, rw, None, out_dtype=torch.float32)
                     h = ops.call("linear", x, proj)
                     out.append(D.moe_experts_routed(h, logits, m["route"](bias), w1, w2, block=block,
-                                                    early=early)[0])
+                                                    up_warps=up_warps, early=early)[0])
             finally:
                 D.DOWN_EARLY_ROWS, D.DOWN_WARPS = rule, warps
             return torch.cat(out)

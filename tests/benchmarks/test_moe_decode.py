@@ -32,9 +32,11 @@ def test_the_output_launch_variants_run_and_agree():
 
 
 def test_the_early_routing_variants_run_and_agree():
-    out = main(["--layers", "2", "--rows", "1", "--early", "--up-widths", "8", "--down-widths", "2"])
+    out = main(["--layers", "2", "--rows", "1", "--early", "--up-widths", "8", "--down-widths", "2",
+                "--up-blocks", "8:16:8"])
     (r,) = out["early"]
-    assert r["variants"] == ["late", "early, up only", "early", "early, up 8 columns", "early, down 2 columns"]
+    assert r["variants"] == ["late", "early, up only", "early", "early, up 8 columns", "early, down 2 columns",
+                             "early, up 8x16, 8 warps"]
     assert r["max_diff"] == 0.0  # the same kernels' arithmetic, routed before or after the wait
 
 
