@@ -259,7 +259,7 @@ def early_chains(args, m, layers, Dm, L, dev, dtype, gen, cuda) -> dict:
 
         rule = D.DOWN_EARLY_ROWS
 
-        def chain(early, down_early, block, down_warps=D.DOWN_WARPS, up_warps=None):
+        def chain(early, down_early, block, down_warps=D.DOWN_WARPS, up_warps=4):
             out, D.DOWN_EARLY_ROWS = [], 1 if down_early else 1 << 30
             warps, D.DOWN_WARPS = D.DOWN_WARPS, down_warps
             try:

@@ -277,41 +277,9 @@ def test_the_early_first_kernel_takes_wider_column_blocks(monkeypatch):
     assert torch.equal(outs[1][2], outs[0][2])
 
 
-def test_the_early_first_kernel_reads_all_of_k_before_its_wait(monkeypatch):
-    """Routed early over a plain model weight, the first kernel's K step spans up to ``EARLY_TILE_ELEMS`` weight
-    elements a half (all of dayzero-small's L = 512 at one token), on ``EARLY_UP_WARPS`` warps; routed late it
-    keeps ``TILE_ELEMS`` and 4 warps. The rows are the same."""
-    from dayzero.ops.static import mark_static
-
-    assert D.blocks(8, 512, 512, 264, "bfloat16", least=D.EARLY_MIN_COLS, elems=D.EARLY_TILE_ELEMS) == (16, 512)
-    assert D.blocks(32, 512, 512, 264, "bfloat16", least=D.EARLY_MIN_COLS, elems=D.EARLY_TILE_ELEMS) == (32, 256)
-    monkeypatch.setattr(D, "_programs_wanted", lambda device: 130)
-    logits, routing = routing_case("v3", 1, seed=7)
-    E, k = logits.shape[1], routing[0]
-    x, _, _, w1, w2, _, _ = case(1, k, E, 512, 32, seed=10)
-    mark_static(w1), mark_static(w2)
-    seen, outs = [], []
-    real = D._direct_up_kernel
-
-    class Steps(_Spy):
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                seen.append((kwargs["BLOCK_N"], kwargs["BLOCK_K"], kwargs["num_warps"], kwargs.get("PRELOAD")))
-                return real[grid](*args, **kwargs)
-            return launch
-
-    monkeypatch.setattr(D, "_direct_up_kernel", Steps(real, []))
-    for early in (False, True):
-        outs.append(D.moe_experts_routed(x, logits, routing, w1, w2, early=early))
-    assert seen[0][2] == 4 and seen[0][0] * seen[0][1] <= D.TILE_ELEMS  # late: 4 warps, TILE_ELEMS at most
-    assert seen[1] == (16, 512, D.EARLY_UP_WARPS, True)  # early: all of K read before the wait
-    check(outs[1][0], outs[0][0], torch.float32)
-    assert torch.equal(outs[1][2], outs[0][2])
-
-
 def test_early_routing_of_nan_logits_reads_the_experts_the_first_kernel_wrote(monkeypatch):
     """NaN logits routed early: the second kernel's own ranking gives the ids the first kernel wrote (in range),
-    so its rows are those of routing after the wait."""
+    so its weights and ids are those of routing after the wait, and its rows those rows."""
     from dayzero.ops.static import mark_static
 
     logits, routing = routing_case("v3", 2, seed=5)
@@ -322,8 +290,9 @@ def test_early_routing_of_nan_logits_reads_the_experts_the_first_kernel_wrote(mo
     monkeypatch.setattr(D, "DOWN_EARLY_ROWS", 1)
     late, early = (D.moe_experts_routed(x, logits, routing, w1, w2, early=e) for e in (False, True))
     assert ((early[2] >= 0) & (early[2] < E)).all()
-    for a, b in zip(late, early):
+    for a, b in zip(late[1:], early[1:]):  # the same weights and ids
         assert torch.equal(a, b)
+    check(early[0], late[0], torch.float32)  # the same rows (on a GPU the two launches may sum in another order)
 
 
 class _Spy:

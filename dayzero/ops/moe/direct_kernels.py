@@ -43,12 +43,6 @@ if HAS_TRITON:
 PLAIN = ("bfloat16", "float16", "float32")
 MAX_TOP_K = 32  # the second kernel holds a row block per slot
 TILE_ELEMS = 4096  # weight elements a program holds per K step (fp32 products: 32 registers a thread at 4 warps)
-# the early-routed first kernel (a plain model weight) reads its first K step of each half before the wait: up to
-# this many elements, so that at dayzero-small's one token (16 columns over L = 512) the whole of K is read there
-# and nothing is left after the wait but the token's row; such a program runs EARLY_UP_WARPS warps (64 registers
-# a thread for the two halves' fp32 tiles)
-EARLY_TILE_ELEMS = 8192
-EARLY_UP_WARPS = 8
 # early routing (moe_experts_routed(early=True)) ranks the second kernel's slots early too from this many tokens: in
 # a chain of dayzero-small's 23 MoE layers on the H100 (benchmarks/moe_decode.py --early) it took a layer 14.13 ->
 # 17.21 us at one token (every program ranks 64 experts for 8 weight rows) and 29.98 -> 28.28 us at four
@@ -268,15 +262,14 @@ def _k_step(rows: int, depth: int, fmt: str, elems: int = TILE_ELEMS, act_fp8: b
 
 
 def blocks(rows: int, width: int, depth: int, want: int, fmt: str, act_fp8: bool = False,
-           least: int = 4, elems: int = TILE_ELEMS) -> tuple[int, int]:
+           least: int = 4) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K) of the first kernel, ``rows`` GEMVs of ``width`` outputs over ``depth`` inputs: column
-    blocks as wide as leaves about ``want`` programs (``least`` to 64 columns), then the K step (:func:`_k_step`
-    of ``elems`` weight elements)."""
+    blocks as wide as leaves about ``want`` programs (``least`` to 64 columns), then the K step (:func:`_k_step`)."""
     bn = 64
     while bn > least and rows * -(-width // bn) < want:
         bn //= 2
     bn = min(bn, next_pow2(width))
-    return bn, _k_step(bn, depth, fmt, elems, act_fp8)
+    return bn, _k_step(bn, depth, fmt, act_fp8=act_fp8)
 
 
 def down_blocks(tokens: int, top_k: int, width: int, depth: int, want: int, fmt: str,
@@ -341,14 +334,12 @@ def moe_experts_direct(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
 def moe_experts_routed(x: torch.Tensor, logits: torch.Tensor, routing: tuple, w1, w2, activation: str = "silu",
                        b1: torch.Tensor | None = None, b2: torch.Tensor | None = None, limit: float | None = None,
                        load: torch.Tensor | None = None, block: tuple[tuple[int, int], tuple[int, int]] | None = None,
-                       up_warps: int | None = None, early: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       up_warps: int = 4, early: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`moe_experts_direct` of ``moe_route(logits, *routing)``'s choice, routed inside the first kernel: each
     program ranks its token's experts (``route_kernels.expert_ranks``) and takes the expert of its pair's rank,
     and the first column block's programs write the ids and weights the second kernel reads, so the routing
     kernel's launch is gone. Returns (y [T, L], weights fp32 [T, k], ids int64 [T, k]). Call only when
-    :func:`routed_refusal` is None; ``up_warps``: the first kernel's warps (default 4, or :data:`EARLY_UP_WARPS`
-    where its programs read more than :data:`TILE_ELEMS` weight elements a half before the wait;
-    ``benchmarks/moe_decode.py``).
+    :func:`routed_refusal` is None; ``up_warps``: the first kernel's warps (``benchmarks/moe_decode.py``).
 
     ``early``: the logits were written at least two kernels before this op's first (the caller ran another kernel
     in between: MoE layers compute the router first, then the experts' input projection). The first kernel then
@@ -374,7 +365,7 @@ def moe_experts_routed(x: torch.Tensor, logits: torch.Tensor, routing: tuple, w1
 
 
 def _launch(x, k, flat_ids, wt, w1, w2, activation, b1, b2, limit, load, block, route=None,
-            up_warps: int | None = None) -> torch.Tensor:
+            up_warps: int = 4) -> torch.Tensor:
     """The two kernels; ``route``: (logits, correction bias, weights out, scale) and the first kernel's routing
     constants, when it routes (:func:`moe_experts_routed`)."""
     (T, L), E, I = x.shape, w1.shape[0], w2.shape[-1]
@@ -388,11 +379,8 @@ def _launch(x, k, flat_ids, wt, w1, w2, activation, b1, b2, limit, load, block, 
     operands, routed = route or ((wt, wt, wt, 1.0), {})  # unread without ROUTE
     early = routed.get("EARLY", False)  # routed before the kernels' waits
     preloads = early and fmt in PLAIN  # and their first weight steps read there
-    (bn1, bk1), (bn2, bk2) = block or (blocks(T * k, I, L, want, fmt, a1, *((EARLY_MIN_COLS, EARLY_TILE_ELEMS)
-                                                                             if preloads else (4, TILE_ELEMS))),
+    (bn1, bk1), (bn2, bk2) = block or (blocks(T * k, I, L, want, fmt, a1, EARLY_MIN_COLS if preloads else 4),
                                        down_blocks(T, k, L, I, want, fmt, a2))
-    if up_warps is None:
-        up_warps = EARLY_UP_WARPS if preloads and bn1 * bk1 > TILE_ELEMS else 4
     if fmt not in PLAIN and max(bk1, bk2) > TILE:
         raise ValueError(f"{fmt} weights take K steps of at most {TILE}, not {max(bk1, bk2)} (see PLAIN)")
     if (a1 and bk1 != TILE) or (a2 and bk2 != TILE):
