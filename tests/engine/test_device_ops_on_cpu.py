@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from dayzero import LLM, SamplingParams
 from dayzero.ops import registry, triton_support
@@ -15,19 +14,11 @@ from dayzero.ops.linear import act as linear_act, kernels as linear_kernels, nor
 from dayzero.ops.moe import direct_kernels, router_kernels
 from tests.engine.families import prompts
 
-# CPU tensors reach the Triton kernels through the interpreter only (tests/conftest.py turns it on without a GPU);
-# on a GPU machine the device paths run on the device in tests/engine/test_cuda_graphs.py and the ops' own tests
-# (also the marker of test_prefill_graphs.py's tests that patch the platform the same way)
-interpreted = pytest.mark.skipif(torch.cuda.is_available() and not triton_support.INTERPRET,
-                                reason="runs the device kernels on CPU tensors through Triton's interpreter, which "
-                                       "is off on a GPU machine")
-pytestmark = interpreted
-
 KW = dict(device="cpu", dtype="float32", load_format="dummy", block_size=4, num_cache_blocks=256, max_num_seqs=8,
           max_model_len=128)
 
 
-def reference_and_device_tokens(model_dir, monkeypatch, n: int, max_tokens: int):
+def reference_and_device_tokens(model_dir, cuda_ops_on_cpu, n: int, max_tokens: int):
     """Greedy tokens of ``n`` prompts from the reference engine and from one choosing the device implementations,
     and the (op, implementation) pairs the device run called."""
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -36,7 +27,7 @@ def reference_and_device_tokens(model_dir, monkeypatch, n: int, max_tokens: int)
     want = [o.outputs[0].token_ids for o in ref_llm.generate(ps, sp)]
     chosen = set()
     hook = lambda op, c, reason, fn, args, kwargs: chosen.add((op, c)) or fn(*args, **kwargs)  # noqa: E731
-    monkeypatch.setattr(registry, "platform_of", lambda device: "cuda")
+    cuda_ops_on_cpu()
     prev = registry.set_hook(hook)
     try:
         got = [o.outputs[0].token_ids for o in LLM(model_dir, **KW).generate(ps, sp)]
@@ -45,15 +36,15 @@ def reference_and_device_tokens(model_dir, monkeypatch, n: int, max_tokens: int)
     return want, got, chosen
 
 
-def test_device_implementations_give_the_reference_tokens(model_dir, monkeypatch):
-    want, got, chosen = reference_and_device_tokens(model_dir, monkeypatch, 5, 24)
+def test_device_implementations_give_the_reference_tokens(model_dir, cuda_ops_on_cpu):
+    want, got, chosen = reference_and_device_tokens(model_dir, cuda_ops_on_cpu, 5, 24)
     assert any(c == "cuda" for _, c in chosen), chosen  # the device decode paths did run
     assert got == want
 
 
-def test_device_implementations_run_in_bf16(model_dir, monkeypatch):
+def test_device_implementations_run_in_bf16(model_dir, cuda_ops_on_cpu):
     """bf16 through the device paths (dtypes of states, rings, pools and outputs agree)."""
-    monkeypatch.setattr(registry, "platform_of", lambda device: "cuda")
+    cuda_ops_on_cpu()
     llm = LLM(model_dir, device="cpu", dtype="bfloat16", load_format="dummy", block_size=4, num_cache_blocks=256,
               max_num_seqs=8, max_model_len=128)
     outs = llm.generate(prompts(3, llm.engine.model_config.vocab_size, 4),
@@ -108,7 +99,7 @@ def choose_first_blocks(monkeypatch) -> None:
 
 
 @pytest.mark.skipif(not triton_support.HAS_TRITON, reason="needs triton")
-def test_skinny_linears_and_the_ops_inside_them_give_the_reference_tokens(model_dir, monkeypatch):
+def test_skinny_linears_and_the_ops_inside_them_give_the_reference_tokens(model_dir, monkeypatch, cuda_ops_on_cpu):
     """With the skinny kernel chosen for every linear of a few rows (as a GPU's timing may choose it), decode runs
     each layer's input norm inside its fused projection (rms_norm_linear), the MLPs' activations inside their down
     projections (act_linear), KDA's gated norm inside its output projection (rms_norm_gated_linear), a LatentMoE
@@ -122,7 +113,7 @@ def test_skinny_linears_and_the_ops_inside_them_give_the_reference_tokens(model_
     real = direct_kernels.moe_experts_routed
     monkeypatch.setattr(direct_kernels, "moe_experts_routed",
                         lambda *a, **kw: routed_inside.append(kw.get("early", False)) or real(*a, **kw))
-    want, got, chosen = reference_and_device_tokens(model_dir, monkeypatch, 3, 8)
+    want, got, chosen = reference_and_device_tokens(model_dir, cuda_ops_on_cpu, 3, 8)
     assert ("linear", "cuda") in chosen
     called = {name for name, _ in chosen}
     for op in ("rms_norm_linear", "rms_norm_gated_linear", "dual_linear", "sigmoid_gate_linear"):

@@ -14,9 +14,7 @@ from dayzero import LLM, SamplingParams
 from dayzero.engine.batch import HostLengthsUnavailable
 from dayzero.engine.cuda_graphs import DecodeGraphs, PrefillGraphs, prefill_seats, prefill_token_buckets
 from dayzero.engine.engine import EngineConfig
-from dayzero.ops import registry
 from tests.engine.families import hf_config, prompts
-from tests.engine.test_device_ops_on_cpu import interpreted
 
 
 class EagerReplayMixin:
@@ -94,9 +92,8 @@ def _engine(path: str, **kw) -> LLM:
                max_num_seqs=8, max_model_len=128, **kw)
 
 
-@interpreted
-def test_padded_layout(tiny_ckpt, monkeypatch):
-    monkeypatch.setattr(registry, "platform_of", lambda device: "cuda")
+def test_padded_layout(tiny_ckpt, cuda_ops_on_cpu):
+    cuda_ops_on_cpu()
     llm = _engine(str(tiny_ckpt), max_num_batched_tokens=32)
     with_replayed_prefill(llm, [32], [8])
     eng = llm.engine
@@ -130,12 +127,11 @@ def _family_dir(name: str, tmp_path, tiny_ckpt) -> str:
 @pytest.mark.parametrize("family,chunk,overlap", [("dayzero_hybrid", 7, False), ("deepseek_v32", 64, False),
                                                   ("kimi_linear", 64, False), ("qwen3_next", 7, False),
                                                   ("kimi_linear", 7, True)])
-@interpreted
-def test_replayed_prefill_gives_the_plain_engines_tokens(family, chunk, overlap, tmp_path, tiny_ckpt, monkeypatch):
+def test_replayed_prefill_gives_the_plain_engines_tokens(family, chunk, overlap, tmp_path, tiny_ckpt, cuda_ops_on_cpu):
     """Greedy tokens of prompts of 1..29 tokens, prefilled in steps of up to 64 rows or in chunks of 7 (mixed
     steps), and a second round served from the prefix cache: equal to the engine that runs every step eagerly,
     with the prefill steps replayed."""
-    monkeypatch.setattr(registry, "platform_of", lambda device: "cuda")
+    cuda_ops_on_cpu()
     path = _family_dir(family, tmp_path, tiny_ckpt)
     sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     plain = _engine(path, max_num_batched_tokens=chunk)
@@ -149,20 +145,18 @@ def test_replayed_prefill_gives_the_plain_engines_tokens(family, chunk, overlap,
     assert got == want
 
 
-@interpreted
-def test_a_family_whose_prefill_reads_host_lengths_is_not_captured(tmp_path, tiny_ckpt, monkeypatch):
+def test_a_family_whose_prefill_reads_host_lengths_is_not_captured(tmp_path, tiny_ckpt, cuda_ops_on_cpu):
     """DeepSeek-V4's compressed attention runs prefill rows per sequence from the host lengths: the warm pass of
     a capture fails by name (the engine then runs its prefill steps eagerly and says why)."""
-    monkeypatch.setattr(registry, "platform_of", lambda device: "cuda")
+    cuda_ops_on_cpu()
     llm = _engine(_family_dir("deepseek_v4", tmp_path, tiny_ckpt), max_num_batched_tokens=16)
     with pytest.raises(HostLengthsUnavailable, match="captured"):
         with_replayed_prefill(llm, [16], [8])
 
 
-@interpreted
-def test_replayed_prefill_logits_match(tiny_ckpt, monkeypatch):
+def test_replayed_prefill_logits_match(tiny_ckpt, cuda_ops_on_cpu):
     """The prompt logits of one replayed prefill step equal the eager step's within fp32 rounding."""
-    monkeypatch.setattr(registry, "platform_of", lambda device: "cuda")
+    cuda_ops_on_cpu()
     sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
     ps = prompts(3, 64, 9)
     plain = _engine(str(tiny_ckpt))
@@ -178,11 +172,10 @@ def test_replayed_prefill_logits_match(tiny_ckpt, monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["dayzero_hybrid", "deepseek_v32"])
-@interpreted
-def test_replayed_decode_and_prefill_give_the_plain_engines_tokens(family, tmp_path, tiny_ckpt, monkeypatch):
+def test_replayed_decode_and_prefill_give_the_plain_engines_tokens(family, tmp_path, tiny_ckpt, cuda_ops_on_cpu):
     """Decode steps replayed too (padded to batch sizes 2 and 8, block-table widths 8 and 32): with every step
     replayed that fits a capture, greedy tokens equal the plain engine's."""
-    monkeypatch.setattr(registry, "platform_of", lambda device: "cuda")
+    cuda_ops_on_cpu()
     path = _family_dir(family, tmp_path, tiny_ckpt)
     sp = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     plain = _engine(path, max_num_batched_tokens=64)
@@ -201,12 +194,11 @@ def test_replayed_decode_and_prefill_give_the_plain_engines_tokens(family, tmp_p
 
 @pytest.mark.parametrize("family", ["deepseek_v32", "dayzero_hybrid"])
 @pytest.mark.parametrize("kv", ["fp8", "int8"])
-@interpreted
-def test_quantised_cache_prefill_is_replayed(family, kv, tmp_path, tiny_ckpt, monkeypatch):
+def test_quantised_cache_prefill_is_replayed(family, kv, tmp_path, tiny_ckpt, cuda_ops_on_cpu):
     """FP8 / INT8 KV caches (the latent rows and the indexer keys): the MLA and indexer kernels read the codes
     and their per-token scales on the device, so a prefill step captures (it used to read host lengths in the
     reference and run eagerly) and gives the eager engine's greedy tokens, with the same cache."""
-    monkeypatch.setattr(registry, "platform_of", lambda device: "cuda")
+    cuda_ops_on_cpu()
     path = _family_dir(family, tmp_path, tiny_ckpt)
     sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     plain = _engine(path, max_num_batched_tokens=64, kv_cache_dtype=kv)
