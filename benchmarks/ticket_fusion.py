@@ -21,12 +21,12 @@ its own rows of the input projection): a second-GEMV item waits only for its gro
 Variants: ``two launches`` (the same kernel once per GEMV, each launch with programmatic dependent launch where
 the GPU has it), ``two launches, no PDL``, ``one launch, tickets`` (every first-GEMV item's ticket before the
 second's) and ``one launch, tickets by group`` (group by group: each group's second-GEMV items start while the
-next group's first-GEMV items still run; the same as the one before at one group). Each layer has weights of its own (past the L2
-cache, as a step's layers are) and its y is the next layer's x (so ``K`` = ``N2``). On a GPU the chain of
-``--layers`` layers is replayed from one CUDA graph; prints µs a layer, the ratio against two launches and the
-weights' read rate against the copy bandwidth measured in the same run. On the CPU (Triton's interpreter, tiny
-shapes, for the tests) each variant runs once and the largest difference between them and from an fp32
-reference is printed.
+next group's first-GEMV items still run; the same as the one before at one group). Each layer has weights of its
+own (past the L2 cache, as a step's layers are) and its y is the next layer's x (so ``K`` = ``N2``). On a GPU the
+chain of ``--layers`` layers is replayed from one CUDA graph; prints µs a layer, the ratio against two launches
+and the weights' read rate, also as a share of the copy bandwidth measured in the same run (the roofline of a
+GEMV of few rows). On the CPU (Triton's interpreter, tiny shapes, for the tests) each variant runs once and the
+largest difference between them and from an fp32 reference is printed.
 """
 from __future__ import annotations
 
@@ -249,15 +249,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
 def print_table(rows: list[dict], bandwidth: float | None, cuda: bool) -> None:
     dev = torch.cuda.get_device_name() if cuda else "cpu (Triton's interpreter: no timings)"
     print(f"{dev}; copy bandwidth {bandwidth / 1e9:.0f} GB/s" if bandwidth else dev)
-    print(f"{'K:N1:N2':>16} {'rows':>4}  {'variant':<29} {'us a layer':>10} {'vs two':>7} {'weights GB/s':>12}")
+    print(f"{'K:N1:N2':>16} {'rows':>4}  {'variant':<29} {'us a layer':>10} {'vs two':>7} {'weights GB/s':>12} "
+          f"{'of copy':>7}")
     for r in rows:
         base = r["us_a_layer"].get(VARIANTS[0])
         for variant in VARIANTS:
             us = r["us_a_layer"].get(variant)
             ratio = f"{base / us:.2f}x" if us and base else "-"
-            rate = f"{r['weight_bytes'] / (us * 1e-6) / 1e9:.0f}" if us else "-"
+            rate = r["weight_bytes"] / (us * 1e-6) if us else None
             print(f"{r['shape']:>16} {r['rows']:>4}  {variant:<29} {f'{us:.2f}' if us else '-':>10} {ratio:>7} "
-                  f"{rate:>12}")
+                  f"{f'{rate / 1e9:.0f}' if rate else '-':>12} {f'{rate / bandwidth:.0%}' if rate else '-':>7}")
         print(f"{'':>16} {'':>4}  largest difference between variants {r['max_diff']:.2e}, from the fp32 reference "
               f"{r['ref_diff']:.2e} (of its largest); counters zero after: {r['counters_zero']}")
 
