@@ -21,7 +21,9 @@ its own rows of the input projection): a second-GEMV item waits only for its gro
 Variants: ``two launches`` (the same kernel once per GEMV, each launch with programmatic dependent launch where
 the GPU has it), ``two launches, no PDL``, ``one launch, tickets`` (every first-GEMV item's ticket before the
 second's) and ``one launch, tickets by group`` (group by group: each group's second-GEMV items start while the
-next group's first-GEMV items still run; the same as the one before at one group). Each layer has weights of its
+next group's first-GEMV items still run; the same as the one before at one group); at one group also ``two
+launches, the linear op's`` (the engine's skinny kernel at the same blocks, so that what this kernel shows
+carries over to it). Each layer has weights of its
 own (past the L2 cache, as a step's layers are) and its y is the next layer's x (so ``K`` = ``N2``). On a GPU the
 chain of ``--layers`` layers is replayed from one CUDA graph; prints µs a layer, the ratio against two launches
 and the weights' read rate, also as a share of the copy bandwidth measured in the same run (the roofline of a
@@ -39,6 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for benchmarks.* below
 from benchmarks.timing import copy_bandwidth, ms_per_replay  # noqa: E402
+from dayzero.ops.static import mark_static  # noqa: E402
 from dayzero.ops.triton_support import HAS_TRITON, grid_dependency, pdl  # noqa: E402
 
 if HAS_TRITON:
@@ -148,6 +151,7 @@ if HAS_TRITON:
 
 
 VARIANTS = ("two launches", "two launches, no PDL", "one launch, tickets", "one launch, tickets by group")
+LINEAR = "two launches, the linear op's"  # the engine's skinny kernel at the same blocks (one group only)
 
 
 def pair(variant: str, x, w1, h, w2, y, tick, block, warps: int, groups: int) -> torch.Tensor:
@@ -155,6 +159,11 @@ def pair(variant: str, x, w1, h, w2, y, tick, block, warps: int, groups: int) ->
     g read h's of group g, w2 [N2, N1 / groups])."""
     (M, K), N1, N2 = x.shape, w1.shape[0], w2.shape[0]
     (bn1, bk1), (bn2, bk2) = block
+    if variant == LINEAR:
+        from dayzero.ops.linear import kernels as LK
+        LK.launch(x, w1, h, K, (bn1, min(bk1, triton.next_power_of_2(K)), warps))
+        LK.launch(h, w2, y, N1, (bn2, min(bk2, triton.next_power_of_2(N1)), warps))
+        return y
     na, nb = N1 // bn1, N2 // bn2
     options = {"PDL": False} if variant.endswith("no PDL") else pdl(x)
     consts = dict(K=K, N1=N1, N2=N2, G=groups, BY_GROUP=variant.endswith("by group"), BM=triton.next_power_of_2(M),
@@ -207,8 +216,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
             raise SystemExit(f"--shapes {spec} --groups {G} --block {args.block}: each group's columns of h and y "
                              f"must be whole blocks ({N1} / {G} by {bn1}, {N2} / {G} by {bn2})")
         g = torch.Generator().manual_seed(0)
-        w1s = [(torch.randn(N1, K, generator=g) / K**0.5).to(dev, dt) for _ in range(args.layers)]
-        w2s = [(torch.randn(N2, N1 // G, generator=g) / (N1 // G)**0.5).to(dev, dt) for _ in range(args.layers)]
+        # model weights (mark_static): the linear op's kernel reads their first K step before its wait, as ours do
+        w1s = [mark_static((torch.randn(N1, K, generator=g) / K**0.5).to(dev, dt)) for _ in range(args.layers)]
+        w2s = [mark_static((torch.randn(N2, N1 // G, generator=g) / (N1 // G)**0.5).to(dev, dt))
+               for _ in range(args.layers)]
+        variants = VARIANTS + ((LINEAR,) if G == 1 else ())
         weight_bytes = sum(w.numel() * w.element_size() for w in w1s + w2s) / args.layers
         for M in args.rows:
             x0 = torch.randn(M, K, generator=g).to(dev, dt)
@@ -228,7 +240,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 return x
 
             results, times = {}, {}
-            for variant in VARIANTS:
+            for variant in variants:
                 results[variant] = chain(variant).float().clone()
                 if cuda:
                     ms = ms_per_replay(lambda: chain(variant), args.replays)
@@ -236,7 +248,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             first = results[VARIANTS[0]]
             row = dict(shape=spec, rows=M, layers=args.layers, block=block, warps=args.warps, groups=G,
                        us_a_layer=times, weight_bytes=weight_bytes,
-                       max_diff=max((r - first).abs().max().item() for r in results.values()),
+                       max_diff=max((results[v] - first).abs().max().item() for v in VARIANTS),
+                       linear_diff=(results[LINEAR] - first).abs().max().item() if G == 1 else None,
                        ref_diff=((first - ref).abs().max() / ref.abs().max()).item(),
                        counters_zero=all(int(t.abs().sum()) == 0 for t in ticks))
             out.append(row)
@@ -253,14 +266,15 @@ def print_table(rows: list[dict], bandwidth: float | None, cuda: bool) -> None:
           f"{'of copy':>7}")
     for r in rows:
         base = r["us_a_layer"].get(VARIANTS[0])
-        for variant in VARIANTS:
+        for variant in VARIANTS + ((LINEAR,) if r["linear_diff"] is not None else ()):
             us = r["us_a_layer"].get(variant)
             ratio = f"{base / us:.2f}x" if us and base else "-"
             rate = r["weight_bytes"] / (us * 1e-6) if us else None
             print(f"{r['shape']:>16} {r['rows']:>4}  {variant:<29} {f'{us:.2f}' if us else '-':>10} {ratio:>7} "
                   f"{f'{rate / 1e9:.0f}' if rate else '-':>12} {f'{rate / bandwidth:.0%}' if rate else '-':>7}")
-        print(f"{'':>16} {'':>4}  largest difference between variants {r['max_diff']:.2e}, from the fp32 reference "
-              f"{r['ref_diff']:.2e} (of its largest); counters zero after: {r['counters_zero']}")
+        linear = "" if r["linear_diff"] is None else f", the linear op's from them {r['linear_diff']:.2e}"
+        print(f"{'':>16} {'':>4}  largest difference between the variants {r['max_diff']:.2e}{linear}, from the fp32 "
+              f"reference {r['ref_diff']:.2e} (of its largest); counters zero after: {r['counters_zero']}")
 
 
 if __name__ == "__main__":

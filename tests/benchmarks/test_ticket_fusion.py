@@ -19,6 +19,9 @@ def test_one_launch_of_tickets_gives_the_rows_of_two_launches(groups):
     for r in rows:
         assert r["max_diff"] == 0.0  # every item sums the same products in the same order, whoever launches it
         assert r["ref_diff"] < 1e-5  # fp32 on the CPU
+        assert (r["linear_diff"] is None) == (groups > 1)  # the engine's kernel computes no block-diagonal W2
+        if groups == 1:
+            assert r["linear_diff"] < 1e-5
         assert r["counters_zero"]  # the last program zeroed them: a replay starts from ticket 0
 
 
