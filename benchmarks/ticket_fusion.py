@@ -106,9 +106,9 @@ if HAS_TRITON:
         # y [M, N2]; tick: int32 [G + 2] (tickets taken, each group's first-GEMV items done, programs done), zero
         # between launches. PHASE 0: both GEMVs (grid NA + NB, items by ticket); 1: the first (grid NA); 2: the
         # second (grid NB).
-        NA: tl.constexpr = N1 // BN1
-        NB: tl.constexpr = N2 // BN2
-        HG: tl.constexpr = N1 // G  # h's columns a group
+        NA = N1 // BN1
+        NB = N2 // BN2
+        HG = N1 // G  # h's columns a group
         if PHASE == 0:
             t = tl.atomic_add(tick_ptr, 1)  # the order this program started in among the launch's
         elif PHASE == 1:
