@@ -41,6 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for benchmarks.* below
 from benchmarks.timing import copy_bandwidth, ms_per_replay  # noqa: E402
+from dayzero.ops.linear import kernels as LK  # noqa: E402
 from dayzero.ops.static import mark_static  # noqa: E402
 from dayzero.ops.triton_support import HAS_TRITON, grid_dependency, pdl  # noqa: E402
 
@@ -59,6 +60,13 @@ if HAS_TRITON:
         return x.to(tl.float32)
 
     @triton.jit
+    def _weight_tile(w_ptr, n, n_ok, k0, KW: tl.constexpr, BK: tl.constexpr):
+        """W[n, k0:k0+BK] in fp32 (rows of KW columns)."""
+        k = k0 + tl.arange(0, BK)
+        return tl.load(w_ptr + n[:, None] * KW + k[None, :], mask=n_ok[:, None] & (k[None, :] < KW),
+                       other=0.0).to(tl.float32)
+
+    @triton.jit
     def _gemv_rows(x_ptr, s_xm, w_ptr, w_first, n, n_ok, m, m_ok, KW: tl.constexpr, BM: tl.constexpr,
                    BN: tl.constexpr, BK: tl.constexpr, CG: tl.constexpr):
         """x[m, :] · W[n, :]ᵀ over all of KW [BM, BN] fp32, the first K step's weight tile ``w_first`` read
@@ -67,21 +75,12 @@ if HAS_TRITON:
         acc = tl.sum(_x_rows(x_ptr, s_xm, m, m_ok, k, k < KW, CG)[:, None, :] * w_first[None, :, :], axis=2)
         for k0 in range(BK, KW, BK):
             k = k0 + tl.arange(0, BK)
-            k_ok = k < KW
-            w = tl.load(w_ptr + n[:, None] * KW + k[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                        other=0.0).to(tl.float32)
-            acc += tl.sum(_x_rows(x_ptr, s_xm, m, m_ok, k, k_ok, CG)[:, None, :] * w[None, :, :], axis=2)
+            w = _weight_tile(w_ptr, n, n_ok, k0, KW, BK)
+            acc += tl.sum(_x_rows(x_ptr, s_xm, m, m_ok, k, k < KW, CG)[:, None, :] * w[None, :, :], axis=2)
         return acc
 
     @triton.jit
-    def _first_tile(w_ptr, n, n_ok, KW: tl.constexpr, BK: tl.constexpr):
-        k = tl.arange(0, BK)
-        return tl.load(w_ptr + n[:, None] * KW + k[None, :], mask=n_ok[:, None] & (k[None, :] < KW),
-                       other=0.0).to(tl.float32)
-
-    @triton.jit
-    def _item(t, NA: tl.constexpr, NB: tl.constexpr, G: tl.constexpr, PHASE: tl.constexpr,
-              BY_GROUP: tl.constexpr):
+    def _item(t, NA: tl.constexpr, NB: tl.constexpr, G: tl.constexpr, BY_GROUP: tl.constexpr):
         """(is a first-GEMV item, its index among its GEMV's items, its group) of ticket ``t``: all first-GEMV
         items before the second's, or (``BY_GROUP``) group by group, each group's first-GEMV items then its
         second's."""
@@ -115,13 +114,13 @@ if HAS_TRITON:
             t = tl.program_id(0)
         else:
             t = tl.program_id(0) + NA
-        first, index, g = _item(t, NA, NB, G, PHASE, BY_GROUP)
+        first, index, g = _item(t, NA, NB, G, BY_GROUP)
         m = tl.arange(0, BM)
         m_ok = m < M
         if first:  # a block of h's columns
             n = index * BN1 + tl.arange(0, BN1)
             n_ok = n < N1
-            w_first = _first_tile(w1_ptr, n, n_ok, K, BK1)  # a model weight: read before the wait
+            w_first = _weight_tile(w1_ptr, n, n_ok, 0, K, BK1)  # a model weight: read before the wait
             grid_dependency(PDL)
             acc = _gemv_rows(x_ptr, K, w1_ptr, w_first, n, n_ok, m, m_ok, K, BM, BN1, BK1, False)
             tl.store(h_ptr + m[:, None] * N1 + n[None, :], acc.to(h_ptr.dtype.element_ty),
@@ -132,7 +131,7 @@ if HAS_TRITON:
         else:  # a block of y's columns, once its group's columns of h are written
             n = index * BN2 + tl.arange(0, BN2)
             n_ok = n < N2
-            w_first = _first_tile(w2_ptr, n, n_ok, HG, BK2)
+            w_first = _weight_tile(w2_ptr, n, n_ok, 0, HG, BK2)
             grid_dependency(PDL)
             if PHASE == 0:
                 seen = tl.atomic_add(tick_ptr + 1 + g, 0, sem="acquire")
@@ -160,7 +159,6 @@ def pair(variant: str, x, w1, h, w2, y, tick, block, warps: int, groups: int) ->
     (M, K), N1, N2 = x.shape, w1.shape[0], w2.shape[0]
     (bn1, bk1), (bn2, bk2) = block
     if variant == LINEAR:
-        from dayzero.ops.linear import kernels as LK
         LK.launch(x, w1, h, K, (bn1, min(bk1, triton.next_power_of_2(K)), warps))
         LK.launch(h, w2, y, N1, (bn2, min(bk2, triton.next_power_of_2(N1)), warps))
         return y
