@@ -118,29 +118,31 @@ if HAS_TRITON:
         m = tl.arange(0, BM)
         m_ok = m < M
         if first:  # a block of h's columns
-            n = index * BN1 + tl.arange(0, BN1)
-            n_ok = n < N1
-            w_first = _weight_tile(w1_ptr, n, n_ok, 0, K, BK1)  # a model weight: read before the wait
+            # (names of their own in each branch: Triton merges a name both branches assign, and the tiles'
+            # shapes differ)
+            n1 = index * BN1 + tl.arange(0, BN1)
+            n1_ok = n1 < N1
+            w1_first = _weight_tile(w1_ptr, n1, n1_ok, 0, K, BK1)  # a model weight: read before the wait
             grid_dependency(PDL)
-            acc = _gemv_rows(x_ptr, K, w1_ptr, w_first, n, n_ok, m, m_ok, K, BM, BN1, BK1, False)
-            tl.store(h_ptr + m[:, None] * N1 + n[None, :], acc.to(h_ptr.dtype.element_ty),
-                     mask=m_ok[:, None] & n_ok[None, :])
+            h = _gemv_rows(x_ptr, K, w1_ptr, w1_first, n1, n1_ok, m, m_ok, K, BM, BN1, BK1, False)
+            tl.store(h_ptr + m[:, None] * N1 + n1[None, :], h.to(h_ptr.dtype.element_ty),
+                     mask=m_ok[:, None] & n1_ok[None, :])
             if PHASE == 0:
                 tl.debug_barrier()  # every thread's h stored before the program's one release
                 tl.atomic_add(tick_ptr + 1 + g, 1, sem="release")
         else:  # a block of y's columns, once its group's columns of h are written
-            n = index * BN2 + tl.arange(0, BN2)
-            n_ok = n < N2
-            w_first = _weight_tile(w2_ptr, n, n_ok, 0, HG, BK2)
+            n2 = index * BN2 + tl.arange(0, BN2)
+            n2_ok = n2 < N2
+            w2_first = _weight_tile(w2_ptr, n2, n2_ok, 0, HG, BK2)
             grid_dependency(PDL)
             if PHASE == 0:
                 seen = tl.atomic_add(tick_ptr + 1 + g, 0, sem="acquire")
                 while seen < NA // G:
                     seen = tl.atomic_add(tick_ptr + 1 + g, 0, sem="acquire")
                 tl.debug_barrier()
-            acc = _gemv_rows(h_ptr + g * HG, N1, w2_ptr, w_first, n, n_ok, m, m_ok, HG, BM, BN2, BK2, PHASE == 0)
-            tl.store(y_ptr + m[:, None] * N2 + n[None, :], acc.to(y_ptr.dtype.element_ty),
-                     mask=m_ok[:, None] & n_ok[None, :])
+            y = _gemv_rows(h_ptr + g * HG, N1, w2_ptr, w2_first, n2, n2_ok, m, m_ok, HG, BM, BN2, BK2, PHASE == 0)
+            tl.store(y_ptr + m[:, None] * N2 + n2[None, :], y.to(y_ptr.dtype.element_ty),
+                     mask=m_ok[:, None] & n2_ok[None, :])
         if PHASE == 0:
             tl.debug_barrier()
             done = tl.atomic_add(tick_ptr + 1 + G, 1, sem="acq_rel")
