@@ -42,3 +42,30 @@ def tiny_ckpt(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_ckpt_no_tokenizer(tmp_path_factory) -> Path:
     return build_checkpoint(tmp_path_factory.mktemp("tiny-notok"), tiny_config(), seed=2, tokenizer=False)
+
+
+# Without a GPU, every kernel the interpreter runs is also compiled for sm90 at the session's end (the interpreter
+# runs kernels the compiler refuses): tests/triton_compile.py.
+def pytest_configure(config):
+    if os.environ.get("TRITON_INTERPRET") != "1" or os.environ.get("DAYZERO_TRITON_COMPILE") == "0":
+        return
+    try:
+        from tests import triton_compile
+
+        triton_compile.install()
+    except ImportError:  # no triton: nothing is interpreted
+        return
+    config._dayzero_triton_compile = triton_compile
+
+
+def pytest_sessionfinish(session, exitstatus):
+    check = getattr(session.config, "_dayzero_triton_compile", None)
+    if check is None or not check.recorded():
+        return
+    with tempfile.TemporaryDirectory(prefix="dayzero-sm90-") as d:
+        rc, report = check.check(os.path.join(d, "specs.pkl"))
+    terminal = session.config.pluginmanager.get_plugin("terminalreporter")
+    for line in ["", *report.rstrip().splitlines()]:
+        terminal.write_line(line) if terminal else print(line)
+    if rc:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
