@@ -22,13 +22,11 @@ def _branch_tiles_kernel(x_ptr, y_ptr, flag, A: tl.constexpr, B: tl.constexpr, S
         else:
             v = tl.load(x_ptr + tl.arange(0, B)) * 3
             tl.store(y_ptr + tl.arange(0, B), v)
-    else:
+    else:  # no name assigned in either branch
         if flag != 0:
-            va = tl.load(x_ptr + tl.arange(0, A)) * 2
-            tl.store(y_ptr + tl.arange(0, A), va)
+            tl.store(y_ptr + tl.arange(0, A), tl.load(x_ptr + tl.arange(0, A)) * 2)
         else:
-            vb = tl.load(x_ptr + tl.arange(0, B)) * 3
-            tl.store(y_ptr + tl.arange(0, B), vb)
+            tl.store(y_ptr + tl.arange(0, B), tl.load(x_ptr + tl.arange(0, B)) * 3)
 
 
 def _specs(same_name: bool) -> list[dict]:
