@@ -65,7 +65,8 @@ def pytest_sessionfinish(session, exitstatus):
     with tempfile.TemporaryDirectory(prefix="dayzero-sm90-") as d:
         rc, report = check.check(os.path.join(d, "specs.pkl"))
     terminal = session.config.pluginmanager.get_plugin("terminalreporter")
-    for line in ["", *report.rstrip().splitlines()]:
+    skipped = [f"not compiled: {k} ({why})" for k, why in sorted(check.unmodelled.items())]
+    for line in ["", *report.rstrip().splitlines(), *skipped]:
         terminal.write_line(line) if terminal else print(line)
     if rc:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -30,6 +30,7 @@ DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", 
           torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8",
           torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
 _specs: dict[tuple, dict] = {}
+unmodelled: dict[str, str] = {}  # kernel -> why a launch of it was not recorded
 
 
 @functools.cache
@@ -64,6 +65,7 @@ def record(fn, arg_names: list[str], args: tuple, kwargs: dict, into: dict | Non
     session's record."""
     module, name = fn.__module__, fn.__qualname__
     if "<locals>" in name:
+        unmodelled[f"{module}.{name}"] = "defined inside a function: not importable"
         return
     bound = dict(zip(arg_names, args))
     bound.update({k: v for k, v in kwargs.items() if k in arg_names})
@@ -83,8 +85,10 @@ def record(fn, arg_names: list[str], args: tuple, kwargs: dict, into: dict | Non
             if aligned_ptr or (t in ("i32", "i64") and v % 16 == 0 and v != 0):
                 aligned.append(i)
         pickle.dumps(constants)
-    except (TypeError, KeyError, pickle.PicklingError, AttributeError):
-        return  # an argument this check does not model: the kernel stays the GPU tests' to compile
+    except (TypeError, KeyError, pickle.PicklingError, AttributeError) as e:
+        # an argument this check does not model: the kernel stays the GPU tests' to compile (and is named)
+        unmodelled[f"{module}.{name}"] = f"{type(e).__name__}: {e}"
+        return
     flags = tuple(sorted((k, repr(v)) for k, v in constants.items() if not isinstance(v, int) or isinstance(v, bool)))
     kind = (module, name, tuple(signature.values()), flags)
     key = (kind, tuple(sorted((k, repr(v)) for k, v in constants.items())), tuple(sorted(options.items())))
