@@ -13,6 +13,7 @@ ptxas), and any that fails fails the session with the kernel, its specialisation
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import importlib
 import inspect
@@ -31,6 +32,7 @@ DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", 
           torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
 _specs: dict[tuple, dict] = {}
 unmodelled: dict[str, str] = {}  # kernel -> why a launch of it was not recorded
+_paused = False
 
 
 @functools.cache
@@ -108,11 +110,23 @@ def install() -> None:
         return
 
     def recording_run(self, *args, grid, warmup, **kwargs):
-        record(self.fn, self.arg_names, args, kwargs)
+        if not _paused:
+            record(self.fn, self.arg_names, args, kwargs)
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     recording_run._records = True
     InterpretedFunction.run = recording_run
+
+
+@contextlib.contextmanager
+def unrecorded():
+    """Launches inside are not recorded (a test's kernel that is meant not to compile)."""
+    global _paused
+    before, _paused = _paused, True
+    try:
+        yield
+    finally:
+        _paused = before
 
 
 def recorded() -> list[dict]:
