@@ -144,21 +144,29 @@ def check(path: str, specs: list[dict] | None = None, timeout_s: float = 1800) -
     return p.returncode, p.stdout + p.stderr
 
 
-def _compile(spec: dict) -> str | None:
-    """None, or why ``spec`` did not compile."""
+def compile_sm90(kernel, signature: dict, constants: dict, aligned, options: dict):
+    """``kernel`` (a ``triton.jit`` function) compiled for an H100/H200 (sm90) without a GPU: Triton's front end,
+    its sm90 passes and the bundled ptxas. ``signature``: type per argument name ("constexpr" for ``constants``');
+    ``aligned``: the indices of arguments known 16-divisible (pointers 16-byte aligned), as a real launch
+    specialises them."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    return triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=options)
+
+
+def _compile(spec: dict) -> str | None:
+    """None, or why ``spec`` did not compile."""
     try:
         kernel = functools.reduce(getattr, spec["name"].split("."), importlib.import_module(spec["module"]))
         while not hasattr(kernel, "arg_names") or not hasattr(kernel, "src"):  # autotuner / heuristics wrappers
             kernel = kernel.fn
         names = list(kernel.arg_names)
         constants = {(names.index(n),): v for n, v in spec["constants"].items()}
-        attrs = {(i,): [["tt.divisibility", 16]] for i in spec["aligned"]}
-        src = ASTSource(kernel, spec["signature"], constants, attrs)
-        triton.compile(src, target=GPUTarget("cuda", 90, 32), options=spec["options"])
+        compile_sm90(kernel, spec["signature"], constants, spec["aligned"], spec["options"])
     except Exception as e:  # the compiler's message is the report
         return f"{type(e).__name__}: {e}"
     return None

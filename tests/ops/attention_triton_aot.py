@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import sys
 
-import triton
 import triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from dayzero.ops.attention import triton_mla as M
 from dayzero.ops.attention import triton_paged as G
 from dayzero.ops.indexer import triton_indexer as X
+from tests.triton_compile import compile_sm90
 
 POOLS = {"bf16": ("*bf16", "*bf16", False), "fp8": ("*fp8e4nv", "*bf16", True), "int8": ("*i8", "*bf16", True)}
 RUNTIME = ("key_width", "T", "H", "num_keys", "keys_per_split", "B", "G", "window")  # not multiples of 16
@@ -27,10 +25,8 @@ def compile_kernel(kernel, types: dict, constants: dict, num_warps: int, num_sta
     signature = {n: "constexpr" if n in constants else types.get(n, "fp32" if n in FLOATS else
                                                                        "i32" if n.startswith(("s_",) + RUNTIME) else "*i32")
                  for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if n not in constants and n not in RUNTIME and n not in FLOATS}
-    return triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+    aligned = [i for i, n in enumerate(names) if n not in constants and n not in RUNTIME and n not in FLOATS]
+    return compile_sm90(kernel, signature, constants, aligned, dict(num_warps=num_warps, num_stages=num_stages))
 
 
 def kernels(pool: str):

@@ -7,11 +7,8 @@ from __future__ import annotations
 
 import sys
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
 from dayzero.ops.moe import triton_moe_kernels as K
+from tests.triton_compile import compile_sm90
 
 WEIGHT = {0: "*bf16", 1: "*fp8e4nv", 2: "*fp8e4nv", 3: "*u8"}  # w_ptr per FMT
 SCALE = {0: "*bf16", 1: "*fp32", 2: "*fp32", 3: "*u8"}  # ws_ptr per FMT
@@ -23,9 +20,8 @@ def compile_kernel(kernel, types: dict, constants: dict, num_warps: int, num_sta
     names = list(kernel.arg_names)
     constants = {**constants, **{n: 1 for n in UNIT if n in names}}
     signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in constants and n not in RUNTIME}
-    return triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+    aligned = [i for i, n in enumerate(names) if n not in constants and n not in RUNTIME]
+    return compile_sm90(kernel, signature, constants, aligned, dict(num_warps=num_warps, num_stages=num_stages))
 
 
 def compile_pair(fmt: int, act: int, bm: int, bn: int, bk: int, warps: int, stages: int, act_fp8: bool = False,
@@ -66,9 +62,8 @@ def compile_tile_conversion():
     names = list(_fp8_tiles_kernel.arg_names)
     constants = {"ROUND_FIRST": False, "PDL": False}
     signature = {n: "constexpr" if n in constants else types[n] for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n.endswith("_ptr")}
-    return triton.compile(ASTSource(_fp8_tiles_kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=8, num_stages=1))
+    aligned = [i for i, n in enumerate(names) if n.endswith("_ptr")]
+    return compile_sm90(_fp8_tiles_kernel, signature, constants, aligned, dict(num_warps=8, num_stages=1))
 
 
 def compile_activation_quantizer(K_: int = 2048):
