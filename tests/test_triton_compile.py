@@ -43,12 +43,12 @@ def _specs(same_name: bool) -> list[dict]:
 
 
 @pytest.mark.parametrize("same_name", [True, False])
-def test_a_kernel_the_compiler_refuses_fails_the_check_with_its_message(tmp_path, same_name):
+def test_a_kernel_the_compiler_refuses_fails_the_check_with_its_message(same_name):
     specs = _specs(same_name)
     assert [s["constants"] for s in specs] == [dict(A=16, B=8, SAME_NAME=same_name)]
     assert specs[0]["signature"] == dict(x_ptr="*fp32", y_ptr="*fp32", flag="i32", A="constexpr", B="constexpr",
                                          SAME_NAME="constexpr")
-    rc, report = triton_compile.check(str(tmp_path / "specs.pkl"), specs)
+    rc, report = triton_compile.check(specs)
     assert "1 specialisations of 1 kernels" in report, report
     if same_name:
         assert rc == 1 and "FAILED tests.test_triton_compile._branch_tiles_kernel(A=16, B=8" in report, report

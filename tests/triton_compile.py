@@ -21,6 +21,7 @@ import os
 import pickle
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -133,14 +134,17 @@ def recorded() -> list[dict]:
     return list(_specs.values())
 
 
-def check(path: str, specs: list[dict] | None = None, timeout_s: float = 1800) -> tuple[int, str]:
-    """Compile ``specs`` (default: those recorded; pickled to ``path``) in a subprocess without the interpreter:
-    (return code, its report)."""
-    with open(path, "wb") as f:
-        pickle.dump(recorded() if specs is None else specs, f)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, "-m", "tests.triton_compile", path], env=env, capture_output=True, text=True,
-                       timeout=timeout_s, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+def check(specs: list[dict] | None = None, timeout_s: float = 1800) -> tuple[int, str]:
+    """Compile ``specs`` (default: those recorded) in a subprocess without the interpreter: (return code, its
+    report)."""
+    with tempfile.TemporaryDirectory(prefix="dayzero-sm90-") as d:
+        path = os.path.join(d, "specs.pkl")
+        with open(path, "wb") as f:
+            pickle.dump(recorded() if specs is None else specs, f)
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        p = subprocess.run([sys.executable, "-m", "tests.triton_compile", path], env=env, capture_output=True,
+                           text=True, timeout=timeout_s,
+                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return p.returncode, p.stdout + p.stderr
 
 
