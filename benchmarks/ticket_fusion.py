@@ -21,7 +21,11 @@ its own rows of the input projection): a second-GEMV item waits only for its gro
 Variants: ``two launches`` (the same kernel once per GEMV, each launch with programmatic dependent launch where
 the GPU has it), ``two launches, no PDL``, ``one launch, tickets`` (every first-GEMV item's ticket before the
 second's) and ``one launch, tickets by group`` (group by group: each group's second-GEMV items start while the
-next group's first-GEMV items still run; the same as the one before at one group); at one group also ``two
+next group's first-GEMV items still run; the same as the one before at one group), ``one launch, light tickets``
+(relaxed atomics for the tickets and the count of programs done, the wait polled by plain loads and one acquire
+once met, where the variants before poll with acquiring atomics that contend with the counts they wait for) and
+``one launch, light, by id`` (the same without tickets: items by program id, which assumes the hardware starts a
+1-D grid's programs in id order, as it does but does not promise); at one group also ``two
 launches, the linear op's`` (the engine's skinny kernel at the same blocks, so that what this kernel shows
 carries over to it). Each layer has weights of its
 own (past the L2 cache, as a step's layers are) and its y is the next layer's x (so ``K`` = ``N2``). On a GPU the
@@ -100,7 +104,7 @@ if HAS_TRITON:
     def _pair_kernel(x_ptr, w1_ptr, h_ptr, w2_ptr, y_ptr, tick_ptr, M, K: tl.constexpr, N1: tl.constexpr,
                      N2: tl.constexpr, G: tl.constexpr, PHASE: tl.constexpr, BY_GROUP: tl.constexpr,
                      BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr,
-                     PDL: tl.constexpr):
+                     PDL: tl.constexpr, LIGHT: tl.constexpr = False, ORDER: tl.constexpr = False):
         # x [M, K], w1 [N1, K], h [M, N1], w2 [N2, N1 / G] (y's columns of group g read h's of group g only),
         # y [M, N2]; tick: int32 [G + 2] (tickets taken, each group's first-GEMV items done, programs done), zero
         # between launches. PHASE 0: both GEMVs (grid NA + NB, items by ticket); 1: the first (grid NA); 2: the
@@ -108,7 +112,14 @@ if HAS_TRITON:
         NA = N1 // BN1
         NB = N2 // BN2
         HG = N1 // G  # h's columns a group
-        if PHASE == 0:
+        # LIGHT: relaxed atomics for the tickets and the programs done, the wait polled by plain loads and one
+        # acquire once it is met; ORDER (with LIGHT): items by program id, no ticket (assumes programs start in
+        # id order, as the hardware dispatches a 1-D grid; not guaranteed).
+        if PHASE == 0 and ORDER:
+            t = tl.program_id(0)
+        elif PHASE == 0 and LIGHT:
+            t = tl.atomic_add(tick_ptr, 1, sem="relaxed")
+        elif PHASE == 0:
             t = tl.atomic_add(tick_ptr, 1)  # the order this program started in among the launch's
         elif PHASE == 1:
             t = tl.program_id(0)
@@ -135,7 +146,13 @@ if HAS_TRITON:
             n2_ok = n2 < N2
             w2_first = _weight_tile(w2_ptr, n2, n2_ok, 0, HG, BK2)
             grid_dependency(PDL)
-            if PHASE == 0:
+            if PHASE == 0 and LIGHT:
+                seen = tl.load(tick_ptr + 1 + g, volatile=True)
+                while seen < NA // G:
+                    seen = tl.load(tick_ptr + 1 + g, volatile=True)
+                tl.atomic_add(tick_ptr + 1 + g, 0, sem="acquire")  # the items' h visible from here
+                tl.debug_barrier()
+            elif PHASE == 0:
                 seen = tl.atomic_add(tick_ptr + 1 + g, 0, sem="acquire")
                 while seen < NA // G:
                     seen = tl.atomic_add(tick_ptr + 1 + g, 0, sem="acquire")
@@ -145,13 +162,17 @@ if HAS_TRITON:
                      mask=m_ok[:, None] & n2_ok[None, :])
         if PHASE == 0:
             tl.debug_barrier()
-            done = tl.atomic_add(tick_ptr + 1 + G, 1, sem="acq_rel")
+            if LIGHT:  # the counters' last use in this launch is before each program's count: no ordering needed
+                done = tl.atomic_add(tick_ptr + 1 + G, 1, sem="relaxed")
+            else:
+                done = tl.atomic_add(tick_ptr + 1 + G, 1, sem="acq_rel")
             if done == NA + NB - 1:  # the last program: every ticket taken, every item done
                 for i in range(0, G + 2):
                     tl.atomic_xchg(tick_ptr + i, 0)
 
 
-VARIANTS = ("two launches", "two launches, no PDL", "one launch, tickets", "one launch, tickets by group")
+VARIANTS = ("two launches", "two launches, no PDL", "one launch, tickets", "one launch, tickets by group",
+            "one launch, light tickets", "one launch, light, by id")
 LINEAR = "two launches, the linear op's"  # the engine's skinny kernel at the same blocks (one group only)
 
 
@@ -171,7 +192,8 @@ def pair(variant: str, x, w1, h, w2, y, tick, block, warps: int, groups: int) ->
                   BK2=min(bk2, triton.next_power_of_2(N1 // groups)), num_warps=warps, **options)
     args = (x, w1, h, w2, y, tick, M)
     if variant.startswith("one launch"):
-        _pair_kernel[(na + nb,)](*args, PHASE=0, **consts)
+        _pair_kernel[(na + nb,)](*args, PHASE=0, LIGHT="light" in variant, ORDER=variant.endswith("by id"),
+                                 **consts)
     else:
         _pair_kernel[(na,)](*args, PHASE=1, **consts)
         _pair_kernel[(nb,)](*args, PHASE=2, **consts)
