@@ -34,11 +34,7 @@ from ``direct_kernels.DOWN_EARLY_ROWS`` tokens), the latter at the default colum
 widths ``--up-widths`` (fewer, wider programs: more of them resident beside the projection's) and the second's
 ``--down-widths``, and with the second kernel's warps ``--down-warps`` (ranking early from the engine's
 ``DOWN_EARLY_ROWS``); ``--up-blocks BN:BK:WARPS``: the first kernel at these columns, K step (the part of each
-half read before the wait) and warps, the second as the engine runs it. Then the layer routed before its
-projection, both expert kernels reading the ids and their first weight step before their waits, nothing ranked in
-them (``moe_experts_direct(early=True)``): the routing kernel after the router's GEMV (``ids ahead, route apart``,
-one launch more) or inside it, in its last program (``ids ahead, router routes``). Weights are marked as model
-weights, so every launch reads its first step early.
+half read before the wait) and warps, the second as the engine runs it. Weights are marked as model weights, so every launch reads its first step early.
 """
 from __future__ import annotations
 
@@ -236,7 +232,6 @@ def early_chains(args, m, layers, Dm, L, dev, dtype, gen, cuda) -> dict:
     """``--early``: router, projection and the expert kernels per layer, routed after or before the wait."""
     from dayzero import ops
     from dayzero.ops.moe import direct_kernels as D
-    from dayzero.ops.moe import route_kernels, router_kernels
     from dayzero.ops.static import mark_static
     from dayzero.ops.triton_support import next_pow2
 
@@ -262,25 +257,9 @@ def early_chains(args, m, layers, Dm, L, dev, dtype, gen, cuda) -> dict:
             variants[f"early, up {bn}x{bk}, {w} warps"] = (True, rows >= D.DOWN_EARLY_ROWS, ((bn, bk), down),
                                                              D.DOWN_WARPS, w)
 
-        variants["ids ahead, route apart"] = ("apart",)
-        variants["ids ahead, router routes"] = ("router",)
         rule = D.DOWN_EARLY_ROWS
 
-        def ids_chain(routing: str):  # the layer's ids and weights before its projection, both kernels read early
-            out = []
-            for (rw, bias, w1, w2), proj in zip(layers, projs):
-                if routing == "router":  # the router's last program routes
-                    weights, ids = router_kernels.router_route(x, rw, None, *m["route"](bias))
-                else:
-                    logits = ops.call("linear", x, rw, None, out_dtype=torch.float32)
-                    weights, ids = route_kernels.route(logits, *m["route"](bias))
-                h = ops.call("linear", x, proj)
-                out.append(D.moe_experts_direct(h, ids, weights, w1, w2, early=True))
-            return torch.cat(out)
-
-        def chain(early, down_early=None, block=None, down_warps=D.DOWN_WARPS, up_warps=4):
-            if isinstance(early, str):
-                return ids_chain(early)
+        def chain(early, down_early, block, down_warps=D.DOWN_WARPS, up_warps=4):
             out, D.DOWN_EARLY_ROWS = [], 1 if down_early else 1 << 30
             warps, D.DOWN_WARPS = D.DOWN_WARPS, down_warps
             try:

@@ -295,39 +295,6 @@ def test_early_routing_of_nan_logits_reads_the_experts_the_first_kernel_wrote(mo
     check(early[0], late[0], torch.float32)  # the same rows (on a GPU the two launches may sum in another order)
 
 
-@pytest.mark.parametrize("T", [1, 3])
-@pytest.mark.parametrize("fmt,dtype,L,I", [("plain", torch.float32, 40, 72), ("fp8_tile", torch.bfloat16, 160, 96)])
-def test_early_ids_match_ids_read_after_the_wait(T, fmt, dtype, L, I, monkeypatch):
-    """``moe_experts_direct(early=True)``: ids written two kernels back are read before each kernel's wait, with the
-    experts' first weight step of a model weight in a plain format (PRELOAD), at every token count (nothing is
-    ranked). The same rows and load counters as reading them after it, and the reference's; ids out of range stay
-    in range there too."""
-    from dayzero.ops.static import mark_static
-
-    x, ids, weights, w1, w2, b1, b2 = case(T, 3, 7, L, I, fmt=fmt, dtype=dtype, bias=True, seed=12)
-    ids[0, 1] = 1000
-    if fmt == "plain":
-        mark_static(w1), mark_static(w2)
-    up, down = [], []
-    monkeypatch.setattr(D, "_direct_up_kernel", _Spy(D._direct_up_kernel, up))
-    monkeypatch.setattr(D, "_direct_down_kernel", _Spy(D._direct_down_kernel, down))
-    outs = []
-    for early in (False, True):
-        load = torch.zeros(7, dtype=torch.int64, device=DEV)
-        outs.append((D.moe_experts_direct(x, ids, weights, w1, w2, "silu", b1, b2, None, load, early=early), load))
-    plain = fmt == "plain"
-    assert up == down == [(False, False), (True, plain)]  # (EARLY, PRELOAD) of each launch
-    assert torch.equal(outs[0][1], outs[1][1])
-    check(outs[1][0], outs[0][0], dtype)
-    want = torch.zeros(7, dtype=torch.int64, device=DEV)
-    check(outs[1][0], reference.grouped_experts(x, ids.clamp(0, 6), weights, w1, w2, "silu", b1, b2, load=want),
-          dtype)
-    spaced = torch.zeros(T, 6, dtype=ids.dtype, device=DEV)
-    spaced[:, ::2] = ids
-    with pytest.raises(ValueError, match="contiguous"):  # a copy of them would be the kernel just before
-        D.moe_experts_direct(x, spaced[:, ::2], weights, w1, w2, early=True)
-
-
 class _Spy:
     """A kernel launcher that records each launch's (EARLY, PRELOAD) and then launches."""
 
@@ -549,49 +516,6 @@ def test_routed_early_behind_two_dependent_kernels_in_a_cuda_graph(T):
         w_ref, ids_ref = reference.route(logits, *routing)
         assert torch.equal(ids, ids_ref)
         torch.testing.assert_close(weights, w_ref, rtol=1e-5, atol=1e-7)
-        want = torch.zeros_like(load)
-        check(out, reference.grouped_experts(h, ids_ref, w_ref, w1, w2, load=want), torch.bfloat16)
-        assert torch.equal(load, want)
-
-
-@cuda
-@pytest.mark.parametrize("T", [1, D.DOWN_EARLY_ROWS])
-def test_early_ids_behind_two_dependent_kernels_in_a_cuda_graph(T):
-    """As a layer whose router routes in its own launch runs it: the router's GEMV with the routing in its last
-    program writes ids and weights, the experts' input projection (waiting on it) writes h, and both expert kernels
-    read their ids and first weight step before their waits (programmatic dependent launch on a Hopper GPU).
-    Replayed with new router inputs: the reference's ids, rows and counters."""
-    from dayzero.ops.linear import kernels as LK
-    from dayzero.ops.moe import router_kernels
-    from dayzero.ops.static import mark_static
-
-    E, Dm, L = 64, 256, 512
-    _, routing = routing_case("v3", T)
-    g = torch.Generator(DEV).manual_seed(14)
-    xr = torch.randn(T, Dm, generator=g, device=DEV).to(torch.bfloat16)
-    rw = mark_static(torch.randn(E, Dm, generator=g, device=DEV) / Dm ** 0.5 * 3)
-    proj = mark_static((torch.randn(L, Dm, generator=g, device=DEV) / Dm ** 0.5).to(torch.bfloat16))
-    _, _, _, w1, w2, _, _ = case(T, 8, E, L, 256, dtype=torch.bfloat16)
-    mark_static(w1), mark_static(w2)
-    load = torch.zeros(E, dtype=torch.int64, device=DEV)
-
-    def step():
-        weights, ids = router_kernels.router_route(xr, rw, None, *routing)
-        h = LK.skinny_linear(xr, proj, block=(8, 256, 4))
-        return weights, ids, h, D.moe_experts_direct(h, ids, weights, w1, w2, load=load, early=True)
-
-    step()  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        weights, ids, h, out = step()
-    for seed in (15, 16):
-        xr.copy_(torch.randn(T, Dm, generator=torch.Generator(DEV).manual_seed(seed), device=DEV))
-        load.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        w_ref, ids_ref = reference.route(xr.float() @ rw.t(), *routing)
-        assert torch.equal(ids, ids_ref)
-        torch.testing.assert_close(weights, w_ref, rtol=1e-5, atol=1e-6)
         want = torch.zeros_like(load)
         check(out, reference.grouped_experts(h, ids_ref, w_ref, w1, w2, load=want), torch.bfloat16)
         assert torch.equal(load, want)

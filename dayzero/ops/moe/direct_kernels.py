@@ -82,12 +82,6 @@ if HAS_TRITON:
         return K.fake_quantize_rows(v.to(tl.float32), ACT_FP8, ROUND_FIRST)
 
     @triton.jit
-    def _pair_expert(ids_ptr, p, ok, E):
-        """The expert of pair(s) ``p`` (int64, clamped: an id out of range, as NaN logits may route, reads no other
-        memory)."""
-        return tl.minimum(tl.maximum(tl.load(ids_ptr + p, mask=ok, other=0).to(tl.int64), 0), E - 1)
-
-    @triton.jit
     def route_pair(logits_ptr, corr_ptr, t, p, scale, E, TOP_K: tl.constexpr, GS: tl.constexpr,
                    SQRT_SOFTPLUS: tl.constexpr, HAS_CORR: tl.constexpr, NORM: tl.constexpr, G: tl.constexpr,
                    TOPG: tl.constexpr, E_POW2: tl.constexpr, BG: tl.constexpr):
@@ -134,20 +128,17 @@ if HAS_TRITON:
                           PRELOAD: tl.constexpr = False):
         # x: [T, L] (unit column stride); ids: [T*k]; w1: [E, r*I, L]; h: [T*k, I]; grid: T*k x cdiv(I, BLOCK_N)
         # ROUTE: logits [T, E] fp32; ids and wt [T*k] written here, by the programs of the first column block.
-        # EARLY: the logits (with ROUTE) or the ids were written two kernels or more before this one, so they are
-        # final once this kernel runs at all (the kernel before lets it start only after its own wait, for the
-        # kernels before it): the pair is routed (or its id read) before the wait, and with PRELOAD (a model
-        # weight in a plain format) the expert's first K step is read too, while the kernel before still runs.
+        # EARLY (with ROUTE): the logits were written two kernels or more before this one, so they are final once
+        # this kernel runs at all (the kernel before lets it start only after its own wait, for the kernels
+        # before it): the pair is routed before the wait, and with PRELOAD (a model weight in a plain format)
+        # the expert's first K step is read too, while the kernel before still runs.
         pid_p = tl.program_id(0)
         pid_n = tl.program_id(1)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < I
         if EARLY:
-            if ROUTE:
-                e, w = route_pair(logits_ptr, corr_ptr, pid_p // TOP_K, pid_p, scale, E, TOP_K, GS, SQRT_SOFTPLUS,
-                                  HAS_CORR, NORM, G, TOPG, E_POW2, BG)
-            else:
-                e = _pair_expert(ids_ptr, pid_p, True, E)
+            e, w = route_pair(logits_ptr, corr_ptr, pid_p // TOP_K, pid_p, scale, E, TOP_K, GS, SQRT_SOFTPLUS,
+                              HAS_CORR, NORM, G, TOPG, E_POW2, BG)
         if PRELOAD:
             wa_first = expert_weight_tile(w_ptr, ws_ptr, e, cols, col_ok, L, s_we, s_wn, s_wk, s_se, s_sn, s_sk,
                                           FMT, BLOCK_N, BLOCK_K)
@@ -161,8 +152,8 @@ if HAS_TRITON:
             if ROUTE:  # this pair's token routed here: pair p is its expert of rank p mod k
                 e, w = route_pair(logits_ptr, corr_ptr, t, p, scale, E, TOP_K, GS, SQRT_SOFTPLUS, HAS_CORR, NORM,
                                   G, TOPG, E_POW2, BG)
-            else:
-                e = _pair_expert(ids_ptr, p, True, E)
+            else:  # an id out of range (the routing of NaN logits) reads no other memory
+                e = tl.minimum(tl.maximum(tl.load(ids_ptr + p).to(tl.int64), 0), E - 1)
         if ROUTE:
             if pid_n == 0:
                 tl.store(ids_ptr + p, e)
@@ -201,24 +192,19 @@ if HAS_TRITON:
                             ACT_FP8: tl.constexpr = False, ROUND_FIRST: tl.constexpr = False,
                             GS: tl.constexpr = 1, SQRT_SOFTPLUS: tl.constexpr = False, HAS_CORR: tl.constexpr = False,
                             G: tl.constexpr = 1, TOPG: tl.constexpr = 1, E_POW2: tl.constexpr = 1,
-                            BG: tl.constexpr = 1, EARLY: tl.constexpr = False, ROUTE: tl.constexpr = False,
-                            PRELOAD: tl.constexpr = False):
+                            BG: tl.constexpr = 1, EARLY: tl.constexpr = False, PRELOAD: tl.constexpr = False):
         # h: [T*k, I]; ids, wt: [T*k]; w2: [E, L, I]; y: [T, L]; grid: T x cdiv(L, BLOCK_N)
         # The program's rows are (slot j, column n) for all k slots at once, so the k experts' weights are read
         # in one go rather than one expert after another: K_POW2 * BLOCK_N rows, r = j * BLOCK_N + c.
-        # EARLY: the slots' experts are known before the wait: with ROUTE the logits [T, E] fp32 were written three
-        # kernels or more before this one (the first kernel routed early) and the experts are ranked here as the
-        # first kernel ranked them; without, the ids were written three kernels or more before and are read. With
-        # PRELOAD (a model weight in a plain format) their first K step is read before the wait too.
+        # EARLY: the logits [T, E] fp32 were written three kernels or more before this one (the first kernel
+        # routed early): the slots' experts are ranked here before the wait, as the first kernel ranked them, and
+        # with PRELOAD (a model weight in a plain format) their first K step is read too.
         r = tl.arange(0, K_POW2 * BLOCK_N)
         n = tl.program_id(1) * BLOCK_N + r % BLOCK_N
         ok = (r // BLOCK_N < TOP_K) & (n < L)
         if EARLY:
-            if ROUTE:
-                e = route_slots(logits_ptr, corr_ptr, tl.program_id(0), r // BLOCK_N, E, TOP_K, GS, SQRT_SOFTPLUS,
-                                HAS_CORR, G, TOPG, E_POW2, BG)
-            else:
-                e = _pair_expert(ids_ptr, tl.program_id(0).to(tl.int64) * TOP_K + r // BLOCK_N, ok, E)
+            e = route_slots(logits_ptr, corr_ptr, tl.program_id(0), r // BLOCK_N, E, TOP_K, GS, SQRT_SOFTPLUS,
+                            HAS_CORR, G, TOPG, E_POW2, BG)
         if PRELOAD:
             w_first = expert_weight_tile(w_ptr, ws_ptr, e, n, ok, I, s_we, s_wn, s_wk, s_se, s_sn, s_sk, FMT,
                                          K_POW2 * BLOCK_N, BLOCK_K)
@@ -228,7 +214,7 @@ if HAS_TRITON:
         j = r // BLOCK_N
         p = t * TOP_K + j  # each row's pair
         if not EARLY:
-            e = _pair_expert(ids_ptr, p, ok, E)
+            e = tl.minimum(tl.maximum(tl.load(ids_ptr + p, mask=ok, other=0).to(tl.int64), 0), E - 1)
         w_row, s_row = e * s_we + n * s_wn, e * s_se + n * s_sn
         if FMT == K.TILE:  # one scale row per 128 weight rows
             s_row = e * s_se + (n // 128) * s_sn
@@ -336,23 +322,13 @@ def routed_refusal(x, routing: tuple, w1, w2, activation: str = "silu", b1=None,
 def moe_experts_direct(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w2, activation: str = "silu",
                        b1: torch.Tensor | None = None, b2: torch.Tensor | None = None, limit: float | None = None,
                        load: torch.Tensor | None = None, block: tuple[tuple[int, int], tuple[int, int]] | None = None,
-                       early: bool = False) -> torch.Tensor:
+                       ) -> torch.Tensor:
     """``y_t = Σ_j weights[t, j] · Expert_{ids[t, j]}(x_t)``, the reference ``moe_experts``'s contract (``load``
     raised as ``moe_permute`` raises it). Call only when :func:`refusal` is None; ``block`` overrides the
-    ((BLOCK_N, BLOCK_K) of the first kernel, that of the second) (tests).
-
-    ``early``: ``ids`` were written at least two kernels before this op's first (a router that routes in its own
-    launch, then another kernel: the experts' input projection). Both kernels then read their experts' ids, and
-    their first weight step (a model weight in bf16, fp16 or fp32), before waiting for the kernel before them, as
-    :func:`moe_experts_routed`'s early kernels do without ranking the logits in every program. Passing it for ids of
-    the kernel just before is a race."""
-    # x: [T, L]; ids, weights: [T, k] contiguous; w1: [E, r*I, L]; w2: [E, L, I] -> [T, L]
-    if early and not ids.is_contiguous():
-        raise ValueError("early ids must be the router's own contiguous [T, k] rows (a copy would be the kernel "
-                         "just before)")
+    ((BLOCK_N, BLOCK_K) of the first kernel, that of the second) (tests)."""
+    # x: [T, L]; ids, weights: [T, k]; w1: [E, r*I, L]; w2: [E, L, I] -> [T, L]
     flat_ids, wt = ids.reshape(-1).contiguous(), weights.reshape(-1).float().contiguous()
-    return _launch(x, ids.shape[1], flat_ids, wt, w1, w2, activation, b1, b2, limit, load, block,
-                   ((wt, wt, wt, 1.0), {"EARLY": True}) if early else None)
+    return _launch(x, ids.shape[1], flat_ids, wt, w1, w2, activation, b1, b2, limit, load, block)
 
 
 def moe_experts_routed(x: torch.Tensor, logits: torch.Tensor, routing: tuple, w1, w2, activation: str = "silu",
@@ -391,8 +367,7 @@ def moe_experts_routed(x: torch.Tensor, logits: torch.Tensor, routing: tuple, w1
 def _launch(x, k, flat_ids, wt, w1, w2, activation, b1, b2, limit, load, block, route=None,
             up_warps: int = 4) -> torch.Tensor:
     """The two kernels; ``route``: (logits, correction bias, weights out, scale) and the first kernel's routing
-    constants, when it routes (:func:`moe_experts_routed`), or ``{"EARLY": True}`` alone for early ids
-    (:func:`moe_experts_direct`)."""
+    constants, when it routes (:func:`moe_experts_routed`)."""
     (T, L), E, I = x.shape, w1.shape[0], w2.shape[-1]
     y = triton_moe.new_buffer(T, L, x)
     if T == 0:
@@ -426,14 +401,10 @@ def _launch(x, k, flat_ids, wt, w1, w2, activation, b1, b2, limit, load, block, 
         num_warps=up_warps, **options)
 
     f, data, scale, st, ss = triton_moe.weight_operand(w2)
-    ranks = {}  # the slots' experts known before the wait (ranked as the first kernel ranked them, or read), and
-    if early and not routed.get("ROUTE"):  # their first weight step
-        ranks = {"EARLY": True, **preload(h, data)}
-    elif early and T >= DOWN_EARLY_ROWS:
-        ranks = {name: routed[name] for name in ("GS", "SQRT_SOFTPLUS", "HAS_CORR", "G", "TOPG", "BG", "EARLY",
-                                                 "ROUTE")}
+    ranks = {}  # the slots ranked before the wait, as the first kernel ranked them, and their first weight step
+    if early and T >= DOWN_EARLY_ROWS:
+        ranks = {name: routed[name] for name in ("GS", "SQRT_SOFTPLUS", "HAS_CORR", "G", "TOPG", "BG", "EARLY")}
         ranks.update(E_POW2=next_pow2(E), **preload(h, data))
-    if ranks:
         ranks["PRELOAD"] = ranks["PRELOAD"] and preloads
     _direct_down_kernel[(T, triton.cdiv(L, bn2))](
         h, flat_ids, wt, data, scale, h if b2 is None else b2, y, E, L, I, *st, *ss,
