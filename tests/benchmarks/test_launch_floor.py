@@ -1,0 +1,41 @@
+"""benchmarks/launch_floor.py on the CPU (Triton's interpreter, tiny shapes): the chains compute what they claim,
+and the fit and the step model do their arithmetic."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton")
+
+from benchmarks.launch_floor import TARGET, fit, main, step_model  # noqa: E402
+
+
+def test_the_chains_give_the_reference_results():
+    r = main(["--sizes", "16", "48", "--layers", "3"])
+    assert [(row["chain"], row["d"]) for row in r["rows"]] == [("tick", 0), ("tick, no PDL", 0), ("gemv", 16),
+                                                                ("gemv", 48)]
+    assert all(row["ok"] for row in r["rows"])  # three ticks add three; the GEMVs match the fp32 chain
+    assert [row["bytes"] for row in r["rows"]] == [0, 0, 16 * 16 * 4, 48 * 48 * 4]  # fp32 weights on the CPU
+    assert "fit" not in r  # no timings without a GPU
+
+
+def test_the_fit_recovers_a_line_and_refuses_what_is_not_one():
+    a, b = fit([(1e6, 2.0 + 1e6 / 2500.0), (4e6, 2.0 + 4e6 / 2500.0), (16e6, 2.0 + 16e6 / 2500.0)])
+    assert a == pytest.approx(2.0) and b == pytest.approx(2500.0)
+    with pytest.raises(ValueError, match="two sizes"):
+        fit([(1e6, 3.0), (1e6, 4.0)])
+    with pytest.raises(ValueError, match="does not grow"):
+        fit([(1e6, 4.0), (2e6, 3.0)])
+
+
+def test_the_step_model():
+    # 200 kernels at 2 us fixed, 1.5 GB streamed at 2.5e6 bytes/us (2.5 TB/s), roofline 0.5 ms at 3 TB/s
+    s = step_model(200, 1.5e9, 3e12, 2.0, 2.5e6)
+    assert s["roofline_ms"] == pytest.approx(0.5)
+    assert s["stream_us"] == pytest.approx(600.0) and s["fixed_us"] == pytest.approx(400.0)
+    assert s["step_us"] == pytest.approx(1000.0) and s["of_roofline"] == pytest.approx(0.5)
+    assert s["kernels_for_target"] == int((500.0 / TARGET - 600.0) // 2.0)  # 116: what 60% would leave
+
+
+def test_a_step_of_another_form_is_refused():
+    with pytest.raises(SystemExit, match="KERNELS:MB"):
+        main(["--sizes", "16", "--layers", "1", "--step", "229"])
