@@ -22,7 +22,8 @@ least-squares fit over the GEMVs. With ``--step KERNELS:MB`` (a step's kernels a
 predicts, ``KERNELS · a + bytes / b``, its share of the memory roofline (the bytes over this run's copy bandwidth),
 and how many kernels a step could have for 60% of it at that rate. On the CPU
 (Triton's interpreter, ``--sizes`` as given) each chain runs once and its result is checked against an fp32
-reference, for the tests.
+reference, for the tests. ``--plot FILE.png`` draws the launches' times against their bytes with the fit and the
+copy-bandwidth line; ``--from-json FILE`` prints and draws a run's ``--json`` again, without a GPU.
 """
 from __future__ import annotations
 
@@ -66,12 +67,17 @@ def gemv_chain(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
 
 
 def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """(a µs, b bytes/µs) of the least-squares line ``us = a + bytes / b`` through (bytes, us) points."""
-    n = len(points)
-    if n < 2 or len({p[0] for p in points}) < 2:
+    """(a µs, b bytes/µs) of the line ``us = a + bytes / b`` through (bytes, us) points, least squares of the
+    relative error (each point weighted by 1 / us²): a step's launches are mostly small and mid-sized, and a plain
+    fit would follow the few largest."""
+    if len({p[0] for p in points}) < 2:
         raise ValueError("the fit needs points of at least two sizes")
-    mx, my = sum(p[0] for p in points) / n, sum(p[1] for p in points) / n
-    slope = sum((p[0] - mx) * (p[1] - my) for p in points) / sum((p[0] - mx) ** 2 for p in points)
+    w = [1.0 / p[1] ** 2 for p in points]
+    total = sum(w)
+    mx = sum(wi * p[0] for wi, p in zip(w, points)) / total
+    my = sum(wi * p[1] for wi, p in zip(w, points)) / total
+    slope = (sum(wi * (p[0] - mx) * (p[1] - my) for wi, p in zip(w, points))
+             / sum(wi * (p[0] - mx) ** 2 for wi, p in zip(w, points)))
     if slope <= 0:
         raise ValueError("time does not grow with bytes: no rate to fit")
     return my - slope * mx, 1.0 / slope
@@ -99,7 +105,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--step", default=None, metavar="KERNELS:MB")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None, metavar="FILE.png")
+    ap.add_argument("--from-json", default=None, metavar="FILE", help="a run's --json: print and plot it again")
     args = ap.parse_args(argv)
+    if args.from_json:
+        result = json.loads(Path(args.from_json).read_text())
+        print_table(result)
+        if args.plot:
+            plot(result, args.plot)
+        return result
     if not HAS_TRITON:
         raise SystemExit("needs Triton (on the CPU with TRITON_INTERPRET=1)")
     step = None
@@ -149,7 +163,38 @@ def main(argv: list[str] | None = None) -> dict:
     print_table(result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
+    if args.plot:
+        plot(result, args.plot)
     return result
+
+
+def plot(r: dict, path: str) -> None:
+    """µs a launch against its megabytes (log-log): the GEMVs, the ticks' floor, the fit and the copy bandwidth."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gemv = [(row["bytes"] / 1e6, row["us"]) for row in r["rows"] if row["chain"] == "gemv" and row["us"]]
+    if not gemv:
+        raise SystemExit("--plot: no timings to draw (no GPU)")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(*zip(*gemv), "o", label=f"skinny GEMV of {r['batch_rows']} row(s), the engine's linear op")
+    mb = [gemv[0][0] / 2 * 1.25 ** i for i in range(80) if gemv[0][0] / 2 * 1.25 ** i <= gemv[-1][0] * 2]
+    if "fit" in r:
+        a_us, b = r["fit"]["a_us"], r["fit"]["bytes_per_us"]
+        ax.plot(mb, [a_us + m * 1e6 / b for m in mb], "-", label=f"fit: {a_us:.2f} us + bytes / "
+                f"{b * 1e6 / 1e9:.0f} GB/s")
+    if r["bandwidth"]:
+        ax.plot(mb, [m * 1e6 / r["bandwidth"] * 1e6 for m in mb], "--",
+                label=f"bytes / copy bandwidth ({r['bandwidth'] / 1e9:.0f} GB/s)")
+    for row, style in zip((row for row in r["rows"] if row["chain"].startswith("tick") and row["us"]), (":", "-.")):
+        ax.axhline(row["us"], linestyle=style, color="gray", label=f"{row['chain']}: {row['us']:.2f} us")
+    ax.set(xscale="log", yscale="log", xlabel="MB a launch reads", ylabel="us a launch",
+           title=f"{r['device']}\n{r['layers']} dependent launches a chain, replayed from a CUDA graph")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
 
 
 def print_table(r: dict) -> None:
@@ -169,7 +214,7 @@ def print_table(r: dict) -> None:
               f"{f'{rate / 1e9:.0f}' if rate else '-':>7} {f'{rate / bw:.0%}' if rate and bw else '-':>8}  {check}")
     if "fit" in r:
         a_us, b = r["fit"]["a_us"], r["fit"]["bytes_per_us"]
-        print(f"fit over the GEMVs: t = {a_us:.2f} us + bytes / {b * 1e6 / 1e9:.0f} GB/s ({b * 1e6 / bw:.0%} of "
+        print(f"fit over the GEMVs (relative error): t = {a_us:.2f} us + bytes / {b * 1e6 / 1e9:.0f} GB/s ({b * 1e6 / bw:.0%} of "
               f"copy)")
     if "step" in r:
         s = r["step"]

@@ -39,3 +39,20 @@ def test_the_step_model():
 def test_a_step_of_another_form_is_refused():
     with pytest.raises(SystemExit, match="KERNELS:MB"):
         main(["--sizes", "16", "--layers", "1", "--step", "229"])
+
+
+def test_a_run_is_printed_and_drawn_again_from_its_json(tmp_path, capsys):
+    rows = [dict(chain="tick", d=0, bytes=0, us=0.7, ok=True), dict(chain="tick, no PDL", d=0, bytes=0, us=1.1, ok=True)]
+    rows += [dict(chain="gemv", d=d, bytes=2 * d * d, us=1.2 + 2 * d * d / 2.6e6, ok=True, err=0.0)
+             for d in (512, 2048, 8192)]
+    run = dict(device="a GPU", bandwidth=2.9e12, rows=rows, layers=24, batch_rows=1,
+               fit=dict(a_us=1.2, bytes_per_us=2.6e6))
+    path = tmp_path / "run.json"
+    path.write_text(__import__("json").dumps(run))
+    again = main(["--from-json", str(path), "--plot", str(tmp_path / "floor.png")])
+    assert again == run
+    assert (tmp_path / "floor.png").stat().st_size > 10_000
+    out = capsys.readouterr().out
+    assert "t = 1.20 us + bytes / 2600 GB/s" in out and "8192 x 8192" in out
+    with pytest.raises(SystemExit, match="no timings"):  # a CPU run has nothing to draw
+        main(["--sizes", "16", "--layers", "1", "--plot", str(tmp_path / "none.png")])
