@@ -17,10 +17,10 @@ chains measure what that costs:
   (past the L2 cache, as a step's layers are); y is the next layer's x.
 
 Prints µs a launch and the GEMVs' read rate as a share of the copy bandwidth measured in the same run, then the
-least-squares fit over the GEMVs. With ``--step KERNELS:MB`` (a step's kernels and the megabytes it must move, from
-``benchmarks/engine_throughput.py --busy 1``: its roofline times its copy bandwidth) it prints the step the fit
-predicts, ``KERNELS · a + bytes / b``, its share of the memory roofline (the bytes over this run's copy bandwidth),
-and how many kernels a step could have for 60% of it at that rate. On the CPU
+fit over the GEMVs (least squares of the relative error). With ``--step KERNELS:MB`` (a step's kernels and the
+megabytes it must move, from ``benchmarks/engine_throughput.py --busy 1``: its roofline times its copy bandwidth)
+it prints the step the fit predicts, ``KERNELS · a + bytes / b``, its share of the memory roofline (the bytes over
+this run's copy bandwidth), and how many kernels a step could have for 60% of it at that rate. On the CPU
 (Triton's interpreter, ``--sizes`` as given) each chain runs once and its result is checked against an fp32
 reference, for the tests. ``--plot FILE.png`` draws the launches' times against their bytes with the fit and the
 copy-bandwidth line; ``--from-json FILE`` prints and draws a run's ``--json`` again, without a GPU.
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -179,7 +180,8 @@ def plot(r: dict, path: str) -> None:
         raise SystemExit("--plot: no timings to draw (no GPU)")
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.plot(*zip(*gemv), "o", label=f"skinny GEMV of {r['batch_rows']} row(s), the engine's linear op")
-    mb = [gemv[0][0] / 2 * 1.25 ** i for i in range(80) if gemv[0][0] / 2 * 1.25 ** i <= gemv[-1][0] * 2]
+    lo, hi = min(m for m, _ in gemv) / 2, max(m for m, _ in gemv) * 2  # the lines' span, past the points
+    mb = [lo * 1.25 ** i for i in range(math.ceil(math.log(hi / lo, 1.25)) + 1)]
     if "fit" in r:
         a_us, b = r["fit"]["a_us"], r["fit"]["bytes_per_us"]
         ax.plot(mb, [a_us + m * 1e6 / b for m in mb], "-", label=f"fit: {a_us:.2f} us + bytes / "
@@ -214,8 +216,8 @@ def print_table(r: dict) -> None:
               f"{f'{rate / 1e9:.0f}' if rate else '-':>7} {f'{rate / bw:.0%}' if rate and bw else '-':>8}  {check}")
     if "fit" in r:
         a_us, b = r["fit"]["a_us"], r["fit"]["bytes_per_us"]
-        print(f"fit over the GEMVs (relative error): t = {a_us:.2f} us + bytes / {b * 1e6 / 1e9:.0f} GB/s ({b * 1e6 / bw:.0%} of "
-              f"copy)")
+        print(f"fit over the GEMVs (relative error): t = {a_us:.2f} us + bytes / {b * 1e6 / 1e9:.0f} GB/s "
+              f"({b * 1e6 / bw:.0%} of copy)")
     if "step" in r:
         s = r["step"]
         print(f"a step of {s['kernels']} kernels moving {s['bytes'] / 1e6:.0f} MB (roofline {s['roofline_ms']:.3f} ms):"

@@ -42,7 +42,8 @@ def test_a_step_of_another_form_is_refused():
 
 
 def test_a_run_is_printed_and_drawn_again_from_its_json(tmp_path, capsys):
-    rows = [dict(chain="tick", d=0, bytes=0, us=0.7, ok=True), dict(chain="tick, no PDL", d=0, bytes=0, us=1.1, ok=True)]
+    rows = [dict(chain="tick", d=0, bytes=0, us=0.7, ok=True),
+            dict(chain="tick, no PDL", d=0, bytes=0, us=1.1, ok=True)]
     rows += [dict(chain="gemv", d=d, bytes=2 * d * d, us=1.2 + 2 * d * d / 2.6e6, ok=True, err=0.0)
              for d in (512, 2048, 8192)]
     run = dict(device="a GPU", bandwidth=2.9e12, rows=rows, layers=24, batch_rows=1,
