@@ -41,7 +41,7 @@ def kernels(pool: str):
             "ml_ptr": "*fp32", "sink_ptr": "*fp32"}
     yield "mla split", compile_kernel(M._split_kernel, ptrs, dict(
         R=512, P=64, PAGE=64, SPARSE=True, HAS_SEQ=False, FINAL=False, HAS_SINK=True, BLOCK_H=M.BLOCK_H,
-        BLOCK_R=512, BLOCK_P=64, BLOCK_N=M.BLOCK_N, **common), M.NUM_WARPS, 2)
+        BLOCK_R=512, BLOCK_P=64, BLOCK_N=M.BLOCK_N, EARLY=True, **common), M.NUM_WARPS, 2)
     ptrs = {"q_ptr": "*bf16", "k_ptr": rows, "v_ptr": rows, "ks_ptr": scales, "vs_ptr": scales, "o_ptr": "*bf16",
             "sink_ptr": "*fp32"}
     yield "paged gqa", compile_kernel(G._paged_attention_kernel, ptrs, dict(

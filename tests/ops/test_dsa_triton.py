@@ -275,6 +275,9 @@ def test_mla_decode_equals_the_torch_path(case, sparse, sinks, heads_splits, dty
                               splits=splits)
     assert o.shape == (batch.num_seqs, H, R) and o.dtype == torch.float32
     close(o, latent_attention(q_abs, lat, batch, R, scale, s, sel), TOL[dtype])
+    early = triton_mla.mla_decode(q_abs, lat, batch.block_tables, batch.positions, batch.block_size, R, scale, s, sel,
+                                  splits=splits, early=True)
+    assert torch.equal(early, o)  # the first tile of keys read before the wait: the same values
     # q~'s rope columns given apart, its latent ones as a strided view, o_lat written in bf16: the same values
     # up to that rounding (the layer's form: no concatenation, no cast after)
     q_lat = q_abs[..., :R].transpose(0, 1).contiguous().transpose(0, 1)  # no rope columns after its rows

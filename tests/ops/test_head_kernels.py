@@ -10,6 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 from dayzero.ops.attention import head_kernels as HK  # noqa: E402
+from dayzero.ops.attention import triton_mla  # noqa: E402
 from dayzero.ops.static import mark_static  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -47,6 +48,51 @@ def test_mla_absorb_and_output_views(rows, heads, n, v, r, dtype):
     check(q_nope, w[:, :n], weight)  # q~ = q_nope W_UK: the reduction over strided rows, outputs contiguous
     o_lat = torch.randn(rows, heads, r, generator=gen).to(dtype).to(DEV)
     check(o_lat, w[:, n:].transpose(1, 2), weight)  # o = o_lat W_UVᵀ: the reduction contiguous
+
+
+def partials(rows, heads, splits, r, sinks, dtype, gen) -> HK.Partials:
+    """Split-kernel output as MLA's product takes it: random sums, maxima (log2 units) with one split of each
+    (row, head) left without a key (max -inf, sum 0), positive sums of weights."""
+    o = torch.randn(rows, heads, splits, r, generator=gen)
+    m = torch.randn(rows, heads, splits, generator=gen) * 4
+    m[:, :, splits // 2] = float("-inf")
+    ml = torch.stack([m, torch.rand(rows, heads, splits, generator=gen) * 3 + 0.1], -1)
+    ml[:, :, splits // 2, 1] = 0.0
+    o[:, :, splits // 2] = 0.0
+    s = torch.randn(heads, generator=gen).to(DEV) if sinks else None
+    return HK.Partials(o.to(DEV), ml.to(DEV), s, torch.empty(rows, heads, r, dtype=dtype, device=DEV))
+
+
+def merged_reference(p: HK.Partials) -> torch.Tensor:
+    """o_lat [T, H, R] from the partials in float64: each split's sum scaled by 2^(its max - the common max), over
+    the splits' scaled sums plus the sink's e^sink."""
+    o, m_s, l_s = p.o.double(), p.ml[..., 0].double(), p.ml[..., 1].double()
+    m = m_s.amax(-1)
+    if p.sinks is not None:
+        sink = p.sinks.double()[None, :] * 1.4426950408889634
+        m = torch.maximum(m, sink)
+    w = torch.exp2(m_s - m[..., None])
+    denom = (l_s * w).sum(-1) + (torch.exp2(sink - m) if p.sinks is not None else 0.0)
+    return (o * w[..., None]).sum(2) / denom[..., None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
+@pytest.mark.parametrize("rows,heads,splits,v,r", [(1, 3, 3, 8, 40), (3, 2, 5, 12, 24), (4, 16, 18, 16, 64)])
+def test_merged_product_merges_the_splits_as_it_reads_them(rows, heads, splits, v, r, sinks, dtype):
+    """MLA's output product over o_lat given as split partials equals the merge kernel followed by the product, and
+    the float64 merge then product."""
+    gen = torch.Generator().manual_seed(rows * 10 + splits)
+    weight = kv_b(heads, 8, v, r, dtype, gen)
+    w = weight.view(heads, 8 + v, r)[:, 8:].transpose(1, 2)  # W_UV: the reduction contiguous
+    p = partials(rows, heads, splits, r, sinks, dtype, gen)
+    y = HK.merged_head_product(p, w, weight)
+    assert y.shape == (rows, heads, v) and y.dtype == dtype
+    o_lat = triton_mla.merge_partials(p)
+    close = TOL[dtype] * max(1.0, y.abs().max().item())
+    assert (y.double() - HK.head_product(o_lat, w, weight).double()).abs().max().item() <= close
+    want = reference(merged_reference(p).to(dtype), w)
+    assert (y.double() - want).abs().max().item() <= close
 
 
 def test_strided_rows_and_small_blocks():

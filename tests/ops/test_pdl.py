@@ -20,9 +20,11 @@ READS = ("tl.load", "tl.store", "tl.atomic", "return")
 # index arithmetic (n.to: a cast), the weight tile, kda_decode's carried state (its layer's state and conv
 # windows, which no kernel but itself writes, at the slot the step's inputs give), and the routed experts' routing
 # of logits written two kernels or more before (under EARLY: the kernel before starts this one only after its own
-# wait) with their experts' weight tiles (under PRELOAD), and kda_decode's arrival at its head's counter (its own)
+# wait) with their experts' weight tiles (under PRELOAD), kda_decode's arrival at its head's counter (its own), and
+# MLA's split kernel's first tile of keys (latent rows, tables, selection: its caller puts them two kernels or more
+# back, under EARLY)
 EARLY = {"tl.program_id", "tl.arange", "n.to", "weight_tile", "carried_state", "route_pair", "expert_weight_tile",
-         "route_slots", "head_arrival", "tl.num_programs"}
+         "route_slots", "head_arrival", "tl.num_programs", "first_keys"}
 
 
 def _jit_kernels(tree: ast.Module):
@@ -65,9 +67,9 @@ def test_every_launched_kernel_waits_for_the_one_before_first():
                 if "weight_tile" in ast.unparse(s):
                     assert isinstance(s, ast.If) and ast.unparse(s.test) == "PRELOAD", \
                         f"{path.name}: {name} reads a weight before the wait without the PRELOAD flag"
-                if "route_pair" in ast.unparse(s) or "route_slots" in ast.unparse(s):
+                if any(f in ast.unparse(s) for f in ("route_pair", "route_slots", "first_keys")):
                     assert isinstance(s, ast.If) and ast.unparse(s.test) == "EARLY", \
-                        f"{path.name}: {name} routes before the wait without the EARLY flag"
+                        f"{path.name}: {name} routes or reads keys before the wait without the EARLY flag"
             # a wait under a condition could be skipped by some programs
             assert all(isinstance(s, (ast.Expr, ast.Assign, ast.If)) for s in fn.body[:waits[0]])
     assert launched >= 20  # every kernel of the package, not a few found by accident

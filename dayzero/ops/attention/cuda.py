@@ -133,11 +133,13 @@ def _mla_rows(q_nope, q_pe, latent_cache, kv_b_weight, v_head_dim, batch, scale,
     ct = q_nope.dtype if use_triton else torch.float32
     # the absorbed query q~ = [q_nope W_UK | q_pe], one shared latent key/value head
     q_lat = _head_product(q_nope.to(ct), w[:, :N], kv_b_weight, ct, use_triton)  # [T, H, R]
-    if use_triton:  # the kernel reads q~'s two parts apart and writes o_lat in ct: no concatenation, no cast
+    # the kernel reads q~'s two parts apart and writes o_lat in ct: no concatenation, no cast. Its keys (the latent
+    # rows, tables, selection) were written before q~'s product, the kernel just before it: it reads them early
+    if use_triton:
         seq_of_row = None if batch.is_decode else batch.seq_of_row  # prefill rows read their sequence's table
         o_lat = triton_mla.mla_decode(q_lat, latent_cache, batch.block_tables, batch.positions, batch.block_size,
                                       R, scale, sinks, selection, seq_of_row=seq_of_row, q_pe=q_pe.to(ct),
-                                      out_dtype=ct)  # [T, H, R]
+                                      out_dtype=ct, early=True, merge=False)  # [T, H, R] or its splits
     else:
         assert batch.is_decode, "prefill rows without the Triton kernel are the reference's (the verifier says so)"
         q_abs = torch.cat((q_lat, q_pe.to(ct)), dim=-1)  # [B, H, R+P]
@@ -147,7 +149,9 @@ def _mla_rows(q_nope, q_pe, latent_cache, kv_b_weight, v_head_dim, batch, scale,
             kp, ok = selection, selection >= 0
         lat = read_rows(latent_cache, slots_of(batch.block_tables, kp, batch.block_size)).float()  # [B, K, R+P]
         o_lat = _attend(q_abs[:, None], lat[:, :, None], lat[:, :, None, :R], ok, scale, sinks)[:, 0]  # [B, H, R]
-    return _head_product(o_lat.to(ct), w[:, N:].transpose(1, 2), kv_b_weight, ct, use_triton).to(q_nope.dtype)
+    if not isinstance(o_lat, triton_mla.Partials):
+        o_lat = o_lat.to(ct)
+    return _head_product(o_lat, w[:, N:].transpose(1, 2), kv_b_weight, ct, use_triton).to(q_nope.dtype)
 
 
 # rows the per-head kernel takes here: against the einsum, a product at dayzero-small's shapes on the H100 ran
@@ -161,6 +165,12 @@ def _head_product(x: torch.Tensor, w: torch.Tensor, weight: torch.Tensor, ct: to
     Triton launch for a decode step's few rows (:mod:`head_kernels`), else an einsum (a batched GEMM)."""
     static = weight if w.dtype == ct else None  # a converted copy is made in the step: not read early
     w = w.to(ct)
-    if use_triton and x.shape[0] <= HEAD_KERNEL_ROWS and head_kernels.refusal(x, w) is None:
+    parts = x if isinstance(x, triton_mla.Partials) else None  # MLA's o_lat as its splits' partials
+    rows = parts.out if parts is not None else x
+    if use_triton and rows.shape[0] <= HEAD_KERNEL_ROWS and head_kernels.refusal(rows, w) is None:
+        if parts is not None:  # merged as the product reads them: no merge launch
+            return head_kernels.merged_head_product(parts, w, static)
         return head_kernels.head_product(x, w, static)
+    if parts is not None:
+        x = triton_mla.merge_partials(parts)
     return torch.einsum("thi,hij->thj", x, w)

@@ -14,11 +14,16 @@ before, and after it a program reads its head's rows of x (a few KB), multiplies
 layout follows the weight's unit stride: rows of outputs with the reduction contiguous (W_UV as stored) or rows
 of the reduction with the outputs contiguous (W_UK). Results are rounded to the output dtype once, as cuBLAS's
 fp32-accumulating GEMM rounds them.
+
+:func:`merged_head_product` takes o_lat as the MLA split kernel left it, its splits' partial sums and (max, sum)
+pairs, and merges a row's splits as it reads them (the merge kernel's arithmetic, ``triton_mla.merged_row``):
+one launch fewer a layer, for reading [splits, R] fp32 partials where the product read R values of o_lat.
 """
 from __future__ import annotations
 
 import torch
 
+from dayzero.ops.attention.triton_mla import Partials
 from dayzero.ops.static import preload
 from dayzero.ops.triton_support import HAS_TRITON, next_pow2, tl, triton, triton_refusal
 
@@ -28,17 +33,26 @@ TARGET_PROGRAMS = 256  # about two per SM of an H100 or H200
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 if HAS_TRITON:
+    from dayzero.ops.attention.triton_mla import merged_row
     from dayzero.ops.static import weight_tile
     from dayzero.ops.triton_support import grid_dependency
 
     @triton.jit
-    def _step(acc, w, k, x_rows, s_xm, M, I, OUT_ROWS: tl.constexpr, BLOCK_M: tl.constexpr):
+    def _step(acc, w, k, x_ptr, h, H, s_xm, s_xh, M, I, ml_ptr, sink_ptr, s_xs, dt, OUT_ROWS: tl.constexpr,
+              BLOCK_M: tl.constexpr, MERGED: tl.constexpr, SPLITS: tl.constexpr, HAS_SINK: tl.constexpr,
+              BLOCK_S: tl.constexpr):
         """acc [BLOCK_M, BLOCK_J] plus each row's columns ``k`` of x times the weight tile w ([BLOCK_J, k] when
-        OUT_ROWS, else [k, BLOCK_J]) in fp32, a row at a time: the tile is held once, whatever the rows."""
+        OUT_ROWS, else [k, BLOCK_J]) in fp32, a row at a time: the tile is held once, whatever the rows. MERGED: x
+        is MLA's split partials, each row merged here (``merged_row``) and rounded to ``dt`` as the merge kernel
+        stores it."""
         w = w.to(tl.float32)
         m = tl.arange(0, BLOCK_M)
         for r in tl.static_range(BLOCK_M):
-            x = tl.load(x_rows + r * s_xm + k, mask=(k < I) & (r < M), other=0.0).to(tl.float32)
+            if MERGED:
+                x = merged_row(x_ptr, ml_ptr, sink_ptr, r, h, H, k, (k < I) & (r < M), s_xm, s_xh, s_xs, SPLITS,
+                               HAS_SINK, BLOCK_S).to(dt).to(tl.float32)
+            else:
+                x = tl.load(x_ptr + h * s_xh + r * s_xm + k, mask=(k < I) & (r < M), other=0.0).to(tl.float32)
             if OUT_ROWS:
                 part = tl.sum(x[None, :] * w, axis=1)
             else:
@@ -48,10 +62,13 @@ if HAS_TRITON:
 
     @triton.jit
     def _head_product_kernel(x_ptr, w_ptr, y_ptr, M, I, J, s_xm, s_xh, s_wh, s_wi, s_wj, s_ym, s_yh,
+                             ml_ptr, sink_ptr, s_xs,
                              OUT_ROWS: tl.constexpr, EVEN_I: tl.constexpr, EVEN_J: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr,
-                             PRELOAD: tl.constexpr, PDL: tl.constexpr):
-        # x: [M, H, I] (unit stride along I); w: [H, I, J] (unit stride along I when OUT_ROWS, else along J);
+                             PRELOAD: tl.constexpr, PDL: tl.constexpr, MERGED: tl.constexpr = False,
+                             SPLITS: tl.constexpr = 1, HAS_SINK: tl.constexpr = False, BLOCK_S: tl.constexpr = 1):
+        # x: [M, H, I] (unit stride along I), or with MERGED MLA's partials [M, H, SPLITS, I] fp32 and their
+        # (max, sum) [M, H, SPLITS, 2]; w: [H, I, J] (unit stride along I when OUT_ROWS, else along J);
         # y: [M, H, J] (unit stride along J); grid: (H, cdiv(J, BLOCK_J)).
         # OUT_ROWS: the weight tile is [BLOCK_J, BLOCK_I], a row per output column; else [BLOCK_I, BLOCK_J].
         h = tl.program_id(0)
@@ -70,17 +87,20 @@ if HAS_TRITON:
         grid_dependency(PDL)
         m = tl.arange(0, BLOCK_M)
         m_ok, j_ok = m < M, j < J
-        x_rows = x_ptr + h * s_xh
+        H = tl.num_programs(0)
+        dt = y_ptr.dtype.element_ty
         acc = tl.zeros((BLOCK_M, BLOCK_J), dtype=tl.float32)
         if PRELOAD:
-            acc = _step(acc, w_first, i, x_rows, s_xm, M, I, OUT_ROWS, BLOCK_M)
+            acc = _step(acc, w_first, i, x_ptr, h, H, s_xm, s_xh, M, I, ml_ptr, sink_ptr, s_xs, dt, OUT_ROWS,
+                        BLOCK_M, MERGED, SPLITS, HAS_SINK, BLOCK_S)
         for i0 in range(BLOCK_I if PRELOAD else 0, I, BLOCK_I):
             k = i0 + i
             if OUT_ROWS:
                 w = tl.load(w_rows + k[None, :], mask=j_ok[:, None] & (k < I)[None, :], other=0.0)
             else:
                 w = tl.load(w_head + k[:, None] * s_wi + j[None, :], mask=(k < I)[:, None] & j_ok[None, :], other=0.0)
-            acc = _step(acc, w, k, x_rows, s_xm, M, I, OUT_ROWS, BLOCK_M)
+            acc = _step(acc, w, k, x_ptr, h, H, s_xm, s_xh, M, I, ml_ptr, sink_ptr, s_xs, dt, OUT_ROWS, BLOCK_M,
+                        MERGED, SPLITS, HAS_SINK, BLOCK_S)
         tl.store(y_ptr + m[:, None] * s_ym + h * s_yh + j[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & j_ok[None, :])
 
@@ -117,13 +137,33 @@ def head_product(x: torch.Tensor, w: torch.Tensor, weight: torch.Tensor | None =
     """``y[t, h, j] = Σ_i x[t, h, i] · w[h, i, j]`` [T, H, J] in ``out_dtype`` (default x's), one launch (see
     :func:`refusal`). ``weight``: the tensor w is a view of, when that is a model weight: then each program reads
     its weight before waiting for the kernel before (its first tile: all of it at dayzero-small's shapes)."""
-    T, H, I = x.shape
+    return _launch(x, x.shape, x.stride(0), x.stride(1), w, weight, out_dtype or x.dtype)
+
+
+def merged_head_product(parts: Partials, w: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`head_product` of MLA's o_lat given as its splits' partials (``triton_mla.mla_decode(...,
+    merge=False)``), merged as each program reads its head's rows: the merge kernel's launch leaves the step. Each
+    program reads its head's [splits, I] fp32 partials for a row, where it would read the row's I values; o_lat is
+    rounded to ``parts.out``'s dtype before the product, as the merge kernel stores it, and so is y."""
+    T, H, S, I = parts.o.shape
+    return _launch(parts.o, (T, H, I), parts.o.stride(0), parts.o.stride(1), w, weight, parts.out.dtype, parts)
+
+
+def _launch(x, shape, s_xm, s_xh, w, weight, out_dtype, parts: Partials | None = None) -> torch.Tensor:
+    T, H, I = shape
     J = w.shape[2]
-    y = torch.empty(T, H, J, dtype=out_dtype or x.dtype, device=x.device)
+    y = torch.empty(T, H, J, dtype=out_dtype, device=x.device)
     out_rows = w.stride(1) == 1
     bi, bj = blocks(T, H, I, J)
+    merged = {}
+    if parts is not None:
+        S = parts.o.shape[2]
+        merged = dict(MERGED=True, SPLITS=S, HAS_SINK=parts.sinks is not None, BLOCK_S=next_pow2(S))
+    ml = parts.ml if parts is not None else x
+    sinks = parts.sinks if parts is not None and parts.sinks is not None else ml
     _head_product_kernel[(H, triton.cdiv(J, bj))](
-        x, w, y, T, I, J, x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), y.stride(0), y.stride(1),
+        x, w, y, T, I, J, s_xm, s_xh, w.stride(0), w.stride(1), w.stride(2), y.stride(0), y.stride(1), ml, sinks,
+        x.stride(2) if parts is not None else 0,
         OUT_ROWS=out_rows, EVEN_I=I % bi == 0, EVEN_J=J % bj == 0, BLOCK_M=next_pow2(T), BLOCK_I=bi, BLOCK_J=bj,
-        num_warps=4, **preload(x, weight if weight is not None else w))
+        num_warps=4, **merged, **preload(x, weight if weight is not None else w))
     return y
