@@ -95,6 +95,18 @@ def test_merged_product_merges_the_splits_as_it_reads_them(rows, heads, splits, 
     assert (y.double() - want).abs().max().item() <= close
 
 
+@pytest.mark.parametrize("rows,heads,n,v,r", [(1, 2, 16, 16, 64), (3, 3, 24, 8, 40), (5, 1, 130, 17, 20)])
+def test_rows_read_early_give_the_same_product(rows, heads, n, v, r):
+    """``early``: the first weight step's product before the wait (at these shapes one step, or two for 130 rows of
+    W_UK): the same values as after it."""
+    gen = torch.Generator().manual_seed(rows + heads)
+    weight = kv_b(heads, n, v, r, torch.bfloat16, gen)
+    w = weight.view(heads, n + v, r)
+    q = torch.randn(rows, heads, n, generator=gen).to(torch.bfloat16).to(DEV)
+    assert torch.equal(HK.head_product(q, w[:, :n], weight, early=True), HK.head_product(q, w[:, :n], weight))
+    check(q, w[:, :n], weight)
+
+
 def test_strided_rows_and_small_blocks():
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(2, 4, 2 * 33, generator=gen).to(DEV)[:, :, :33]  # rows and heads strided, unit channel stride
@@ -161,9 +173,11 @@ def test_gpu_real_shapes_in_a_graph_behind_another_kernel():
                 q.copy_(src * 2)  # the kernel before: writes the product's input
                 y = HK.head_product(q, w[:, :N], weight)
                 o = HK.head_product(y, w[:, N:].transpose(1, 2), weight)
+                y_early = HK.head_product(q, w[:, :N], weight, early=True)  # q written three launches back
         torch.cuda.current_stream().wait_stream(side)
         graph.replay()
         torch.cuda.synchronize()
+        assert torch.equal(y_early, y)
         want = reference(src * 2, w[:, :N])
         assert (y.double() - want).abs().max().item() <= 1e-2 * want.abs().max().item()
         want_o = reference(y, w[:, N:].transpose(1, 2))

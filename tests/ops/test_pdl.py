@@ -21,10 +21,10 @@ READS = ("tl.load", "tl.store", "tl.atomic", "return")
 # windows, which no kernel but itself writes, at the slot the step's inputs give), and the routed experts' routing
 # of logits written two kernels or more before (under EARLY: the kernel before starts this one only after its own
 # wait) with their experts' weight tiles (under PRELOAD), kda_decode's arrival at its head's counter (its own), and
-# MLA's split kernel's first tile of keys (latent rows, tables, selection: its caller puts them two kernels or more
-# back, under EARLY)
+# MLA's split kernel's first tile of keys and W_UK's product of q_nope (latent rows, tables, selection, q_nope: its
+# caller puts them two kernels or more back, under EARLY)
 EARLY = {"tl.program_id", "tl.arange", "n.to", "weight_tile", "carried_state", "route_pair", "expert_weight_tile",
-         "route_slots", "head_arrival", "tl.num_programs", "first_keys"}
+         "route_slots", "head_arrival", "tl.num_programs", "first_keys", "early_rows"}
 
 
 def _jit_kernels(tree: ast.Module):
@@ -67,7 +67,7 @@ def test_every_launched_kernel_waits_for_the_one_before_first():
                 if "weight_tile" in ast.unparse(s):
                     assert isinstance(s, ast.If) and ast.unparse(s.test) == "PRELOAD", \
                         f"{path.name}: {name} reads a weight before the wait without the PRELOAD flag"
-                if any(f in ast.unparse(s) for f in ("route_pair", "route_slots", "first_keys")):
+                if any(f in ast.unparse(s) for f in ("route_pair", "route_slots", "first_keys", "early_rows")):
                     assert isinstance(s, ast.If) and ast.unparse(s.test) == "EARLY", \
                         f"{path.name}: {name} routes or reads keys before the wait without the EARLY flag"
             # a wait under a condition could be skipped by some programs

@@ -132,7 +132,9 @@ def _mla_rows(q_nope, q_pe, latent_cache, kv_b_weight, v_head_dim, batch, scale,
     # path, stay in fp32.
     ct = q_nope.dtype if use_triton else torch.float32
     # the absorbed query q~ = [q_nope W_UK | q_pe], one shared latent key/value head
-    q_lat = _head_product(q_nope.to(ct), w[:, :N], kv_b_weight, ct, use_triton)  # [T, H, R]
+    # q_nope comes from the query's projection, two launches or more back (the latent row's write between): the
+    # product reads it before its wait
+    q_lat = _head_product(q_nope.to(ct), w[:, :N], kv_b_weight, ct, use_triton, early=True)  # [T, H, R]
     # the kernel reads q~'s two parts apart and writes o_lat in ct: no concatenation, no cast. Its keys (the latent
     # rows, tables, selection) were written before q~'s product, the kernel just before it: it reads them early
     if use_triton:
@@ -160,7 +162,7 @@ HEAD_KERNEL_ROWS = 4
 
 
 def _head_product(x: torch.Tensor, w: torch.Tensor, weight: torch.Tensor, ct: torch.dtype,
-                  use_triton: bool) -> torch.Tensor:
+                  use_triton: bool, early: bool = False) -> torch.Tensor:
     """``x [T, H, I]`` times each head's ``w [H, I, J]`` (a view of the model weight ``weight``) in ``ct``: one
     Triton launch for a decode step's few rows (:mod:`head_kernels`), else an einsum (a batched GEMM)."""
     static = weight if w.dtype == ct else None  # a converted copy is made in the step: not read early
@@ -170,7 +172,7 @@ def _head_product(x: torch.Tensor, w: torch.Tensor, weight: torch.Tensor, ct: to
     if use_triton and rows.shape[0] <= HEAD_KERNEL_ROWS and head_kernels.refusal(rows, w) is None:
         if parts is not None:  # merged as the product reads them: no merge launch
             return head_kernels.merged_head_product(parts, w, static)
-        return head_kernels.head_product(x, w, static)
+        return head_kernels.head_product(x, w, static, early=early)
     if parts is not None:
         x = triton_mla.merge_partials(parts)
     return torch.einsum("thi,hij->thj", x, w)

@@ -61,16 +61,28 @@ if HAS_TRITON:
         return acc
 
     @triton.jit
+    def early_rows(w_first, i, x_ptr, M, I, s_xm, s_xh, OUT_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_J: tl.constexpr):
+        """The first weight step's products [BLOCK_M, BLOCK_J] of the program's head's rows, read before the wait
+        for the kernel before: rows that kernel does not write (the caller's ``early``: MLA's q_nope, written by
+        the query's projection two launches or more back)."""
+        acc = tl.zeros((BLOCK_M, BLOCK_J), dtype=tl.float32)
+        return _step(acc, w_first, i, x_ptr, tl.program_id(0), tl.num_programs(0), s_xm, s_xh, M, I, x_ptr, x_ptr,
+                     0, tl.float32, OUT_ROWS, BLOCK_M, False, 1, False, 1)
+
+    @triton.jit
     def _head_product_kernel(x_ptr, w_ptr, y_ptr, M, I, J, s_xm, s_xh, s_wh, s_wi, s_wj, s_ym, s_yh,
                              ml_ptr, sink_ptr, s_xs,
                              OUT_ROWS: tl.constexpr, EVEN_I: tl.constexpr, EVEN_J: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr,
                              PRELOAD: tl.constexpr, PDL: tl.constexpr, MERGED: tl.constexpr = False,
-                             SPLITS: tl.constexpr = 1, HAS_SINK: tl.constexpr = False, BLOCK_S: tl.constexpr = 1):
+                             SPLITS: tl.constexpr = 1, HAS_SINK: tl.constexpr = False, BLOCK_S: tl.constexpr = 1,
+                             EARLY: tl.constexpr = False):
         # x: [M, H, I] (unit stride along I), or with MERGED MLA's partials [M, H, SPLITS, I] fp32 and their
         # (max, sum) [M, H, SPLITS, 2]; w: [H, I, J] (unit stride along I when OUT_ROWS, else along J);
         # y: [M, H, J] (unit stride along J); grid: (H, cdiv(J, BLOCK_J)).
         # OUT_ROWS: the weight tile is [BLOCK_J, BLOCK_I], a row per output column; else [BLOCK_I, BLOCK_J].
+        # EARLY (with PRELOAD): x's rows are not written by the kernel before, so the first step runs before the wait.
         h = tl.program_id(0)
         j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
         i = tl.arange(0, BLOCK_I)
@@ -84,15 +96,18 @@ if HAS_TRITON:
                 w_first = weight_tile(w_rows, i, j < J, I, EVEN_I)
             else:
                 w_first = weight_tile(w_rows, j, i < I, J, EVEN_J)
+        if EARLY:
+            acc = early_rows(w_first, i, x_ptr, M, I, s_xm, s_xh, OUT_ROWS, BLOCK_M, BLOCK_J)
         grid_dependency(PDL)
         m = tl.arange(0, BLOCK_M)
         m_ok, j_ok = m < M, j < J
         H = tl.num_programs(0)
         dt = y_ptr.dtype.element_ty
-        acc = tl.zeros((BLOCK_M, BLOCK_J), dtype=tl.float32)
-        if PRELOAD:
-            acc = _step(acc, w_first, i, x_ptr, h, H, s_xm, s_xh, M, I, ml_ptr, sink_ptr, s_xs, dt, OUT_ROWS,
-                        BLOCK_M, MERGED, SPLITS, HAS_SINK, BLOCK_S)
+        if not EARLY:
+            acc = tl.zeros((BLOCK_M, BLOCK_J), dtype=tl.float32)
+            if PRELOAD:
+                acc = _step(acc, w_first, i, x_ptr, h, H, s_xm, s_xh, M, I, ml_ptr, sink_ptr, s_xs, dt, OUT_ROWS,
+                            BLOCK_M, MERGED, SPLITS, HAS_SINK, BLOCK_S)
         for i0 in range(BLOCK_I if PRELOAD else 0, I, BLOCK_I):
             k = i0 + i
             if OUT_ROWS:
@@ -133,11 +148,14 @@ def blocks(rows: int, heads: int, i: int, j: int, programs: int = TARGET_PROGRAM
 
 
 def head_product(x: torch.Tensor, w: torch.Tensor, weight: torch.Tensor | None = None,
-                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                 out_dtype: torch.dtype | None = None, early: bool = False) -> torch.Tensor:
     """``y[t, h, j] = Σ_i x[t, h, i] · w[h, i, j]`` [T, H, J] in ``out_dtype`` (default x's), one launch (see
     :func:`refusal`). ``weight``: the tensor w is a view of, when that is a model weight: then each program reads
-    its weight before waiting for the kernel before (its first tile: all of it at dayzero-small's shapes)."""
-    return _launch(x, x.shape, x.stride(0), x.stride(1), w, weight, out_dtype or x.dtype)
+    its weight before waiting for the kernel before (its first tile: all of it at dayzero-small's shapes).
+    ``early``: the caller vouches that the kernel launched just before this call does not write x, so with the
+    weight read early each program multiplies its rows by that first tile before the wait too (at
+    dayzero-small's shapes the whole product: after the wait a program only stores)."""
+    return _launch(x, x.shape, x.stride(0), x.stride(1), w, weight, out_dtype or x.dtype, early=early)
 
 
 def merged_head_product(parts: Partials, w: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
@@ -149,7 +167,8 @@ def merged_head_product(parts: Partials, w: torch.Tensor, weight: torch.Tensor |
     return _launch(parts.o, (T, H, I), parts.o.stride(0), parts.o.stride(1), w, weight, parts.out.dtype, parts)
 
 
-def _launch(x, shape, s_xm, s_xh, w, weight, out_dtype, parts: Partials | None = None) -> torch.Tensor:
+def _launch(x, shape, s_xm, s_xh, w, weight, out_dtype, parts: Partials | None = None,
+            early: bool = False) -> torch.Tensor:
     T, H, I = shape
     J = w.shape[2]
     y = torch.empty(T, H, J, dtype=out_dtype, device=x.device)
@@ -161,9 +180,11 @@ def _launch(x, shape, s_xm, s_xh, w, weight, out_dtype, parts: Partials | None =
         merged = dict(MERGED=True, SPLITS=S, HAS_SINK=parts.sinks is not None, BLOCK_S=next_pow2(S))
     ml = parts.ml if parts is not None else x
     sinks = parts.sinks if parts is not None and parts.sinks is not None else ml
+    options = preload(x, weight if weight is not None else w)
+    options["EARLY"] = early and options["PRELOAD"] and parts is None  # the rows' step rides on the weight's
     _head_product_kernel[(H, triton.cdiv(J, bj))](
         x, w, y, T, I, J, s_xm, s_xh, w.stride(0), w.stride(1), w.stride(2), y.stride(0), y.stride(1), ml, sinks,
         x.stride(2) if parts is not None else 0,
         OUT_ROWS=out_rows, EVEN_I=I % bi == 0, EVEN_J=J % bj == 0, BLOCK_M=next_pow2(T), BLOCK_I=bi, BLOCK_J=bj,
-        num_warps=4, **merged, **preload(x, weight if weight is not None else w))
+        num_warps=4, **merged, **options)
     return y
