@@ -13,7 +13,8 @@ per (head, block of output columns j) holding its whole slice of the head's weig
 before, and after it a program reads its head's rows of x (a few KB), multiplies in fp32 and stores. The tile's
 layout follows the weight's unit stride: rows of outputs with the reduction contiguous (W_UV as stored) or rows
 of the reduction with the outputs contiguous (W_UK). Results are rounded to the output dtype once, as cuBLAS's
-fp32-accumulating GEMM rounds them.
+fp32-accumulating GEMM rounds them. With ``early`` (W_UK's product: q_nope is written by the query's projection,
+two launches or more before) the rows are read and multiplied before the wait too, and after it a program stores.
 
 :func:`merged_head_product` takes o_lat as the MLA split kernel left it, its splits' partial sums and (max, sum)
 pairs, and merges a row's splits as it reads them (the merge kernel's arithmetic, ``triton_mla.merged_row``):
